@@ -1,0 +1,283 @@
+"""Payloads of the coordinator's HTTP API (JSON), shared by the coordinator and its clients.
+
+Prefix ``/api/v1``. Authentication by ``Authorization: Bearer <token>``:
+
+- users (``vsdk``): an API token made by ``vpool-coordinator user add``;
+- agents: the agent token (``AgentClaims``) returned by enroll and renewed by heartbeats;
+- relays: the pool's relay secret.
+
+Every error is ``ErrorBody`` with a 4xx/5xx status. Endpoints::
+
+    GET  /api/v1/pool                         -> PoolInfo            (no auth)
+    GET  /api/v1/whoami                       -> UserInfo            (user)
+    PUT  /api/v1/blobs/{sha256}   raw bytes   -> BlobInfo            (user; hash checked)
+    HEAD /api/v1/blobs/{sha256}               -> 200 / 404           (user)
+    POST /api/v1/jobs             JobSubmit   -> JobInfo  (201)      (user)
+    GET  /api/v1/jobs                         -> list[JobInfo]       (user: own jobs)
+    GET  /api/v1/jobs/{id}                    -> JobDetail           (user)
+    GET  /api/v1/jobs/{id}/output?after=&rank=&wait= -> OutputPage   (user; long-poll)
+    POST /api/v1/jobs/{id}/cancel             -> JobInfo             (user)
+    GET  /api/v1/jobs/{id}/results            -> application/zip     (user)
+
+    POST /api/v1/agents/enroll    EnrollRequest -> EnrollResponse    (proof of key possession)
+    POST /api/v1/agents/lease     LeaseRequest  -> LeaseResponse     (agent; long-poll)
+    POST /api/v1/agents/heartbeat AgentHeartbeat -> AgentHeartbeatResponse (agent)
+    GET  /api/v1/agents/blobs/{sha256}        -> raw bytes           (agent)
+    POST /api/v1/agents/output    OutputBatch -> {}                  (agent)
+    POST /api/v1/agents/exit      RankExit    -> {}                  (agent)
+    POST /api/v1/agents/problem   RankProblem -> {}                  (agent)
+    PUT  /api/v1/agents/results/{job}/{rank}/{incarnation}  zip      (agent)
+
+    POST /api/v1/relays/register  RelayRegister -> RelayRegistered   (relay secret)
+    POST /api/v1/relays/heartbeat RelayHeartbeat -> RelayHeartbeatResponse (relay secret)
+    POST /api/v1/relays/lost      RelayLost   -> {}                  (relay secret)
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+JobState = Literal["queued", "running", "succeeded", "failed", "cancelled"]
+TERMINAL_STATES: frozenset[str] = frozenset({"succeeded", "failed", "cancelled"})
+Stream = Literal["stdout", "stderr"]
+
+
+class ErrorDetail(msgspec.Struct, frozen=True):
+    code: str
+    message: str
+
+
+class ErrorBody(msgspec.Struct, frozen=True):
+    """The one error shape of the HTTP API."""
+
+    error: ErrorDetail
+
+
+class PoolInfo(msgspec.Struct, frozen=True):
+    name: str
+    version: str
+    signing_key: str  # coordinator's Ed25519 public key (base64url raw)
+    api_version: int = 1
+
+
+class UserInfo(msgspec.Struct, frozen=True):
+    name: str
+
+
+class BlobInfo(msgspec.Struct, frozen=True):
+    sha256: str
+    size: int
+
+
+class JobSubmit(msgspec.Struct, frozen=True):
+    """A job: ``bundle`` is the sha256 of an uploaded zip holding the program and its input
+    files; ``entry`` the path of the program inside it; ``stdin`` the sha256 of an uploaded blob
+    fed to rank 0's standard input, or None."""
+
+    ranks: int
+    bundle: str
+    entry: str
+    args: list[str] = []
+    stdin: str | None = None
+    name: str = ""
+
+
+class JobInfo(msgspec.Struct, frozen=True):
+    id: int
+    name: str
+    user: str
+    state: JobState
+    ranks: int
+    exit_code: int | None
+    reason: str
+    created: float
+    started: float | None
+    finished: float | None
+
+
+class RankInfo(msgspec.Struct, frozen=True):
+    rank: int
+    incarnation: int
+    agent: str | None
+    relay: str | None  # home relay
+    state: str  # pending | leased | running | exited | lost | killed
+    exit_code: int | None
+
+
+class JobEvent(msgspec.Struct, frozen=True):
+    time: float
+    kind: str
+    message: str
+    rank: int | None = None
+
+
+class JobDetail(msgspec.Struct, frozen=True):
+    job: JobInfo
+    ranks: list[RankInfo]
+    events: list[JobEvent]
+
+
+class OutputRecord(msgspec.Struct, frozen=True):
+    id: int
+    rank: int
+    stream: Stream
+    data: bytes
+
+
+class OutputPage(msgspec.Struct, frozen=True):
+    """Output records with id > ``after``, in arrival order. ``next`` is the cursor for the
+    next call; ``complete`` is true once the job is terminal and every record was returned."""
+
+    records: list[OutputRecord]
+    next: int
+    complete: bool
+    state: JobState
+
+
+class EnrollRequest(msgspec.Struct, frozen=True):
+    public_key: str
+    timestamp: float
+    signature: str  # over tokens.possession_message(public_key, timestamp)
+    name: str
+    slots: int
+    software: str = ""
+    enroll_secret: str = ""
+
+
+class EnrollResponse(msgspec.Struct, frozen=True):
+    agent_id: str
+    agent_token: str
+    signing_key: str
+    heartbeat_interval: float
+
+
+class RelayInfo(msgspec.Struct, frozen=True):
+    name: str
+    host: str
+    port: int
+
+
+class Lease(msgspec.Struct, frozen=True):
+    """One incarnation of one rank to run. ``homes[r]`` is the index in ``relays`` of rank r's
+    home relay. ``token`` is the signed ``RankClaims`` for relays."""
+
+    job: int
+    rank: int
+    incarnation: int
+    size: int
+    token: str
+    bundle: str
+    entry: str
+    args: list[str]
+    stdin: str | None
+    relays: list[RelayInfo]
+    homes: list[int]
+    env: dict[str, str] = {}
+
+
+class LeaseRequest(msgspec.Struct, frozen=True):
+    free_slots: int
+    wait: float = 20.0
+
+
+class LeaseResponse(msgspec.Struct, frozen=True):
+    leases: list[Lease]
+
+
+class RankState(msgspec.Struct, frozen=True):
+    job: int
+    rank: int
+    incarnation: int
+    state: str  # starting | running
+
+
+class AgentHeartbeat(msgspec.Struct, frozen=True):
+    ranks: list[RankState]
+    free_slots: int
+
+
+class StopOrder(msgspec.Struct, frozen=True):
+    job: int
+    rank: int
+    incarnation: int
+    reason: str
+
+
+class AgentHeartbeatResponse(msgspec.Struct, frozen=True):
+    stop: list[StopOrder]
+    agent_token: str = ""
+
+
+class OutputChunk(msgspec.Struct, frozen=True):
+    job: int
+    rank: int
+    incarnation: int
+    stream: Stream
+    offset: int  # byte offset of ``data`` in this stream of this rank (idempotent re-sends)
+    data: bytes
+
+
+class OutputBatch(msgspec.Struct, frozen=True):
+    chunks: list[OutputChunk]
+
+
+class RankExit(msgspec.Struct, frozen=True):
+    """A rank process ended. ``aborted`` when it called ``MPI.Abort(code)``."""
+
+    job: int
+    rank: int
+    incarnation: int
+    code: int
+    aborted: bool = False
+    message: str = ""
+
+
+class RankProblem(msgspec.Struct, frozen=True):
+    """The agent lost something a rank needs (e.g. its relay connection dropped)."""
+
+    job: int
+    rank: int
+    incarnation: int
+    message: str
+
+
+class RelayRegister(msgspec.Struct, frozen=True):
+    name: str
+    host: str
+    port: int
+    software: str = ""
+
+
+class RelayRegistered(msgspec.Struct, frozen=True):
+    signing_key: str
+    heartbeat_interval: float
+
+
+class RelayLoad(msgspec.Struct, frozen=True):
+    connections: int = 0
+    ranks: int = 0
+    messages_stored: int = 0
+    bytes_stored: int = 0
+
+
+class RankLost(msgspec.Struct, frozen=True):
+    job: int
+    rank: int
+    incarnation: int
+    reason: str
+
+
+class RelayHeartbeat(msgspec.Struct, frozen=True):
+    name: str
+    load: RelayLoad
+
+
+class RelayHeartbeatResponse(msgspec.Struct, frozen=True):
+    finished_jobs: list[int] = []
+
+
+class RelayLost(msgspec.Struct, frozen=True):
+    name: str
+    lost: list[RankLost]

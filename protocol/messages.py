@@ -1,0 +1,205 @@
+"""Typed messages of the data path: rank <-> agent (unix socket) and agent <-> relay (TCP+TLS).
+
+Every message is a msgspec Struct in one tagged union (``Message``), encoded as MessagePack arrays
+(``array_like``: compact, and new trailing fields with defaults stay compatible). A frame carries
+one message header and, for ``Data``, raw payload bytes after it (see ``framing``).
+
+The same ``Data`` header travels unchanged on every hop: the sending rank encodes it once, its
+agent and the relay forward the header bytes verbatim, and the receiving rank decodes it. Relays
+store whole frames in their logs and push them back out as they were deposited.
+
+Hops and who sends what::
+
+    rank -> agent:   RankHello, Data, Abort, Finalize
+    agent -> rank:   RankWelcome, Data, Ack, Error, Stop
+    agent -> relay:  Hello, Attach, Data, Credit, Detach
+    relay -> agent:  Welcome, Attached, Data, Ack, Error, Stop
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+import msgspec
+
+PROTOCOL_VERSION: Final = 1
+
+# Data.kind: how the payload is to be read by the receiving runtime.
+KIND_BUFFER: Final = 0  # raw bytes of a typed buffer (upper-case Send/Recv)
+KIND_PICKLE: Final = 1  # pickle protocol 5; ``parts`` gives the lengths of out-of-band buffers
+
+
+class _Msg(msgspec.Struct, array_like=True, frozen=True, tag_field="type"):
+    pass
+
+
+class Hello(_Msg, frozen=True, tag="hello"):
+    """Opens every agent -> relay connection. ``token`` is the agent token signed by the
+    coordinator."""
+
+    version: int
+    role: str
+    token: str = ""
+    software: str = ""
+
+
+class Welcome(_Msg, frozen=True, tag="welcome"):
+    """Relay's answer to a good ``Hello``."""
+
+    version: int
+    relay: str = ""
+    max_payload: int = 0
+
+
+class Error(_Msg, frozen=True, tag="error"):
+    """A typed error: ``code`` is machine-readable, ``message`` is for people.
+
+    ``job``/``rank`` name the rank concerned when the error is about one rank on a
+    multiplexed connection; -1 when it concerns the whole connection (which is then closed)."""
+
+    code: str
+    message: str
+    job: int = -1
+    rank: int = -1
+
+
+class Attach(_Msg, frozen=True, tag="attach"):
+    """Agent -> relay: bind rank (named by its signed rank token) to this connection.
+
+    With ``home`` the relay pushes the rank's incoming messages on this connection, resuming
+    after ``received``: for every source rank, the highest seq the rank already has. Without
+    ``home`` the rank only deposits messages through this connection.
+    """
+
+    token: str
+    home: bool = False
+    received: dict[int, int] = {}
+
+
+class Attached(_Msg, frozen=True, tag="attached"):
+    """Relay -> agent: the rank is attached. ``stored`` gives, per destination rank homed at
+    this relay, the highest seq from this rank already in the log (so a reconnecting sender
+    knows what it need not resend)."""
+
+    job: int
+    rank: int
+    incarnation: int
+    stored: dict[int, int] = {}
+
+
+class Detach(_Msg, frozen=True, tag="detach"):
+    """Agent -> relay: the rank is done with this connection (clean end, not a failure)."""
+
+    job: int
+    rank: int
+
+
+class Data(_Msg, frozen=True, tag="data"):
+    """One MPI message from ``src`` to ``dst`` of ``job``, seq-numbered per channel (src, dst).
+
+    ``ctx`` is the communicator context id, ``tag`` the MPI tag, ``kind`` how to read the
+    payload (``KIND_*``), ``parts`` the lengths of the payload's parts for pickled messages
+    (first the pickle stream, then each out-of-band buffer). The payload follows raw.
+    """
+
+    job: int
+    src: int
+    dst: int
+    seq: int
+    ctx: int
+    tag: int
+    kind: int = KIND_BUFFER
+    parts: list[int] = []
+
+
+class Ack(_Msg, frozen=True, tag="ack"):
+    """Relay -> agent -> rank: every message of channel (src, dst) with seq <= ``seq`` is in
+    dst's log (cumulative)."""
+
+    job: int
+    src: int
+    dst: int
+    seq: int
+
+
+class Credit(_Msg, frozen=True, tag="credit"):
+    """Agent -> relay: ``nbytes`` of frames pushed for (job, rank) have been handed to the rank;
+    the relay may push that much more (flow control)."""
+
+    job: int
+    rank: int
+    nbytes: int
+
+
+class Stop(_Msg, frozen=True, tag="stop"):
+    """Tells the receiver that (job, rank, incarnation) must stop: fenced, cancelled or failed."""
+
+    job: int
+    rank: int
+    incarnation: int
+    reason: str
+
+
+class RankHello(_Msg, frozen=True, tag="rank_hello"):
+    """Rank -> agent, first frame on the unix socket. ``secret`` is the per-lease secret the
+    agent put in the rank's environment."""
+
+    version: int
+    secret: str
+
+
+class RankWelcome(_Msg, frozen=True, tag="rank_welcome"):
+    """Agent -> rank: who the rank is."""
+
+    job: int
+    rank: int
+    size: int
+    incarnation: int
+    processor: str = ""
+
+
+class Abort(_Msg, frozen=True, tag="abort"):
+    """Rank -> agent: ``MPI.Abort(code)``: end the whole job with this exit code."""
+
+    code: int
+    message: str = ""
+
+
+class Finalize(_Msg, frozen=True, tag="finalize"):
+    """Rank -> agent: the rank has called ``MPI.Finalize`` after all its deposits were acked."""
+
+
+Message = (
+    Hello
+    | Welcome
+    | Error
+    | Attach
+    | Attached
+    | Detach
+    | Data
+    | Ack
+    | Credit
+    | Stop
+    | RankHello
+    | RankWelcome
+    | Abort
+    | Finalize
+)
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder: msgspec.msgpack.Decoder[Message] = msgspec.msgpack.Decoder(Message)
+
+
+def encode(msg: Message) -> bytes:
+    """MessagePack bytes of one message header."""
+    return _encoder.encode(msg)
+
+
+def decode(data: bytes | bytearray | memoryview) -> Message:
+    """Decode one message header; raise ``RemoteProtocolError`` on anything malformed."""
+    from vpool.protocol.errors import RemoteProtocolError
+
+    try:
+        return _decoder.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise RemoteProtocolError(f"malformed message header: {exc}") from exc
