@@ -201,5 +201,6 @@ def decode(data: bytes | bytearray | memoryview) -> Message:
 
     try:
         return _decoder.decode(data)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+    except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as exc:
+        # ValueError covers UnicodeDecodeError: msgspec raises it for invalid UTF-8 in a str.
         raise RemoteProtocolError(f"malformed message header: {exc}") from exc

@@ -18,7 +18,6 @@ import msgspec
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
-
 from vpool.protocol.errors import TokenError
 
 
@@ -81,7 +80,7 @@ def verify_token(token: str, key: Ed25519PublicKey, *, now: float, kind: type[C]
         raise TokenError("token signature is not the coordinator's", code="forged_token") from exc
     try:
         claims = _dec.decode(body)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+    except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as exc:
         raise TokenError(f"token claims are malformed: {exc}", code="malformed_token") from exc
     if not isinstance(claims, kind):
         raise TokenError(
@@ -142,11 +141,13 @@ def verify_possession(
     public_key: str, timestamp: float, signature: str, *, now: float, skew: float = 300.0
 ) -> None:
     if abs(now - timestamp) > skew:
-        raise TokenError("enrollment timestamp is too far from the coordinator's clock",
-                         code="expired_token")
+        raise TokenError(
+            "enrollment timestamp is too far from the coordinator's clock", code="expired_token"
+        )
     key = public_key_from_text(public_key)
     try:
         key.verify(_b64d(signature), possession_message(public_key, timestamp))
     except (InvalidSignature, ValueError, binascii.Error) as exc:
-        raise TokenError("enrollment signature does not match the public key",
-                         code="forged_token") from exc
+        raise TokenError(
+            "enrollment signature does not match the public key", code="forged_token"
+        ) from exc

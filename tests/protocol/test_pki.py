@@ -1,0 +1,68 @@
+"""Certificates from the pool CA complete a real TLS 1.3 handshake (in memory) and only with it."""
+
+from __future__ import annotations
+
+import datetime as dt
+import ssl
+from pathlib import Path
+
+import pytest
+from vpool.protocol.pki import issue_server_cert, make_ca
+
+from vpool.tls import client_context, server_context
+
+NOW = dt.datetime.now(dt.UTC)
+
+
+def _handshake(server: ssl.SSLContext, client: ssl.SSLContext, hostname: str) -> str:
+    c_in, c_out, s_in, s_out = (ssl.MemoryBIO() for _ in range(4))
+    cli = client.wrap_bio(c_in, c_out, server_hostname=hostname)
+    srv = server.wrap_bio(s_in, s_out, server_side=True)
+    for _ in range(10):
+        for obj, out, peer_in in ((cli, c_out, s_in), (srv, s_out, c_in)):
+            try:
+                obj.do_handshake()
+            except ssl.SSLWantReadError:
+                pass
+            peer_in.write(out.read())
+        if cli.version() and srv.version():
+            try:
+                cli.do_handshake()
+                srv.do_handshake()
+                return str(cli.version())
+            except ssl.SSLWantReadError:
+                continue
+    raise AssertionError("handshake did not finish")
+
+
+def _files(tmp_path: Path, name: str, cert: bytes, key: bytes) -> tuple[Path, Path]:
+    (tmp_path / f"{name}.pem").write_bytes(cert)
+    (tmp_path / f"{name}.key").write_bytes(key)
+    return tmp_path / f"{name}.pem", tmp_path / f"{name}.key"
+
+
+def test_server_cert_verifies_against_its_ca(tmp_path: Path) -> None:
+    ca_cert, ca_key = make_ca("test", now=NOW)
+    cert, key = issue_server_cert(
+        ca_cert,
+        ca_key,
+        common_name="relay",
+        dns_names=["localhost"],
+        ip_addresses=["127.0.0.1"],
+        now=NOW,
+    )
+    (tmp_path / "ca.pem").write_bytes(ca_cert)
+    srv = server_context(*_files(tmp_path, "relay", cert, key))
+    assert _handshake(srv, client_context(tmp_path / "ca.pem"), "127.0.0.1") == "TLSv1.3"
+
+
+def test_another_ca_is_refused(tmp_path: Path) -> None:
+    ca_cert, ca_key = make_ca("good", now=NOW)
+    other_cert, _ = make_ca("evil", now=NOW)
+    cert, key = issue_server_cert(
+        ca_cert, ca_key, common_name="relay", dns_names=[], ip_addresses=["127.0.0.1"], now=NOW
+    )
+    (tmp_path / "other.pem").write_bytes(other_cert)
+    srv = server_context(*_files(tmp_path, "relay", cert, key))
+    with pytest.raises(ssl.SSLCertVerificationError):
+        _handshake(srv, client_context(tmp_path / "other.pem"), "127.0.0.1")
