@@ -5,6 +5,7 @@ import struct
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+
 from vpool.protocol import messages as m
 from vpool.protocol.errors import LocalProtocolError, RemoteProtocolError
 from vpool.protocol.framing import (

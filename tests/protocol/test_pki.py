@@ -7,8 +7,8 @@ import ssl
 from pathlib import Path
 
 import pytest
-from vpool.protocol.pki import issue_server_cert, make_ca
 
+from vpool.protocol.pki import issue_server_cert, make_ca
 from vpool.tls import client_context, server_context
 
 NOW = dt.datetime.now(dt.UTC)

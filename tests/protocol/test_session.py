@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 
 import pytest
+
 from vpool.protocol import messages as m
 from vpool.protocol.errors import LocalProtocolError, RemoteProtocolError
 from vpool.protocol.session import TRANSITIONS, Session, State

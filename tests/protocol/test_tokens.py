@@ -4,6 +4,7 @@ import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from hypothesis import given
 from hypothesis import strategies as st
+
 from vpool.protocol.errors import TokenError
 from vpool.protocol.tokens import (
     AgentClaims,

@@ -1,0 +1,179 @@
+"""The baseline: a bare trio store-and-forward relay over TCP + TLS 1.3, and its two clients.
+
+The relay reads whole length-prefixed frames from one client and writes them to the other; the
+clients do exactly what benchmarks/programs/pingpong.py does, with blocking TLS sockets. This is
+the floor vpool's data path (rank -> agent -> relay -> agent -> rank, with logging) is held to.
+
+    python benchmarks/bare_relay.py            # prints the same JSON as the MPI program
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import multiprocessing as mp
+import socket
+import ssl
+import struct
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import trio
+
+from vpool.protocol.pki import issue_server_cert, make_ca
+from vpool.tls import client_context, server_context
+
+PREFIX = struct.Struct("!I")
+
+
+async def _read_exact(stream: trio.abc.ReceiveStream, buf: bytearray, n: int) -> bool:
+    while len(buf) < n:
+        chunk = await stream.receive_some(max(65536, n - len(buf)))
+        if not chunk:
+            return False
+        buf += chunk
+    return True
+
+
+async def serve(ctx: ssl.SSLContext, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    peers: dict[int, trio.SSLStream] = {}
+    both = trio.Event()
+
+    async def handle(raw: trio.SocketStream) -> None:
+        stream = trio.SSLStream(raw, ctx, server_side=True)
+        buf = bytearray()
+        if not await _read_exact(stream, buf, 1):
+            return
+        me = buf[0]
+        del buf[:1]
+        peers[me] = stream
+        if len(peers) == 2:
+            both.set()
+        await both.wait()
+        other = peers[1 - me]
+        try:
+            while True:  # store and forward: a whole frame in, then the whole frame out
+                if not await _read_exact(stream, buf, 4):
+                    return
+                (n,) = PREFIX.unpack_from(buf)
+                if not await _read_exact(stream, buf, 4 + n):
+                    return
+                frame = bytes(buf[: 4 + n])
+                del buf[: 4 + n]
+                await other.send_all(frame)
+        except trio.BrokenResourceError:
+            return  # a client went away: the run is over
+
+    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    task_status.started(listeners[0].socket.getsockname()[1])
+    await trio.serve_listeners(handle, listeners)
+
+
+class _Client:
+    def __init__(self, port: int, ca: Path, me: int) -> None:
+        raw = socket.create_connection(("127.0.0.1", port))
+        raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.sock = client_context(ca).wrap_socket(raw, server_hostname="127.0.0.1")
+        self.sock.sendall(bytes([me]))
+
+    def send(self, payload: bytes) -> None:
+        self.sock.sendall(PREFIX.pack(len(payload)) + payload)
+
+    def recv(self) -> bytes:
+        head = self._exact(4)
+        return self._exact(PREFIX.unpack(head)[0])
+
+    def _exact(self, n: int) -> bytes:
+        view = bytearray(n)
+        got = 0
+        while got < n:
+            k = self.sock.recv_into(memoryview(view)[got:])
+            if not k:
+                raise ConnectionError("relay closed")
+            got += k
+        return bytes(view)
+
+
+def _client(me: int, port: int, ca: str, iters: tuple[int, int, int], out: mp.Queue) -> None:
+    c = _Client(port, Path(ca), me)
+
+    def rtt(size: int, n: int) -> float:
+        msg = bytes(size)
+        for rep in range(2):  # warm-up, then measured
+            count = max(1, n // 10) if rep == 0 else n
+            t0 = time.perf_counter()
+            for _ in range(count):
+                if me == 0:
+                    c.send(msg)
+                    c.recv()
+                else:
+                    c.recv()
+                    c.send(msg)
+        return (time.perf_counter() - t0) / n
+
+    r64 = rtt(64, iters[0])
+    r1m = rtt(2**20, iters[1])
+    msg = bytes(2**20)
+    t0 = time.perf_counter()
+    if me == 0:
+        for _ in range(iters[2]):
+            c.send(msg)
+        c.recv()
+    else:
+        for _ in range(iters[2]):
+            c.recv()
+        c.send(b"k")
+    bw = iters[2] * 2**20 / (time.perf_counter() - t0) / 2**20
+    if me == 0:
+        out.put({"rtt_64": r64, "rtt_1m": r1m, "bw_mib": bw})
+
+
+def _relay_process(cert: str, key: str, port_q: mp.Queue) -> None:
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            port = await nursery.start(serve, server_context(Path(cert), Path(key)))
+            port_q.put(port)
+
+    trio.run(main)
+
+
+def measure(iters: tuple[int, int, int] = (2000, 50, 200)) -> dict[str, float]:
+    """Start the bare relay and two client processes; return their figures."""
+    now = dt.datetime.now(dt.UTC)
+    with tempfile.TemporaryDirectory() as tmp:
+        ca_cert, ca_key = make_ca("bench", now=now)
+        cert, key = issue_server_cert(
+            ca_cert, ca_key, common_name="bare", dns_names=[], ip_addresses=["127.0.0.1"], now=now
+        )
+        paths = {name: Path(tmp, name) for name in ("ca.pem", "relay.pem", "relay.key")}
+        for name, data in zip(paths, (ca_cert, cert, key), strict=True):
+            paths[name].write_bytes(data)
+        ctx = mp.get_context("spawn")
+        port_q: mp.Queue = ctx.Queue()
+        out: mp.Queue = ctx.Queue()
+        relay = ctx.Process(
+            target=_relay_process, args=(str(paths["relay.pem"]), str(paths["relay.key"]), port_q)
+        )
+        relay.start()
+        try:
+            port = port_q.get(timeout=30)
+            clients = [
+                ctx.Process(target=_client, args=(me, port, str(paths["ca.pem"]), iters, out))
+                for me in (0, 1)
+            ]
+            for c in clients:
+                c.start()
+            result = out.get(timeout=300)
+            for c in clients:
+                c.join(timeout=30)
+            return result
+        finally:
+            relay.kill()
+            relay.join()
+
+
+if __name__ == "__main__":
+    json.dump(measure(), sys.stdout)
+    print()
