@@ -1,0 +1,69 @@
+"""Real processes: a local pool started with `vsdk local up` in a private VPOOL_HOME."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+BIN = Path(sys.executable).parent
+REPO = Path(__file__).resolve().parents[2]
+
+
+@dataclass
+class Pool:
+    home: Path
+    env: dict[str, str]
+
+    def vsdk(self, *args: str, timeout: float = 180, stdin: bytes | None = None):
+        return subprocess.run(
+            [str(BIN / "vsdk"), *args], env=self.env, capture_output=True, timeout=timeout,
+            input=stdin, check=False,
+        )
+
+    def pids(self) -> list[dict]:
+        return json.loads((self.home / "state" / "local-pool" / "pids.json").read_text())
+
+    def pid_of(self, prefix: str) -> int:
+        return next(p["pid"] for p in self.pids() if p["name"].startswith(prefix))
+
+    def logs(self) -> str:
+        out = []
+        for log in sorted((self.home / "state" / "local-pool" / "logs").glob("*.log")):
+            out.append(f"----- {log.name}\n{log.read_text(errors='replace')[-4000:]}")
+        return "\n".join(out)
+
+
+def start_pool(tmp: Path, agents: int = 3, relays: int = 2) -> Pool:
+    env = {**os.environ, "VPOOL_HOME": str(tmp)}
+    pool = Pool(tmp, env)
+    res = pool.vsdk("local", "up", "--agents", str(agents), "--relays", str(relays), timeout=120)
+    if res.returncode != 0:
+        raise AssertionError(
+            f"local up failed: {res.stderr.decode()}\n{pool.logs() if tmp.exists() else ''}"
+        )
+    return pool
+
+
+@pytest.fixture(scope="module")
+def pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pool]:
+    p = start_pool(tmp_path_factory.mktemp("pool"))
+    try:
+        yield p
+    finally:
+        p.vsdk("local", "down", timeout=60)
+
+
+@pytest.fixture
+def fresh_pool(tmp_path: Path) -> Iterator[Pool]:
+    p = start_pool(tmp_path / "home")
+    try:
+        yield p
+    finally:
+        p.vsdk("local", "down", timeout=60)

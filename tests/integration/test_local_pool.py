@@ -1,0 +1,136 @@
+"""The whole pool as separate processes on 127.0.0.1: `vsdk local up`, then `vsdk submit`.
+
+Each example's output through vpool equals real `mpiexec -n 8 python examples/X.py` (Debian's
+MPICH with a real mpi4py built against it, installed by scripts/test), with the ranks spread over 3
+agents and 2 relays. Killing an agent or a relay mid-job fails the job with a clear reason, fast.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import pytest
+
+if TYPE_CHECKING:
+    from conftest import Pool
+
+REPO = Path(__file__).resolve().parents[2]
+
+pytestmark = pytest.mark.slow
+
+EXAMPLES = sorted(p.name for p in (REPO / "examples").glob("*.py"))
+
+
+def mpiexec_output(program: str, n: int) -> bytes:
+    mpiexec = shutil.which("mpiexec")
+    assert mpiexec, "scripts/test installs Debian's mpich: mpiexec is missing"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VPOOL")}
+    res = subprocess.run(
+        [mpiexec, "-n", str(n), sys.executable, program], capture_output=True, timeout=180,
+        env=env, check=False, cwd=REPO,
+    )
+    assert res.returncode == 0, res.stderr.decode()
+    return res.stdout
+
+
+def job_detail(pool: Pool, job: int) -> dict:
+    res = pool.vsdk("status", str(job), "--json")
+    assert res.returncode == 0, res.stderr.decode()
+    return json.loads(res.stdout)
+
+
+def submitted_job_id(stderr: bytes) -> int:
+    for word in stderr.decode().replace(":", " ").split():
+        if word.isdigit():
+            return int(word)
+    raise AssertionError(f"no job id in {stderr!r}")
+
+
+def test_there_are_at_least_three_examples() -> None:
+    assert len(EXAMPLES) >= 3
+
+
+@pytest.mark.parametrize("example", EXAMPLES)
+def test_example_output_matches_real_mpiexec(pool: Pool, example: str) -> None:
+    program = str(REPO / "examples" / example)
+    res = pool.vsdk("submit", program, "--ranks", "8", "--wait")
+    assert res.returncode == 0, f"{res.stderr.decode()}\n{pool.logs()}"
+    assert res.stdout == mpiexec_output(program, 8)
+    detail = job_detail(pool, submitted_job_id(res.stderr))
+    assert detail["job"]["state"] == "succeeded" and detail["job"]["exit_code"] == 0
+    ranks = detail["ranks"]
+    assert len(ranks) == 8
+    assert len({r["agent"] for r in ranks}) == 3, ranks
+    assert len({r["relay"] for r in ranks}) == 2, ranks
+
+
+def test_ranks_import_vpool_runtime_not_the_installed_mpi4py(pool: Pool) -> None:
+    import mpi4py  # the real one, installed in this environment by scripts/test
+
+    assert "vpool" not in mpi4py.__file__
+    res = pool.vsdk("submit", str(REPO / "tests/integration/programs/whoami.py"), "--ranks", "3",
+                    "--wait")
+    assert res.returncode == 0, res.stderr.decode()
+    lines = res.stdout.decode().splitlines()
+    assert len(lines) == 3
+    for line in lines:
+        _rank, path, seed = line.split()
+        assert "/sdk/mpi/shim/mpi4py/" in path, path
+        assert seed == "0"
+
+
+def test_nonzero_exit_fails_the_job_with_that_code(pool: Pool, tmp_path) -> None:
+    prog = tmp_path / "fail.py"
+    prog.write_text(
+        "import sys\nfrom mpi4py import MPI\n"
+        "MPI.COMM_WORLD.Barrier()\n"
+        "if MPI.COMM_WORLD.rank == 2:\n    sys.exit(7)\n"
+        "MPI.COMM_WORLD.recv(source=2)\n"  # would hang forever if the job were not ended
+    )
+    res = pool.vsdk("submit", str(prog), "--ranks", "4", "--wait", timeout=60)
+    assert res.returncode == 7, res.stderr.decode()
+    assert b"rank 2" in res.stderr
+
+
+def _wait_ready(pool: Pool, job: int, ranks: int, deadline: float) -> None:
+    seen: set[str] = set()
+    while len(seen) < ranks:
+        assert time.monotonic() < deadline, f"ranks not ready: {seen}\n{pool.logs()}"
+        res = pool.vsdk("logs", str(job))
+        seen = {ln for ln in res.stdout.decode().splitlines() if ln.startswith("ready ")}
+
+
+def _run_and_kill(pool: Pool, victim_prefix: str) -> tuple[int, str, float]:
+    res = pool.vsdk("submit", str(REPO / "tests/integration/programs/spin.py"), "--ranks", "8")
+    assert res.returncode == 0, res.stderr.decode()
+    job = submitted_job_id(res.stdout + res.stderr)
+    _wait_ready(pool, job, 8, time.monotonic() + 60)
+    os.kill(pool.pid_of(victim_prefix), signal.SIGKILL)
+    killed = time.monotonic()
+    wait = pool.vsdk("wait", str(job), timeout=60)
+    elapsed = time.monotonic() - killed
+    detail = job_detail(pool, job)
+    assert detail["job"]["state"] == "failed", detail
+    return wait.returncode, detail["job"]["reason"], elapsed
+
+
+def test_killed_agent_fails_the_job_with_a_clear_reason(fresh_pool: Pool) -> None:
+    code, reason, elapsed = _run_and_kill(fresh_pool, "agent")
+    assert code == 3
+    assert "lost" in reason and ("agent" in reason or "relay" in reason), reason
+    assert elapsed < 30
+
+
+def test_killed_relay_fails_the_job_with_a_clear_reason(fresh_pool: Pool) -> None:
+    code, reason, elapsed = _run_and_kill(fresh_pool, "relay")
+    assert code == 3
+    assert "relay" in reason, reason
+    assert elapsed < 30
