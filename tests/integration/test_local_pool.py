@@ -134,3 +134,38 @@ def test_killed_relay_fails_the_job_with_a_clear_reason(fresh_pool: Pool) -> Non
     assert code == 3
     assert "relay" in reason, reason
     assert elapsed < 30
+
+
+def _listening_tcp_inodes() -> set[str]:
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            next(f)
+            for line in f:
+                cols = line.split()
+                if cols[3] == "0A":  # LISTEN
+                    inodes.add(cols[9])
+    return inodes
+
+
+def _socket_inodes(pid: int) -> set[str]:
+    found = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            found.add(target[8:-1])
+    return found
+
+
+def test_agents_make_only_outbound_connections(pool: Pool) -> None:
+    listening = _listening_tcp_inodes()
+    agents = [p["pid"] for p in pool.pids() if p["name"].startswith("agent")]
+    assert len(agents) == 3
+    for pid in agents:
+        assert not (_socket_inodes(pid) & listening), f"agent {pid} listens on TCP"
+    # The relays and the coordinator do listen: the check can see listeners.
+    relay = pool.pid_of("relay")
+    assert _socket_inodes(relay) & listening
