@@ -60,6 +60,8 @@ class PoolInfo(msgspec.Struct, frozen=True):
     version: str
     signing_key: str  # coordinator's Ed25519 public key (base64url raw)
     api_version: int = 1
+    agents: int = 0  # live agents (enrolled and heartbeating)
+    relays: int = 0  # live relays
 
 
 class UserInfo(msgspec.Struct, frozen=True):

@@ -1,1 +1,1 @@
-"""Placeholder; filled in by its component."""
+"""vpool.web: the coordinator's read-only HTML dashboard (``dashboard``, ``templates/``)."""

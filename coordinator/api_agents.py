@@ -1,0 +1,85 @@
+"""Agent endpoints: enroll, lease long-poll, heartbeat, blobs, output, exits, problems, results."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request, Response
+from fastapi.responses import FileResponse
+
+from vpool.coordinator.transport import (
+    bearer,
+    coordinator,
+    declared_length,
+    decode,
+    empty,
+    reply,
+)
+from vpool.protocol import api
+
+router = APIRouter(prefix="/api/v1/agents")
+
+
+async def _agent(request: Request) -> str:
+    return await coordinator(request).agent(bearer(request))
+
+
+@router.post("/enroll")
+async def enroll(request: Request) -> Response:
+    req = await decode(request, api.EnrollRequest)
+    return reply(await coordinator(request).enroll(req))
+
+
+@router.post("/lease")
+async def lease(request: Request) -> Response:
+    c = coordinator(request)
+    agent = c.agent_id(bearer(request))
+    req = await decode(request, api.LeaseRequest)
+    await c.agent_seen(agent, req.free_slots)
+    return reply(await c.lease(agent, req))
+
+
+@router.post("/heartbeat")
+async def heartbeat(request: Request) -> Response:
+    c = coordinator(request)
+    agent = c.agent_id(bearer(request))
+    hb = await decode(request, api.AgentHeartbeat)
+    await c.agent_seen(agent, hb.free_slots)
+    return reply(await c.heartbeat(agent, hb))
+
+
+@router.get("/blobs/{sha256}")
+async def blob(request: Request, sha256: str) -> Response:
+    c = coordinator(request)
+    await _agent(request)
+    return FileResponse(await c.blob_path(sha256), media_type="application/octet-stream")
+
+
+@router.post("/output")
+async def output(request: Request) -> Response:
+    agent = await _agent(request)
+    batch = await decode(request, api.OutputBatch)
+    await coordinator(request).post_output(agent, batch)
+    return empty()
+
+
+@router.post("/exit")
+async def rank_exit(request: Request) -> Response:
+    agent = await _agent(request)
+    ex = await decode(request, api.RankExit)
+    await coordinator(request).rank_exit(agent, ex)
+    return empty()
+
+
+@router.post("/problem")
+async def problem(request: Request) -> Response:
+    agent = await _agent(request)
+    pr = await decode(request, api.RankProblem)
+    await coordinator(request).rank_problem(agent, pr)
+    return empty()
+
+
+@router.put("/results/{job}/{rank}/{incarnation}")
+async def results(request: Request, job: int, rank: int, incarnation: int) -> Response:
+    c = coordinator(request)
+    agent = await _agent(request)
+    declared_length(request, c.settings.max_blob_bytes)
+    return reply(await c.put_result(agent, job, rank, incarnation, request.stream()))

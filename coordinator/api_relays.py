@@ -1,0 +1,36 @@
+"""Relay endpoints: register, heartbeat (answers with finished jobs) and lost ranks."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request, Response
+
+from vpool.coordinator.transport import bearer, coordinator, decode, empty, reply
+from vpool.protocol import api
+
+router = APIRouter(prefix="/api/v1/relays")
+
+
+def _relay(request: Request) -> None:
+    coordinator(request).relay(bearer(request))
+
+
+@router.post("/register")
+async def register(request: Request) -> Response:
+    _relay(request)
+    reg = await decode(request, api.RelayRegister)
+    return reply(await coordinator(request).register_relay(reg))
+
+
+@router.post("/heartbeat")
+async def heartbeat(request: Request) -> Response:
+    _relay(request)
+    hb = await decode(request, api.RelayHeartbeat)
+    return reply(await coordinator(request).relay_heartbeat(hb))
+
+
+@router.post("/lost")
+async def lost(request: Request) -> Response:
+    _relay(request)
+    report = await decode(request, api.RelayLost)
+    await coordinator(request).relay_lost(report)
+    return empty()

@@ -1,0 +1,109 @@
+"""The coordinator's ASGI app: routers, the one JSON error shape, and the monitor loop.
+
+``create_app(settings)`` builds everything; tests pass a fake ``clock`` (wall time used for
+heartbeat deadlines and token expiry) and drive the app in-process. The failure-detection loop
+runs in the app's lifespan, so it exists only under a real server (hypercorn); in-process tests
+call ``Coordinator.check_timeouts()`` themselves.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+
+import trio
+from fastapi import FastAPI, Request, Response
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from vpool import __version__
+from vpool.coordinator import api_agents, api_jobs, api_relays, scheduler
+from vpool.coordinator.errors import CoordinatorError
+from vpool.coordinator.service import Coordinator
+from vpool.coordinator.settings import CoordinatorSettings
+from vpool.coordinator.transport import reply
+from vpool.protocol import api
+from vpool.web import dashboard
+
+log = logging.getLogger("vpool.coordinator")
+
+_STATUS_CODES = {
+    400: "bad_request",
+    401: "unauthorized",
+    403: "forbidden",
+    404: "not_found",
+    405: "method_not_allowed",
+    406: "not_acceptable",
+    411: "length_required",
+    413: "too_large",
+    415: "unsupported_media_type",
+    422: "bad_request",
+}
+
+
+def error(status: int, code: str, message: str) -> Response:
+    return reply(api.ErrorBody(error=api.ErrorDetail(code=code, message=message)), status)
+
+
+def create_app(
+    settings: CoordinatorSettings,
+    *,
+    clock: Callable[[], float] = time.time,
+    coordinator: Coordinator | None = None,
+) -> FastAPI:
+    """The coordinator app. Opens (and migrates) the store under ``settings.state_dir``
+    unless a ``coordinator`` is given."""
+    core = coordinator if coordinator is not None else Coordinator(settings, clock=clock)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        period = max(0.2, min(1.0, settings.heartbeat_interval / 2))
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(lambda: scheduler.monitor(core, period=period))
+            try:
+                yield
+            finally:
+                nursery.cancel_scope.cancel()
+
+    app = FastAPI(
+        title="vpool coordinator",
+        version=__version__,
+        lifespan=lifespan,
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
+    )
+    app.state.coordinator = core
+    app.include_router(api_jobs.router)
+    app.include_router(api_agents.router)
+    app.include_router(api_relays.router)
+    app.include_router(dashboard.router)
+    _install_error_handlers(app)
+    return app
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(CoordinatorError)
+    async def coordinator_error(request: Request, exc: CoordinatorError) -> Response:
+        return error(exc.status, exc.code, exc.message)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError) -> Response:
+        parts = []
+        for err in exc.errors():
+            where = ".".join(str(p) for p in err.get("loc", ()))
+            parts.append(f"{where}: {err.get('msg', 'invalid')}")
+        return error(422, "bad_request", "; ".join(parts) or "invalid request")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        code = _STATUS_CODES.get(exc.status_code, "error")
+        return error(exc.status_code, code, str(exc.detail))
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, exc: Exception) -> Response:
+        # The traceback goes to our log, never to the client.
+        log.error("internal error on %s %s", request.method, request.url.path, exc_info=exc)
+        return error(500, "internal", "internal error; see the coordinator's log")

@@ -1,0 +1,137 @@
+"""Numbered schema migrations of the SQLite store.
+
+``schema_version`` holds one row: the number of migrations applied. ``migrate`` applies the
+missing ones in order, each in its own transaction, so a crash leaves the db at a known version.
+Append new migrations; never edit one that has shipped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import sqlite_utils
+
+
+def _m1_initial(db: sqlite_utils.Database) -> None:
+    for sql in (
+        """CREATE TABLE users (
+            name TEXT PRIMARY KEY,
+            token_hash TEXT NOT NULL UNIQUE,
+            created REAL NOT NULL)""",
+        """CREATE TABLE jobs (
+            id INTEGER PRIMARY KEY AUTOINCREMENT,
+            user TEXT NOT NULL,
+            name TEXT NOT NULL,
+            state TEXT NOT NULL,
+            ranks INTEGER NOT NULL,
+            bundle TEXT NOT NULL,
+            entry TEXT NOT NULL,
+            args TEXT NOT NULL,
+            stdin TEXT,
+            exit_code INTEGER,
+            reason TEXT NOT NULL DEFAULT '',
+            created REAL NOT NULL,
+            started REAL,
+            finished REAL,
+            relays TEXT NOT NULL DEFAULT '[]')""",
+        "CREATE INDEX jobs_user ON jobs(user, id)",
+        "CREATE INDEX jobs_state ON jobs(state, id)",
+        """CREATE TABLE ranks (
+            job INTEGER NOT NULL,
+            rank INTEGER NOT NULL,
+            incarnation INTEGER NOT NULL DEFAULT 0,
+            agent TEXT,
+            relay TEXT,
+            state TEXT NOT NULL,
+            exit_code INTEGER,
+            PRIMARY KEY (job, rank))""",
+        "CREATE INDEX ranks_agent ON ranks(agent, state)",
+        """CREATE TABLE incarnations (
+            job INTEGER NOT NULL,
+            rank INTEGER NOT NULL,
+            incarnation INTEGER NOT NULL,
+            agent TEXT NOT NULL,
+            relay TEXT NOT NULL,
+            token TEXT NOT NULL,
+            delivered REAL,
+            created REAL NOT NULL,
+            ended REAL,
+            exit_code INTEGER,
+            PRIMARY KEY (job, rank, incarnation))""",
+        """CREATE TABLE agents (
+            id TEXT PRIMARY KEY,
+            public_key TEXT NOT NULL UNIQUE,
+            name TEXT NOT NULL,
+            slots INTEGER NOT NULL,
+            free_slots INTEGER NOT NULL,
+            software TEXT NOT NULL DEFAULT '',
+            enrolled REAL NOT NULL,
+            last_seen REAL NOT NULL,
+            state TEXT NOT NULL)""",
+        """CREATE TABLE relays (
+            name TEXT PRIMARY KEY,
+            host TEXT NOT NULL,
+            port INTEGER NOT NULL,
+            software TEXT NOT NULL DEFAULT '',
+            registered REAL NOT NULL,
+            last_seen REAL NOT NULL,
+            state TEXT NOT NULL,
+            load TEXT NOT NULL DEFAULT '{}')""",
+        """CREATE TABLE blobs (
+            sha256 TEXT PRIMARY KEY,
+            size INTEGER NOT NULL,
+            created REAL NOT NULL)""",
+        """CREATE TABLE events (
+            id INTEGER PRIMARY KEY AUTOINCREMENT,
+            job INTEGER NOT NULL,
+            time REAL NOT NULL,
+            kind TEXT NOT NULL,
+            rank INTEGER,
+            message TEXT NOT NULL)""",
+        "CREATE INDEX events_job ON events(job, id)",
+        """CREATE TABLE output (
+            id INTEGER PRIMARY KEY AUTOINCREMENT,
+            job INTEGER NOT NULL,
+            rank INTEGER NOT NULL,
+            stream TEXT NOT NULL,
+            offset INTEGER NOT NULL,
+            data BLOB NOT NULL,
+            UNIQUE (job, rank, stream, offset))""",
+        "CREATE INDEX output_job ON output(job, id)",
+        """CREATE TABLE results (
+            job INTEGER NOT NULL,
+            rank INTEGER NOT NULL,
+            incarnation INTEGER NOT NULL,
+            blob TEXT NOT NULL,
+            PRIMARY KEY (job, rank, incarnation))""",
+    ):
+        db.execute(sql)
+
+
+MIGRATIONS: list[Callable[[sqlite_utils.Database], None]] = [_m1_initial]
+
+
+def current_version(db: sqlite_utils.Database) -> int:
+    if not db["schema_version"].exists():
+        return 0
+    rows = list(db.query("SELECT version FROM schema_version"))
+    return int(rows[0]["version"]) if rows else 0
+
+
+def migrate(db: sqlite_utils.Database) -> int:
+    """Bring the schema up to date; return the version reached."""
+    with db.atomic():
+        db.execute("CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL)")
+        if not list(db.query("SELECT version FROM schema_version")):
+            db.execute("INSERT INTO schema_version (version) VALUES (0)")
+    version = current_version(db)
+    if version > len(MIGRATIONS):
+        raise RuntimeError(
+            f"the database is at schema version {version}, newer than this coordinator "
+            f"({len(MIGRATIONS)}); upgrade vpool"
+        )
+    for number, step in enumerate(MIGRATIONS[version:], start=version + 1):
+        with db.atomic():
+            step(db)
+            db.execute("UPDATE schema_version SET version = ?", [number])
+    return len(MIGRATIONS)

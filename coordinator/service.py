@@ -1,0 +1,388 @@
+"""The coordinator's behaviour behind the HTTP routers: authentication, jobs, agents, relays.
+
+One ``Coordinator`` per process. It owns the store, the blob files, the signing key and two
+wake-up signals: ``work`` (new placements, for lease long-polls) and ``changes`` (job states and
+output, for output long-polls). Time comes from the injected ``clock`` so tests can move it.
+"""
+
+from __future__ import annotations
+
+import hmac
+import time
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+
+import trio
+
+from vpool import __version__
+from vpool.coordinator import keys, scheduler
+from vpool.coordinator.blobs import BlobFiles, check_sha256
+from vpool.coordinator.errors import BadRequest, Forbidden, NotFound, Unauthorized
+from vpool.coordinator.results import build_results_zip
+from vpool.coordinator.settings import CoordinatorSettings
+from vpool.coordinator.sqlite_store import SqliteStore
+from vpool.coordinator.store import Database, Store
+from vpool.protocol import api
+from vpool.protocol.errors import TokenError
+from vpool.protocol.tokens import (
+    AgentClaims,
+    RankClaims,
+    public_key_text,
+    sign_token,
+    verify_possession,
+    verify_token,
+)
+
+OUTPUT_PAGE_RECORDS = 1000
+OUTPUT_PAGE_BYTES = 4 << 20
+FINISHED_JOBS_WINDOW = 3600.0
+MAX_AGENT_SLOTS = 4096
+
+
+class Signal:
+    """A broadcast wake-up. Take ``current()`` *before* checking the condition you wait for,
+    then wait on it: a change made while you were checking is not missed."""
+
+    def __init__(self) -> None:
+        self._event = trio.Event()
+
+    def current(self) -> trio.Event:
+        return self._event
+
+    def fire(self) -> None:
+        self._event.set()
+        self._event = trio.Event()
+
+
+class Coordinator:
+    def __init__(
+        self,
+        settings: CoordinatorSettings,
+        *,
+        clock: Callable[[], float] = time.time,
+        store: Store | None = None,
+    ) -> None:
+        self.settings = settings
+        self.clock = clock
+        state = settings.state_path()
+        state.mkdir(parents=True, exist_ok=True)
+        self.key = keys.load_or_create_signing_key(state / "signing.key")
+        self.signing_key = public_key_text(self.key.public_key())
+        self.store: Store = store if store is not None else SqliteStore(state / "vpool.db")
+        self.db = Database(self.store)
+        self.blobs = BlobFiles(state / "blobs")
+        self.work = Signal()
+        self.changes = Signal()
+
+    def close(self) -> None:
+        self.store.close()
+
+    def pool_info(self, agents: int = 0, relays: int = 0) -> api.PoolInfo:
+        return api.PoolInfo(
+            name=self.settings.pool_name,
+            version=__version__,
+            signing_key=self.signing_key,
+            agents=agents,
+            relays=relays,
+        )
+
+    async def live_pool_info(self) -> api.PoolInfo:
+        now = self.clock()
+        agents, relays = await self.db.call(
+            self.store.count_live,
+            now - self.settings.agent_timeout,
+            now - self.settings.relay_timeout,
+        )
+        return self.pool_info(agents, relays)
+
+    def _sign_rank(self, claims: RankClaims) -> str:
+        return sign_token(claims, self.key)
+
+    # -- authentication -----------------------------------------------------------------------
+
+    async def user(self, token: str) -> str:
+        name = await self.db.call(self.store.user_by_token_hash, keys.hash_token(token))
+        if name is None:
+            raise Unauthorized("unknown API token", code="bad_token")
+        return name
+
+    def agent_id(self, token: str) -> str:
+        """The agent a token was issued to; checks the signature only (no database)."""
+        try:
+            claims = verify_token(token, self.key.public_key(), now=self.clock(), kind=AgentClaims)
+        except TokenError as exc:
+            raise Unauthorized(exc.message, code=exc.code) from exc
+        return claims.agent
+
+    async def agent_seen(self, agent_id: str, free_slots: int | None = None) -> str:
+        """Record a sign of life of an enrolled agent."""
+        if not await self.db.call(self.store.touch_agent, agent_id, self.clock(), free_slots):
+            raise Unauthorized(
+                f"agent {agent_id} is not enrolled here; enroll again", code="unknown_agent"
+            )
+        return agent_id
+
+    async def agent(self, token: str) -> str:
+        return await self.agent_seen(self.agent_id(token))
+
+    def relay(self, token: str) -> None:
+        secret = self.settings.relay_secret
+        if not secret:
+            raise Forbidden(
+                "this coordinator accepts no relays (relay_secret is not set)",
+                code="relays_disabled",
+            )
+        if not hmac.compare_digest(token.encode(), secret.encode()):
+            raise Unauthorized("wrong relay secret", code="bad_token")
+
+    # -- blobs --------------------------------------------------------------------------------
+
+    async def put_blob(self, sha256: str, chunks: AsyncIterator[bytes]) -> api.BlobInfo:
+        check_sha256(sha256)
+        digest, size = await self.blobs.write(
+            chunks, expected=sha256, max_bytes=self.settings.max_blob_bytes
+        )
+        await self.db.call(self.store.add_blob, digest, size, self.clock())
+        return api.BlobInfo(sha256=digest, size=size)
+
+    async def has_blob(self, sha256: str) -> bool:
+        check_sha256(sha256)
+        known = await self.db.call(self.store.blob_size, sha256) is not None
+        return known and await self.blobs.exists(sha256)
+
+    async def blob_path(self, sha256: str) -> Path:
+        if not await self.has_blob(sha256):
+            raise NotFound(f"no blob {sha256}", code="unknown_blob")
+        return self.blobs.path(sha256)
+
+    # -- jobs ---------------------------------------------------------------------------------
+
+    async def submit(self, user: str, sub: api.JobSubmit) -> api.JobInfo:
+        limit = self.settings.max_ranks
+        if not 1 <= sub.ranks <= limit:
+            raise BadRequest(
+                f"ranks must be between 1 and {limit}, not {sub.ranks}", code="bad_ranks"
+            )
+        if len(sub.name) > 200:
+            raise BadRequest("the job name is longer than 200 characters")
+        for blob, what in ((sub.bundle, "bundle"), (sub.stdin, "stdin")):
+            if blob is not None and not await self.has_blob(blob):
+                raise BadRequest(f"the {what} blob {blob} was not uploaded", code="unknown_blob")
+        await self.blobs.check_bundle(sub.bundle, sub.entry)
+        info = await self.db.call(self.store.create_job, user, sub, self.clock())
+        self.changes.fire()
+        await self.schedule()
+        return info
+
+    async def own_job(self, user: str, job_id: int) -> api.JobInfo:
+        """The job, if it exists and belongs to ``user``; other users' jobs do not exist."""
+        info = await self.db.call(self.store.job_info, job_id)
+        if info is None or info.user != user:
+            raise NotFound(f"no job {job_id}", code="unknown_job")
+        return info
+
+    async def list_jobs(self, user: str, limit: int = 100) -> list[api.JobInfo]:
+        return await self.db.call(self.store.list_jobs, user, limit)
+
+    async def job_detail(self, user: str, job_id: int) -> api.JobDetail:
+        await self.own_job(user, job_id)
+        detail = await self.db.call(self.store.job_detail, job_id)
+        assert detail is not None
+        return detail
+
+    async def cancel(self, user: str, job_id: int) -> api.JobInfo:
+        await self.own_job(user, job_id)
+        info = await self.db.call(self.store.cancel_job, job_id, self.clock())
+        self.changes.fire()
+        return info
+
+    async def output(
+        self, user: str, job_id: int, after: int, rank: int | None, wait: float
+    ) -> api.OutputPage:
+        deadline = trio.current_time() + max(0.0, min(wait, self.settings.max_wait))
+        while True:
+            changed = self.changes.current()
+            # The state is read before the output: once terminal, every exited rank's output
+            # is already stored, so the page below holds it.
+            job = await self.own_job(user, job_id)
+            records, more = await self.db.call(
+                self.store.output_page, job_id, after, rank, OUTPUT_PAGE_RECORDS
+            )
+            records, trimmed = _trim(records, OUTPUT_PAGE_BYTES)
+            terminal = job.state in api.TERMINAL_STATES
+            if records or terminal or trio.current_time() >= deadline:
+                return api.OutputPage(
+                    records=records,
+                    next=records[-1].id if records else after,
+                    complete=terminal and not (more or trimmed),
+                    state=job.state,
+                )
+            with trio.move_on_at(deadline):
+                await changed.wait()
+
+    async def results(self, user: str, job_id: int) -> Path:
+        """A temporary zip of the job's results; the caller deletes it."""
+        job = await self.own_job(user, job_id)
+        blobs = await self.db.call(self.store.job_results, job_id)
+        streams = await self.db.call(self.store.output_streams, job_id)
+        zips = {rank: self.blobs.path(sha) for rank, sha in blobs.items()}
+        return await trio.to_thread.run_sync(
+            build_results_zip, self.blobs.tmp, job.ranks, zips, streams
+        )
+
+    # -- agents -------------------------------------------------------------------------------
+
+    async def enroll(self, req: api.EnrollRequest) -> api.EnrollResponse:
+        secret = self.settings.enroll_secret
+        if secret and not hmac.compare_digest(req.enroll_secret.encode(), secret.encode()):
+            raise Forbidden("wrong enrollment secret", code="bad_enroll_secret")
+        if not 1 <= req.slots <= MAX_AGENT_SLOTS:
+            raise BadRequest(f"slots must be between 1 and {MAX_AGENT_SLOTS}")
+        if len(req.name) > 200:
+            raise BadRequest("the agent name is longer than 200 characters")
+        try:
+            verify_possession(req.public_key, req.timestamp, req.signature, now=self.clock())
+        except TokenError as exc:
+            raise Unauthorized(exc.message, code=exc.code) from exc
+        agent_id = await self.db.call(
+            self.store.enroll_agent,
+            req.public_key,
+            req.name or "agent",
+            req.slots,
+            req.software,
+            self.clock(),
+        )
+        await self.schedule()
+        return api.EnrollResponse(
+            agent_id=agent_id,
+            agent_token=self.agent_token(agent_id),
+            signing_key=self.signing_key,
+            heartbeat_interval=self.settings.heartbeat_interval,
+        )
+
+    def agent_token(self, agent_id: str) -> str:
+        claims = AgentClaims(agent=agent_id, expires=self.clock() + scheduler.AGENT_TOKEN_LIFETIME)
+        return sign_token(claims, self.key)
+
+    async def lease(self, agent_id: str, req: api.LeaseRequest) -> api.LeaseResponse:
+        deadline = trio.current_time() + max(0.0, min(req.wait, self.settings.max_wait))
+        while True:
+            work = self.work.current()
+            await self.schedule()
+            leases = await self.db.call(self.store.take_leases, agent_id, self.clock())
+            if leases or trio.current_time() >= deadline:
+                await self.db.call(self.store.touch_agent, agent_id, self.clock(), None)
+                return api.LeaseResponse(leases=leases)
+            with trio.move_on_at(deadline):
+                await work.wait()
+
+    async def heartbeat(self, agent_id: str, hb: api.AgentHeartbeat) -> api.AgentHeartbeatResponse:
+        stops, changed = await self.db.call(
+            self.store.agent_heartbeat, agent_id, hb, self.clock(), self.settings.agent_timeout
+        )
+        if changed:
+            self.changes.fire()
+        await self.schedule()
+        return api.AgentHeartbeatResponse(stop=stops, agent_token=self.agent_token(agent_id))
+
+    async def post_output(self, agent_id: str, batch: api.OutputBatch) -> None:
+        for chunk in batch.chunks:
+            if chunk.offset < 0:
+                raise BadRequest("output offsets are >= 0")
+        if await self.db.call(self.store.add_output, agent_id, batch.chunks):
+            self.changes.fire()
+
+    async def rank_exit(self, agent_id: str, ex: api.RankExit) -> None:
+        if await self.db.call(self.store.rank_exit, agent_id, ex, self.clock()):
+            self.changes.fire()
+            await self.schedule()
+
+    async def rank_problem(self, agent_id: str, pr: api.RankProblem) -> None:
+        if await self.db.call(self.store.rank_problem, agent_id, pr, self.clock()):
+            self.changes.fire()
+            await self.schedule()
+
+    async def put_result(
+        self,
+        agent_id: str,
+        job: int,
+        rank: int,
+        incarnation: int,
+        chunks: AsyncIterator[bytes],
+    ) -> api.BlobInfo:
+        sha, size = await self.blobs.write(
+            chunks, expected=None, max_bytes=self.settings.max_blob_bytes
+        )
+        try:
+            await self.blobs.check_zip(sha)
+        except BadRequest as exc:
+            raise BadRequest(exc.message, code="bad_results") from exc
+        await self.db.call(self.store.add_blob, sha, size, self.clock())
+        await self.db.call(self.store.add_result, agent_id, job, rank, incarnation, sha)
+        return api.BlobInfo(sha256=sha, size=size)
+
+    # -- relays -------------------------------------------------------------------------------
+
+    async def register_relay(self, reg: api.RelayRegister) -> api.RelayRegistered:
+        if not reg.name or len(reg.name) > 200:
+            raise BadRequest("a relay name is 1 to 200 characters")
+        if not 0 < reg.port < 65536:
+            raise BadRequest(f"port {reg.port} is not a TCP port")
+        await self.db.call(self.store.register_relay, reg, self.clock())
+        await self.schedule()
+        return api.RelayRegistered(
+            signing_key=self.signing_key, heartbeat_interval=self.settings.heartbeat_interval
+        )
+
+    async def relay_heartbeat(self, hb: api.RelayHeartbeat) -> api.RelayHeartbeatResponse:
+        now = self.clock()
+        finished = await self.db.call(
+            self.store.relay_heartbeat, hb.name, hb.load, now, now - FINISHED_JOBS_WINDOW
+        )
+        if finished is None:
+            raise NotFound(
+                f"relay {hb.name!r} is not registered; register again", code="unknown_relay"
+            )
+        await self.schedule()
+        return api.RelayHeartbeatResponse(finished_jobs=finished)
+
+    async def relay_lost(self, report: api.RelayLost) -> None:
+        if await self.db.call(self.store.relay_lost, report.name, report.lost, self.clock()):
+            self.changes.fire()
+            await self.schedule()
+
+    # -- time-driven --------------------------------------------------------------------------
+
+    async def schedule(self) -> None:
+        now = self.clock()
+        started = await self.db.call(
+            self.store.schedule,
+            now,
+            now - self.settings.agent_timeout,
+            now - self.settings.relay_timeout,
+            self._sign_rank,
+        )
+        if started:
+            self.work.fire()
+            self.changes.fire()
+
+    async def check_timeouts(self) -> None:
+        now = self.clock()
+        agents = await self.db.call(
+            self.store.expire_agents, now - self.settings.agent_timeout, now
+        )
+        relays = await self.db.call(
+            self.store.expire_relays, now - self.settings.relay_timeout, now
+        )
+        if agents or relays:
+            self.changes.fire()
+
+
+def _trim(records: list[api.OutputRecord], max_bytes: int) -> tuple[list[api.OutputRecord], bool]:
+    """Keep a page's JSON reasonable: stop once ``max_bytes`` of data are in (at least one)."""
+    total = 0
+    for i, record in enumerate(records):
+        total += len(record.data)
+        if total > max_bytes and i > 0:
+            return records[:i], True
+    return records, False

@@ -1,0 +1,55 @@
+"""Settings of ``vpool-coordinator`` (environment prefix ``VPOOL_COORDINATOR``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from vpool import paths
+from vpool.config import load_settings, setting
+
+PREFIX = "VPOOL_COORDINATOR"
+
+
+@dataclass(frozen=True)
+class CoordinatorSettings:
+    host: str = setting("127.0.0.1", "Address to listen on.")
+    port: int = setting(8443, "TCP port to listen on (0 = any free port).")
+    state_dir: str = setting(
+        "",
+        "Directory of the SQLite db (vpool.db), blobs and signing.key; "
+        "empty = <vpool state dir>/coordinator.",
+    )
+    tls_cert: str = setting("", "PEM certificate (chain) of the HTTPS server.")
+    tls_key: str = setting("", "PEM private key of tls_cert.")
+    insecure_http: bool = setting(
+        False, "Serve plain HTTP when tls_cert/tls_key are empty (tests and demos only)."
+    )
+    relay_secret: str = setting(
+        "", "Shared secret relays present to register; empty = relays are refused."
+    )
+    enroll_secret: str = setting("", "Secret agents must present to enroll; empty = open.")
+    heartbeat_interval: float = setting(
+        2.0, "Seconds between heartbeats, told to agents and relays."
+    )
+    agent_timeout: float = setting(
+        10.0, "Seconds without an agent heartbeat before its ranks are lost."
+    )
+    relay_timeout: float = setting(10.0, "Seconds without a relay heartbeat before its jobs fail.")
+    pool_name: str = setting("vpool", "Name of the pool, shown to users and volunteers.")
+    max_blob_bytes: int = setting(1 << 30, "Largest blob (bundle, stdin, results) accepted.")
+    max_ranks: int = setting(256, "Largest number of ranks a job may ask for.")
+    public_url: str = setting(
+        "", "URL clients use to reach this coordinator (shown on the dashboard)."
+    )
+    max_request_bytes: int = setting(
+        64 << 20, "Largest JSON request body (e.g. an agent's output batch)."
+    )
+    max_wait: float = setting(60.0, "Longest a long-poll (lease, output) may wait, in seconds.")
+
+    def state_path(self) -> Path:
+        return Path(self.state_dir) if self.state_dir else paths.state_dir() / "coordinator"
+
+
+def load(file: Path | None = None, **overrides: object) -> CoordinatorSettings:
+    return load_settings(CoordinatorSettings, prefix=PREFIX, file=file, overrides=overrides)

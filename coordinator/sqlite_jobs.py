@@ -1,0 +1,507 @@
+"""Job life cycles in SQLite: submission, gang placement, leases, heartbeats, exits, losses.
+
+The rules come from ``scheduler``; this module applies them, one transaction per call, and writes
+an event row for every transition and fault.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+import sqlite_utils
+
+from vpool.coordinator import scheduler
+from vpool.coordinator.errors import Forbidden, NotFound
+from vpool.protocol import api
+from vpool.protocol.tokens import RankClaims
+
+Signer = Callable[[RankClaims], str]
+TERMINAL_SQL = "('succeeded', 'failed', 'cancelled')"
+
+
+class JobsMixin:
+    db: sqlite_utils.Database
+
+    def _one(self, sql: str, params: Any = ()) -> dict[str, Any] | None:
+        raise NotImplementedError
+
+    # -- reading ------------------------------------------------------------------------------
+
+    def job_row(self, job_id: int) -> dict[str, Any] | None:
+        return self._one("SELECT * FROM jobs WHERE id = ?", [job_id])
+
+    def job_info(self, job_id: int) -> api.JobInfo | None:
+        row = self.job_row(job_id)
+        return None if row is None else _info(row)
+
+    def list_jobs(self, user: str | None, limit: int) -> list[api.JobInfo]:
+        if user is None:
+            rows = self.db.query("SELECT * FROM jobs ORDER BY id DESC LIMIT ?", [limit])
+        else:
+            rows = self.db.query(
+                "SELECT * FROM jobs WHERE user = ? ORDER BY id DESC LIMIT ?", [user, limit]
+            )
+        return [_info(r) for r in rows]
+
+    def job_detail(self, job_id: int) -> api.JobDetail | None:
+        row = self.job_row(job_id)
+        if row is None:
+            return None
+        ranks = [
+            api.RankInfo(
+                rank=r["rank"],
+                incarnation=r["incarnation"],
+                agent=r["agent"],
+                relay=r["relay"],
+                state=r["state"],
+                exit_code=r["exit_code"],
+            )
+            for r in self.db.query("SELECT * FROM ranks WHERE job = ? ORDER BY rank", [job_id])
+        ]
+        events = [
+            api.JobEvent(time=e["time"], kind=e["kind"], message=e["message"], rank=e["rank"])
+            for e in self.db.query("SELECT * FROM events WHERE job = ? ORDER BY id", [job_id])
+        ]
+        return api.JobDetail(job=_info(row), ranks=ranks, events=events)
+
+    def count_jobs(self) -> dict[str, int]:
+        rows = self.db.query("SELECT state, COUNT(*) AS n FROM jobs GROUP BY state")
+        return {str(r["state"]): int(r["n"]) for r in rows}
+
+    # -- user actions -------------------------------------------------------------------------
+
+    def create_job(self, user: str, sub: api.JobSubmit, now: float) -> api.JobInfo:
+        with self.db.atomic():
+            cursor = self.db.execute(
+                "INSERT INTO jobs (user, name, state, ranks, bundle, entry, args, stdin, "
+                "created) VALUES (?, ?, 'queued', ?, ?, ?, ?, ?, ?)",
+                [
+                    user,
+                    sub.name,
+                    sub.ranks,
+                    sub.bundle,
+                    sub.entry,
+                    json.dumps(sub.args),
+                    sub.stdin,
+                    now,
+                ],
+            )
+            job_id = int(cursor.lastrowid or 0)
+            for rank in range(sub.ranks):
+                self.db.execute(
+                    "INSERT INTO ranks (job, rank, state) VALUES (?, ?, 'pending')",
+                    [job_id, rank],
+                )
+            self._event(job_id, now, "queued", f"submitted by {user}: {sub.ranks} ranks")
+        info = self.job_info(job_id)
+        assert info is not None
+        return info
+
+    def cancel_job(self, job_id: int, now: float) -> api.JobInfo:
+        with self.db.atomic():
+            row = self.job_row(job_id)
+            if row is None:
+                raise NotFound(f"no job {job_id}", code="unknown_job")
+            self._end(job_id, "cancelled", None, "cancelled by user", now)
+        info = self.job_info(job_id)
+        assert info is not None
+        return info
+
+    # -- scheduling ---------------------------------------------------------------------------
+
+    def schedule(
+        self, now: float, agent_deadline: float, relay_deadline: float, sign: Signer
+    ) -> list[int]:
+        """Start every queued job whose ranks all fit now, oldest first; return their ids."""
+        started: list[int] = []
+        with self.db.atomic():
+            queued = list(self.db.query("SELECT * FROM jobs WHERE state = 'queued' ORDER BY id"))
+            if not queued:
+                return started
+            relays = [
+                str(r["name"])
+                for r in self.db.query(
+                    "SELECT name FROM relays WHERE state = 'alive' AND last_seen >= ?",
+                    [relay_deadline],
+                )
+            ]
+            if not relays:
+                return started
+            free = {
+                str(a["id"]): scheduler.free_slots(a["slots"], a["free_slots"], a["active"])
+                for a in self.db.query(
+                    "SELECT a.id, a.slots, a.free_slots, (SELECT COUNT(*) FROM ranks r WHERE "
+                    "r.agent = a.id AND r.state IN ('leased', 'running')) AS active "
+                    "FROM agents a WHERE a.state = 'alive' AND a.last_seen >= ?",
+                    [agent_deadline],
+                )
+            }
+            for job in queued:
+                placement = scheduler.plan_gang(job["ranks"], list(free.items()))
+                if placement is None:
+                    continue
+                for agent in placement:
+                    free[agent] -= 1
+                self._start(job, placement, relays, now, sign)
+                started.append(int(job["id"]))
+        return started
+
+    def _start(
+        self,
+        job: dict[str, Any],
+        placement: list[str],
+        live: list[str],
+        now: float,
+        sign: Signer,
+    ) -> None:
+        job_id, size = int(job["id"]), int(job["ranks"])
+        relays = scheduler.pick_relays(live, size, job_id)
+        homes = scheduler.homes(size, len(relays))
+        self.db.execute(
+            "UPDATE jobs SET state = 'running', started = ?, relays = ? WHERE id = ?",
+            [now, json.dumps(relays), job_id],
+        )
+        for rank, agent in enumerate(placement):
+            relay = relays[homes[rank]]
+            claims = RankClaims(
+                job=job_id,
+                rank=rank,
+                incarnation=1,
+                size=size,
+                agent=agent,
+                expires=now + scheduler.RANK_TOKEN_LIFETIME,
+            )
+            self.db.execute(
+                "UPDATE ranks SET incarnation = 1, agent = ?, relay = ?, state = 'leased' "
+                "WHERE job = ? AND rank = ?",
+                [agent, relay, job_id, rank],
+            )
+            self.db.execute(
+                "INSERT INTO incarnations (job, rank, incarnation, agent, relay, token, created) "
+                "VALUES (?, ?, 1, ?, ?, ?, ?)",
+                [job_id, rank, agent, relay, sign(claims), now],
+            )
+        agents = len(set(placement))
+        self._event(
+            job_id,
+            now,
+            "running",
+            f"placed {size} ranks on {agents} agent(s), relays {', '.join(relays)}",
+        )
+
+    def take_leases(self, agent_id: str, now: float) -> list[api.Lease]:
+        """Leases placed on this agent and not yet handed out; each is handed out once."""
+        leases: list[api.Lease] = []
+        with self.db.atomic():
+            rows = list(
+                self.db.query(
+                    "SELECT i.job, i.rank, i.incarnation, i.token FROM incarnations i "
+                    "JOIN ranks r ON r.job = i.job AND r.rank = i.rank "
+                    "AND r.incarnation = i.incarnation JOIN jobs j ON j.id = i.job "
+                    "WHERE i.agent = ? AND i.delivered IS NULL AND r.state = 'leased' "
+                    "AND j.state = 'running' ORDER BY i.job, i.rank",
+                    [agent_id],
+                )
+            )
+            jobs: dict[int, dict[str, Any]] = {}
+            for row in rows:
+                job = jobs.get(row["job"])
+                if job is None:
+                    job = jobs[row["job"]] = self._lease_context(row["job"])
+                leases.append(
+                    api.Lease(
+                        job=row["job"],
+                        rank=row["rank"],
+                        incarnation=row["incarnation"],
+                        size=job["ranks"],
+                        token=row["token"],
+                        bundle=job["bundle"],
+                        entry=job["entry"],
+                        args=job["args"],
+                        stdin=job["stdin"],
+                        relays=job["relays"],
+                        homes=job["homes"],
+                    )
+                )
+                self.db.execute(
+                    "UPDATE incarnations SET delivered = ? WHERE job = ? AND rank = ? "
+                    "AND incarnation = ?",
+                    [now, row["job"], row["rank"], row["incarnation"]],
+                )
+        return leases
+
+    def _lease_context(self, job_id: int) -> dict[str, Any]:
+        job = self.job_row(job_id)
+        assert job is not None
+        names: list[str] = json.loads(job["relays"])
+        info = {
+            r["name"]: api.RelayInfo(name=r["name"], host=r["host"], port=r["port"])
+            for r in self.db.query("SELECT name, host, port FROM relays")
+        }
+        homes = {
+            r["rank"]: names.index(r["relay"])
+            for r in self.db.query("SELECT rank, relay FROM ranks WHERE job = ?", [job_id])
+        }
+        return {
+            "ranks": job["ranks"],
+            "bundle": job["bundle"],
+            "entry": job["entry"],
+            "args": json.loads(job["args"]),
+            "stdin": job["stdin"],
+            "relays": [info[n] for n in names],
+            "homes": [homes[r] for r in range(job["ranks"])],
+        }
+
+    # -- agent reports ------------------------------------------------------------------------
+
+    def agent_heartbeat(
+        self, agent_id: str, hb: api.AgentHeartbeat, now: float, grace: float
+    ) -> tuple[list[api.StopOrder], bool]:
+        """Record rank states. Return stop orders for every rank the agent should not run, and
+        whether a job changed. A rank handed to the agent more than ``grace`` seconds ago that
+        the agent no longer reports is lost (e.g. the agent restarted)."""
+        stops: list[api.StopOrder] = []
+        changed = False
+        with self.db.atomic():
+            for rs in hb.ranks:
+                row = self._one(
+                    "SELECT r.incarnation, r.agent, r.state, j.state AS job_state, j.reason "
+                    "FROM ranks r JOIN jobs j ON j.id = r.job WHERE r.job = ? AND r.rank = ?",
+                    [rs.job, rs.rank],
+                )
+                reason = _stop_reason(row, agent_id, rs.incarnation)
+                if reason:
+                    stops.append(
+                        api.StopOrder(
+                            job=rs.job, rank=rs.rank, incarnation=rs.incarnation, reason=reason
+                        )
+                    )
+                elif rs.state == "running" and row is not None and row["state"] == "leased":
+                    self.db.execute(
+                        "UPDATE ranks SET state = 'running' WHERE job = ? AND rank = ?",
+                        [rs.job, rs.rank],
+                    )
+                    self._event(rs.job, now, "rank_running", f"rank {rs.rank} is running", rs.rank)
+                    changed = True
+            reported = {(rs.job, rs.rank, rs.incarnation) for rs in hb.ranks}
+            missing = [
+                r
+                for r in self.db.query(
+                    "SELECT r.job, r.rank, r.incarnation FROM ranks r JOIN incarnations i "
+                    "ON i.job = r.job AND i.rank = r.rank AND i.incarnation = r.incarnation "
+                    "WHERE r.agent = ? AND r.state IN ('leased', 'running') "
+                    "AND i.delivered < ? ORDER BY r.job, r.rank",
+                    [agent_id, now - grace],
+                )
+                if (r["job"], r["rank"], r["incarnation"]) not in reported
+            ]
+            if missing:
+                name = self._agent_name(agent_id)
+                for r in missing:
+                    reason = f"rank {r['rank']} lost: agent {name} no longer runs it"
+                    changed = self._lose(r["job"], r["rank"], reason, now) or changed
+        return stops, changed
+
+    def rank_exit(self, agent_id: str, ex: api.RankExit, now: float) -> bool:
+        """Apply a rank's exit; True if the job changed."""
+        with self.db.atomic():
+            row = self._current(agent_id, ex.job, ex.rank, ex.incarnation)
+            if row is None or row["state"] in ("exited", "lost"):
+                return False
+            self.db.execute(
+                "UPDATE incarnations SET ended = ?, exit_code = ? WHERE job = ? AND rank = ? "
+                "AND incarnation = ?",
+                [now, ex.code, ex.job, ex.rank, ex.incarnation],
+            )
+            if row["state"] == "killed":
+                self.db.execute(
+                    "UPDATE ranks SET exit_code = ? WHERE job = ? AND rank = ?",
+                    [ex.code, ex.job, ex.rank],
+                )
+                return False
+            self.db.execute(
+                "UPDATE ranks SET state = 'exited', exit_code = ? WHERE job = ? AND rank = ?",
+                [ex.code, ex.job, ex.rank],
+            )
+            if ex.code != 0 or ex.aborted:
+                reason = scheduler.exit_reason(ex.rank, ex.code, ex.aborted)
+                detail = f"{reason}: {ex.message}" if ex.message else reason
+                self._event(ex.job, now, "rank_failed", detail, ex.rank)
+                self._end(ex.job, "failed", ex.code, reason, now)
+                return True
+            self._event(ex.job, now, "rank_exited", f"rank {ex.rank} exited with code 0", ex.rank)
+            left = self._one(
+                "SELECT COUNT(*) AS n FROM ranks WHERE job = ? AND NOT "
+                "(state = 'exited' AND exit_code = 0)",
+                [ex.job],
+            )
+            if left is not None and left["n"] == 0:
+                self._end(ex.job, "succeeded", 0, "every rank exited with code 0", now)
+            return True
+
+    def rank_problem(self, agent_id: str, pr: api.RankProblem, now: float) -> bool:
+        with self.db.atomic():
+            if self._current(agent_id, pr.job, pr.rank, pr.incarnation) is None:
+                return False
+            name = self._agent_name(agent_id)
+            reason = f"rank {pr.rank} lost: agent {name} reported: {pr.message}"
+            return self._lose(pr.job, pr.rank, reason, now)
+
+    def relay_lost(self, relay: str, lost: list[api.RankLost], now: float) -> bool:
+        changed = False
+        with self.db.atomic():
+            changed = self._relay_lost(relay, lost, now)
+        return changed
+
+    def _relay_lost(self, relay: str, lost: list[api.RankLost], now: float) -> bool:
+        changed = False
+        for item in lost:
+            row = self._one(
+                "SELECT incarnation FROM ranks WHERE job = ? AND rank = ?", [item.job, item.rank]
+            )
+            if row is None or row["incarnation"] != item.incarnation:
+                continue
+            reason = f"rank {item.rank} lost: relay {relay} reported: {item.reason}"
+            changed = self._lose(item.job, item.rank, reason, now) or changed
+        return changed
+
+    # -- failure detection --------------------------------------------------------------------
+
+    def expire_agents(self, deadline: float, now: float) -> bool:
+        changed = False
+        with self.db.atomic():
+            silent = list(
+                self.db.query(
+                    "SELECT id, name FROM agents WHERE state = 'alive' AND last_seen < ?",
+                    [deadline],
+                )
+            )
+            for agent in silent:
+                self.db.execute("UPDATE agents SET state = 'lost' WHERE id = ?", [agent["id"]])
+                for r in list(
+                    self.db.query(
+                        "SELECT job, rank FROM ranks WHERE agent = ? AND state IN "
+                        "('leased', 'running') ORDER BY job, rank",
+                        [agent["id"]],
+                    )
+                ):
+                    reason = f"rank {r['rank']} lost: agent {agent['name']} stopped heartbeating"
+                    changed = self._lose(r["job"], r["rank"], reason, now) or changed
+        return changed
+
+    def expire_relays(self, deadline: float, now: float) -> bool:
+        changed = False
+        with self.db.atomic():
+            silent = [
+                str(r["name"])
+                for r in self.db.query(
+                    "SELECT name FROM relays WHERE state = 'alive' AND last_seen < ?", [deadline]
+                )
+            ]
+            for name in silent:
+                self.db.execute("UPDATE relays SET state = 'lost' WHERE name = ?", [name])
+                jobs = list(
+                    self.db.query(
+                        "SELECT DISTINCT j.id FROM jobs j, json_each(j.relays) r "
+                        "WHERE j.state = 'running' AND r.value = ?",
+                        [name],
+                    )
+                )
+                for job in jobs:
+                    reason = f"relay {name} stopped heartbeating"
+                    self._event(job["id"], now, "relay_lost", reason)
+                    self._end(job["id"], "failed", None, reason, now)
+                    changed = True
+        return changed
+
+    # -- helpers ------------------------------------------------------------------------------
+
+    def _current(
+        self, agent_id: str, job: int, rank: int, incarnation: int
+    ) -> dict[str, Any] | None:
+        """The rank row if ``incarnation`` is its current one; reports on stale incarnations
+        are ignored. Raises if that incarnation was never leased to this agent."""
+        inc = self._one(
+            "SELECT agent FROM incarnations WHERE job = ? AND rank = ? AND incarnation = ?",
+            [job, rank, incarnation],
+        )
+        if inc is None or inc["agent"] != agent_id:
+            raise Forbidden(
+                f"job {job} rank {rank} incarnation {incarnation} is not leased to this agent",
+                code="not_your_rank",
+            )
+        row = self._one("SELECT * FROM ranks WHERE job = ? AND rank = ?", [job, rank])
+        if row is None or row["incarnation"] != incarnation:
+            return None
+        return row
+
+    def _lose(self, job: int, rank: int, reason: str, now: float) -> bool:
+        with self.db.atomic():
+            row = self._one("SELECT state FROM ranks WHERE job = ? AND rank = ?", [job, rank])
+            if row is None or row["state"] not in scheduler.ACTIVE_RANK_STATES:
+                return False
+            self.db.execute(
+                "UPDATE ranks SET state = 'lost' WHERE job = ? AND rank = ?", [job, rank]
+            )
+            self._event(job, now, "rank_lost", reason, rank)
+            self._end(job, "failed", None, reason, now)
+        return True
+
+    def _end(self, job: int, state: str, exit_code: int | None, reason: str, now: float) -> None:
+        """Move a job to a terminal state (no-op if it is already in one)."""
+        row = self.job_row(job)
+        if row is None or row["state"] in api.TERMINAL_STATES:
+            return
+        self.db.execute(
+            "UPDATE jobs SET state = ?, exit_code = ?, reason = ?, finished = ? WHERE id = ?",
+            [state, exit_code, reason, now, job],
+        )
+        # Ranks still running get stop orders in their agent's next heartbeat (see
+        # agent_heartbeat); from here on they no longer hold a slot in our book.
+        self.db.execute(
+            "UPDATE ranks SET state = 'killed' WHERE job = ? AND state IN "
+            "('pending', 'leased', 'running')",
+            [job],
+        )
+        self._event(job, now, state, reason)
+
+    def _event(
+        self, job: int, now: float, kind: str, message: str, rank: int | None = None
+    ) -> None:
+        self.db.execute(
+            "INSERT INTO events (job, time, kind, rank, message) VALUES (?, ?, ?, ?, ?)",
+            [job, now, kind, rank, message],
+        )
+
+    def _agent_name(self, agent_id: str) -> str:
+        row = self._one("SELECT name FROM agents WHERE id = ?", [agent_id])
+        return str(row["name"]) if row and row["name"] else agent_id
+
+
+def _stop_reason(row: dict[str, Any] | None, agent_id: str, incarnation: int) -> str:
+    if row is None:
+        return "unknown job or rank"
+    if row["job_state"] in api.TERMINAL_STATES:
+        return scheduler.stop_reason(row["job_state"], row["reason"])
+    if row["incarnation"] != incarnation or row["agent"] != agent_id:
+        return f"incarnation {incarnation} was replaced"
+    if row["state"] not in scheduler.ACTIVE_RANK_STATES:
+        return f"rank is {row['state']}"
+    return ""
+
+
+def _info(row: dict[str, Any]) -> api.JobInfo:
+    return api.JobInfo(
+        id=row["id"],
+        name=row["name"],
+        user=row["user"],
+        state=row["state"],
+        ranks=row["ranks"],
+        exit_code=row["exit_code"],
+        reason=row["reason"],
+        created=row["created"],
+        started=row["started"],
+        finished=row["finished"],
+    )

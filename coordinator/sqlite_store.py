@@ -1,0 +1,250 @@
+"""The SQLite implementation of ``Store``: users, blobs, agents, relays, output and results.
+
+Job life cycles (placement, exits, losses) are in ``sqlite_jobs``. Every method is synchronous
+and runs one transaction; ``store.Database`` calls them on a worker thread, one at a time.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sqlite3
+from pathlib import Path
+from typing import Any
+
+import sqlite_utils
+
+from vpool.coordinator import migrations
+from vpool.coordinator.errors import Conflict, Forbidden
+from vpool.coordinator.sqlite_jobs import JobsMixin
+from vpool.protocol import api
+
+
+class SqliteStore(JobsMixin):
+    def __init__(self, path: Path | str) -> None:
+        # check_same_thread=False: calls come from trio's worker threads, serialized by the
+        # Database limiter. isolation_level=None: transactions are explicit (db.atomic()).
+        conn = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
+        self.db = sqlite_utils.Database(conn)
+        if str(path) != ":memory:":
+            self.db.execute("PRAGMA journal_mode=WAL")
+        self.db.execute("PRAGMA foreign_keys=ON")
+        self.schema_version = migrations.migrate(self.db)
+
+    def close(self) -> None:
+        self.db.close()
+
+    def _one(self, sql: str, params: Any = ()) -> dict[str, Any] | None:
+        rows = list(self.db.query(sql, params))
+        return rows[0] if rows else None
+
+    # -- users --------------------------------------------------------------------------------
+
+    def add_user(self, name: str, token_hash: str, now: float) -> None:
+        with self.db.atomic():
+            if self._one("SELECT name FROM users WHERE name = ?", [name]):
+                raise Conflict(f"user {name!r} already exists", code="user_exists")
+            self.db.execute(
+                "INSERT INTO users (name, token_hash, created) VALUES (?, ?, ?)",
+                [name, token_hash, now],
+            )
+
+    def user_by_token_hash(self, token_hash: str) -> str | None:
+        row = self._one("SELECT name FROM users WHERE token_hash = ?", [token_hash])
+        return None if row is None else str(row["name"])
+
+    # -- blobs --------------------------------------------------------------------------------
+
+    def add_blob(self, sha256: str, size: int, now: float) -> None:
+        self.db.execute(
+            "INSERT OR IGNORE INTO blobs (sha256, size, created) VALUES (?, ?, ?)",
+            [sha256, size, now],
+        )
+
+    def blob_size(self, sha256: str) -> int | None:
+        row = self._one("SELECT size FROM blobs WHERE sha256 = ?", [sha256])
+        return None if row is None else int(row["size"])
+
+    # -- agents -------------------------------------------------------------------------------
+
+    def enroll_agent(
+        self, public_key: str, name: str, slots: int, software: str, now: float
+    ) -> str:
+        """Id of the agent holding ``public_key``: the same key always gets the same id."""
+        agent_id = "agent-" + hashlib.sha256(public_key.encode()).hexdigest()[:16]
+        with self.db.atomic():
+            if self._one("SELECT id FROM agents WHERE id = ?", [agent_id]):
+                self.db.execute(
+                    "UPDATE agents SET name = ?, slots = ?, free_slots = ?, software = ?, "
+                    "last_seen = ?, state = 'alive' WHERE id = ?",
+                    [name, slots, slots, software, now, agent_id],
+                )
+            else:
+                self.db.execute(
+                    "INSERT INTO agents (id, public_key, name, slots, free_slots, software, "
+                    "enrolled, last_seen, state) VALUES (?, ?, ?, ?, ?, ?, ?, ?, 'alive')",
+                    [agent_id, public_key, name, slots, slots, software, now, now],
+                )
+        return agent_id
+
+    def touch_agent(self, agent_id: str, now: float, free_slots: int | None) -> bool:
+        """Record a sign of life; False if the agent is unknown."""
+        with self.db.atomic():
+            if not self._one("SELECT id FROM agents WHERE id = ?", [agent_id]):
+                return False
+            if free_slots is None:
+                self.db.execute(
+                    "UPDATE agents SET last_seen = ?, state = 'alive' WHERE id = ?",
+                    [now, agent_id],
+                )
+            else:
+                self.db.execute(
+                    "UPDATE agents SET last_seen = ?, state = 'alive', free_slots = ? WHERE id = ?",
+                    [now, max(0, free_slots), agent_id],
+                )
+        return True
+
+    def list_agents(self) -> list[dict[str, Any]]:
+        return list(
+            self.db.query(
+                "SELECT a.id, a.name, a.slots, a.free_slots, a.last_seen, a.state, a.software, "
+                "(SELECT COUNT(*) FROM ranks r WHERE r.agent = a.id "
+                "AND r.state IN ('leased', 'running')) AS active FROM agents a ORDER BY a.name"
+            )
+        )
+
+    def count_live(self, agent_deadline: float, relay_deadline: float) -> tuple[int, int]:
+        """Agents and relays that are alive and heard from since their deadline."""
+        agents = self._one(
+            "SELECT COUNT(*) AS n FROM agents WHERE state = 'alive' AND last_seen >= ?",
+            [agent_deadline],
+        )
+        relays = self._one(
+            "SELECT COUNT(*) AS n FROM relays WHERE state = 'alive' AND last_seen >= ?",
+            [relay_deadline],
+        )
+        return (int(agents["n"]) if agents else 0, int(relays["n"]) if relays else 0)
+
+    # -- relays -------------------------------------------------------------------------------
+
+    def register_relay(self, reg: api.RelayRegister, now: float) -> None:
+        self.db.execute(
+            "INSERT INTO relays (name, host, port, software, registered, last_seen, state) "
+            "VALUES (?, ?, ?, ?, ?, ?, 'alive') ON CONFLICT(name) DO UPDATE SET "
+            "host = excluded.host, port = excluded.port, software = excluded.software, "
+            "registered = excluded.registered, last_seen = excluded.last_seen, state = 'alive'",
+            [reg.name, reg.host, reg.port, reg.software, now, now],
+        )
+
+    def relay_heartbeat(
+        self, name: str, load: api.RelayLoad, now: float, since: float
+    ) -> list[int] | None:
+        """Record the heartbeat; return the jobs finished since ``since`` that used the relay,
+        or None if the relay is unknown."""
+        with self.db.atomic():
+            if not self._one("SELECT name FROM relays WHERE name = ?", [name]):
+                return None
+            self.db.execute(
+                "UPDATE relays SET last_seen = ?, state = 'alive', load = ? WHERE name = ?",
+                [now, json.dumps(_load_dict(load)), name],
+            )
+            rows = self.db.query(
+                "SELECT DISTINCT j.id FROM jobs j, json_each(j.relays) r WHERE r.value = ? "
+                "AND j.state IN ('succeeded', 'failed', 'cancelled') AND j.finished >= ? "
+                "ORDER BY j.id",
+                [name, since],
+            )
+            return [int(r["id"]) for r in rows]
+
+    def list_relays(self) -> list[dict[str, Any]]:
+        rows = list(self.db.query("SELECT * FROM relays ORDER BY name"))
+        for row in rows:
+            row["load"] = json.loads(row["load"])
+        return rows
+
+    # -- output and results -------------------------------------------------------------------
+
+    def add_output(self, agent_id: str, chunks: list[api.OutputChunk]) -> set[int]:
+        """Store each chunk once; return the jobs that got new output."""
+        changed: set[int] = set()
+        with self.db.atomic():
+            for chunk in chunks:
+                self._check_runs(agent_id, chunk.job, chunk.rank, chunk.incarnation)
+                if not chunk.data:
+                    continue
+                cursor = self.db.execute(
+                    "INSERT OR IGNORE INTO output (job, rank, stream, offset, data) "
+                    "VALUES (?, ?, ?, ?, ?)",
+                    [chunk.job, chunk.rank, chunk.stream, chunk.offset, chunk.data],
+                )
+                if cursor.rowcount:
+                    changed.add(chunk.job)
+        return changed
+
+    def output_page(
+        self, job: int, after: int, rank: int | None, limit: int
+    ) -> tuple[list[api.OutputRecord], bool]:
+        """Records with id > ``after`` (at most ``limit``) and whether more remain."""
+        sql = "SELECT id, rank, stream, data FROM output WHERE job = ? AND id > ?"
+        params: list[Any] = [job, after]
+        if rank is not None:
+            sql += " AND rank = ?"
+            params.append(rank)
+        rows = list(self.db.query(sql + " ORDER BY id LIMIT ?", [*params, limit + 1]))
+        records = [
+            api.OutputRecord(id=r["id"], rank=r["rank"], stream=r["stream"], data=r["data"])
+            for r in rows[:limit]
+        ]
+        return records, len(rows) > limit
+
+    def output_streams(self, job: int) -> dict[tuple[int, str], bytes]:
+        """Each rank's stdout and stderr, reassembled by offset."""
+        streams: dict[tuple[int, str], bytearray] = {}
+        for r in self.db.query(
+            "SELECT rank, stream, offset, data FROM output WHERE job = ? "
+            "ORDER BY rank, stream, offset",
+            [job],
+        ):
+            buf = streams.setdefault((r["rank"], r["stream"]), bytearray())
+            # Re-sent chunks may overlap what we hold: keep only the new tail.
+            skip = len(buf) - r["offset"]
+            data = r["data"][skip:] if skip > 0 else r["data"]
+            buf += data
+        return {key: bytes(value) for key, value in streams.items()}
+
+    def add_result(self, agent_id: str, job: int, rank: int, incarnation: int, blob: str) -> None:
+        with self.db.atomic():
+            self._check_runs(agent_id, job, rank, incarnation)
+            self.db.execute(
+                "INSERT OR REPLACE INTO results (job, rank, incarnation, blob) VALUES (?, ?, ?, ?)",
+                [job, rank, incarnation, blob],
+            )
+
+    def job_results(self, job: int) -> dict[int, str]:
+        """Results blob of each rank's current incarnation."""
+        rows = self.db.query(
+            "SELECT r.rank, s.blob FROM ranks r JOIN results s ON s.job = r.job "
+            "AND s.rank = r.rank AND s.incarnation = r.incarnation WHERE r.job = ?",
+            [job],
+        )
+        return {int(r["rank"]): str(r["blob"]) for r in rows}
+
+    def _check_runs(self, agent_id: str, job: int, rank: int, incarnation: int) -> None:
+        if not self._one(
+            "SELECT 1 FROM incarnations WHERE job = ? AND rank = ? AND incarnation = ? "
+            "AND agent = ?",
+            [job, rank, incarnation, agent_id],
+        ):
+            raise Forbidden(
+                f"job {job} rank {rank} incarnation {incarnation} is not leased to this agent",
+                code="not_your_rank",
+            )
+
+
+def _load_dict(load: api.RelayLoad) -> dict[str, int]:
+    return {
+        "connections": load.connections,
+        "ranks": load.ranks,
+        "messages_stored": load.messages_stored,
+        "bytes_stored": load.bytes_stored,
+    }

@@ -1,0 +1,71 @@
+"""Request and response plumbing shared by the API routers: msgspec JSON in and out, bounded
+bodies, bearer credentials."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import msgspec
+from fastapi import Request, Response
+
+from vpool.coordinator.errors import BadRequest, TooLarge, Unauthorized
+
+if TYPE_CHECKING:
+    from vpool.coordinator.service import Coordinator
+
+T = TypeVar("T")
+JSON = "application/json"
+EMPTY = b"{}"
+
+
+def coordinator(request: Request) -> Coordinator:
+    c: Coordinator = request.app.state.coordinator
+    return c
+
+
+def reply(obj: Any, status: int = 200) -> Response:
+    return Response(msgspec.json.encode(obj), status_code=status, media_type=JSON)
+
+
+def empty() -> Response:
+    return Response(EMPTY, media_type=JSON)
+
+
+def declared_length(request: Request, limit: int) -> None:
+    raw = request.headers.get("content-length")
+    if raw is not None and raw.isdigit() and int(raw) > limit:
+        raise TooLarge(f"the body is larger than {limit} bytes")
+
+
+async def body(request: Request, limit: int) -> bytes:
+    declared_length(request, limit)
+    data = bytearray()
+    async for chunk in request.stream():
+        data += chunk
+        if len(data) > limit:
+            raise TooLarge(f"the body is larger than {limit} bytes")
+    return bytes(data)
+
+
+async def decode(request: Request, type_: type[T]) -> T:
+    raw = await body(request, coordinator(request).settings.max_request_bytes)
+    try:
+        return msgspec.json.decode(raw, type=type_)
+    except msgspec.ValidationError as exc:
+        raise BadRequest(f"invalid {type_.__name__}: {exc}") from exc
+    except msgspec.DecodeError as exc:
+        raise BadRequest(f"the body is not valid JSON: {exc}") from exc
+
+
+def bearer(request: Request) -> str:
+    header = request.headers.get("authorization", "")
+    scheme, _, token = header.partition(" ")
+    if not header:
+        raise Unauthorized(
+            "an Authorization: Bearer <token> header is required", code="missing_token"
+        )
+    if scheme.lower() != "bearer" or not token.strip():
+        raise Unauthorized(
+            "the Authorization header must be 'Bearer <token>'", code="malformed_token"
+        )
+    return token.strip()

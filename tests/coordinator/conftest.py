@@ -1,0 +1,43 @@
+"""Fixtures of the coordinator tests. The helpers live in ``coord_helpers.py`` next to this
+file; pytest runs with --import-mode=importlib, so it is registered here by path before any test
+module imports it."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from vpool.coordinator.app import create_app
+from vpool.coordinator.service import Coordinator
+
+
+def _load_helpers() -> None:
+    if "coord_helpers" in sys.modules:
+        return
+    spec = importlib.util.spec_from_file_location(
+        "coord_helpers", Path(__file__).with_name("coord_helpers.py")
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["coord_helpers"] = module
+    spec.loader.exec_module(module)
+
+
+_load_helpers()
+from coord_helpers import FakeClock, Pool, test_settings  # noqa: E402
+
+
+@pytest.fixture
+async def pool(tmp_path: Path) -> AsyncIterator[Pool]:
+    clock = FakeClock()
+    core = Coordinator(test_settings(tmp_path), clock=clock)
+    app = create_app(core.settings, coordinator=core)
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://coordinator") as client:
+        yield Pool(client, core, clock)
+    core.close()

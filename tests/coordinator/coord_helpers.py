@@ -1,0 +1,213 @@
+"""Helpers of the coordinator tests: an in-process pool driven through httpx, a fake clock."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import time
+import zipfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+import httpx
+import msgspec
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from vpool.coordinator import keys
+from vpool.coordinator.service import Coordinator
+from vpool.coordinator.settings import CoordinatorSettings
+from vpool.protocol import api
+from vpool.protocol.tokens import sign_possession
+
+T = TypeVar("T")
+RELAY_SECRET = "relay-secret-for-tests"
+HELLO = b"from mpi4py import MPI\nprint('hello from', MPI.COMM_WORLD.Get_rank())\n"
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = time.time()
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def make_zip(files: dict[str, bytes]) -> bytes:
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as zf:
+        for name, data in files.items():
+            zf.writestr(name, data)
+    return buf.getvalue()
+
+
+def sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def decode(response: httpx.Response, type_: type[T]) -> T:
+    assert response.status_code < 300, (response.status_code, response.text)
+    return msgspec.json.decode(response.content, type=type_)
+
+
+@dataclass
+class Agent:
+    id: str
+    token: str
+    key: Ed25519PrivateKey
+    headers: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class Pool:
+    client: httpx.AsyncClient
+    core: Coordinator
+    clock: FakeClock
+    users: dict[str, str] = field(default_factory=dict)
+
+    def add_user(self, name: str) -> dict[str, str]:
+        token, token_hash = keys.new_api_token()
+        self.core.store.add_user(name, token_hash, self.clock())
+        self.users[name] = token
+        return {"Authorization": f"Bearer {token}"}
+
+    def user(self, name: str = "alice") -> dict[str, str]:
+        if name not in self.users:
+            return self.add_user(name)
+        return {"Authorization": f"Bearer {self.users[name]}"}
+
+    async def post(self, url: str, body: Any, headers: dict[str, str]) -> httpx.Response:
+        return await self.client.post(url, content=msgspec.json.encode(body), headers=headers)
+
+    async def upload(self, data: bytes, user: str = "alice") -> str:
+        digest = sha(data)
+        r = await self.client.put(f"/api/v1/blobs/{digest}", content=data, headers=self.user(user))
+        assert decode(r, api.BlobInfo).size == len(data)
+        return digest
+
+    async def submit(
+        self,
+        ranks: int,
+        *,
+        user: str = "alice",
+        program: bytes = HELLO,
+        stdin: bytes | None = None,
+        args: list[str] | None = None,
+    ) -> api.JobInfo:
+        bundle = await self.upload(make_zip({"app.py": program, "input.txt": b"42\n"}), user)
+        stdin_sha = await self.upload(stdin, user) if stdin is not None else None
+        sub = api.JobSubmit(
+            ranks=ranks,
+            bundle=bundle,
+            entry="app.py",
+            args=args or [],
+            stdin=stdin_sha,
+            name=f"job-of-{user}",
+        )
+        r = await self.post("/api/v1/jobs", sub, self.user(user))
+        assert r.status_code == 201, r.text
+        return decode(r, api.JobInfo)
+
+    async def job(self, job_id: int, user: str = "alice") -> api.JobDetail:
+        r = await self.client.get(f"/api/v1/jobs/{job_id}", headers=self.user(user))
+        return decode(r, api.JobDetail)
+
+    async def enroll(self, name: str = "agent-1", slots: int = 2) -> Agent:
+        key = Ed25519PrivateKey.generate()
+        return await self.enroll_key(key, name, slots)
+
+    async def enroll_key(self, key: Ed25519PrivateKey, name: str, slots: int) -> Agent:
+        ts = self.clock()
+        pub, sig = sign_possession(key, ts)
+        req = api.EnrollRequest(public_key=pub, timestamp=ts, signature=sig, name=name, slots=slots)
+        resp = decode(await self.post("/api/v1/agents/enroll", req, {}), api.EnrollResponse)
+        return Agent(
+            resp.agent_id, resp.agent_token, key, {"Authorization": f"Bearer {resp.agent_token}"}
+        )
+
+    async def lease(self, agent: Agent, free: int = 8, wait: float = 0.0) -> list[api.Lease]:
+        r = await self.post(
+            "/api/v1/agents/lease", api.LeaseRequest(free_slots=free, wait=wait), agent.headers
+        )
+        return decode(r, api.LeaseResponse).leases
+
+    async def heartbeat(
+        self, agent: Agent, ranks: list[api.Lease], free: int = 8, state: str = "running"
+    ) -> api.AgentHeartbeatResponse:
+        hb = api.AgentHeartbeat(
+            ranks=[
+                api.RankState(job=x.job, rank=x.rank, incarnation=x.incarnation, state=state)
+                for x in ranks
+            ],
+            free_slots=free,
+        )
+        return decode(
+            await self.post("/api/v1/agents/heartbeat", hb, agent.headers),
+            api.AgentHeartbeatResponse,
+        )
+
+    async def exit(
+        self, agent: Agent, lease: api.Lease, code: int = 0, aborted: bool = False
+    ) -> httpx.Response:
+        ex = api.RankExit(
+            job=lease.job,
+            rank=lease.rank,
+            incarnation=lease.incarnation,
+            code=code,
+            aborted=aborted,
+        )
+        return await self.post("/api/v1/agents/exit", ex, agent.headers)
+
+    async def output(
+        self, agent: Agent, lease: api.Lease, stream: str, offset: int, data: bytes
+    ) -> httpx.Response:
+        chunk = api.OutputChunk(
+            job=lease.job,
+            rank=lease.rank,
+            incarnation=lease.incarnation,
+            stream=stream,
+            offset=offset,
+            data=data,
+        )  # type: ignore[arg-type]
+        return await self.post(
+            "/api/v1/agents/output", api.OutputBatch(chunks=[chunk]), agent.headers
+        )
+
+    async def register_relay(self, name: str = "relay-0", port: int = 7000) -> None:
+        r = await self.post(
+            "/api/v1/relays/register",
+            api.RelayRegister(name=name, host="127.0.0.1", port=port),
+            {"Authorization": f"Bearer {RELAY_SECRET}"},
+        )
+        decode(r, api.RelayRegistered)
+
+    async def relay_heartbeat(self, name: str = "relay-0") -> api.RelayHeartbeatResponse:
+        r = await self.post(
+            "/api/v1/relays/heartbeat",
+            api.RelayHeartbeat(name=name, load=api.RelayLoad()),
+            {"Authorization": f"Bearer {RELAY_SECRET}"},
+        )
+        return decode(r, api.RelayHeartbeatResponse)
+
+
+def test_settings(tmp_path: Path, **overrides: Any) -> CoordinatorSettings:
+    values: dict[str, Any] = {
+        "state_dir": str(tmp_path / "state"),
+        "relay_secret": RELAY_SECRET,
+        "insecure_http": True,
+        "heartbeat_interval": 1.0,
+        "agent_timeout": 10.0,
+        "relay_timeout": 10.0,
+        "max_blob_bytes": 1 << 20,
+        "max_ranks": 16,
+        "pool_name": "test-pool",
+        "max_request_bytes": 256 << 10,
+    }
+    values.update(overrides)
+    return CoordinatorSettings(**values)
+
+
+test_settings.__test__ = False  # type: ignore[attr-defined]

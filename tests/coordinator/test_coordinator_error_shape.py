@@ -1,0 +1,242 @@
+"""Every bad request gets a 4xx and exactly ``{"error": {"code": str, "message": str}}``."""
+
+from __future__ import annotations
+
+import hashlib
+
+import httpx
+from coord_helpers import RELAY_SECRET, Pool, make_zip, sha
+
+from vpool.protocol import api
+from vpool.protocol.tokens import sign_possession
+
+
+def assert_error(r: httpx.Response, status: int, code: str | None = None) -> None:
+    assert r.status_code == status, (r.request.method, r.request.url, r.status_code, r.text)
+    body = r.json()
+    assert set(body) == {"error"}, body
+    assert set(body["error"]) == {"code", "message"}, body
+    assert isinstance(body["error"]["code"], str) and isinstance(body["error"]["message"], str)
+    assert "Traceback" not in body["error"]["message"]
+    if code is not None:
+        assert body["error"]["code"] == code, body
+
+
+async def test_every_error_has_the_one_shape(pool: Pool) -> None:
+    c = pool.client
+    user = pool.user()
+    relay = {"Authorization": f"Bearer {RELAY_SECRET}"}
+    await pool.register_relay()
+    agent = await pool.enroll(slots=1)
+    good = make_zip({"app.py": b"print('hi')\n"})
+    bundle = await pool.upload(good)
+    not_zip = await pool.upload(b"this is not a zip")
+    not_py = await pool.upload(make_zip({"app.py": b"def broken(:\n"}))
+
+    def job(**kw: object) -> bytes:
+        base: dict[str, object] = {"ranks": 1, "bundle": bundle, "entry": "app.py"}
+        base.update(kw)
+        return httpx.Request("POST", "/", json=base).content
+
+    cases: list[tuple[str, str, dict[str, str], bytes | None, int, str | None]] = [
+        # (method, url, headers, body, status, code)
+        ("POST", "/api/v1/jobs", user, b"{not json", 422, "bad_request"),
+        ("POST", "/api/v1/jobs", user, b"[1, 2]", 422, "bad_request"),
+        ("POST", "/api/v1/jobs", user, b"\xff\xfe\x00", 422, "bad_request"),
+        ("POST", "/api/v1/jobs", user, b"", 422, "bad_request"),
+        ("POST", "/api/v1/jobs", user, job(ranks="two"), 422, "bad_request"),
+        ("POST", "/api/v1/jobs", user, b'{"ranks": 1}', 422, "bad_request"),
+        ("POST", "/api/v1/jobs", user, job(ranks=0), 422, "bad_ranks"),
+        ("POST", "/api/v1/jobs", user, job(ranks=10_000), 422, "bad_ranks"),
+        ("POST", "/api/v1/jobs", user, job(bundle="0" * 64), 422, "unknown_blob"),
+        ("POST", "/api/v1/jobs", user, job(bundle="nope"), 422, "bad_request"),
+        ("POST", "/api/v1/jobs", user, job(stdin="1" * 64), 422, "unknown_blob"),
+        ("POST", "/api/v1/jobs", user, job(bundle=not_zip), 422, "bad_bundle"),
+        ("POST", "/api/v1/jobs", user, job(bundle=not_py), 422, "not_python"),
+        ("POST", "/api/v1/jobs", user, job(entry="missing.py"), 422, "bad_bundle"),
+        ("POST", "/api/v1/jobs", user, job(entry="../app.py"), 422, "bad_bundle"),
+        ("POST", "/api/v1/jobs", user, b"x" * (300 << 10), 413, "too_large"),
+        ("POST", "/api/v1/jobs", {}, job(), 401, "missing_token"),
+        ("POST", "/api/v1/jobs", {"Authorization": "Basic abc"}, job(), 401, None),
+        ("POST", "/api/v1/jobs", {"Authorization": "Bearer wrong"}, job(), 401, "bad_token"),
+        ("GET", "/api/v1/whoami", {"Authorization": "Bearer "}, None, 401, None),
+        ("GET", "/api/v1/jobs/999", user, None, 404, "unknown_job"),
+        ("GET", "/api/v1/jobs/abc", user, None, 422, "bad_request"),
+        ("GET", "/api/v1/jobs/999/output", user, None, 404, "unknown_job"),
+        ("GET", "/api/v1/jobs/1/output?wait=soon", user, None, 422, "bad_request"),
+        ("GET", "/api/v1/jobs/1/output?after=-x", user, None, 422, "bad_request"),
+        ("POST", "/api/v1/jobs/999/cancel", user, None, 404, "unknown_job"),
+        ("GET", "/api/v1/jobs/999/results", user, None, 404, "unknown_job"),
+        ("PUT", f"/api/v1/blobs/{'0' * 64}", user, b"abc", 400, "hash_mismatch"),
+        ("PUT", "/api/v1/blobs/NOT-A-HASH", user, b"abc", 422, "bad_request"),
+        ("PUT", f"/api/v1/blobs/{sha(b'x' * (2 << 20))}", user, b"x" * (2 << 20), 413, "too_large"),
+        ("PUT", f"/api/v1/blobs/{sha(b'abc')}", {}, b"abc", 401, "missing_token"),
+        ("GET", "/api/v1/nothing-here", user, None, 404, "not_found"),
+        ("DELETE", "/api/v1/jobs", user, None, 405, "method_not_allowed"),
+        (
+            "POST",
+            "/api/v1/agents/lease",
+            {"Authorization": "Bearer x.y"},
+            b"{}",
+            401,
+            "malformed_token",
+        ),
+        ("POST", "/api/v1/agents/lease", {"Authorization": "Bearer abc"}, b"{}", 401, None),
+        ("POST", "/api/v1/agents/lease", agent.headers, b'{"free_slots": "x"}', 422, "bad_request"),
+        ("POST", "/api/v1/agents/heartbeat", agent.headers, b'{"ranks": 5}', 422, "bad_request"),
+        (
+            "POST",
+            "/api/v1/agents/exit",
+            agent.headers,
+            b'{"job": 999, "rank": 0, "incarnation": 1, "code": 0}',
+            403,
+            "not_your_rank",
+        ),
+        (
+            "POST",
+            "/api/v1/agents/output",
+            agent.headers,
+            b'{"chunks": [{"job": 1, "rank": 0, "incarnation": 1, "stream": "stdin", '
+            b'"offset": 0, "data": ""}]}',
+            422,
+            "bad_request",
+        ),
+        ("GET", f"/api/v1/agents/blobs/{'2' * 64}", agent.headers, None, 404, "unknown_blob"),
+        ("GET", f"/api/v1/agents/blobs/{bundle}", user, None, 401, None),
+        ("PUT", "/api/v1/agents/results/1/0/1", agent.headers, b"not a zip", 422, "bad_results"),
+        ("PUT", "/api/v1/agents/results/999/0/1", agent.headers, good, 403, "not_your_rank"),
+        ("PUT", "/api/v1/agents/results/x/0/1", agent.headers, good, 422, "bad_request"),
+        ("POST", "/api/v1/agents/enroll", {}, b'{"public_key": 1}', 422, "bad_request"),
+        (
+            "POST",
+            "/api/v1/relays/register",
+            {"Authorization": "Bearer nope"},
+            b'{"name": "r", "host": "h", "port": 1}',
+            401,
+            "bad_token",
+        ),
+        (
+            "POST",
+            "/api/v1/relays/register",
+            relay,
+            b'{"name": "r", "host": "h", "port": 0}',
+            422,
+            "bad_request",
+        ),
+        (
+            "POST",
+            "/api/v1/relays/heartbeat",
+            relay,
+            b'{"name": "ghost", "load": {}}',
+            404,
+            "unknown_relay",
+        ),
+        ("POST", "/api/v1/relays/lost", relay, b'{"name": "r", "lost": [{}]}', 422, "bad_request"),
+    ]
+    for method, url, headers, body, status, code in cases:
+        r = await c.request(method, url, headers=headers, content=body)
+        assert_error(r, status, code)
+
+
+async def test_enroll_errors(pool: Pool) -> None:
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    key, other = Ed25519PrivateKey.generate(), Ed25519PrivateKey.generate()
+    now = pool.clock()
+    pub, sig = sign_possession(key, now)
+    _, other_sig = sign_possession(other, now)
+    _, old_sig = sign_possession(key, now - 3600)
+    for req, status, code in (
+        (api.EnrollRequest(pub, now, other_sig, "a", 1), 401, "forged_token"),
+        (api.EnrollRequest(pub, now - 3600, old_sig, "a", 1), 401, "expired_token"),
+        (api.EnrollRequest("AAAA", now, sig, "a", 1), 401, "malformed_token"),
+        (api.EnrollRequest(pub, now, sig, "a", 0), 422, "bad_request"),
+    ):
+        assert_error(await pool.post("/api/v1/agents/enroll", req, {}), status, code)
+
+
+async def test_enroll_secret(tmp_path: object) -> None:
+    from pathlib import Path
+
+    from coord_helpers import FakeClock, test_settings
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    from vpool.coordinator.app import create_app
+    from vpool.coordinator.service import Coordinator
+
+    assert isinstance(tmp_path, Path)
+    clock = FakeClock()
+    core = Coordinator(test_settings(tmp_path, enroll_secret="s3cret"), clock=clock)
+    transport = httpx.ASGITransport(app=create_app(core.settings, coordinator=core))
+    async with httpx.AsyncClient(transport=transport, base_url="http://c") as c:
+        pub, sig = sign_possession(Ed25519PrivateKey.generate(), clock())
+        for secret, status in (("", 403), ("wrong", 403), ("s3cret", 200)):
+            req = api.EnrollRequest(pub, clock(), sig, "a", 1, enroll_secret=secret)
+            r = await c.post(
+                "/api/v1/agents/enroll",
+                content=httpx.Request(
+                    "POST",
+                    "/",
+                    json={
+                        "public_key": req.public_key,
+                        "timestamp": req.timestamp,
+                        "signature": req.signature,
+                        "name": "a",
+                        "slots": 1,
+                        "enroll_secret": secret,
+                    },
+                ).content,
+            )
+            if status == 200:
+                assert r.status_code == 200
+            else:
+                assert_error(r, status, "bad_enroll_secret")
+    core.close()
+
+
+async def test_relays_refused_without_secret(tmp_path: object) -> None:
+    from pathlib import Path
+
+    from coord_helpers import FakeClock, test_settings
+
+    from vpool.coordinator.app import create_app
+    from vpool.coordinator.service import Coordinator
+
+    assert isinstance(tmp_path, Path)
+    core = Coordinator(test_settings(tmp_path, relay_secret=""), clock=FakeClock())
+    transport = httpx.ASGITransport(app=create_app(core.settings, coordinator=core))
+    async with httpx.AsyncClient(transport=transport, base_url="http://c") as c:
+        r = await c.post(
+            "/api/v1/relays/register",
+            headers={"Authorization": "Bearer "},
+            content=b'{"name": "r", "host": "h", "port": 1}',
+        )
+        assert_error(r, 401, "malformed_token")
+        r = await c.post(
+            "/api/v1/relays/register",
+            headers={"Authorization": "Bearer x"},
+            content=b'{"name": "r", "host": "h", "port": 1}',
+        )
+        assert_error(r, 403, "relays_disabled")
+    core.close()
+
+
+def test_sha_helper() -> None:
+    assert sha(b"") == hashlib.sha256(b"").hexdigest()
+
+
+async def test_internal_error_leaks_nothing(pool: Pool) -> None:
+    def broken() -> None:
+        raise RuntimeError("secret detail")
+
+    pool.core.live_pool_info = broken  # type: ignore[assignment,method-assign]
+    from vpool.coordinator.app import create_app
+
+    app = create_app(pool.core.settings, coordinator=pool.core)
+    transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+    async with httpx.AsyncClient(transport=transport, base_url="http://c") as client:
+        r = await client.get("/api/v1/pool")
+    assert r.status_code == 500
+    assert r.json() == {
+        "error": {"code": "internal", "message": "internal error; see the coordinator's log"}
+    }
