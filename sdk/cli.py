@@ -1,0 +1,188 @@
+"""``vsdk``: the scientist's command line, a thin layer over ``vpool.sdk``.
+
+Exit codes: 0 ok; a job's own exit code (``submit --wait``, ``wait``); 1 error; 2 usage;
+3 job failed without an exit code (a rank was lost); 4 job cancelled; 5 cannot reach the
+coordinator or authentication failed.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import click
+
+from vpool import paths
+from vpool.sdk import clientconfig
+from vpool.sdk.cli_common import (
+    Settings,
+    VsdkGroup,
+    exit_with,
+    json_option,
+    note,
+    pass_settings,
+    print_json,
+)
+from vpool.sdk.cli_jobs import COMMANDS as JOB_COMMANDS
+from vpool.sdk.cli_local import local
+from vpool.sdk.errors import VsdkError
+
+
+@click.group(cls=VsdkGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.option(
+    "--config",
+    type=click.Path(dir_okay=False, path_type=Path),
+    envvar="VSDK_CONFIG",
+    help="Client config file (default: the one `vsdk login` writes).",
+)
+@click.option("--url", envvar="VSDK_URL", help="Coordinator URL (overrides the config).")
+@click.option("--token", envvar="VSDK_TOKEN", help="API token (overrides the config).")
+@click.option(
+    "--ca",
+    type=click.Path(dir_okay=False, path_type=Path),
+    envvar="VSDK_CA",
+    help="CA certificate of the pool (overrides the config).",
+)
+@click.option("-q", "--quiet", is_flag=True, help="No progress messages on stderr.")
+@click.version_option(package_name="vpool", prog_name="vsdk")
+@click.pass_context
+def cli(
+    ctx: click.Context,
+    config: Path | None,
+    url: str | None,
+    token: str | None,
+    ca: Path | None,
+    quiet: bool,
+) -> None:
+    """Run unmodified mpi4py programs on a vpool volunteer pool.
+
+    \b
+    Examples:
+      vsdk local up                                  # a pool on this machine
+      vsdk submit examples/pi.py --ranks 8 --wait    # output as with mpiexec
+      vsdk mpiexec -n 4 python app.py                # same, mpiexec style
+      vsdk jobs
+
+    \b
+    Exit codes: 0 ok, or the job's own exit code; 1 error; 2 usage; 3 job failed without an
+    exit code (rank lost); 4 job cancelled; 5 cannot reach the coordinator or auth error.
+    """
+    ctx.obj = Settings(config=config, url=url, token=token, ca=ca, quiet=quiet)
+
+
+for _command in JOB_COMMANDS:
+    cli.add_command(_command)
+cli.add_command(local)
+
+
+@cli.command()
+@click.argument("url")
+@click.option("--token", "login_token", required=True, help="Your API token.")
+@click.option(
+    "--ca",
+    "login_ca",
+    type=click.Path(dir_okay=False, exists=True, path_type=Path),
+    help="The pool's CA certificate (if the coordinator's is not publicly trusted).",
+)
+@click.option("--no-check", is_flag=True, help="Save without contacting the coordinator.")
+@pass_settings
+def login(
+    settings: Settings, url: str, login_token: str, login_ca: Path | None, no_check: bool
+) -> None:
+    """Save the coordinator URL, your token and the pool's CA in the client config.
+
+    \b
+    Example:
+      vsdk login https://pool.example.org:8443 --token abc123 --ca pool-ca.pem
+    """
+    if not url.startswith(("https://", "http://")):
+        raise click.BadParameter("must start with https:// (or http://)", param_hint="URL")
+    cfg = clientconfig.ClientConfig(url=url.rstrip("/"), token=login_token, ca=login_ca)
+    if not no_check:
+        from vpool.sdk.client import Client
+
+        with Client(cfg.url, cfg.token, ca=cfg.ca) as client:
+            user = client.whoami()
+        note(settings, f"logged in to {cfg.url} as {user.name}")
+    path = clientconfig.save(cfg, settings.config)
+    note(settings, f"client config written to {path}")
+
+
+@cli.command()
+@json_option
+@pass_settings
+def info(settings: Settings, as_json: bool) -> None:
+    """Show the pool you are using and who you are there.
+
+    \b
+    Example:
+      vsdk info
+    """
+    with settings.client() as client:
+        pool, user = client.pool_info(), client.whoami()
+        url = client.url
+    if as_json:
+        print_json({"url": url, "pool": pool, "user": user})
+    else:
+        click.echo(f"pool {pool.name!r} at {url} (vpool {pool.version}, API v{pool.api_version})")
+        click.echo(f"user {user.name}")
+
+
+@cli.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
+@click.option(
+    "-n", "-np", "ranks", type=click.IntRange(min=1), required=True, help="Number of ranks."
+)
+@click.option(
+    "--stdin",
+    type=click.Path(dir_okay=False, exists=True, path_type=Path),
+    help="A file fed to rank 0's stdin.",
+)
+@click.argument("argv", nargs=-1, required=True, type=click.UNPROCESSED)
+def mpiexec(ranks: int, stdin: Path | None, argv: tuple[str, ...]) -> None:
+    """Run a program like `mpiexec -n N`, on this machine, without any MPI installed.
+
+    ARGV is the program and its arguments (a leading `python` is optional).
+
+    \b
+    Example:
+      vsdk mpiexec -n 4 python examples/pi.py 1000000
+      vsdk mpiexec -n 8 -- examples/ring.py
+    """
+    try:
+        from vpool.sdk import mpiexec as mpiexec_mod
+    except ImportError as exc:
+        raise VsdkError(f"vsdk mpiexec is not available: {exc}") from exc
+    args = list(argv)
+    if args and os.path.basename(args[0]).startswith("python") and len(args) > 1:
+        args = args[1:]  # `mpiexec -n 4 python app.py` and `mpiexec -n 4 app.py` are the same
+    exit_with(int(mpiexec_mod.run(ranks, args, stdin=stdin) or 0))
+
+
+@cli.command()
+@click.pass_context
+def config(ctx: click.Context) -> None:
+    """Show the client config in use (the token is not shown).
+
+    \b
+    Example:
+      vsdk config
+    """
+    settings: Settings = ctx.ensure_object(Settings)
+    path = settings.config
+    cfg = clientconfig.load(path)
+    print_json(
+        {
+            "file": str(path or paths.client_config_file()),
+            "url": cfg.url,
+            "ca": str(cfg.ca) if cfg.ca else None,
+            "token": "set" if cfg.token else "missing",
+        }
+    )
+
+
+def main() -> None:
+    cli.main(prog_name="vsdk")
+
+
+if __name__ == "__main__":
+    main()

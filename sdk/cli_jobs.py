@@ -1,0 +1,358 @@
+"""``vsdk`` commands about jobs: submit, status, logs, wait, cancel, jobs, results."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import click
+
+from vpool.protocol.api import TERMINAL_STATES, JobDetail, JobInfo
+from vpool.sdk.cli_common import Settings, exit_with, json_option, note, pass_settings, print_json
+from vpool.sdk.output import LineAssembler, LineWriter, job_exit_code
+
+JOB = click.argument("job", type=int, metavar="JOB")
+LABEL = click.option(
+    "-l", "--label", is_flag=True, help="Prefix each output line with [rank], like mpiexec -l."
+)
+
+
+def _when(t: float | None) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t)) if t else "-"
+
+
+def _duration(job: JobInfo) -> str:
+    if job.started is None:
+        return ""
+    end = job.finished if job.finished is not None else time.time()
+    return f"{end - job.started:.1f} s"
+
+
+def _summary(job: JobInfo) -> str:
+    text = f"job {job.id} {job.state}"
+    if job.exit_code is not None and job.state != "succeeded":
+        text += f" with exit code {job.exit_code}"
+    if job.reason and job.state != "succeeded":
+        text += f": {job.reason}"
+    return text
+
+
+def finish(settings: Settings, job: JobInfo, *, as_json: bool = False) -> None:
+    """Report an ended job and exit as ``vsdk`` promises: 0, the job's code, 3 or 4."""
+    if as_json:
+        print_json(job)
+    if job.state == "succeeded":
+        note(settings, f"job {job.id} succeeded ({_duration(job)})")
+    else:
+        # Failures are always said, even with --quiet: the exit code alone hides the reason.
+        click.echo(f"vsdk: {_summary(job)}", err=True)
+    exit_with(job_exit_code(job))
+
+
+def stream_output(
+    client: Any,
+    settings: Settings,
+    job_id: int,
+    *,
+    rank: int | None = None,
+    label: bool = False,
+    progress: bool = True,
+) -> None:
+    """Stream a job's output as whole lines per rank (stdout to stdout, stderr to stderr)
+    until the job ended and all its output arrived."""
+    assembler = LineAssembler(label=label)
+    writer = LineWriter(sys.stdout.buffer, sys.stderr.buffer)
+    last_state = None
+    try:
+        for page in client.follow_pages(job_id, rank):
+            if progress and page.state != last_state and page.state in ("queued", "running"):
+                note(settings, f"job {job_id} {page.state}")
+            last_state = page.state
+            writer.write(assembler.feed_records(page.records))
+    except KeyboardInterrupt:
+        writer.write(assembler.flush())
+        click.echo(
+            f"vsdk: stopped following job {job_id}; it keeps running "
+            f"(`vsdk logs {job_id} --follow`, `vsdk cancel {job_id}`)",
+            err=True,
+        )
+        exit_with(130)
+    writer.write(assembler.flush())
+
+
+@click.command(context_settings={"ignore_unknown_options": False})
+@click.argument("program", type=click.Path(path_type=Path))
+@click.argument("args", nargs=-1, type=click.UNPROCESSED)
+@click.option(
+    "-n",
+    "--ranks",
+    type=click.IntRange(min=1),
+    required=True,
+    help="Number of ranks (like mpiexec -n).",
+)
+@click.option(
+    "-i",
+    "--input",
+    "inputs",
+    multiple=True,
+    type=click.Path(path_type=Path),
+    help="A file the program reads, put next to it (repeatable).",
+)
+@click.option("--stdin", type=click.Path(path_type=Path), help="A file fed to rank 0's stdin.")
+@click.option("--name", help="A name for the job (default: the program's file name).")
+@click.option("--entry", help="The program inside a .zip (default: __main__.py).")
+@click.option(
+    "-w", "--wait", is_flag=True, help="Stream the output and exit with the job's exit code."
+)
+@LABEL
+@json_option
+@pass_settings
+def submit(
+    settings: Settings,
+    program: Path,
+    args: tuple[str, ...],
+    ranks: int,
+    inputs: tuple[Path, ...],
+    stdin: Path | None,
+    name: str | None,
+    entry: str | None,
+    wait: bool,
+    label: bool,
+    as_json: bool,
+) -> None:
+    """Run PROGRAM (a .py file or a .zip) on the pool with ARGS.
+
+    \b
+    Examples:
+      vsdk submit examples/pi.py --ranks 8 --wait -- 1000000
+      JOB=$(vsdk submit app.py -n 4 --input data.csv) && vsdk logs $JOB --follow
+
+    Without --wait, prints the job id (or the job as JSON with --json) and returns at once.
+    With --wait, stdout carries only the program's output (the ranks' stdout, whole lines,
+    merged as mpiexec does), progress goes to stderr, and vsdk exits with the job's exit
+    code: 3 if a rank was lost, 4 if the job was cancelled. --wait --json prints the ended
+    job as JSON instead of its output.
+    """
+    with settings.client() as client:
+        job = client.submit(
+            program,
+            ranks,
+            inputs=list(inputs),
+            stdin=stdin,
+            args=list(args),
+            name=name,
+            entry=entry,
+        )
+        what = f"{ranks} rank{'s' if ranks != 1 else ''}"
+        if not wait:
+            if as_json:
+                print_json(job)
+            else:
+                click.echo(job.id)
+            note(
+                settings,
+                f"job {job.id} submitted ({what}); `vsdk logs {job.id} --follow` shows its output",
+            )
+            return
+        note(settings, f"job {job.id} submitted ({what})")
+        if as_json:
+            finish(settings, client.wait(job.id), as_json=True)
+        stream_output(client, settings, job.id, label=label)
+        finish(settings, client.status(job.id).job)
+
+
+def _rank_table(detail: JobDetail) -> str:
+    rows = [("RANK", "INC", "STATE", "EXIT", "AGENT", "RELAY")]
+    for r in detail.ranks:
+        rows.append(
+            (
+                str(r.rank),
+                str(r.incarnation),
+                r.state,
+                "-" if r.exit_code is None else str(r.exit_code),
+                r.agent or "-",
+                r.relay or "-",
+            )
+        )
+    return _table(rows)
+
+
+def _table(rows: list[tuple[str, ...]]) -> str:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return "\n".join(
+        "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
+        for row in rows
+    )
+
+
+@click.command()
+@JOB
+@json_option
+@pass_settings
+def status(settings: Settings, job: int, as_json: bool) -> None:
+    """Show a job: state, exit code, reason, its ranks and its events.
+
+    \b
+    Example:
+      vsdk status 12
+      vsdk status 12 --json | jq .job.state
+    """
+    with settings.client() as client:
+        detail = client.status(job)
+    if as_json:
+        print_json(detail)
+        return
+    j = detail.job
+    click.echo(f"job {j.id}  {j.name!r}  user {j.user}  {j.ranks} ranks")
+    line = f"state: {j.state}"
+    if j.exit_code is not None:
+        line += f"  exit code: {j.exit_code}"
+    click.echo(line)
+    if j.reason:
+        click.echo(f"reason: {j.reason}")
+    click.echo(
+        f"created {_when(j.created)}  started {_when(j.started)}  "
+        f"finished {_when(j.finished)}" + (f"  ({_duration(j)})" if j.started else "")
+    )
+    if detail.ranks:
+        click.echo("")
+        click.echo(_rank_table(detail))
+    if detail.events:
+        click.echo("\nevents:")
+        for ev in detail.events:
+            who = f" rank {ev.rank}" if ev.rank is not None else ""
+            click.echo(f"  {_when(ev.time)}  {ev.kind}{who}: {ev.message}")
+
+
+@click.command()
+@JOB
+@click.option("-r", "--rank", type=click.IntRange(min=0), help="Only this rank's output.")
+@click.option("-f", "--follow", is_flag=True, help="Keep streaming until the job ends.")
+@LABEL
+@pass_settings
+def logs(settings: Settings, job: int, rank: int | None, follow: bool, label: bool) -> None:
+    """Print a job's output so far (stdout to stdout, stderr to stderr).
+
+    \b
+    Examples:
+      vsdk logs 12
+      vsdk logs 12 --rank 3 --follow
+    """
+    with settings.client() as client:
+        if follow:
+            stream_output(client, settings, job, rank=rank, label=label, progress=False)
+            return
+        assembler = LineAssembler(label=label)
+        writer = LineWriter(sys.stdout.buffer, sys.stderr.buffer)
+        after = 0
+        while True:
+            page = client.output(job, after=after, rank=rank)
+            writer.write(assembler.feed_records(page.records))
+            if not page.records or page.complete:
+                break
+            after = page.next
+        writer.write(assembler.flush())
+
+
+@click.command()
+@JOB
+@click.option("--timeout", type=float, help="Give up after this many seconds (exit 1).")
+@json_option
+@pass_settings
+def wait(settings: Settings, job: int, timeout: float | None, as_json: bool) -> None:
+    """Wait for a job to end; exit with its exit code (3 rank lost, 4 cancelled).
+
+    \b
+    Example:
+      vsdk wait 12 && echo "job 12 succeeded"
+    """
+
+    def progress(detail: JobDetail) -> None:
+        if detail.job.state in TERMINAL_STATES:
+            return  # finish() reports the end
+        counts: dict[str, int] = {}
+        for r in detail.ranks:
+            counts[r.state] = counts.get(r.state, 0) + 1
+        ranks = ", ".join(f"{n} {s}" for s, n in sorted(counts.items()))
+        note(settings, f"job {job} {detail.job.state}" + (f" (ranks: {ranks})" if ranks else ""))
+
+    with settings.client() as client:
+        finish(settings, client.wait(job, timeout=timeout, on_change=progress), as_json=as_json)
+
+
+@click.command()
+@JOB
+@json_option
+@pass_settings
+def cancel(settings: Settings, job: int, as_json: bool) -> None:
+    """Cancel a job: every rank is told to stop.
+
+    \b
+    Example:
+      vsdk cancel 12
+    """
+    with settings.client() as client:
+        info = client.cancel(job)
+    if as_json:
+        print_json(info)
+    else:
+        click.echo(f"job {info.id} {info.state}")
+
+
+@click.command()
+@json_option
+@pass_settings
+def jobs(settings: Settings, as_json: bool) -> None:
+    """List your jobs.
+
+    \b
+    Example:
+      vsdk jobs
+      vsdk jobs --json | jq '.[] | select(.state == "running") | .id'
+    """
+    with settings.client() as client:
+        items = client.jobs()
+    if as_json:
+        print_json(items)
+        return
+    if not items:
+        click.echo("no jobs", err=True)
+        return
+    rows = [("ID", "NAME", "STATE", "RANKS", "EXIT", "CREATED")]
+    for j in items:
+        rows.append(
+            (
+                str(j.id),
+                j.name,
+                j.state,
+                str(j.ranks),
+                "-" if j.exit_code is None else str(j.exit_code),
+                _when(j.created),
+            )
+        )
+    click.echo(_table(rows))
+
+
+@click.command()
+@JOB
+@click.argument("dest", type=click.Path(file_okay=False, path_type=Path))
+@json_option
+@pass_settings
+def results(settings: Settings, job: int, dest: Path, as_json: bool) -> None:
+    """Download a job's result files into the directory DEST.
+
+    \b
+    Example:
+      vsdk results 12 out/
+    """
+    with settings.client() as client:
+        files = client.results(job, dest)
+    if as_json:
+        print_json([str(f) for f in files])
+    else:
+        click.echo(f"{len(files)} file(s) extracted into {dest}")
+
+
+COMMANDS = [submit, status, logs, wait, cancel, jobs, results]

@@ -1,0 +1,154 @@
+"""``vsdk local up|down|status``: a whole pool on this machine (see ``vpool.sdk.localpool``)."""
+
+from __future__ import annotations
+
+import click
+
+from vpool.sdk import localpool
+from vpool.sdk.cli_common import (
+    Settings,
+    VsdkGroup,
+    exit_with,
+    json_option,
+    note,
+    pass_settings,
+    print_json,
+)
+
+
+@click.group(cls=VsdkGroup)
+def local() -> None:
+    """Run a whole pool (coordinator, relays, agents) on this machine, without root.
+
+    \b
+    Example:
+      vsdk local up --agents 2 --relays 1
+      vsdk submit examples/pi.py --ranks 8 --wait
+      vsdk local down
+    """
+
+
+@local.command()
+@click.option(
+    "--agents",
+    type=click.IntRange(min=1),
+    default=localpool.DEFAULT_AGENTS,
+    show_default=True,
+    help="Number of worker agents.",
+)
+@click.option(
+    "--relays",
+    type=click.IntRange(min=1),
+    default=localpool.DEFAULT_RELAYS,
+    show_default=True,
+    help="Number of relays.",
+)
+@click.option(
+    "--slots",
+    type=click.IntRange(min=1),
+    default=localpool.DEFAULT_SLOTS,
+    show_default=True,
+    help="Rank slots per agent (a local pool may oversubscribe).",
+)
+@click.option("--force", is_flag=True, help="Stop a running local pool first.")
+@click.option(
+    "--timeout",
+    type=float,
+    default=localpool.READY_TIMEOUT,
+    show_default=True,
+    help="Seconds each component may take to become ready.",
+)
+@json_option
+@pass_settings
+def up(
+    settings: Settings,
+    agents: int,
+    relays: int,
+    slots: int,
+    force: bool,
+    timeout: float,
+    as_json: bool,
+) -> None:
+    """Start a local pool in the background and point vsdk at it.
+
+    Makes a CA and certificates, starts a coordinator, RELAYS relays and AGENTS agents on
+    127.0.0.1 (logs in the pool directory's logs/), creates the user "local" and writes the
+    client config, so the next `vsdk submit` runs there. Exits 1 if a pool is already running.
+
+    \b
+    Example:
+      vsdk local up --agents 3 --relays 2
+    """
+    started = localpool.up(
+        agents=agents,
+        relays=relays,
+        slots=slots,
+        force=force,
+        timeout=timeout,
+        progress=lambda msg: note(settings, msg),
+        config_path=settings.config,
+    )
+    if as_json:
+        print_json(
+            {
+                "url": started.url,
+                "ca": str(started.ca),
+                "dir": str(started.root),
+                "processes": [p.to_json() for p in started.processes],
+            }
+        )
+    else:
+        note(
+            settings,
+            f"local pool up at {started.url} ({agents} agent(s) x {slots} slots, "
+            f"{relays} relay(s)); logs in {started.root / 'logs'}",
+        )
+
+
+@local.command()
+@click.option(
+    "--timeout",
+    type=float,
+    default=localpool.STOP_TIMEOUT,
+    show_default=True,
+    help="Seconds to wait after SIGTERM before SIGKILL.",
+)
+@pass_settings
+def down(settings: Settings, timeout: float) -> None:
+    """Stop the local pool: exactly the processes `vsdk local up` started.
+
+    A recorded pid that now runs another program is left alone.
+
+    \b
+    Example:
+      vsdk local down
+    """
+    count, warnings = localpool.down(timeout=timeout, progress=lambda m: note(settings, m))
+    for warning in warnings:
+        click.echo(f"vsdk: warning: {warning}", err=True)
+    note(
+        settings,
+        f"local pool stopped ({count} process(es))" if count else "no local pool was running",
+    )
+
+
+@local.command()
+@json_option
+@pass_settings
+def status(settings: Settings, as_json: bool) -> None:
+    """Show whether the local pool runs, and its processes. Exits 0 if it all runs, else 1.
+
+    \b
+    Example:
+      vsdk local status
+    """
+    info = localpool.status()
+    if as_json:
+        print_json(info)
+    elif not info["processes"]:
+        click.echo(f"no local pool (directory {info['dir']})")
+    else:
+        click.echo(f"local pool at {info['url']}  ({info['dir']})")
+        for p in info["processes"]:
+            click.echo(f"  {p['name']:<12} pid {p['pid']:<8} {p['state']}")
+    exit_with(0 if info["running"] else 1)

@@ -1,0 +1,612 @@
+"""``vsdk local``: a whole pool on this machine, as background processes, without root.
+
+Everything lives in ``vpool.paths.local_pool_dir()``::
+
+    ca.pem ca.key                     the pool's own CA (clients and agents trust only it)
+    coordinator/ config.toml cert.pem key.pem state/
+    relay-<i>/   config.toml cert.pem key.pem data/
+    agent-<i>/   config.toml identity/ work/
+    run/<name>.ready.json             ready files written by the components
+    logs/<name>.log                   each component's stdout and stderr
+    pids.json                         [{name, pid, cmdline}] of what ``up`` started
+    pool.json                         url and shape of the running pool
+
+``up`` writes the client config so the next ``vsdk submit`` targets the local pool. ``down``
+signals exactly the recorded pids, and only those whose ``/proc/<pid>/cmdline`` still matches the
+recorded one: a pid reused by another program is never touched.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from vpool import paths
+from vpool.protocol import pki
+from vpool.sdk import clientconfig, toml
+from vpool.sdk.errors import LocalPoolError, VsdkError
+
+Progress = Callable[[str], None]
+
+READY_TIMEOUT = 30.0
+STOP_TIMEOUT = 10.0
+DEFAULT_AGENTS = 2
+DEFAULT_RELAYS = 1
+DEFAULT_SLOTS = 8  # a trial pool oversubscribes so 8 ranks fit on a small machine
+LOCAL_USER = "local"
+HOST = "127.0.0.1"
+
+# Environment variables that would override the generated config files in the children.
+_SETTING_PREFIXES = ("VPOOL_COORDINATOR_", "VPOOL_RELAY_", "VPOOL_AGENT_")
+
+
+def _quiet(_msg: str) -> None:
+    pass
+
+
+# -- layout and config generation (no processes) --------------------------------------------
+
+
+@dataclass(frozen=True)
+class Layout:
+    root: Path
+
+    @property
+    def ca_cert(self) -> Path:
+        return self.root / "ca.pem"
+
+    @property
+    def ca_key(self) -> Path:
+        return self.root / "ca.key"
+
+    @property
+    def pids_file(self) -> Path:
+        return self.root / "pids.json"
+
+    @property
+    def pool_file(self) -> Path:
+        return self.root / "pool.json"
+
+    def dir(self, name: str) -> Path:
+        return self.root / name
+
+    def config(self, name: str) -> Path:
+        return self.root / name / "config.toml"
+
+    def ready_file(self, name: str) -> Path:
+        return self.root / "run" / f"{name}.ready.json"
+
+    def log_file(self, name: str) -> Path:
+        return self.root / "logs" / f"{name}.log"
+
+
+def layout() -> Layout:
+    return Layout(paths.local_pool_dir())
+
+
+@dataclass(frozen=True)
+class Secrets:
+    relay_secret: str = field(default_factory=lambda: secrets.token_urlsafe(32))
+    enroll_secret: str = field(default_factory=lambda: secrets.token_urlsafe(32))
+
+
+def _write_private(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+
+
+def make_ca(lay: Layout, *, now: dt.datetime) -> None:
+    cert, key = pki.make_ca("local", now=now)
+    lay.ca_cert.parent.mkdir(parents=True, exist_ok=True)
+    lay.ca_cert.write_bytes(cert)
+    _write_private(lay.ca_key, key)
+
+
+def make_server_cert(lay: Layout, name: str, *, now: dt.datetime) -> tuple[Path, Path]:
+    """A server certificate for ``name`` valid for 127.0.0.1 and localhost."""
+    cert, key = pki.issue_server_cert(
+        lay.ca_cert.read_bytes(),
+        lay.ca_key.read_bytes(),
+        common_name=name,
+        dns_names=["localhost"],
+        ip_addresses=["127.0.0.1"],
+        now=now,
+    )
+    d = lay.dir(name)
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "cert.pem").write_bytes(cert)
+    _write_private(d / "key.pem", key)
+    return d / "cert.pem", d / "key.pem"
+
+
+def coordinator_settings(lay: Layout, sec: Secrets) -> dict[str, Any]:
+    d = lay.dir("coordinator")
+    return {
+        "pool_name": "local",
+        "host": HOST,
+        "port": 0,
+        "state_dir": str(d / "state"),
+        "tls_cert": str(d / "cert.pem"),
+        "tls_key": str(d / "key.pem"),
+        "relay_secret": sec.relay_secret,
+        "enroll_secret": sec.enroll_secret,
+    }
+
+
+def relay_settings(lay: Layout, name: str, sec: Secrets, coordinator_url: str) -> dict[str, Any]:
+    d = lay.dir(name)
+    return {
+        "name": name,
+        "host": HOST,
+        "port": 0,
+        "advertise_host": HOST,
+        "data_dir": str(d / "data"),
+        "tls_cert": str(d / "cert.pem"),
+        "tls_key": str(d / "key.pem"),
+        "coordinator_url": coordinator_url,
+        "coordinator_ca": str(lay.ca_cert),
+        "relay_secret": sec.relay_secret,
+    }
+
+
+def agent_settings(
+    lay: Layout, name: str, sec: Secrets, coordinator_url: str, slots: int
+) -> dict[str, Any]:
+    d = lay.dir(name)
+    return {
+        "name": name,
+        "coordinator_url": coordinator_url,
+        "coordinator_ca": str(lay.ca_cert),
+        "enroll_secret": sec.enroll_secret,
+        "identity_dir": str(d / "identity"),
+        "work_dir": str(d / "work"),
+        "slots": slots,
+    }
+
+
+def write_config(lay: Layout, name: str, settings: dict[str, Any]) -> Path:
+    path = lay.config(name)
+    toml.write(path, settings, private=True)  # holds secrets
+    for key in ("state_dir", "data_dir", "identity_dir", "work_dir"):
+        if key in settings:
+            Path(settings[key]).mkdir(parents=True, exist_ok=True, mode=0o700)
+    return path
+
+
+def component_command(script: str, module: str) -> list[str]:
+    """The console script next to this interpreter, else ``python -m module``."""
+    exe = Path(sys.executable).parent / script
+    if exe.is_file() and os.access(exe, os.X_OK):
+        return [str(exe)]
+    return [sys.executable, "-m", module]
+
+
+def coordinator_argv(lay: Layout) -> list[str]:
+    return [
+        *component_command("vpool-coordinator", "vpool.coordinator.cli"),
+        "serve",
+        "--config",
+        str(lay.config("coordinator")),
+        "--ready-file",
+        str(lay.ready_file("coordinator")),
+    ]
+
+
+def user_add_argv(lay: Layout) -> list[str]:
+    return [
+        *component_command("vpool-coordinator", "vpool.coordinator.cli"),
+        "user",
+        "add",
+        LOCAL_USER,
+        "--config",
+        str(lay.config("coordinator")),
+    ]
+
+
+def relay_argv(lay: Layout, name: str) -> list[str]:
+    return [
+        *component_command("vpool-relay", "vpool.relay.cli"),
+        "--config",
+        str(lay.config(name)),
+        "--ready-file",
+        str(lay.ready_file(name)),
+    ]
+
+
+def agent_argv(lay: Layout, name: str) -> list[str]:
+    return [
+        *component_command("vpool-agent", "vpool.worker_agent.cli"),
+        "--config",
+        str(lay.config(name)),
+        "--ready-file",
+        str(lay.ready_file(name)),
+    ]
+
+
+# -- processes ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Recorded:
+    """One process started by ``up``, as kept in pids.json."""
+
+    name: str
+    pid: int
+    cmdline: list[str]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "pid": self.pid, "cmdline": self.cmdline}
+
+
+def read_cmdline(pid: int) -> list[str] | None:
+    """The argv of a live process, or None if there is no such process (or it is a zombie)."""
+    try:
+        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return None
+    if stat[stat.rfind(")") + 2 : stat.rfind(")") + 3] in ("Z", "X"):
+        return None
+    return [part.decode(errors="surrogateescape") for part in raw.split(b"\0")[:-1]]
+
+
+def status_of(rec: Recorded) -> str:
+    """``running`` (same pid, same cmdline), ``gone``, or ``replaced`` (pid reused)."""
+    cmd = read_cmdline(rec.pid)
+    if cmd is None:
+        return "gone"
+    return "running" if cmd == rec.cmdline else "replaced"
+
+
+def read_pids(lay: Layout) -> list[Recorded]:
+    try:
+        data = json.loads(lay.pids_file.read_text())
+        return [
+            Recorded(str(d["name"]), int(d["pid"]), [str(a) for a in d["cmdline"]]) for d in data
+        ]
+    except FileNotFoundError:
+        return []
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise LocalPoolError(f"{lay.pids_file} is unreadable: {exc}") from exc
+
+
+def write_pids(lay: Layout, recs: Sequence[Recorded]) -> None:
+    tmp = lay.pids_file.with_suffix(".tmp")
+    tmp.write_text(json.dumps([r.to_json() for r in recs], indent=1) + "\n")
+    os.replace(tmp, lay.pids_file)
+
+
+def running(lay: Layout) -> list[Recorded]:
+    """The recorded processes that still run what was recorded."""
+    return [r for r in read_pids(lay) if status_of(r) == "running"]
+
+
+def _reap(pid: int) -> None:
+    try:
+        os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        pass  # not our child: init reaps it
+
+
+def stop(
+    recs: Sequence[Recorded], *, timeout: float = STOP_TIMEOUT, progress: Progress = _quiet
+) -> list[str]:
+    """SIGTERM each recorded process that still matches its cmdline, wait up to ``timeout``,
+    then SIGKILL the ones left. Returns warnings about processes that were not touched."""
+    warnings: list[str] = []
+    signalled: list[Recorded] = []
+    for rec in reversed(recs):
+        state = status_of(rec)
+        if state == "gone":
+            continue
+        if state == "replaced":
+            warnings.append(f"pid {rec.pid} ({rec.name}) now runs something else; not signalled")
+            continue
+        try:
+            os.kill(rec.pid, signal.SIGTERM)
+            signalled.append(rec)
+            progress(f"stopping {rec.name} (pid {rec.pid})")
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + timeout
+    while signalled and time.monotonic() < deadline:
+        for rec in signalled:
+            _reap(rec.pid)
+        signalled = [r for r in signalled if status_of(r) == "running"]
+        if signalled:
+            time.sleep(0.05)
+    for rec in signalled:
+        if status_of(rec) == "running":
+            warnings.append(f"{rec.name} (pid {rec.pid}) ignored SIGTERM; killed")
+            try:
+                os.kill(rec.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            _reap(rec.pid)
+    return warnings
+
+
+def _tail(path: Path, lines: int = 20) -> str:
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return "(no log)"
+    tail = text.splitlines()[-lines:]
+    return "\n".join("    " + line for line in tail) if tail else "    (log is empty)"
+
+
+def _child_env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if not k.startswith(_SETTING_PREFIXES)}
+
+
+class _Starter:
+    """Starts components and remembers them, so a failed ``up`` stops what it started."""
+
+    def __init__(self, lay: Layout, progress: Progress) -> None:
+        self.lay = lay
+        self.progress = progress
+        self.procs: list[tuple[str, subprocess.Popen[bytes]]] = []
+        self.env = _child_env()
+
+    def start(self, name: str, argv: list[str]) -> subprocess.Popen[bytes]:
+        log = self.lay.log_file(name)
+        log.parent.mkdir(parents=True, exist_ok=True)
+        self.lay.ready_file(name).parent.mkdir(parents=True, exist_ok=True)
+        self.lay.ready_file(name).unlink(missing_ok=True)
+        with open(log, "wb") as out:
+            try:
+                proc = subprocess.Popen(
+                    argv,
+                    stdin=subprocess.DEVNULL,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    cwd=self.lay.root,
+                    env=self.env,
+                    start_new_session=True,
+                )
+            except OSError as exc:
+                raise LocalPoolError(f"cannot start {name} ({argv[0]}): {exc}") from exc
+        self.procs.append((name, proc))
+        return proc
+
+    def wait_ready(self, names: Sequence[str], timeout: float = READY_TIMEOUT) -> dict[str, Any]:
+        """Wait for the ready files of ``names``; fail early if one of them exits."""
+        procs = dict(self.procs)
+        deadline = time.monotonic() + timeout
+        found: dict[str, Any] = {}
+        while True:
+            for name in names:
+                if name in found:
+                    continue
+                try:
+                    found[name] = json.loads(self.lay.ready_file(name).read_text())
+                except (FileNotFoundError, ValueError):
+                    pass
+                code = procs[name].poll()
+                if name not in found and code is not None:
+                    raise LocalPoolError(
+                        f"{name} exited with code {code} before it was ready; the end of "
+                        f"{self.lay.log_file(name)}:\n{_tail(self.lay.log_file(name))}"
+                    )
+            if len(found) == len(names):
+                return found
+            if time.monotonic() >= deadline:
+                late = next(n for n in names if n not in found)
+                raise LocalPoolError(
+                    f"{late} was not ready after {timeout:g} s; the end of "
+                    f"{self.lay.log_file(late)}:\n{_tail(self.lay.log_file(late))}"
+                )
+            time.sleep(0.05)
+
+    def recorded(self) -> list[Recorded]:
+        out = []
+        for name, proc in self.procs:
+            cmd = read_cmdline(proc.pid)
+            deadline = time.monotonic() + 2.0
+            while cmd == [] and time.monotonic() < deadline:  # empty for a moment after exec
+                time.sleep(0.01)
+                cmd = read_cmdline(proc.pid)
+            if not cmd:
+                raise LocalPoolError(
+                    f"{name} exited right after start; the end of its log:\n"
+                    f"{_tail(self.lay.log_file(name))}"
+                )
+            out.append(Recorded(name, proc.pid, cmd))
+        return out
+
+    def abort(self) -> None:
+        for _name, proc in reversed(self.procs):
+            if proc.poll() is None:
+                proc.terminate()
+        for _name, proc in reversed(self.procs):
+            try:
+                proc.wait(timeout=STOP_TIMEOUT)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+@dataclass(frozen=True)
+class PoolStarted:
+    url: str
+    token: str
+    ca: Path
+    processes: list[Recorded]
+    root: Path
+
+
+def _make_user(lay: Layout) -> str:
+    argv = user_add_argv(lay)
+    try:
+        res = subprocess.run(argv, capture_output=True, env=_child_env(), timeout=60, check=False)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise LocalPoolError(f"`{' '.join(argv)}` failed: {exc}") from exc
+    out = res.stdout.decode(errors="replace").split()
+    if res.returncode != 0 or not out:
+        err = res.stderr.decode(errors="replace").strip()
+        raise LocalPoolError(
+            f"`vpool-coordinator user add {LOCAL_USER}` exited with {res.returncode}: {err}"
+        )
+    return out[-1]  # the token is the last word printed
+
+
+def _wait_registered(
+    url: str, token: str, ca: Path, *, agents: int, relays: int, timeout: float, progress: Progress
+) -> None:
+    """Wait until the coordinator answers with our token and, if its pool info counts live
+    agents and relays, until it counts ours."""
+    from vpool.sdk.client import Client
+
+    deadline = time.monotonic() + timeout
+    with Client(url, token, ca=ca, timeout=5.0) as client:
+        client.whoami()
+        while True:
+            resp = client._request("GET", "/pool")
+            info = json.loads(resp.content)
+            have_a, have_r = info.get("agents"), info.get("relays")
+            if not isinstance(have_a, int) or not isinstance(have_r, int):
+                return  # the coordinator does not report them; the ready files must do
+            if have_a >= agents and have_r >= relays:
+                return
+            if time.monotonic() >= deadline:
+                raise LocalPoolError(
+                    f"the coordinator sees {have_a} agent(s) and {have_r} relay(s) after "
+                    f"{timeout:g} s, expected {agents} and {relays}"
+                )
+            time.sleep(0.1)
+
+
+def up(
+    *,
+    agents: int = DEFAULT_AGENTS,
+    relays: int = DEFAULT_RELAYS,
+    slots: int = DEFAULT_SLOTS,
+    force: bool = False,
+    timeout: float = READY_TIMEOUT,
+    progress: Progress = _quiet,
+    config_path: Path | None = None,
+) -> PoolStarted:
+    """Start a coordinator, ``relays`` relays and ``agents`` agents on 127.0.0.1 and point the
+    client config at them."""
+    if agents < 1 or relays < 1 or slots < 1:
+        raise LocalPoolError("a local pool needs at least one agent, one relay and one slot")
+    lay = layout()
+    live = running(lay)
+    if live:
+        if not force:
+            raise LocalPoolError(
+                f"a local pool is already running ({len(live)} processes, see "
+                "`vsdk local status`); stop it with `vsdk local down` or use --force"
+            )
+        progress("stopping the running local pool (--force)")
+        for warning in stop(read_pids(lay), progress=progress):
+            progress(warning)
+    if lay.root.exists():
+        shutil.rmtree(lay.root)
+    lay.root.mkdir(parents=True, mode=0o700)
+
+    now = dt.datetime.now(dt.UTC)
+    sec = Secrets()
+    make_ca(lay, now=now)
+    make_server_cert(lay, "coordinator", now=now)
+    write_config(lay, "coordinator", coordinator_settings(lay, sec))
+
+    starter = _Starter(lay, progress)
+    try:
+        progress("starting the coordinator")
+        starter.start("coordinator", coordinator_argv(lay))
+        ready = starter.wait_ready(["coordinator"], timeout)["coordinator"]
+        url = f"https://{HOST}:{int(ready['port'])}"
+        progress(f"coordinator ready at {url}")
+        token = _make_user(lay)
+
+        relay_names = [f"relay-{i}" for i in range(relays)]
+        agent_names = [f"agent-{i}" for i in range(agents)]
+        for name in relay_names:
+            make_server_cert(lay, name, now=now)
+            write_config(lay, name, relay_settings(lay, name, sec, url))
+            starter.start(name, relay_argv(lay, name))
+        progress(f"starting {relays} relay(s)")
+        starter.wait_ready(relay_names, timeout)
+        for name in agent_names:
+            write_config(lay, name, agent_settings(lay, name, sec, url, slots))
+            starter.start(name, agent_argv(lay, name))
+        progress(f"starting {agents} agent(s) with {slots} slots each")
+        starter.wait_ready(agent_names, timeout)
+        _wait_registered(
+            url,
+            token,
+            lay.ca_cert,
+            agents=agents,
+            relays=relays,
+            timeout=timeout,
+            progress=progress,
+        )
+        recs = starter.recorded()
+        write_pids(lay, recs)
+    except (VsdkError, KeyboardInterrupt):
+        starter.abort()
+        raise
+
+    lay.pool_file.write_text(
+        json.dumps(
+            {
+                "url": url,
+                "ca": str(lay.ca_cert),
+                "agents": agents,
+                "relays": relays,
+                "slots": slots,
+                "started": time.time(),
+            },
+            indent=1,
+        )
+        + "\n"
+    )
+    cfg_path = clientconfig.save(
+        clientconfig.ClientConfig(url=url, token=token, ca=lay.ca_cert), config_path
+    )
+    progress(f"client config written to {cfg_path}")
+    return PoolStarted(url=url, token=token, ca=lay.ca_cert, processes=recs, root=lay.root)
+
+
+def down(*, timeout: float = STOP_TIMEOUT, progress: Progress = _quiet) -> tuple[int, list[str]]:
+    """Stop the recorded processes; returns (how many were running, warnings)."""
+    lay = layout()
+    recs = read_pids(lay)
+    if not recs:
+        return 0, []
+    alive = len([r for r in recs if status_of(r) == "running"])
+    warnings = stop(recs, timeout=timeout, progress=progress)
+    lay.pids_file.unlink(missing_ok=True)
+    return alive, warnings
+
+
+def status() -> dict[str, Any]:
+    """What ``vsdk local status`` shows."""
+    lay = layout()
+    recs = read_pids(lay)
+    try:
+        pool = json.loads(lay.pool_file.read_text())
+    except (OSError, ValueError):
+        pool = {}
+    procs = [{**r.to_json(), "state": status_of(r)} for r in recs]
+    n_running = sum(p["state"] == "running" for p in procs)
+    return {
+        "dir": str(lay.root),
+        "url": pool.get("url") if recs else None,
+        "running": bool(procs) and n_running == len(procs),
+        "processes": procs,
+    }

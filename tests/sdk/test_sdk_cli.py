@@ -1,0 +1,207 @@
+"""``vsdk`` commands: help texts, output streaming, JSON, exit codes, error lines."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import click
+import pytest
+from click.testing import CliRunner
+
+from vpool.sdk.cli import cli
+
+
+def all_commands(group: click.Group = cli, prefix: tuple[str, ...] = ()):  # type: ignore[no-untyped-def]
+    yield prefix
+    for name, cmd in group.commands.items():
+        if isinstance(cmd, click.Group):
+            yield from all_commands(cmd, (*prefix, name))
+        else:
+            yield (*prefix, name)
+
+
+COMMANDS = list(all_commands())
+
+
+def test_the_promised_commands_exist() -> None:
+    for cmd in [
+        "submit",
+        "status",
+        "logs",
+        "wait",
+        "cancel",
+        "jobs",
+        "results",
+        "login",
+        "mpiexec",
+        "local",
+    ]:
+        assert (cmd,) in COMMANDS
+    for sub in ["up", "down", "status"]:
+        assert ("local", sub) in COMMANDS
+
+
+@pytest.mark.parametrize("command", COMMANDS, ids=lambda c: " ".join(c) or "vsdk")
+def test_every_command_has_help_with_an_example(command: tuple[str, ...]) -> None:
+    res = CliRunner().invoke(cli, [*command, "--help"])
+    assert res.exit_code == 0, res.output
+    assert "Example" in res.output
+    assert f"vsdk {' '.join(command)}".strip() in res.output
+
+
+def run(*args: str, input: bytes | None = None):  # type: ignore[no-untyped-def]
+    return CliRunner().invoke(cli, list(args), input=input)
+
+
+@pytest.fixture
+def app(tmp_path: Path) -> Path:
+    (tmp_path / "app.py").write_text("print('hi')\n")
+    return tmp_path / "app.py"
+
+
+def test_submit_prints_the_job_id_only(coord: Any, app: Path) -> None:
+    res = run("submit", str(app), "-n", "3", "--", "--size", "10")
+    assert res.exit_code == 0, res.stderr
+    assert res.stdout == "1\n"
+    assert "job 1 submitted" in res.stderr
+    assert coord.jobs[1].submit.args == ["--size", "10"]
+    res = run("submit", str(app), "-n", "3", "--json")
+    assert json.loads(res.stdout)["id"] == 2
+
+
+def test_submit_wait_streams_whole_lines_like_mpiexec(coord: Any, app: Path) -> None:
+    coord.script(
+        chunks=[
+            (0, "stdout", b"hel"),
+            (1, "stdout", b"one\ntw"),
+            (0, "stdout", b"lo\nwor"),
+            (1, "stderr", b"warn"),
+            (1, "stdout", b"o\n"),
+            (0, "stdout", b"ld\n"),
+            (1, "stderr", b"ing\n"),
+            (2, "stdout", b"no newline"),
+        ]
+    )
+    res = run("submit", str(app), "-n", "3", "--wait")
+    assert res.exit_code == 0, res.stderr
+    assert res.stdout == "one\nhello\ntwo\nworld\nno newline"
+    assert "warning\n" in res.stderr
+    assert res.stderr.index("job 1 submitted") < res.stderr.index("warning")
+
+
+def test_submit_wait_with_labels(coord: Any, app: Path) -> None:
+    coord.script(chunks=[(0, "stdout", b"a\nb\n"), (1, "stdout", b"c\n")])
+    res = run("submit", str(app), "-n", "2", "--wait", "--label")
+    assert res.stdout == "[0] a\n[0] b\n[1] c\n"
+
+
+@pytest.mark.parametrize(
+    ("state", "code", "reason", "exit_code"),
+    [
+        ("succeeded", 0, "", 0),
+        ("failed", 7, "rank 2 exited with code 7", 7),
+        ("failed", None, "rank 3 lost: agent agent-1 stopped heartbeating", 3),
+        ("cancelled", None, "cancelled by alice", 4),
+    ],
+)
+def test_submit_wait_and_wait_exit_codes(
+    coord: Any, app: Path, state: str, code: int | None, reason: str, exit_code: int
+) -> None:
+    coord.script(state=state, exit_code=code, reason=reason, chunks=[(0, "stdout", b"out\n")])
+    res = run("submit", str(app), "-n", "4", "--wait")
+    assert res.exit_code == exit_code, res.stderr
+    assert res.stdout == "out\n"
+    if reason:
+        assert reason in res.stderr
+    res = run("wait", "1")
+    assert res.exit_code == exit_code
+    assert res.stdout == ""
+    res = run("wait", "1", "--json")
+    assert json.loads(res.stdout)["state"] == state
+
+
+def test_status_human_and_json(coord: Any, app: Path) -> None:
+    coord.script(state="failed", exit_code=2, reason="rank 1 exited with code 2")
+    run("submit", str(app), "-n", "2")
+    res = run("status", "1")
+    assert res.exit_code == 0
+    assert "state: failed  exit code: 2" in res.stdout
+    assert "reason: rank 1 exited with code 2" in res.stdout
+    assert "agent-1" in res.stdout and "RANK" in res.stdout and "events:" in res.stdout
+    detail = json.loads(run("status", "1", "--json").stdout)
+    assert detail["job"]["exit_code"] == 2 and len(detail["ranks"]) == 2
+
+
+def test_logs_with_rank_filter(coord: Any, app: Path) -> None:
+    coord.script(
+        chunks=[
+            (0, "stdout", b"zero\n"),
+            (1, "stdout", b"one\n"),
+            (1, "stderr", b"err1\n"),
+            (0, "stdout", b"zero again\n"),
+        ]
+    )
+    run("submit", str(app), "-n", "2")
+    res = run("logs", "1")
+    assert res.stdout == "zero\none\nzero again\n"
+    assert res.stderr == "err1\n"
+    assert run("logs", "1", "--rank", "1").stdout == "one\n"
+    assert run("logs", "1", "--follow", "--rank", "0").stdout == "zero\nzero again\n"
+
+
+def test_jobs_cancel_results(coord: Any, app: Path, tmp_path: Path) -> None:
+    assert run("jobs").stderr == "no jobs\n"
+    run("submit", str(app), "-n", "2", "--name", "first")
+    res = run("jobs")
+    assert "first" in res.stdout and "ID" in res.stdout
+    assert json.loads(run("jobs", "--json").stdout)[0]["name"] == "first"
+    assert run("cancel", "1").stdout == "job 1 cancelled\n"
+    assert run("wait", "1").exit_code == 4
+    import sys
+
+    coord.results_zip = sys.modules["sdk_fakecoord"].zip_of({"out.txt": b"x"})
+    res = run("results", "1", str(tmp_path / "res"))
+    assert res.exit_code == 0 and (tmp_path / "res" / "out.txt").read_bytes() == b"x"
+
+
+def test_errors_are_one_line_with_meaningful_codes(coord: Any, app: Path) -> None:
+    res = run("status", "99")
+    assert res.exit_code == 1
+    assert res.stderr.startswith("vsdk: error: job 99 does not exist")
+    assert res.stderr.count("\n") == 1 and "Traceback" not in res.stderr
+    res = run("submit", str(app.parent / "missing.py"), "-n", "2")
+    assert res.exit_code == 1 and "does not exist" in res.stderr
+    assert run("submit", str(app)).exit_code == 2  # --ranks is required
+    assert run("submit", str(app), "-n", "0").exit_code == 2
+    assert run("status", "notanumber").exit_code == 2
+
+
+def test_auth_and_connection_errors_exit_5(home: Path, app: Path) -> None:
+    res = run("--url", "http://127.0.0.1:9", "--token", "t", "jobs")
+    assert res.exit_code == 5
+    assert "cannot reach the coordinator" in res.stderr
+
+
+def test_no_config_is_a_clear_error(home: Path) -> None:
+    res = run("jobs")
+    assert res.exit_code == 1
+    assert "vsdk login" in res.stderr and "Traceback" not in res.stderr
+
+
+def test_mpiexec_passes_the_program_and_args(monkeypatch: pytest.MonkeyPatch) -> None:
+    import types
+
+    calls = []
+    fake = types.ModuleType("vpool.sdk.mpiexec")
+    fake.run = lambda n, argv, stdin=None: calls.append((n, argv, stdin)) or 6  # type: ignore[attr-defined]
+    monkeypatch.setitem(__import__("sys").modules, "vpool.sdk.mpiexec", fake)
+    import vpool.sdk
+
+    monkeypatch.setattr(vpool.sdk, "mpiexec", fake, raising=False)
+    res = run("mpiexec", "-n", "4", "python", "app.py", "-x", "--y")
+    assert res.exit_code == 6
+    assert calls == [(4, ["app.py", "-x", "--y"], None)]
+    res = run("mpiexec", "-n", "2", "--", "app.py")
+    assert calls[-1] == (2, ["app.py"], None)
