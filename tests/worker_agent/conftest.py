@@ -1,0 +1,566 @@
+"""Fakes for the agent's tests: a coordinator (an httpx transport), a TLS relay, rank programs.
+
+The fake coordinator is a small in-process implementation of the agent API of
+``protocol/api.py``; the agent reaches it through ``httpx.MockTransport`` so every request still
+goes through the agent's real client code. The fake relay is a real trio TLS server speaking the
+frames of ``protocol/framing.py`` with certificates from ``protocol/pki.py``.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import functools
+import hashlib
+import io
+import json
+import textwrap
+import time
+import zipfile
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import msgspec
+import pytest
+import trio
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from vpool.protocol import api, pki, tokens
+from vpool.protocol.framing import FrameDecoder, encode_frame, raw_frame_parts
+from vpool.protocol.messages import Message
+from vpool.tls import server_context
+from vpool.worker_agent.agent import AgentStarted, run_agent
+from vpool.worker_agent.settings import AgentSettings
+
+AGENT_TOKEN = "agent-token-1"
+
+
+# -- the fake coordinator ----------------------------------------------------------------------
+
+
+@dataclass
+class FakeCoordinator:
+    """Records what the agent posts; hands out queued leases and stop orders."""
+
+    heartbeat_interval: float = 0.05
+    blobs: dict[str, bytes] = field(default_factory=dict)
+    enrolls: list[api.EnrollRequest] = field(default_factory=list)
+    outputs: list[api.OutputChunk] = field(default_factory=list)
+    exits: list[api.RankExit] = field(default_factory=list)
+    problems: list[api.RankProblem] = field(default_factory=list)
+    results: dict[tuple[int, int, int], bytes] = field(default_factory=dict)
+    heartbeats: list[api.AgentHeartbeat] = field(default_factory=list)
+    lease_requests: list[api.LeaseRequest] = field(default_factory=list)
+    revoked: set[str] = field(default_factory=set)  # tokens answered with 401
+    auth: list[tuple[str, str]] = field(default_factory=list)  # (path, bearer token)
+    pending_leases: list[api.Lease] = field(default_factory=list)
+    pending_stops: list[api.StopOrder] = field(default_factory=list)
+    token_to_hand_out: str = ""
+    fail_next: int = 0  # that many requests fail as if the coordinator were down
+    corrupt_blobs: bool = False
+    refuse_output: bool = False  # answer output posts with 409, as for a job that is over
+    # With a key, tokens are really signed (for tests against the real relay).
+    signing_key: Ed25519PrivateKey | None = None
+
+    @property
+    def agent_token(self) -> str:
+        if self.signing_key is None:
+            return f"agent-token-{len(self.enrolls)}"
+        claims = tokens.AgentClaims(agent="agent-1", expires=time.time() + 3600)
+        return tokens.sign_token(claims, self.signing_key)
+
+    def rank_token(self, job: int, rank: int, size: int, incarnation: int = 1) -> str:
+        if self.signing_key is None:
+            return f"rank-token-{job}-{rank}"
+        claims = tokens.RankClaims(
+            job=job,
+            rank=rank,
+            incarnation=incarnation,
+            size=size,
+            agent="agent-1",
+            expires=time.time() + 3600,
+        )
+        return tokens.sign_token(claims, self.signing_key)
+
+    def __post_init__(self) -> None:
+        self.changed = trio.Event()
+
+    def _touch(self) -> None:
+        self.changed.set()
+        self.changed = trio.Event()
+
+    async def wait_for(self, predicate: Callable[[], Any], seconds: float = 20.0) -> Any:
+        """Wait until ``predicate()`` is truthy (re-checked whenever the agent calls in)."""
+        with trio.fail_after(seconds):
+            while not (result := predicate()):
+                await self.changed.wait()
+        return result
+
+    def add_blob(self, data: bytes) -> str:
+        sha = hashlib.sha256(data).hexdigest()
+        self.blobs[sha] = data
+        return sha
+
+    def add_lease(self, lease: api.Lease) -> None:
+        self.pending_leases.append(lease)
+        self._touch()
+
+    def stop(self, job: int, rank: int, incarnation: int = 1, reason: str = "cancelled") -> None:
+        self.pending_stops.append(api.StopOrder(job, rank, incarnation, reason))
+        self._touch()
+
+    def output_of(self, job: int, rank: int, stream: str = "stdout") -> bytes:
+        chunks = sorted(
+            (c for c in self.outputs if (c.job, c.rank, c.stream) == (job, rank, stream)),
+            key=lambda c: c.offset,
+        )
+        out = bytearray()
+        for c in chunks:
+            assert c.offset <= len(out), "a gap in the output offsets"
+            out[c.offset : c.offset + len(c.data)] = c.data
+        return bytes(out)
+
+    def exit_of(self, job: int, rank: int) -> api.RankExit | None:
+        return next((e for e in self.exits if (e.job, e.rank) == (job, rank)), None)
+
+    async def handle(self, request: httpx.Request) -> httpx.Response:
+        try:
+            return await self._handle(request)
+        finally:
+            self._touch()
+
+    async def _handle(self, request: httpx.Request) -> httpx.Response:
+        if self.fail_next > 0:
+            self.fail_next -= 1
+            raise httpx.ConnectError("fake coordinator is down", request=request)
+        path = request.url.path
+        token = request.headers.get("authorization", "").removeprefix("Bearer ")
+        self.auth.append((path, token))
+        if path == "/api/v1/agents/enroll":
+            req = msgspec.json.decode(request.content, type=api.EnrollRequest)
+            tokens.verify_possession(
+                req.public_key, req.timestamp, req.signature, now=req.timestamp
+            )
+            self.enrolls.append(req)
+            return _json(
+                api.EnrollResponse(
+                    agent_id="agent-1",
+                    agent_token=self.agent_token,
+                    signing_key="",
+                    heartbeat_interval=self.heartbeat_interval,
+                )
+            )
+        if token == "" or token in self.revoked:
+            return _error(401, "bad_token", "unknown or revoked token")
+        if path == "/api/v1/agents/lease":
+            req_l = msgspec.json.decode(request.content, type=api.LeaseRequest)
+            self.lease_requests.append(req_l)
+            with trio.move_on_after(min(req_l.wait, 0.5)):
+                while not self.pending_leases:
+                    await self.changed.wait()
+            leases, self.pending_leases = self.pending_leases, []
+            return _json(api.LeaseResponse(leases=leases))
+        if path == "/api/v1/agents/heartbeat":
+            self.heartbeats.append(msgspec.json.decode(request.content, type=api.AgentHeartbeat))
+            stops, self.pending_stops = self.pending_stops, []
+            new_token, self.token_to_hand_out = self.token_to_hand_out, ""
+            return _json(api.AgentHeartbeatResponse(stop=stops, agent_token=new_token))
+        if path.startswith("/api/v1/agents/blobs/"):
+            sha = path.rsplit("/", 1)[1]
+            if sha not in self.blobs:
+                return _error(404, "not_found", f"no blob {sha}")
+            data = self.blobs[sha]
+            return httpx.Response(200, content=data + b"!" if self.corrupt_blobs else data)
+        if path == "/api/v1/agents/output" and self.refuse_output:
+            return _error(409, "job_over", "the job is no longer running")
+        if path == "/api/v1/agents/output":
+            self.outputs += msgspec.json.decode(request.content, type=api.OutputBatch).chunks
+            return _json({})
+        if path == "/api/v1/agents/exit":
+            self.exits.append(msgspec.json.decode(request.content, type=api.RankExit))
+            return _json({})
+        if path == "/api/v1/agents/problem":
+            self.problems.append(msgspec.json.decode(request.content, type=api.RankProblem))
+            return _json({})
+        if path.startswith("/api/v1/agents/results/"):
+            job, rank, inc = (int(x) for x in path.split("/")[-3:])
+            self.results[(job, rank, inc)] = request.content
+            return _json({})
+        return _error(404, "not_found", path)
+
+
+def _json(obj: Any) -> httpx.Response:
+    return httpx.Response(
+        200, content=msgspec.json.encode(obj), headers={"content-type": "application/json"}
+    )
+
+
+def _error(status: int, code: str, message: str) -> httpx.Response:
+    body = api.ErrorBody(error=api.ErrorDetail(code=code, message=message))
+    return httpx.Response(status, content=msgspec.json.encode(body))
+
+
+@pytest.fixture
+def coordinator() -> FakeCoordinator:
+    return FakeCoordinator()
+
+
+# -- TLS material ------------------------------------------------------------------------------
+
+
+@dataclass
+class Pki:
+    ca: Path
+    cert: Path
+    key: Path
+
+
+@pytest.fixture(scope="session")
+def pool_pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
+    d = tmp_path_factory.mktemp("pki")
+    now = dt.datetime.now(dt.UTC)
+    ca_cert, ca_key = pki.make_ca("test", now=now)
+    cert, key = pki.issue_server_cert(
+        ca_cert,
+        ca_key,
+        common_name="relay",
+        dns_names=["localhost"],
+        ip_addresses=["127.0.0.1"],
+        now=now,
+    )
+    (d / "ca.pem").write_bytes(ca_cert)
+    (d / "relay.pem").write_bytes(cert)
+    (d / "relay.key").write_bytes(key)
+    return Pki(d / "ca.pem", d / "relay.pem", d / "relay.key")
+
+
+# -- the fake relay ----------------------------------------------------------------------------
+
+
+class RelayConn:
+    """The relay's end of one agent connection, driven by the test."""
+
+    def __init__(self, stream: trio.SSLStream[trio.SocketStream]) -> None:
+        self.stream = stream
+        self.decoder = FrameDecoder()
+        self.closed = trio.Event()
+
+    async def receive(self, seconds: float = 20.0) -> tuple[Message, bytes, bytes]:
+        """Next frame: (message, payload, the frame's exact bytes)."""
+        with trio.fail_after(seconds):
+            while (frame := self.decoder.next_frame()) is None:
+                data = await self.stream.receive_some(65536)
+                assert data, "the agent closed the relay connection"
+                self.decoder.receive_data(data)
+        raw = b"".join(raw_frame_parts(frame.raw_header, frame.payload))
+        return frame.message, frame.payload, raw
+
+    async def send(self, msg: Message, payload: bytes = b"") -> bytes:
+        frame = encode_frame(msg, payload)
+        await self.stream.send_all(frame)
+        return frame
+
+    async def close(self) -> None:
+        await trio.aclose_forcefully(self.stream)
+        self.closed.set()
+
+
+@dataclass
+class FakeRelay:
+    host: str
+    port: int
+    connections: trio.MemoryReceiveChannel[RelayConn]
+
+    @property
+    def info(self) -> api.RelayInfo:
+        return api.RelayInfo(name="relay-0", host=self.host, port=self.port)
+
+    async def accept(self, seconds: float = 20.0) -> RelayConn:
+        with trio.fail_after(seconds):
+            return await self.connections.receive()
+
+
+@pytest.fixture
+async def relay(nursery: trio.Nursery, pool_pki: Pki) -> AsyncIterator[FakeRelay]:
+    send, recv = trio.open_memory_channel[RelayConn](16)
+
+    async def handler(stream: trio.SSLStream[trio.SocketStream]) -> None:
+        conn = RelayConn(stream)
+        await send.send(conn)
+        await conn.closed.wait()
+
+    ctx = server_context(pool_pki.cert, pool_pki.key)
+    listeners = await nursery.start(
+        functools.partial(trio.serve_ssl_over_tcp, handler, 0, ctx, host="127.0.0.1")
+    )
+    port = listeners[0].transport_listener.socket.getsockname()[1]
+    yield FakeRelay("127.0.0.1", port, recv)
+
+
+# -- bundles and rank programs -----------------------------------------------------------------
+
+# A rank that speaks the frame protocol itself, so these tests do not depend on vpool.sdk.mpi.
+RANK_PROGRAM = textwrap.dedent(
+    """
+    import json, os, socket, sys, time
+    from vpool.protocol import framing, messages as m
+
+    sock = socket.socket(socket.AF_UNIX)
+    sock.connect(os.environ["VPOOL_AGENT_SOCKET"])
+    dec = framing.FrameDecoder()
+
+    def recv():
+        while (f := dec.next_frame()) is None:
+            data = sock.recv(1 << 20)
+            if not data:
+                sys.exit("agent closed the socket")
+            dec.receive_data(data)
+        return f
+
+    def send(msg, payload=b""):
+        sock.sendall(framing.encode_frame(msg, payload))
+
+    def say(**kw):
+        print(json.dumps(kw), flush=True)
+
+    secret = sys.argv[2] if len(sys.argv) > 2 and sys.argv[1] == "secret" else None
+    send(m.RankHello(version=m.PROTOCOL_VERSION, secret=secret or os.environ["VPOOL_RANK_SECRET"]))
+    w = recv().message
+    if isinstance(w, m.Error):
+        say(error=w.code)
+        sys.exit(9)
+    say(welcome=[w.job, w.rank, w.size, w.incarnation, w.processor])
+    mode = sys.argv[1]
+    if mode == "proxy":
+        n = int(sys.argv[2])
+        send(m.Data(job=w.job, src=w.rank, dst=1, seq=1, ctx=0, tag=5), bytes(range(256)) * n)
+        for _ in range(2):
+            f = recv()
+            raw = b"".join(framing.raw_frame_parts(f.raw_header, f.payload))
+            if isinstance(f.message, m.Data):
+                say(data=len(f.payload), sha=__import__("hashlib").sha256(raw).hexdigest())
+            else:
+                fields = [getattr(f.message, k) for k in f.message.__struct_fields__]
+                say(other=type(f.message).__name__, fields=fields)
+        send(m.Finalize())
+    elif mode == "pingpong":
+        # rank 0 sends ping to 1, 1 answers pong; each waits for its deposit's Ack.
+        n = int(sys.argv[2])
+        if w.rank == 0:
+            send(m.Data(job=w.job, src=0, dst=1, seq=1, ctx=0, tag=1), b"ping" * n)
+        got_data = got_ack = False
+        while not (got_data and got_ack):
+            f = recv()
+            if isinstance(f.message, m.Data):
+                got_data = True
+                say(data=f.payload[:4].decode(), n=len(f.payload), src=f.message.src)
+                if w.rank == 1:
+                    send(m.Data(job=w.job, src=1, dst=0, seq=1, ctx=0, tag=1), b"pong" * n)
+            elif isinstance(f.message, m.Ack):
+                got_ack = True
+                say(ack=[f.message.src, f.message.dst, f.message.seq])
+        send(m.Finalize())
+    elif mode == "stream":
+        # rank 0 sends N messages of S bytes to rank 1, which answers once it has them all.
+        n, size = int(sys.argv[2]), int(sys.argv[3])
+        start = time.perf_counter()
+        if w.rank == 0:
+            payload = b"z" * size
+            for seq in range(1, n + 1):
+                send(m.Data(job=w.job, src=0, dst=1, seq=seq, ctx=0, tag=0), payload)
+            while not isinstance(recv().message, m.Data):
+                pass
+            elapsed = time.perf_counter() - start
+            say(elapsed=elapsed, msgs_per_s=n / elapsed, mb_per_s=n * size / elapsed / 1e6)
+        else:
+            got = 0
+            while got < n:
+                got += isinstance(recv().message, m.Data)
+            send(m.Data(job=w.job, src=1, dst=0, seq=1, ctx=0, tag=0), b"done")
+            while not isinstance(recv().message, m.Ack):
+                pass
+        send(m.Finalize())
+    elif mode == "forged":
+        send(m.Data(job=w.job, src=w.rank + 1, dst=0, seq=1, ctx=0, tag=0), b"x")
+        f = recv()
+        say(refused=f.message.code)
+    elif mode == "abort":
+        send(m.Abort(code=7, message="giving up"))
+        sys.exit(7)
+    elif mode == "wait":
+        f = recv()
+        say(got=type(f.message).__name__)
+        time.sleep(60)
+    elif mode == "hang":
+        import signal
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        say(pid=os.getpid())
+        time.sleep(120)
+    sys.exit(0)
+    """
+)
+
+ENV_PROGRAM = textwrap.dedent(
+    """
+    import json, os, sys
+    info = {k: v for k, v in os.environ.items() if k.startswith(("VPOOL_", "PYTHON", "HOME"))}
+    info["path0"] = sys.path[0:3]
+    info["cwd"] = os.getcwd()
+    info["stdin"] = sys.stdin.read()
+    try:
+        import mpi4py
+        info["mpi4py"] = mpi4py.__file__
+    except Exception as exc:
+        info["mpi4py"] = repr(exc)
+    print(json.dumps(info))
+    with open("result.txt", "w") as f:
+        f.write("made by the rank")
+    with open("data/input.txt", "a") as f:
+        f.write(" and changed")
+    sys.stdout.write("x" * 200000)
+    sys.stderr.write("to stderr\\n")
+    """
+)
+
+
+def make_bundle(files: dict[str, str | bytes]) -> bytes:
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as zf:
+        for name, content in files.items():
+            zf.writestr(name, content)
+    return buf.getvalue()
+
+
+def lease_for(
+    coordinator: FakeCoordinator,
+    relay: FakeRelay | None,
+    *,
+    program: str = RANK_PROGRAM,
+    args: list[str] | None = None,
+    job: int = 7,
+    rank: int = 0,
+    size: int = 2,
+    stdin: bytes | None = None,
+    extra: dict[str, str | bytes] | None = None,
+) -> api.Lease:
+    bundle = coordinator.add_blob(make_bundle({"app.py": program, **(extra or {})}))
+    relays = [relay.info] if relay is not None else []
+    return api.Lease(
+        job=job,
+        rank=rank,
+        incarnation=1,
+        size=size,
+        token=coordinator.rank_token(job, rank, size),
+        bundle=bundle,
+        entry="app.py",
+        args=args or [],
+        stdin=coordinator.add_blob(stdin) if stdin is not None else None,
+        relays=relays,
+        homes=[0] * size if relays else [],
+    )
+
+
+@pytest.fixture
+def settings(tmp_path: Path, pool_pki: Pki) -> AgentSettings:
+    return AgentSettings(
+        name="test-agent",
+        coordinator_url="https://coordinator.invalid",
+        coordinator_ca=str(pool_pki.ca),
+        identity_dir=str(tmp_path / "id"),
+        work_dir=str(tmp_path / "w"),
+        slots=4,
+        stop_grace=0.5,
+        retry_max_delay=0.2,
+    )
+
+
+@dataclass
+class RunningAgent:
+    started: AgentStarted
+    cancel_scope: trio.CancelScope
+    finished: trio.Event
+
+
+@pytest.fixture
+async def agent(
+    nursery: trio.Nursery, settings: AgentSettings, coordinator: FakeCoordinator
+) -> RunningAgent:
+    scope = trio.CancelScope()
+    finished = trio.Event()
+
+    async def run(task_status: trio.TaskStatus[AgentStarted]) -> None:
+        try:
+            with scope:
+                await run_agent(
+                    settings,
+                    transport=httpx.MockTransport(coordinator.handle),
+                    task_status=task_status,
+                )
+        finally:
+            finished.set()
+
+    with trio.fail_after(20):
+        started = await nursery.start(run)
+    return RunningAgent(started, scope, finished)
+
+
+def lines(data: bytes) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in data.decode().splitlines() if line.startswith("{")]
+
+
+# -- the fake coordinator over real HTTPS ------------------------------------------------------
+
+
+def asgi_app(fake: FakeCoordinator) -> Callable[..., Any]:
+    """The fake coordinator as an ASGI app, for tests that need a real HTTPS server."""
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            while True:
+                event = await receive()
+                kind = event["type"].rsplit(".", 1)[1]
+                await send({"type": f"lifespan.{kind}.complete"})
+                if kind == "shutdown":
+                    return
+        body = b""
+        while True:
+            event = await receive()
+            body += event.get("body", b"")
+            if not event.get("more_body"):
+                break
+        request = httpx.Request(
+            scope["method"],
+            "https://coordinator" + scope["path"],
+            headers=[(k.decode(), v.decode()) for k, v in scope["headers"]],
+            content=body,
+        )
+        try:
+            resp = await fake.handle(request)
+        except httpx.ConnectError:
+            resp = httpx.Response(503, json={"error": {"code": "down", "message": "down"}})
+        headers = [(b"content-type", resp.headers.get("content-type", "application/json").encode())]
+        await send({"type": "http.response.start", "status": resp.status_code, "headers": headers})
+        await send({"type": "http.response.body", "body": resp.content})
+
+    return app
+
+
+@pytest.fixture
+async def https_coordinator(
+    nursery: trio.Nursery, coordinator: FakeCoordinator, pool_pki: Pki
+) -> str:
+    from hypercorn.config import Config
+    from hypercorn.trio import serve
+
+    config = Config()
+    config.bind = ["127.0.0.1:0"]
+    config.certfile = str(pool_pki.cert)
+    config.keyfile = str(pool_pki.key)
+    config.accesslog = None
+    config.errorlog = None
+    [url] = await nursery.start(
+        functools.partial(serve, asgi_app(coordinator), config, mode="asgi")  # type: ignore[arg-type]
+    )
+    return str(url)

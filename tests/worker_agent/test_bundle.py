@@ -1,0 +1,99 @@
+from __future__ import annotations
+
+import hashlib
+import io
+import stat
+import zipfile
+from pathlib import Path
+
+import pytest
+import trio
+
+from vpool.worker_agent.bundle import BlobCache, extract_bundle, results_zip, snapshot
+from vpool.worker_agent.errors import BundleError
+
+from .conftest import make_bundle
+
+
+def _zip(tmp_path: Path, files: dict[str, bytes | str]) -> Path:
+    path = tmp_path / "b.zip"
+    path.write_bytes(make_bundle(files))
+    return path
+
+
+@pytest.mark.parametrize(
+    "name", ["../evil.py", "a/../../evil.py", "/etc/evil", "a/..", "C:/evil", "a\\..\\b"]
+)
+def test_extract_rejects_escaping_paths(tmp_path: Path, name: str) -> None:
+    dest = tmp_path / "out"
+    dest.mkdir()
+    with pytest.raises(BundleError):
+        extract_bundle(_zip(tmp_path, {"ok.py": "", name: "x"}), dest, max_bytes=1 << 20)
+    assert list(dest.iterdir()) == []  # checked before anything is written
+
+
+def test_extract_rejects_symlinks(tmp_path: Path) -> None:
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as zf:
+        info = zipfile.ZipInfo("link")
+        info.external_attr = (stat.S_IFLNK | 0o777) << 16
+        zf.writestr(info, "/etc/passwd")
+    (tmp_path / "b.zip").write_bytes(buf.getvalue())
+    (tmp_path / "out").mkdir()
+    with pytest.raises(BundleError, match="symbolic link"):
+        extract_bundle(tmp_path / "b.zip", tmp_path / "out", max_bytes=1 << 20)
+
+
+def test_extract_enforces_size_limit(tmp_path: Path) -> None:
+    (tmp_path / "out").mkdir()
+    with pytest.raises(BundleError, match="more than the limit"):
+        extract_bundle(_zip(tmp_path, {"big": "x" * 5000}), tmp_path / "out", max_bytes=4000)
+
+
+def test_extract_and_results(tmp_path: Path) -> None:
+    dest = tmp_path / "out"
+    dest.mkdir()
+    extract_bundle(
+        _zip(tmp_path, {"app.py": "print()", "d/in.txt": "a", "d/same": "s"}),
+        dest,
+        max_bytes=1 << 20,
+    )
+    assert (dest / "d" / "in.txt").read_text() == "a"
+    before = snapshot(dest)
+    (dest / "d" / "in.txt").write_text("changed!")
+    (dest / "new.txt").write_text("new")
+    (dest / "__pycache__").mkdir()
+    (dest / "__pycache__" / "x.pyc").write_bytes(b"")
+    data, skipped = results_zip(dest, before, max_bytes=1 << 20)
+    assert data is not None and skipped == []
+    with zipfile.ZipFile(io.BytesIO(data)) as zf:
+        assert sorted(zf.namelist()) == ["d/in.txt", "new.txt"]
+    data, skipped = results_zip(dest, before, max_bytes=5)
+    assert skipped == ["d/in.txt"]
+    assert results_zip(dest, snapshot(dest), max_bytes=1 << 20) == (None, [])
+
+
+async def test_blob_cache_verifies_hash(tmp_path: Path) -> None:
+    good = b"bundle bytes"
+    sha = hashlib.sha256(good).hexdigest()
+    served = {"data": good + b"tampered"}
+    fetches = []
+
+    async def fetch(name: str, dest: Path) -> str:
+        fetches.append(name)
+        await trio.Path(dest).write_bytes(served["data"])
+        return hashlib.sha256(served["data"]).hexdigest()
+
+    cache = BlobCache(tmp_path / "blobs", fetch)
+    with pytest.raises(BundleError, match=f"blob {sha} from the coordinator hashes to"):
+        await cache.get(sha)
+    assert not (tmp_path / "blobs" / sha).exists()
+    served["data"] = good
+    path = await cache.get(sha)
+    assert path.read_bytes() == good
+    assert await cache.get(sha) == path
+    assert len(fetches) == 2  # the second get was served from the cache
+    path.write_bytes(b"damaged on disk")
+    assert (await cache.get(sha)).read_bytes() == good  # re-fetched, never used damaged
+    with pytest.raises(BundleError, match="not a sha256"):
+        await cache.get("../../etc/passwd")

@@ -1,0 +1,100 @@
+"""``vpool-agent`` as a real process against the fake coordinator served over HTTPS."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import trio
+from click.testing import CliRunner
+
+from vpool.worker_agent.cli import main
+from vpool.worker_agent.settings import AgentSettings
+
+from .conftest import FakeCoordinator, Pki, lease_for, lines
+
+
+def test_help_has_an_example() -> None:
+    result = CliRunner().invoke(main, ["--help"])
+    assert result.exit_code == 0
+    assert "Example:" in result.output and "vpool-agent --config" in result.output
+    for flag in ("--config", "--ready-file", "--slots", "--name", "--work-dir", "--identity-dir"):
+        assert flag in result.output
+
+
+def test_missing_config_is_a_usage_error(tmp_path: Path) -> None:
+    result = CliRunner().invoke(main, ["--config", str(tmp_path / "nope.toml")])
+    assert result.exit_code == 2 and "does not exist" in result.output
+
+
+async def test_sigterm_kills_ranks_and_exits_zero(
+    https_coordinator: str,
+    coordinator: FakeCoordinator,
+    pool_pki: Pki,
+    settings: AgentSettings,
+    tmp_path: Path,
+) -> None:
+    ready = tmp_path / "ready.json"
+    env = {
+        **os.environ,
+        "VPOOL_AGENT_COORDINATOR_URL": https_coordinator,
+        "VPOOL_AGENT_COORDINATOR_CA": str(pool_pki.ca),
+    }
+    cmd = [
+        sys.executable,
+        "-m",
+        "vpool.worker_agent.cli",
+        "--ready-file",
+        str(ready),
+        "--slots",
+        "2",
+        "--name",
+        "cli-agent",
+        "--work-dir",
+        settings.work_dir,
+        "--identity-dir",
+        settings.identity_dir,
+    ]
+    proc = await trio.lowlevel.open_process(
+        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+    )
+    try:
+        await coordinator.wait_for(lambda: ready.exists())
+        info = json.loads(ready.read_text())
+        assert info == {"pid": proc.pid, "agent_id": "agent-1", "name": "cli-agent"}
+        assert coordinator.enrolls[0].slots == 2
+        coordinator.add_lease(lease_for(coordinator, None, args=["hang"]))
+        [rank] = await coordinator.wait_for(
+            lambda: [x for x in lines(coordinator.output_of(7, 0)) if "pid" in x]
+        )
+        proc.send_signal(signal.SIGTERM)
+        with trio.fail_after(15):
+            code = await proc.wait()
+        assert code == 0, await _output(proc)
+        try:
+            os.kill(rank["pid"], 0)
+        except ProcessLookupError:
+            pass
+        else:
+            raise AssertionError("the rank survived its agent")
+        [problem] = coordinator.problems
+        assert "agent cli-agent is shutting down" in problem.message
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+        if proc.stdout is not None:
+            await proc.stdout.aclose()
+
+
+async def _output(proc: trio.Process) -> str:
+    assert proc.stdout is not None
+    data = b""
+    with trio.move_on_after(2):
+        while chunk := await proc.stdout.receive_some(65536):
+            data += chunk
+    return data.decode(errors="replace")

@@ -1,0 +1,202 @@
+"""A real rank process proxied through the agent to a fake TLS relay."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+
+import pytest
+import trio
+
+from vpool.protocol.framing import encode_frame
+from vpool.protocol.messages import (
+    PROTOCOL_VERSION,
+    Ack,
+    Attach,
+    Attached,
+    Credit,
+    Data,
+    Detach,
+    Error,
+    Hello,
+    RankHello,
+    Stop,
+    Welcome,
+)
+from vpool.worker_agent.wire import FrameReader, encode_small
+
+from .conftest import AGENT_TOKEN, FakeCoordinator, FakeRelay, RelayConn, RunningAgent, lease_for
+from .conftest import lines as json_lines
+
+
+async def _open_relay(relay: FakeRelay) -> RelayConn:
+    conn = await relay.accept()
+    hello, _, _ = await conn.receive()
+    assert isinstance(hello, Hello)
+    assert (hello.version, hello.role, hello.token) == (PROTOCOL_VERSION, "agent", AGENT_TOKEN)
+    await conn.send(Welcome(version=PROTOCOL_VERSION, relay="relay-0", max_payload=1 << 30))
+    return conn
+
+
+async def _attach(conn: RelayConn, job: int = 7, rank: int = 0) -> Attach:
+    attach, _, _ = await conn.receive()
+    assert isinstance(attach, Attach)
+    assert attach.token == f"rank-token-{job}-{rank}"
+    await conn.send(Attached(job=job, rank=rank, incarnation=1))
+    return attach
+
+
+async def _roundtrip(
+    agent: RunningAgent, coordinator: FakeCoordinator, relay: FakeRelay, n: int
+) -> None:
+    coordinator.add_lease(lease_for(coordinator, relay, args=["proxy", str(n)]))
+    conn = await _open_relay(relay)
+    attach = await _attach(conn)
+    assert attach.home is True and attach.received == {}
+
+    # rank -> relay: the frame arrives byte for byte as the rank encoded it
+    msg, payload, raw = await conn.receive()
+    expected_payload = bytes(range(256)) * n
+    assert msg == Data(job=7, src=0, dst=1, seq=1, ctx=0, tag=5)
+    assert payload == expected_payload
+    assert raw == encode_frame(msg, expected_payload)
+
+    # relay -> rank: pushed Data and an Ack; the agent credits exactly the pushed frame's size
+    pushed_payload = os.urandom(256 * n)
+    pushed = await conn.send(
+        Data(job=7, src=1, dst=0, seq=1, ctx=0, tag=9, kind=1, parts=[len(pushed_payload)]),
+        pushed_payload,
+    )
+    await conn.send(Ack(job=7, src=0, dst=1, seq=1))
+    credit, _, _ = await conn.receive()
+    assert credit == Credit(job=7, rank=0, nbytes=len(pushed))
+    detach, _, _ = await conn.receive()
+    assert detach == Detach(job=7, rank=0)
+
+    done = await coordinator.wait_for(lambda: coordinator.exit_of(7, 0))
+    assert (done.code, done.aborted) == (0, False)
+    out = json_lines(coordinator.output_of(7, 0))
+    assert out[0]["welcome"][:4] == [7, 0, 2, 1]
+    assert {"data": len(pushed_payload), "sha": hashlib.sha256(pushed).hexdigest()} in out
+    assert {"other": "Ack", "fields": [7, 0, 1, 1]} in out
+    assert coordinator.problems == []
+
+
+async def test_frames_forwarded_verbatim_both_ways(
+    agent: RunningAgent, coordinator: FakeCoordinator, relay: FakeRelay
+) -> None:
+    await _roundtrip(agent, coordinator, relay, 1)
+
+
+async def test_large_frames_forwarded_verbatim(
+    agent: RunningAgent, coordinator: FakeCoordinator, relay: FakeRelay
+) -> None:
+    await _roundtrip(agent, coordinator, relay, 8 * 1024)  # 2 MiB each way
+
+
+async def test_one_connection_per_relay_shared_by_ranks(
+    agent: RunningAgent, coordinator: FakeCoordinator, relay: FakeRelay
+) -> None:
+    for rank in (0, 1):
+        coordinator.add_lease(lease_for(coordinator, relay, args=["wait"], rank=rank))
+    conn = await _open_relay(relay)
+    attached = set()
+    for _ in range(2):
+        attach, _, _ = await conn.receive()
+        assert isinstance(attach, Attach)
+        rank = int(attach.token.rsplit("-", 1)[1])
+        attached.add(rank)
+        await conn.send(Attached(job=7, rank=rank, incarnation=1))
+    assert attached == {0, 1}
+    # Each rank waits for one frame; a Stop from the relay ends rank 1 only.
+    await conn.send(Stop(job=7, rank=1, incarnation=1, reason="fenced by a newer incarnation"))
+    stopped = await coordinator.wait_for(lambda: coordinator.exit_of(7, 1))
+    assert "fenced by a newer incarnation" in stopped.message
+    assert coordinator.exit_of(7, 0) is None
+    await conn.send(Data(job=7, src=1, dst=0, seq=1, ctx=0, tag=0), b"hi")
+    want = {
+        Credit(job=7, rank=0, nbytes=len(encode_small(Data(7, 1, 0, 1, 0, 0))) + 2),
+        Detach(job=7, rank=1),
+    }
+    while want:
+        msg, _, _ = await conn.receive()
+        want.discard(msg)  # type: ignore[arg-type]
+    await coordinator.wait_for(lambda: b'"got": "Data"' in coordinator.output_of(7, 0))
+    with pytest.raises(trio.WouldBlock):
+        relay.connections.receive_nowait()  # both ranks used the one connection
+
+
+async def test_unknown_secret_refused(agent: RunningAgent) -> None:
+    async with await trio.open_unix_socket(str(agent.started.socket_path)) as stream:
+        await stream.send_all(encode_small(RankHello(version=PROTOCOL_VERSION, secret="guess")))
+        reader = FrameReader(stream)
+        with trio.fail_after(5):
+            frame = await reader.receive()
+            assert frame is not None
+            assert isinstance(frame.message, Error) and frame.message.code == "unknown_secret"
+            assert await reader.receive() is None  # and the agent closed it
+
+
+async def test_socket_is_private(agent: RunningAgent) -> None:
+    assert (agent.started.socket_path.stat().st_mode & 0o777) == 0o600
+
+
+async def test_rank_cannot_send_as_another(
+    agent: RunningAgent, coordinator: FakeCoordinator, relay: FakeRelay
+) -> None:
+    coordinator.add_lease(lease_for(coordinator, relay, args=["forged"]))
+    conn = await _open_relay(relay)
+    await _attach(conn)
+    done = await coordinator.wait_for(lambda: coordinator.exit_of(7, 0))
+    assert done.code == 0
+    assert {"refused": "not_yours"} in json_lines(coordinator.output_of(7, 0))
+    detach, _, _ = await conn.receive()
+    assert detach == Detach(job=7, rank=0)  # and no Data reached the relay before it
+
+
+async def test_relay_drop_reports_problem_then_stop_order_kills(
+    agent: RunningAgent, coordinator: FakeCoordinator, relay: FakeRelay
+) -> None:
+    coordinator.add_lease(lease_for(coordinator, relay, args=["wait"]))
+    conn = await _open_relay(relay)
+    await _attach(conn)
+    await coordinator.wait_for(lambda: b"welcome" in coordinator.output_of(7, 0))
+    await conn.close()
+    [problem] = await coordinator.wait_for(lambda: coordinator.problems)
+    assert (problem.job, problem.rank, problem.incarnation) == (7, 0, 1)
+    assert f"relay relay-0 (127.0.0.1:{relay.port})" in problem.message
+    assert "dropped" in problem.message
+    coordinator.stop(7, 0, reason="job 7 failed: rank 0 lost")
+    done = await coordinator.wait_for(lambda: coordinator.exit_of(7, 0))
+    assert done.message == "stopped: job 7 failed: rank 0 lost"
+    assert len(coordinator.problems) == 1
+
+
+async def test_attach_refused_reports_problem(
+    agent: RunningAgent, coordinator: FakeCoordinator, relay: FakeRelay
+) -> None:
+    coordinator.add_lease(lease_for(coordinator, relay, args=["wait"]))
+    conn = await _open_relay(relay)
+    await conn.receive()
+    await conn.send(Error(code="expired_token", message="token has expired", job=7, rank=0))
+    [problem] = await coordinator.wait_for(lambda: coordinator.problems)
+    assert "expired_token" in problem.message and "relay relay-0" in problem.message
+    assert coordinator.exit_of(7, 0) is None  # never started
+
+
+async def test_payload_over_the_relays_limit_is_refused_to_that_rank_only(
+    agent: RunningAgent, coordinator: FakeCoordinator, relay: FakeRelay
+) -> None:
+    coordinator.add_lease(lease_for(coordinator, relay, args=["proxy", "1"]))
+    conn = await relay.accept()
+    await conn.receive()
+    await conn.send(Welcome(version=PROTOCOL_VERSION, relay="relay-0", max_payload=100))
+    await _attach(conn)
+    done = await coordinator.wait_for(lambda: coordinator.exit_of(7, 0))
+    assert done.code == 1  # the test program exits when the agent closes its socket
+    refused = [x for x in json_lines(coordinator.output_of(7, 0)) if x.get("other") == "Error"]
+    assert refused[0]["fields"][0] == "frame_too_large"
+    assert "256 bytes is larger than the 100 bytes relay relay-0" in refused[0]["fields"][1]
+    msg, _, _ = await conn.receive()
+    assert msg == Detach(job=7, rank=0)  # no Data got through; the connection lives on
+    assert coordinator.problems == []

@@ -1,0 +1,252 @@
+"""The agent's main loop: enroll, then lease, run and heartbeat until cancelled.
+
+``run_agent`` is the whole agent as one trio task. It reports ``AgentStarted`` through
+``task_status`` once enrolled and listening on its socket; cancelling it kills every rank
+process it started (each rank's runner reaps its own) and tells the coordinator those ranks
+are gone.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import trio
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from vpool import tls
+from vpool.protocol.api import AgentHeartbeat, EnrollResponse, Lease, RankProblem
+from vpool.worker_agent import identity
+from vpool.worker_agent.bundle import BlobCache
+from vpool.worker_agent.coordinator import CoordinatorClient
+from vpool.worker_agent.errors import CoordinatorRejected, CoordinatorUnreachable
+from vpool.worker_agent.local_ranks import LocalRank, LocalRanks
+from vpool.worker_agent.proxy import RankProxy, choose_socket_path
+from vpool.worker_agent.ranks import RankServices, run_rank
+from vpool.worker_agent.relay_link import RelayLinks
+from vpool.worker_agent.settings import AgentSettings
+
+log = logging.getLogger("vpool.agent")
+
+SOCKET_NAME = "agent.sock"
+_MIN_EMPTY_POLL = 0.25  # s between two lease calls that both came back empty
+_MIN_HEARTBEAT = 0.05  # s; guards against a heartbeat interval of 0
+
+
+@dataclass(frozen=True)
+class AgentStarted:
+    agent_id: str
+    name: str
+    socket_path: Path
+    pid: int
+
+
+class Agent:
+    def __init__(
+        self,
+        settings: AgentSettings,
+        client: CoordinatorClient,
+        enrolled: EnrollResponse,
+        nursery: trio.Nursery,
+    ) -> None:
+        self.settings = settings
+        self.client = client
+        self.enrolled = enrolled
+        self.nursery = nursery
+        self.ranks = LocalRanks()
+        self.slots = settings.slot_count
+        self.busy = 0
+        self._slot_freed = trio.Event()
+        self._enroll_lock = trio.Lock()
+        self.socket_path = choose_socket_path(settings.work_path, SOCKET_NAME)
+        self.links = RelayLinks(
+            nursery,
+            ssl_context=tls.client_context(settings.ca_path),
+            token=lambda: client.token,
+            on_problem=self._problem_soon,
+            max_payload=settings.max_payload,
+        )
+        self.services = RankServices(
+            settings=settings,
+            client=client,
+            links=self.links,
+            blobs=BlobCache(settings.work_path / "blobs", client.fetch_blob),
+            ranks=self.ranks,
+            socket_path=self.socket_path,
+            report_problem=self.report_problem,
+        )
+        self.proxy = RankProxy(
+            self.ranks, processor=socket.gethostname(), max_payload=settings.max_payload
+        )
+
+    @property
+    def free_slots(self) -> int:
+        return max(0, self.slots - self.busy)
+
+    # -- problems ---------------------------------------------------------------------------
+
+    def _problem_soon(self, rank: LocalRank, message: str) -> None:
+        self.nursery.start_soon(self.report_problem, rank, message)
+
+    async def report_problem(self, rank: LocalRank, message: str) -> None:
+        """Tell the coordinator once that ``rank`` cannot go on (it then fails the job)."""
+        if rank.problem_reported or rank.ended:
+            return
+        rank.problem_reported = True
+        lease = rank.lease
+        log.warning("%s: %s", rank.label, message)
+        try:
+            await self.client.post_problem(
+                RankProblem(
+                    job=lease.job, rank=lease.rank, incarnation=lease.incarnation, message=message
+                )
+            )
+        except CoordinatorRejected as exc:
+            log.warning("problem report for %s refused: %s", rank.label, exc)
+
+    # -- enrollment -------------------------------------------------------------------------
+
+    async def reenroll(self, refused_token: str) -> None:
+        """Enroll again after the coordinator refused ``refused_token`` (once, however many
+        loops saw the refusal)."""
+        async with self._enroll_lock:
+            if self.client.token != refused_token:
+                return  # another loop enrolled meanwhile
+            key = identity.load_or_create_key(self.settings.identity_path)
+            self.enrolled = await enroll(self.settings, self.client, key)
+
+    # -- loops ------------------------------------------------------------------------------
+
+    async def lease_loop(self) -> None:
+        delay = 0.5
+        while True:
+            while self.free_slots == 0:
+                self._slot_freed = trio.Event()
+                await self._slot_freed.wait()
+            token = self.client.token
+            asked_at = trio.current_time()
+            try:
+                leases = await self.client.lease(self.free_slots, self.settings.lease_wait)
+            except CoordinatorUnreachable as exc:
+                log.warning("lease: %s; retrying in %.1f s", exc, delay)
+                await trio.sleep(delay * (0.75 + random.random() / 2))
+                delay = min(delay * 2, self.settings.retry_max_delay)
+                continue
+            except CoordinatorRejected as exc:
+                if exc.status == 401:
+                    log.warning("lease refused (%s); enrolling again", exc)
+                    await self.reenroll(token)
+                    continue
+                # Not worth dying for: the ranks running here would die with the agent.
+                log.error("lease refused: %s; retrying in %.1f s", exc, delay)
+                await trio.sleep(delay)
+                delay = min(delay * 2, self.settings.retry_max_delay)
+                continue
+            delay = 0.5
+            for lease in leases:
+                self.start(lease)
+            if not leases:
+                # A coordinator that answers "nothing" at once must not be asked in a tight loop.
+                await trio.sleep_until(asked_at + _MIN_EMPTY_POLL)
+
+    def start(self, lease: Lease) -> None:
+        existing = self.ranks.by_key.get((lease.job, lease.rank))
+        if existing is not None and existing.lease.incarnation >= lease.incarnation:
+            log.warning("ignoring a repeated lease for rank %d of job %d", lease.rank, lease.job)
+            return
+        if existing is not None:
+            existing.request_stop(f"replaced by incarnation {lease.incarnation}")
+        rank = LocalRank(lease)
+        self.ranks.add(rank)
+        self.busy += 1
+        log.info(
+            "leased rank %d of job %d (incarnation %d, %d ranks)",
+            lease.rank,
+            lease.job,
+            lease.incarnation,
+            lease.size,
+        )
+        self.nursery.start_soon(self._run, rank)
+
+    async def _run(self, rank: LocalRank) -> None:
+        try:
+            await run_rank(self.services, rank)
+        except Exception:
+            # A bug met by one rank must not take the agent, and every other rank, down; the
+            # rank's runner already reported it as a problem.
+            log.exception("running %s failed", rank.label)
+        finally:
+            self.busy -= 1
+            self._slot_freed.set()
+
+    async def heartbeat_loop(self) -> None:
+        while True:
+            token = self.client.token
+            try:
+                resp = await self.client.heartbeat(
+                    AgentHeartbeat(ranks=self.ranks.states(), free_slots=self.free_slots)
+                )
+            except CoordinatorUnreachable as exc:
+                log.warning("heartbeat: %s", exc)
+            except CoordinatorRejected as exc:
+                if exc.status == 401:
+                    log.warning("heartbeat refused (%s); enrolling again", exc)
+                    await self.reenroll(token)
+                else:
+                    log.error("heartbeat refused: %s", exc)
+            else:
+                for order in resp.stop:
+                    rank = self.ranks.find(order.job, order.rank, order.incarnation)
+                    if rank is not None:
+                        rank.request_stop(order.reason)
+            await trio.sleep(max(self.enrolled.heartbeat_interval, _MIN_HEARTBEAT))
+
+
+async def enroll(
+    settings: AgentSettings, client: CoordinatorClient, key: Ed25519PrivateKey
+) -> EnrollResponse:
+    req = identity.enroll_request(
+        key,
+        name=settings.agent_name,
+        slots=settings.slot_count,
+        enroll_secret=settings.enroll_secret,
+    )
+    enrolled = await client.enroll(req)
+    log.info("enrolled with %s as %s", settings.coordinator_url, enrolled.agent_id)
+    return enrolled
+
+
+async def run_agent(
+    settings: AgentSettings,
+    *,
+    transport: httpx.AsyncBaseTransport | None = None,
+    task_status: trio.TaskStatus[AgentStarted] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Run the agent until cancelled. ``transport`` replaces the network to the coordinator."""
+    key = identity.load_or_create_key(settings.identity_path)
+    settings.work_path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    async with CoordinatorClient(
+        settings.coordinator_url,
+        ca=settings.ca_path,
+        transport=transport,
+        retry_max_delay=settings.retry_max_delay,
+    ) as client:
+        enrolled = await enroll(settings, client, key)
+        async with trio.open_nursery() as nursery:
+            agent = Agent(settings, client, enrolled, nursery)
+            path = await nursery.start(agent.proxy.serve, agent.socket_path)
+            nursery.start_soon(agent.heartbeat_loop)
+            nursery.start_soon(agent.lease_loop)
+            task_status.started(
+                AgentStarted(
+                    agent_id=enrolled.agent_id,
+                    name=settings.agent_name,
+                    socket_path=path,
+                    pid=os.getpid(),
+                )
+            )

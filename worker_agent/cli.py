@@ -1,0 +1,144 @@
+"""``vpool-agent``: run the worker agent on a volunteer's machine until SIGTERM or Ctrl-C.
+
+Exit codes: 0 after a clean stop (signal), 1 when the agent cannot run (bad settings, socket in
+use, enrollment refused), 2 for bad command-line usage (click).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+import click
+import trio
+
+from vpool.config import SettingsError
+from vpool.worker_agent.agent import run_agent
+from vpool.worker_agent.errors import AgentError
+from vpool.worker_agent.settings import AgentSettings, load_agent_settings
+
+log = logging.getLogger("vpool.agent")
+
+EPILOG = """\b
+Example:
+  vpool-agent --config ~/.config/vpool/agent.toml --slots 4
+\b
+  where agent.toml holds for instance:
+    coordinator_url = "https://pool.example.org:8443"
+    coordinator_ca = "/home/me/.config/vpool/ca.pem"
+    enroll_secret = "..."
+
+Every setting can also come from the environment as VPOOL_AGENT_<NAME>.
+"""
+
+
+def write_ready_file(path: Path, info: dict[str, Any]) -> None:
+    """Write ``info`` as JSON to ``path`` atomically (temp file, then rename)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(info))
+    os.replace(tmp, path)
+
+
+async def _watch_signals(cancel_scope: trio.CancelScope) -> None:
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        async for signum in signals:
+            log.info("received %s: stopping ranks and exiting", signal.Signals(signum).name)
+            cancel_scope.cancel()
+            return
+
+
+async def serve(settings: AgentSettings, ready_file: Path | None) -> None:
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(_watch_signals, nursery.cancel_scope)
+        started = await nursery.start(run_agent, settings)
+        if ready_file is not None:
+            write_ready_file(
+                ready_file,
+                {"pid": started.pid, "agent_id": started.agent_id, "name": started.name},
+            )
+        log.info("agent %s (%s) ready on %s", started.name, started.agent_id, started.socket_path)
+
+
+@click.command(epilog=EPILOG, context_settings={"help_option_names": ["-h", "--help"]})
+@click.option(
+    "--config",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="TOML settings file (see docs/configuration.md).",
+)
+@click.option(
+    "--ready-file",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help='Write {"pid", "agent_id", "name"} as JSON here once enrolled.',
+)
+@click.option("--slots", type=click.IntRange(min=1), help="Ranks to run at once.")
+@click.option("--name", help="Name shown in the pool (default: hostname).")
+@click.option("--work-dir", help="Directory for the socket, blob cache and rank directories.")
+@click.option("--identity-dir", help="Directory of the agent's identity.key.")
+@click.option("--coordinator-url", help="Base URL of the coordinator.")
+@click.option("--coordinator-ca", help="PEM file of the pool CA.")
+@click.option("-v", "--verbose", is_flag=True, help="Log debugging detail.")
+def main(
+    config: Path | None,
+    ready_file: Path | None,
+    slots: int | None,
+    name: str | None,
+    work_dir: str | None,
+    identity_dir: str | None,
+    coordinator_url: str | None,
+    coordinator_ca: str | None,
+    verbose: bool,
+) -> None:
+    """Run the vpool worker agent: lease MPI ranks from the coordinator and run them here.
+
+    The agent only makes outbound connections (HTTPS to the coordinator, TLS to relays).
+    SIGTERM or Ctrl-C kills the ranks it started and exits with status 0.
+    """
+    logging.basicConfig(
+        level=logging.DEBUG if verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    if config is not None and not config.exists():
+        raise click.UsageError(f"config file {config} does not exist")
+    try:
+        settings = load_agent_settings(
+            config,
+            {
+                "slots": slots,
+                "name": name,
+                "work_dir": work_dir,
+                "identity_dir": identity_dir,
+                "coordinator_url": coordinator_url,
+                "coordinator_ca": coordinator_ca,
+            },
+        )
+    except SettingsError as exc:
+        raise click.UsageError(str(exc)) from exc
+    try:
+        trio.run(serve, settings, ready_file)
+    except BaseException as exc:
+        errors = _agent_errors(exc)
+        if not errors:
+            raise
+        for error in errors:
+            click.echo(f"vpool-agent: {error}", err=True)
+        sys.exit(1)
+
+
+def _agent_errors(exc: BaseException) -> list[AgentError]:
+    """The ``AgentError``s in ``exc``, looking inside exception groups; [] if anything else."""
+    if isinstance(exc, AgentError):
+        return [exc]
+    if isinstance(exc, BaseExceptionGroup):
+        found = [_agent_errors(e) for e in exc.exceptions]
+        if all(found):
+            return [e for group in found for e in group]
+    return []
+
+
+if __name__ == "__main__":
+    main()

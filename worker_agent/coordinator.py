@@ -1,0 +1,213 @@
+"""HTTP client of the coordinator's agent API (``/api/v1/agents/...``, see ``protocol/api.py``).
+
+One ``httpx.AsyncClient`` (it runs under trio through anyio) verifying the pool CA. Calls that
+must eventually land (output, exit reports, problems) are retried with exponential backoff while
+the coordinator is unreachable or answers 5xx; a 4xx answer is final (``CoordinatorRejected``).
+The agent token is replaced whenever a heartbeat hands out a fresh one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import random
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from types import TracebackType
+from typing import Any, TypeVar
+
+import httpx
+import msgspec
+import trio
+
+from vpool import tls
+from vpool.protocol import api
+from vpool.worker_agent.errors import CoordinatorRejected, CoordinatorUnreachable
+
+log = logging.getLogger("vpool.agent")
+
+T = TypeVar("T")
+PREFIX = "/api/v1/agents"
+_json = msgspec.json.Encoder()
+_error_body = msgspec.json.Decoder(api.ErrorBody)
+
+
+class CoordinatorClient:
+    """The agent's view of the coordinator. ``transport`` replaces the network in tests."""
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        ca: Path | None = None,
+        transport: httpx.AsyncBaseTransport | None = None,
+        retry_max_delay: float = 30.0,
+    ) -> None:
+        self.url = url.rstrip("/")
+        self.token = ""
+        self.retry_max_delay = retry_max_delay
+        verify: Any = tls.client_context(ca) if url.startswith("https:") else True
+        self._http = httpx.AsyncClient(
+            base_url=self.url,
+            verify=verify,
+            transport=transport,
+            timeout=httpx.Timeout(30.0, connect=10.0),
+            # Long-polls and uploads run side by side with heartbeats.
+            limits=httpx.Limits(max_connections=32, max_keepalive_connections=8),
+        )
+
+    async def __aenter__(self) -> CoordinatorClient:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        with trio.move_on_after(2, shield=True):
+            await self._http.aclose()
+
+    # -- one request ------------------------------------------------------------------------
+
+    async def _request(
+        self,
+        method: str,
+        path: str,
+        *,
+        body: Any = None,
+        content: bytes | None = None,
+        http_timeout: float | None = None,
+    ) -> httpx.Response:
+        headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
+        if body is not None:
+            content = _json.encode(body)
+            headers["Content-Type"] = "application/json"
+        elif content is not None:
+            headers["Content-Type"] = "application/octet-stream"
+        try:
+            resp = await self._http.request(
+                method,
+                path,
+                content=content,
+                headers=headers,
+                timeout=httpx.USE_CLIENT_DEFAULT if http_timeout is None else http_timeout,
+            )
+        except httpx.HTTPError as exc:
+            raise CoordinatorUnreachable(
+                f"{method} {self.url}{path} failed: {exc or type(exc).__name__}"
+            ) from exc
+        _check(resp, method, path)
+        return resp
+
+    async def _retrying(self, what: str, call: Callable[[], Awaitable[T]]) -> T:
+        """Await ``call()`` until it does not raise ``CoordinatorUnreachable``."""
+        delay = 0.2
+        while True:
+            try:
+                return await call()
+            except CoordinatorUnreachable as exc:
+                log.warning("%s: %s; retrying in %.1f s", what, exc, delay)
+            # Jitter keeps a pool of agents from hammering a restarted coordinator in step.
+            await trio.sleep(delay * (0.75 + random.random() / 2))
+            delay = min(delay * 2, self.retry_max_delay)
+
+    async def _json_call(
+        self, path: str, body: Any, type_: type[T], *, http_timeout: float | None = None
+    ) -> T:
+        resp = await self._request("POST", path, body=body, http_timeout=http_timeout)
+        try:
+            return msgspec.json.decode(resp.content, type=type_)
+        except msgspec.DecodeError as exc:
+            raise CoordinatorUnreachable(f"POST {path}: unreadable answer: {exc}") from exc
+
+    # -- the agent API ----------------------------------------------------------------------
+
+    async def enroll(self, req: api.EnrollRequest) -> api.EnrollResponse:
+        """Enroll (retrying while unreachable); remembers the agent token."""
+        resp = await self._retrying(
+            "enroll",
+            lambda: self._json_call(f"{PREFIX}/enroll", req, api.EnrollResponse),
+        )
+        self.token = resp.agent_token
+        return resp
+
+    async def lease(self, free_slots: int, wait: float) -> list[api.Lease]:
+        """One long-poll for leases (not retried: the lease loop backs off itself)."""
+        resp = await self._json_call(
+            f"{PREFIX}/lease",
+            api.LeaseRequest(free_slots=free_slots, wait=wait),
+            api.LeaseResponse,
+            http_timeout=wait + 30.0,
+        )
+        return resp.leases
+
+    async def heartbeat(self, hb: api.AgentHeartbeat) -> api.AgentHeartbeatResponse:
+        resp = await self._json_call(f"{PREFIX}/heartbeat", hb, api.AgentHeartbeatResponse)
+        if resp.agent_token:
+            self.token = resp.agent_token
+        return resp
+
+    async def post_output(self, batch: api.OutputBatch) -> None:
+        await self._retrying(
+            "posting output", lambda: self._request("POST", f"{PREFIX}/output", body=batch)
+        )
+
+    async def post_exit(self, report: api.RankExit) -> None:
+        await self._retrying(
+            "reporting a rank's exit",
+            lambda: self._request("POST", f"{PREFIX}/exit", body=report),
+        )
+
+    async def post_problem(self, problem: api.RankProblem) -> None:
+        await self._retrying(
+            "reporting a rank problem",
+            lambda: self._request("POST", f"{PREFIX}/problem", body=problem),
+        )
+
+    async def put_results(self, job: int, rank: int, incarnation: int, data: bytes) -> None:
+        await self._retrying(
+            "uploading results",
+            lambda: self._request(
+                "PUT",
+                f"{PREFIX}/results/{job}/{rank}/{incarnation}",
+                content=data,
+                http_timeout=600,
+            ),
+        )
+
+    async def fetch_blob(self, sha256: str, dest: Path) -> str:
+        """Download blob ``sha256`` into ``dest``; return the sha256 of what arrived."""
+        return await self._retrying("fetching a blob", lambda: self._fetch_once(sha256, dest))
+
+    async def _fetch_once(self, sha256: str, dest: Path) -> str:
+        path = f"{PREFIX}/blobs/{sha256}"
+        headers = {"Authorization": f"Bearer {self.token}"}
+        digest = hashlib.sha256()
+        try:
+            async with self._http.stream("GET", path, headers=headers, timeout=600) as resp:
+                if resp.status_code >= 400:
+                    await resp.aread()
+                    _check(resp, "GET", path)
+                async with await trio.open_file(dest, "wb") as f:
+                    async for chunk in resp.aiter_bytes(1024 * 1024):
+                        digest.update(chunk)
+                        await f.write(chunk)
+        except httpx.HTTPError as exc:
+            raise CoordinatorUnreachable(f"GET {self.url}{path} failed: {exc}") from exc
+        return digest.hexdigest()
+
+
+def _check(resp: httpx.Response, method: str, path: str) -> None:
+    if resp.status_code < 400:
+        return
+    try:
+        detail = _error_body.decode(resp.content).error
+        code, message = detail.code, detail.message
+    except msgspec.DecodeError:
+        code, message = "http_error", resp.text[:200]
+    if resp.status_code >= 500 or resp.status_code in (408, 429):
+        raise CoordinatorUnreachable(
+            f"{method} {path}: coordinator answered {resp.status_code} {code}: {message}"
+        )
+    raise CoordinatorRejected(resp.status_code, code, message)

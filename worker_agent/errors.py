@@ -1,0 +1,47 @@
+"""Errors of the worker agent.
+
+    AgentError
+     +-- CoordinatorError        an HTTP call to the coordinator failed
+     |    +-- CoordinatorUnreachable   no answer (connection refused, timeout, 5xx): retried
+     |    +-- CoordinatorRejected      a 4xx answer with the API's ErrorBody: not retried
+     +-- BundleError             a blob or bundle is unusable (hash mismatch, unsafe zip, too big)
+     +-- RelayLinkError          a relay connection could not be opened, refused us, or dropped
+     +-- RankSocketError         the agent's unix socket cannot be set up
+
+Each carries a message meant for people; the agent turns them into ``RankProblem`` reports or
+log lines, never tracebacks on the wire.
+"""
+
+from __future__ import annotations
+
+
+class AgentError(Exception):
+    """Base class of the worker agent's errors."""
+
+
+class CoordinatorError(AgentError):
+    pass
+
+
+class CoordinatorUnreachable(CoordinatorError):
+    pass
+
+
+class CoordinatorRejected(CoordinatorError):
+    def __init__(self, status: int, code: str, message: str) -> None:
+        super().__init__(f"coordinator refused ({status} {code}): {message}")
+        self.status = status
+        self.code = code
+        self.message = message
+
+
+class BundleError(AgentError):
+    pass
+
+
+class RelayLinkError(AgentError):
+    pass
+
+
+class RankSocketError(AgentError):
+    pass

@@ -1,0 +1,156 @@
+"""The ranks this agent runs: one ``LocalRank`` per lease, found by secret or by (job, rank).
+
+A ``LocalRank`` is shared by the task that runs its process (``ranks``), the task serving its
+socket connection (``proxy``) and the relay links that push to it (``relay_link``). Only the
+rank's runner touches the process; the others ask it to stop through ``request_stop``.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections import deque
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+import trio
+
+from vpool.protocol.api import Lease, RankState
+from vpool.protocol.messages import Abort
+from vpool.worker_agent.wire import Buffer
+
+if TYPE_CHECKING:
+    from vpool.worker_agent.relay_link import RelayLink
+
+# One write to a rank's socket gathers frames up to about this many bytes.
+_BATCH = 256 * 1024
+
+RankKey = tuple[int, int]  # (job, rank)
+
+
+class Outbox:
+    """Frames waiting to be written to one rank's socket.
+
+    Unbounded on purpose, and still bounded in practice: pushed ``Data`` is limited by the home
+    relay's push window (it waits for our ``Credit``, sent only once the bytes are written), and
+    ``Ack``s are cumulative so only the newest per channel is kept. Never blocking here is what
+    keeps one slow rank from stalling the relay connection all the agent's ranks share.
+    """
+
+    def __init__(self) -> None:
+        self._frames: deque[tuple[list[Buffer], int, RelayLink | None]] = deque()
+        self._acks: dict[int, bytes] = {}
+        self._wake = trio.Event()
+        self._closed = False
+
+    def push_data(self, parts: list[Buffer], size: int, link: RelayLink) -> None:
+        self._frames.append((parts, size, link))
+        self._wake.set()
+
+    def push_ack(self, dst: int, frame: bytes) -> None:
+        self._acks[dst] = frame
+        self._wake.set()
+
+    def push_control(self, frame: bytes) -> None:
+        self._frames.append(([frame], 0, None))
+        self._wake.set()
+
+    def close(self) -> None:
+        self._closed = True
+        self._wake.set()
+
+    async def take(self) -> tuple[list[list[Buffer]], dict[RelayLink, int]]:
+        """Wait for frames; return a batch and the bytes to credit back per relay link.
+
+        Raises ``trio.EndOfChannel`` once closed and drained."""
+        while not self._frames and not self._acks:
+            if self._closed:
+                raise trio.EndOfChannel
+            self._wake = trio.Event()
+            await self._wake.wait()
+        batch: list[list[Buffer]] = []
+        credits: dict[RelayLink, int] = {}
+        total = 0
+        frames = self._frames
+        while frames and total < _BATCH:
+            parts, size, link = frames.popleft()
+            batch.append(parts)
+            if link is not None:
+                total += size
+                credits[link] = credits.get(link, 0) + size
+            else:
+                total += len(parts[0])
+        if self._acks:
+            batch.append(list(self._acks.values()))
+            self._acks.clear()
+        return batch, credits
+
+
+class LocalRank:
+    """One incarnation of one rank on this agent."""
+
+    def __init__(self, lease: Lease) -> None:
+        self.lease = lease
+        self.key: RankKey = (lease.job, lease.rank)
+        self.secret = secrets.token_urlsafe(32)
+        self.state = "starting"
+        self.pid: int | None = None
+        self.outbox = Outbox()
+        # route[dst] = link to the home relay of dst, filled once every relay is attached.
+        self.route: list[RelayLink] = []
+        self.links: list[RelayLink] = []
+        self.abort: Abort | None = None
+        self.finalized = False
+        self.hello_seen = False
+        self.conn_done = trio.Event()
+        self.stop_reason: str | None = None
+        self.stop_requested = trio.Event()
+        self.ended = False
+        self.problem_reported = False
+
+    def __repr__(self) -> str:
+        lease = self.lease
+        return f"<rank {lease.rank} of job {lease.job}, incarnation {lease.incarnation}>"
+
+    @property
+    def label(self) -> str:
+        return f"rank {self.lease.rank} of job {self.lease.job}"
+
+    def request_stop(self, reason: str) -> None:
+        if self.stop_reason is None:
+            self.stop_reason = reason
+        self.stop_requested.set()
+
+
+class LocalRanks:
+    def __init__(self) -> None:
+        self.by_secret: dict[str, LocalRank] = {}
+        self.by_key: dict[RankKey, LocalRank] = {}
+
+    def add(self, rank: LocalRank) -> None:
+        self.by_secret[rank.secret] = rank
+        self.by_key[rank.key] = rank
+
+    def remove(self, rank: LocalRank) -> None:
+        self.by_secret.pop(rank.secret, None)
+        if self.by_key.get(rank.key) is rank:
+            del self.by_key[rank.key]
+
+    def __iter__(self) -> Iterator[LocalRank]:
+        return iter(list(self.by_key.values()))
+
+    def __len__(self) -> int:
+        return len(self.by_key)
+
+    def find(self, job: int, rank: int, incarnation: int) -> LocalRank | None:
+        found = self.by_key.get((job, rank))
+        if found is None or found.lease.incarnation != incarnation:
+            return None
+        return found
+
+    def states(self) -> list[RankState]:
+        return [
+            RankState(
+                job=r.lease.job, rank=r.lease.rank, incarnation=r.lease.incarnation, state=r.state
+            )
+            for r in self
+        ]

@@ -1,0 +1,113 @@
+"""A rank's stdout and stderr, read from its pipes and posted to the coordinator in batches.
+
+Output is gathered for up to ``interval`` seconds or ``batch_bytes`` bytes, then posted as
+``OutputChunk``s carrying each stream's byte offset, so a re-sent chunk after a failed post is
+stored once. When the coordinator is slow the buffer stops growing at ``max_buffered`` and the
+rank blocks on its own writes, like a program piped into a slow reader.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+
+import trio
+
+from vpool.protocol.api import Lease, OutputBatch, OutputChunk, Stream
+
+Post = Callable[[OutputBatch], Awaitable[None]]
+
+STREAMS: tuple[Stream, Stream] = ("stdout", "stderr")
+
+
+class OutputPump:
+    def __init__(
+        self,
+        lease: Lease,
+        post: Post,
+        *,
+        interval: float = 0.1,
+        batch_bytes: int = 64 * 1024,
+        max_buffered: int = 4 * 1024 * 1024,
+        max_post: int = 1024 * 1024,
+    ) -> None:
+        self.lease = lease
+        self._post = post
+        self.interval = interval
+        self.batch_bytes = batch_bytes
+        self.max_buffered = max_buffered
+        self.max_post = max_post
+        self._bufs: dict[Stream, bytearray] = {s: bytearray() for s in STREAMS}
+        self.offsets: dict[Stream, int] = {s: 0 for s in STREAMS}  # bytes already posted
+        self._readers = 0
+        self._some = trio.Event()  # there is something to post
+        self._enough = trio.Event()  # post now: a full batch, or a stream ended
+        self._room = trio.Event()  # a post made room in the buffers
+        self.done = trio.Event()  # both pipes ended and everything was posted
+
+    async def run(
+        self, stdout: trio.abc.ReceiveStream | None, stderr: trio.abc.ReceiveStream | None
+    ) -> None:
+        """Pump both pipes until they close and everything read has been posted."""
+        async with trio.open_nursery() as nursery:
+            for name, pipe in zip(STREAMS, (stdout, stderr), strict=True):
+                if pipe is not None:
+                    self._readers += 1
+                    nursery.start_soon(self._read, name, pipe)
+            nursery.start_soon(self._flush_loop)
+        self.done.set()
+
+    async def _read(self, name: Stream, pipe: trio.abc.ReceiveStream) -> None:
+        buf = self._bufs[name]
+        try:
+            while True:
+                while len(buf) >= self.max_buffered:
+                    await self._room.wait()
+                try:
+                    data = await pipe.receive_some(64 * 1024)
+                except (trio.BrokenResourceError, trio.ClosedResourceError):
+                    data = b""
+                if not data:
+                    return
+                buf += data
+                self._some.set()
+                if len(buf) >= self.batch_bytes:
+                    self._enough.set()
+        finally:
+            self._readers -= 1
+            self._some.set()
+            self._enough.set()
+
+    async def _flush_loop(self) -> None:
+        while True:
+            await self._some.wait()
+            with trio.move_on_after(self.interval):
+                await self._enough.wait()
+            self._some = trio.Event()
+            self._enough = trio.Event()
+            while any(self._bufs.values()):
+                await self._flush_once()
+            if self._readers == 0:
+                return
+
+    async def _flush_once(self) -> None:
+        lease = self.lease
+        chunks = []
+        for name in STREAMS:
+            buf = self._bufs[name]
+            if buf:
+                chunks.append(
+                    OutputChunk(
+                        job=lease.job,
+                        rank=lease.rank,
+                        incarnation=lease.incarnation,
+                        stream=name,
+                        offset=self.offsets[name],
+                        data=bytes(buf[: self.max_post]),
+                    )
+                )
+        await self._post(OutputBatch(chunks=chunks))
+        for chunk in chunks:
+            del self._bufs[chunk.stream][: len(chunk.data)]
+            self.offsets[chunk.stream] += len(chunk.data)
+        room, self._room = self._room, trio.Event()
+        room.set()

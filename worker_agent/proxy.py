@@ -1,0 +1,270 @@
+"""The agent's unix socket: rank processes connect here and their MPI traffic is proxied.
+
+One listening socket (``work_dir/agent.sock``, mode 0600). A rank opens with ``RankHello``
+carrying the secret the agent put in its environment; the agent answers ``RankWelcome`` or an
+``Error`` and closes. Then, per connection, a reader forwards the rank's ``Data`` frames,
+unchanged, to the home relay of each destination, and a writer drains the rank's outbox (pushed
+``Data``, ``Ack``s, ``Stop``) into the socket and credits the relays for what was written.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import logging
+import os
+import socket as stdlib_socket
+import stat
+import tempfile
+from pathlib import Path
+
+import trio
+
+from vpool.protocol.errors import ProtocolError
+from vpool.protocol.messages import (
+    PROTOCOL_VERSION,
+    Abort,
+    Data,
+    Error,
+    Finalize,
+    RankHello,
+    RankWelcome,
+)
+from vpool.protocol.session import Session
+from vpool.worker_agent.errors import RankSocketError, RelayLinkError
+from vpool.worker_agent.local_ranks import LocalRank, LocalRanks
+from vpool.worker_agent.wire import FrameReader, encode_small, send_parts
+
+log = logging.getLogger("vpool.agent")
+
+HELLO_TIMEOUT = 10.0
+# Longest unix socket path (sun_path is 108 bytes on Linux, including the NUL).
+_MAX_SOCKET_PATH = 107
+
+
+def choose_socket_path(work_dir: Path, name: str = "agent.sock") -> Path:
+    """``work_dir/name``, unless that is too long for a unix socket address (108 bytes).
+
+    Then a short path in a private per-user directory (``$XDG_RUNTIME_DIR`` or the temp
+    directory), named after ``work_dir`` so each agent of this user keeps its own socket.
+    """
+    preferred = work_dir / name
+    if len(os.fsencode(preferred)) <= _MAX_SOCKET_PATH:
+        return preferred
+    digest = hashlib.sha256(os.fsencode(work_dir.absolute())).hexdigest()[:16]
+    for base in (os.environ.get("XDG_RUNTIME_DIR"), tempfile.gettempdir()):
+        if not base:
+            continue
+        directory = Path(base) / f"vpool-{os.getuid()}"
+        path = directory / f"agent-{digest}.sock"
+        if len(os.fsencode(path)) <= _MAX_SOCKET_PATH:
+            _private_dir(directory)
+            log.info("socket path %s is too long; using %s", preferred, path)
+            return path
+    raise RankSocketError(
+        f"socket path {preferred} is longer than {_MAX_SOCKET_PATH} bytes; use a shorter work_dir"
+    )
+
+
+def _private_dir(directory: Path) -> None:
+    """Create ``directory`` (0700) or accept it only if it is ours and private: in a shared
+    temp directory, someone else could have made it first to watch our socket."""
+    directory.mkdir(mode=0o700, exist_ok=True)
+    st = directory.lstat()
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+        raise RankSocketError(f"{directory} is not a private directory of this user")
+
+
+def bind_rank_socket(path: Path) -> trio.SocketListener:
+    """Listen on ``path`` with mode 0600, replacing a stale socket left by a dead agent."""
+    if len(os.fsencode(path)) > _MAX_SOCKET_PATH:
+        raise RankSocketError(
+            f"socket path {path} is longer than {_MAX_SOCKET_PATH} bytes; use a shorter work_dir"
+        )
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    if path.exists():
+        probe = stdlib_socket.socket(stdlib_socket.AF_UNIX)
+        try:
+            probe.connect(os.fspath(path))
+        except OSError:
+            path.unlink()  # nobody listens: a leftover of an agent that died
+        else:
+            raise RankSocketError(f"another agent is already serving {path}")
+        finally:
+            probe.close()
+    sock = stdlib_socket.socket(stdlib_socket.AF_UNIX, stdlib_socket.SOCK_STREAM)
+    try:
+        # Created under a tight umask so there is no moment when others could connect.
+        old = os.umask(0o177)
+        try:
+            sock.bind(os.fspath(path))
+        finally:
+            os.umask(old)
+        os.chmod(path, 0o600)
+        sock.listen(128)
+    except OSError as exc:
+        sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            raise RankSocketError(f"another agent is already serving {path}") from exc
+        raise RankSocketError(f"cannot listen on {path}: {exc}") from exc
+    return trio.SocketListener(trio.socket.from_stdlib_socket(sock))
+
+
+class RankProxy:
+    """Serves rank connections on the agent's socket."""
+
+    def __init__(self, ranks: LocalRanks, *, processor: str, max_payload: int) -> None:
+        self.ranks = ranks
+        self.processor = processor
+        self.max_payload = max_payload
+
+    async def serve(
+        self, path: Path, *, task_status: trio.TaskStatus[Path] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        listener = bind_rank_socket(path)
+        try:
+            async with trio.open_nursery() as nursery:
+                task_status.started(path)
+                await trio.serve_listeners(self.handle, [listener], handler_nursery=nursery)
+        finally:
+            _unlink(path)
+
+    async def handle(self, stream: trio.SocketStream) -> None:
+        async with stream:
+            reader = FrameReader(stream, max_payload=self.max_payload)
+            session = Session("rank", "server")
+            try:
+                rank = await self._greet(stream, reader, session)
+            except ProtocolError as exc:
+                with trio.move_on_after(1):
+                    await _refuse(stream, exc.code, exc.message)
+                return
+            except (trio.BrokenResourceError, trio.TooSlowError) as exc:
+                log.debug("rank connection dropped before its hello: %s", exc)
+                return
+            if rank is None:
+                return
+            try:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(self._write_loop, stream, rank)
+                    if await self._read_loop(reader, session, rank):
+                        # The rank closed its end: nothing written now could be read.
+                        nursery.cancel_scope.cancel()
+                    else:
+                        # Give the writer a moment to deliver the Error that explains why.
+                        nursery.cancel_scope.deadline = trio.current_time() + 2
+            finally:
+                rank.conn_done.set()
+
+    async def _greet(
+        self, stream: trio.SocketStream, reader: FrameReader, session: Session
+    ) -> LocalRank | None:
+        with trio.fail_after(HELLO_TIMEOUT):
+            frame = await reader.receive()
+        if frame is None:
+            return None
+        hello = frame.message
+        session.receive(hello)
+        assert isinstance(hello, RankHello)
+        if hello.version != PROTOCOL_VERSION:
+            await _refuse(
+                stream,
+                "version",
+                f"agent speaks protocol {PROTOCOL_VERSION}, the rank {hello.version}",
+            )
+            return None
+        rank = self.ranks.by_secret.get(hello.secret)
+        if rank is None or rank.ended:
+            await _refuse(stream, "unknown_secret", "no rank of this agent has that secret")
+            return None
+        if rank.hello_seen:
+            await _refuse(stream, "already_connected", f"{rank.label} is already connected")
+            return None
+        rank.hello_seen = True
+        lease = rank.lease
+        welcome = RankWelcome(
+            job=lease.job,
+            rank=lease.rank,
+            size=lease.size,
+            incarnation=lease.incarnation,
+            processor=self.processor,
+        )
+        session.send(welcome)
+        await stream.send_all(encode_small(welcome))
+        if rank.state == "starting":
+            rank.state = "running"
+        return rank
+
+    async def _read_loop(self, reader: FrameReader, session: Session, rank: LocalRank) -> bool:
+        """Forward the rank's frames; True at end of stream, False after refusing a frame."""
+        job, me, size = rank.lease.job, rank.lease.rank, rank.lease.size
+        route = rank.route
+        try:
+            while True:
+                frame = await reader.receive()
+                if frame is None:
+                    return True
+                msg = frame.message
+                session.receive(msg)
+                if isinstance(msg, Data):
+                    if msg.job != job or msg.src != me or not 0 <= msg.dst < len(route):
+                        raise ProtocolError(
+                            f"Data from job {msg.job} rank {msg.src} to {msg.dst} on the "
+                            f"connection of {rank.label} (size {size}, "
+                            f"{len(rank.links)} relays)",
+                            code="not_yours",
+                        )
+                    link = route[msg.dst]
+                    if frame.payload_len > link.max_payload:
+                        raise ProtocolError(
+                            f"a message of {frame.payload_len} bytes is larger than the "
+                            f"{link.max_payload} bytes {link.where} accepts",
+                            code="frame_too_large",
+                        )
+                    try:
+                        await link.send_data(msg, frame.parts)
+                    except RelayLinkError:
+                        # Already reported as a RankProblem by the link; the coordinator will
+                        # stop this rank. Dropping here keeps the socket drained meanwhile.
+                        pass
+                elif isinstance(msg, Abort):
+                    rank.abort = msg
+                elif isinstance(msg, Finalize):
+                    rank.finalized = True
+        except ProtocolError as exc:
+            log.warning("%s broke the rank protocol: %s", rank.label, exc)
+            rank.outbox.push_control(encode_small(Error(code=exc.code, message=exc.message)))
+            rank.outbox.close()
+            return False
+        except trio.BrokenResourceError:
+            return True
+
+    async def _write_loop(self, stream: trio.SocketStream, rank: LocalRank) -> None:
+        job, me = rank.lease.job, rank.lease.rank
+        outbox = rank.outbox
+        try:
+            while True:
+                batch, credits = await outbox.take()
+                await send_parts(stream, batch)
+                for link, nbytes in credits.items():
+                    try:
+                        await link.credit(job, me, nbytes)
+                    except RelayLinkError:
+                        pass  # reported by the link
+        except trio.EndOfChannel:
+            pass
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            # The rank went away with frames unwritten: nobody is left to read them.
+            pass
+
+
+def _unlink(path: Path) -> None:
+    path.unlink(missing_ok=True)
+
+
+async def _refuse(stream: trio.SocketStream, code: str, message: str) -> None:
+    log.warning("refused a rank connection: %s", message)
+    try:
+        await stream.send_all(encode_small(Error(code=code, message=message)))
+    except (trio.BrokenResourceError, trio.ClosedResourceError):
+        pass  # the rank is gone already; nobody to explain it to

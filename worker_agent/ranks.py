@@ -1,0 +1,354 @@
+"""Running one lease: bundle, relays, process, output, results, exit report.
+
+``run_rank`` owns the rank's process from spawn to reap. In order:
+
+1. fetch the bundle (and rank 0's stdin) into the verified blob cache and extract the bundle
+   into a fresh work directory;
+2. attach the rank to every relay of its job (home on ``relays[homes[rank]]``), so that what
+   the rank sends can be deposited the moment it starts;
+3. spawn ``[python, entry, *args]`` in its own session with the environment of
+   docs/internals.md, pump its output, and stop it when asked (``Stop`` to the rank, SIGTERM,
+   then SIGKILL after ``stop_grace``);
+4. once it is gone: post the remaining output, upload the files it created or changed, report
+   ``RankExit``, detach from the relays and delete the work directory.
+
+A rank that cannot be prepared (bad bundle, relay refusing it) is reported as a ``RankProblem``
+and never started.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import trio
+
+from vpool.protocol.api import Lease, OutputBatch, RankExit, RankProblem
+from vpool.protocol.messages import Stop
+from vpool.worker_agent import bundle
+from vpool.worker_agent.coordinator import CoordinatorClient
+from vpool.worker_agent.errors import BundleError, CoordinatorRejected, RelayLinkError
+from vpool.worker_agent.local_ranks import LocalRank, LocalRanks
+from vpool.worker_agent.output import OutputPump
+from vpool.worker_agent.relay_link import RelayLinks
+from vpool.worker_agent.settings import AgentSettings
+from vpool.worker_agent.wire import encode_small
+
+log = logging.getLogger("vpool.agent")
+
+# Variables of the agent's own environment a program may reasonably need. Nothing else is
+# passed on: the agent's environment can hold its enroll secret and tokens.
+_PASSED_ENV = ("PATH", "LANG", "LANGUAGE", "LC_ALL", "LC_CTYPE", "TZ", "SYSTEMROOT")
+# How long the rank's pipes may stay open after it exited (a child it left behind).
+_PIPE_GRACE = 5.0
+_SHIELDED_CLEANUP = 5.0
+
+
+def shim_dir() -> Path:
+    """The directory that contains vpool's ``mpi4py`` shim package."""
+    import vpool.sdk.mpi
+
+    return Path(vpool.sdk.mpi.__file__).parent / "shim"
+
+
+@dataclass
+class RankServices:
+    """What running a rank needs from the agent."""
+
+    settings: AgentSettings
+    client: CoordinatorClient
+    links: RelayLinks
+    blobs: bundle.BlobCache
+    ranks: LocalRanks
+    socket_path: Path
+    report_problem: Callable[[LocalRank, str], Awaitable[None]]
+
+
+@dataclass
+class Prepared:
+    rank_dir: Path
+    work: Path
+    home: Path
+    entry: Path
+    stdin: Path | None
+    before: bundle.Snapshot
+
+
+def rank_env(
+    lease: Lease, *, secret: str, socket_path: Path, shim: Path, home: Path
+) -> dict[str, str]:
+    env = {k: os.environ[k] for k in _PASSED_ENV if k in os.environ}
+    env["HOME"] = str(home)
+    env["TMPDIR"] = str(home)
+    env.update(lease.env)
+    # The shim must come first so it wins over a real mpi4py in the same environment.
+    pythonpath = [str(shim)]
+    if lease.env.get("PYTHONPATH"):
+        pythonpath.append(lease.env["PYTHONPATH"])
+    env.update(
+        PYTHONPATH=os.pathsep.join(pythonpath),
+        VPOOL_AGENT_SOCKET=str(socket_path),
+        VPOOL_RANK_SECRET=secret,
+        PYTHONHASHSEED="0",
+        PYTHONUNBUFFERED="1",
+        VPOOL_JOB=str(lease.job),
+        VPOOL_RANK=str(lease.rank),
+        VPOOL_SIZE=str(lease.size),
+        VPOOL_INCARNATION=str(lease.incarnation),
+    )
+    return env
+
+
+async def prepare(svc: RankServices, lease: Lease) -> Prepared:
+    """Fetch and extract the bundle into a fresh directory (raises ``BundleError``)."""
+    settings = svc.settings
+    entry_rel = bundle.safe_member_path(lease.entry)
+    zip_path = await svc.blobs.get(lease.bundle)
+    stdin = await svc.blobs.get(lease.stdin) if lease.stdin and lease.rank == 0 else None
+    ranks_dir = settings.work_path / "ranks"
+    ranks_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    rank_dir = Path(
+        tempfile.mkdtemp(prefix=f"{lease.job}-{lease.rank}-{lease.incarnation}-", dir=ranks_dir)
+    )
+    try:
+        work, home = rank_dir / "work", rank_dir / "home"
+        work.mkdir()
+        home.mkdir()
+        await trio.to_thread.run_sync(
+            lambda: bundle.extract_bundle(zip_path, work, max_bytes=settings.max_bundle_bytes)
+        )
+        before = await trio.to_thread.run_sync(bundle.snapshot, work)
+    except BaseException:
+        await _remove(rank_dir)
+        raise
+    return Prepared(rank_dir, work, home, work.joinpath(*entry_rel.parts), stdin, before)
+
+
+async def attach(svc: RankServices, rank: LocalRank) -> None:
+    """Attach ``rank`` to every relay of its job; fill its route (raises ``RelayLinkError``)."""
+    lease = rank.lease
+    if not lease.relays:
+        return  # a rank that was given no relays can run but not communicate
+    if len(lease.homes) != lease.size or not all(0 <= h < len(lease.relays) for h in lease.homes):
+        raise RelayLinkError(
+            f"the lease's homes {lease.homes} do not fit {lease.size} ranks and "
+            f"{len(lease.relays)} relays"
+        )
+    home = lease.homes[lease.rank]
+    links = []
+    for i, info in enumerate(lease.relays):
+        link = await svc.links.get(info)
+        links.append(link)
+        rank.links.append(link)
+        await link.attach(rank, home=i == home)
+    rank.route = [links[h] for h in lease.homes]
+
+
+async def run_rank(svc: RankServices, rank: LocalRank) -> None:
+    lease = rank.lease
+    prepared: Prepared | None = None
+    try:
+        try:
+            prepared = await prepare(svc, lease)
+            await attach(svc, rank)
+        except (BundleError, RelayLinkError, CoordinatorRejected) as exc:
+            log.error("%s cannot start: %s", rank.label, exc)
+            await svc.report_problem(rank, f"{rank.label} cannot start: {exc}")
+            return
+        code, message = await execute(svc, rank, prepared)
+        await _upload_results(svc, rank, prepared, code, message)
+    except BaseException as exc:
+        # Cancelled (possibly inside exception groups) means the agent is shutting down; the
+        # coordinator hears it now rather than after a heartbeat timeout.
+        if not rank.problem_reported and not rank.ended:
+            rank.problem_reported = True
+            name = svc.settings.agent_name
+            why = "is shutting down" if _only_cancelled(exc) else f"failed: {exc!r}"
+            with trio.move_on_after(2, shield=True):
+                await svc.client.post_problem(_problem(rank, f"agent {name} {why}"))
+        raise
+    finally:
+        rank.ended = True
+        rank.outbox.close()
+        with trio.move_on_after(_SHIELDED_CLEANUP, shield=True):
+            if rank.hello_seen:
+                # Frames the rank wrote just before it ended may still be on their way to a
+                # relay; a Detach overtaking them would make the relay refuse them.
+                with trio.move_on_after(2):
+                    await rank.conn_done.wait()
+            for link in rank.links:
+                await link.detach(rank)
+            if prepared is not None and not svc.settings.keep_workdirs:
+                await _remove(prepared.rank_dir)
+            svc.ranks.remove(rank)
+
+
+def _only_cancelled(exc: BaseException) -> bool:
+    if isinstance(exc, BaseExceptionGroup):
+        return all(_only_cancelled(e) for e in exc.exceptions)
+    return isinstance(exc, trio.Cancelled)
+
+
+def _problem(rank: LocalRank, message: str) -> RankProblem:
+    lease = rank.lease
+    return RankProblem(
+        job=lease.job, rank=lease.rank, incarnation=lease.incarnation, message=message
+    )
+
+
+async def execute(svc: RankServices, rank: LocalRank, prepared: Prepared) -> tuple[int, str]:
+    """Run the rank's process to its end; return its exit code and a note about how it ended."""
+    lease, settings = rank.lease, svc.settings
+    if rank.stop_requested.is_set():
+        return 128 + signal.SIGTERM, f"stopped before it started: {rank.stop_reason}"
+    env = rank_env(
+        lease,
+        secret=rank.secret,
+        socket_path=svc.socket_path,
+        shim=shim_dir(),
+        home=prepared.home,
+    )
+    stdin = open(prepared.stdin or os.devnull, "rb")  # noqa: ASYNC230 - only an fd for the child
+    try:
+        process = await trio.lowlevel.open_process(
+            [settings.python_path, str(prepared.entry), *lease.args],
+            cwd=prepared.work,
+            env=env,
+            stdin=stdin,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            # Its own process group: signals for the agent's terminal do not reach it, and
+            # the agent can end whatever the rank itself started.
+            start_new_session=True,
+        )
+    except OSError as exc:
+        stdin.close()
+        return 127, f"cannot start {settings.python_path}: {exc}"
+    stdin.close()
+    rank.state = "running"
+    rank.pid = process.pid
+    log.info("started %s (pid %d)", rank.label, process.pid)
+    pump = OutputPump(lease, functools.partial(_post_output, svc.client, rank))
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(pump.run, process.stdout, process.stderr)
+            async with trio.open_nursery() as watch:
+                watch.start_soon(_stop_when_asked, rank, process, settings.stop_grace)
+                await process.wait()
+                watch.cancel_scope.cancel()
+            # Whatever the rank left running would keep its pipes (and maybe a slot) busy.
+            _signal_group(process, signal.SIGKILL)
+            with trio.move_on_after(_PIPE_GRACE):
+                await pump.done.wait()
+            for pipe in (process.stdout, process.stderr):
+                if pipe is not None:
+                    await pipe.aclose()
+    finally:
+        if process.returncode is None:
+            with trio.move_on_after(_SHIELDED_CLEANUP, shield=True):
+                _signal_group(process, signal.SIGKILL)
+                await process.wait()
+    # None only if even SIGKILL did not end it within the cleanup time: report it as killed.
+    returncode = process.returncode
+    return _describe_exit(rank, -signal.SIGKILL if returncode is None else returncode)
+
+
+async def _post_output(client: CoordinatorClient, rank: LocalRank, batch: OutputBatch) -> None:
+    try:
+        await client.post_output(batch)
+    except CoordinatorRejected as exc:
+        # Typically the job is over on the coordinator's side; the rank is about to be stopped.
+        log.warning("output of %s refused, dropped: %s", rank.label, exc)
+
+
+def _describe_exit(rank: LocalRank, returncode: int) -> tuple[int, str]:
+    if returncode < 0:
+        sig = -returncode
+        try:
+            name = signal.Signals(sig).name
+        except ValueError:
+            name = f"signal {sig}"
+        code, message = 128 + sig, f"killed by {name}"
+    else:
+        code, message = returncode, ""
+    if rank.stop_reason is not None:
+        message = f"stopped: {rank.stop_reason}"
+    return code, message
+
+
+async def _stop_when_asked(rank: LocalRank, process: trio.Process, grace: float) -> None:
+    await rank.stop_requested.wait()
+    lease = rank.lease
+    log.info("stopping %s: %s", rank.label, rank.stop_reason)
+    rank.outbox.push_control(
+        encode_small(
+            Stop(
+                job=lease.job,
+                rank=lease.rank,
+                incarnation=lease.incarnation,
+                reason=rank.stop_reason or "",
+            )
+        )
+    )
+    _signal_group(process, signal.SIGTERM)
+    await trio.sleep(grace)
+    _signal_group(process, signal.SIGKILL)
+
+
+def _signal_group(process: trio.Process, sig: int) -> None:
+    """Signal the rank's process group, whose id is the rank's pid (start_new_session).
+
+    Safe after the rank was reaped: the kernel does not hand out a pid that is still some
+    process group's id, so the group is ours for as long as it exists."""
+    try:
+        os.killpg(process.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+async def _upload_results(
+    svc: RankServices, rank: LocalRank, prepared: Prepared, code: int, message: str
+) -> None:
+    lease, settings, client = rank.lease, svc.settings, svc.client
+    data, skipped = await trio.to_thread.run_sync(
+        lambda: bundle.results_zip(
+            prepared.work, prepared.before, max_bytes=settings.max_results_bytes
+        )
+    )
+    if skipped:
+        note = (
+            f"results over {settings.max_results_bytes} bytes: left out {len(skipped)} "
+            f"file(s): {', '.join(skipped[:5])}{' ...' if len(skipped) > 5 else ''}"
+        )
+        message = f"{message}; {note}" if message else note
+    if data is not None:
+        try:
+            await client.put_results(lease.job, lease.rank, lease.incarnation, data)
+        except CoordinatorRejected as exc:
+            log.warning("results of %s refused: %s", rank.label, exc)
+    abort = rank.abort
+    report = RankExit(
+        job=lease.job,
+        rank=lease.rank,
+        incarnation=lease.incarnation,
+        code=abort.code if abort is not None else code,
+        aborted=abort is not None,
+        message=(abort.message if abort is not None else message),
+    )
+    try:
+        await client.post_exit(report)
+    except CoordinatorRejected as exc:
+        log.warning("exit report of %s refused: %s", rank.label, exc)
+    log.info("%s exited with code %d%s", rank.label, report.code, " (aborted)" * report.aborted)
+
+
+async def _remove(path: Path) -> None:
+    await trio.to_thread.run_sync(lambda: shutil.rmtree(path, ignore_errors=True))

@@ -1,0 +1,86 @@
+"""The agent's settings table (prefix ``VPOOL_AGENT``), loaded by ``vpool.config.load_settings``."""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from vpool import paths
+from vpool.config import load_settings, setting
+
+ENV_PREFIX = "VPOOL_AGENT"
+
+
+@dataclass(frozen=True)
+class AgentSettings:
+    name: str = setting("", "Name shown in the pool; empty = this machine's hostname.")
+    coordinator_url: str = setting(
+        "https://127.0.0.1:8443", "Base URL of the coordinator (the /api/v1 prefix is added)."
+    )
+    coordinator_ca: str = setting(
+        "",
+        "PEM file of the pool CA, trusted for the coordinator and the relays; empty = system CAs.",
+    )
+    enroll_secret: str = setting("", "Secret the pool operator requires to enroll; empty = none.")
+    identity_dir: str = setting(
+        "", "Directory of identity.key (Ed25519, mode 0600); empty = <config dir>/agent."
+    )
+    work_dir: str = setting(
+        "",
+        "Directory of agent.sock, the blob cache and the ranks' work directories; "
+        "empty = <state dir>/agent.",
+    )
+    slots: int = setting(0, "Ranks run at once; 0 = the number of CPUs.")
+    python: str = setting("", "Interpreter that runs the ranks; empty = the agent's own.")
+    keep_workdirs: bool = setting(False, "Keep each rank's work directory after it ends.")
+    lease_wait: float = setting(20.0, "Seconds a lease request waits on the coordinator for work.")
+    retry_max_delay: float = setting(
+        30.0, "Longest pause (s) between retries while the coordinator is unreachable."
+    )
+    stop_grace: float = setting(
+        3.0, "Seconds a rank told to stop gets after SIGTERM before SIGKILL."
+    )
+    max_bundle_bytes: int = setting(
+        4 * 1024**3, "Largest total size of an extracted bundle (zip bomb guard)."
+    )
+    max_results_bytes: int = setting(
+        256 * 1024**2, "Largest results zip per rank; files beyond it are left out and reported."
+    )
+    max_payload: int = setting(
+        1024**3, "Largest payload of one MPI message accepted from a rank or a relay (bytes)."
+    )
+
+    # Resolved values: the empty defaults above mean "the platform's choice".
+
+    @property
+    def agent_name(self) -> str:
+        return self.name or socket.gethostname()
+
+    @property
+    def identity_path(self) -> Path:
+        return Path(self.identity_dir) if self.identity_dir else paths.config_dir() / "agent"
+
+    @property
+    def work_path(self) -> Path:
+        return Path(self.work_dir) if self.work_dir else paths.state_dir() / "agent"
+
+    @property
+    def slot_count(self) -> int:
+        return self.slots if self.slots > 0 else (os.cpu_count() or 1)
+
+    @property
+    def python_path(self) -> str:
+        return self.python or sys.executable
+
+    @property
+    def ca_path(self) -> Path | None:
+        return Path(self.coordinator_ca) if self.coordinator_ca else None
+
+
+def load_agent_settings(
+    file: Path | None = None, overrides: dict[str, object] | None = None
+) -> AgentSettings:
+    return load_settings(AgentSettings, prefix=ENV_PREFIX, file=file, overrides=overrides)
