@@ -1,0 +1,130 @@
+"""``vpool-relay``: run one relay (channel memory) of a pool."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import resource
+import signal
+import sys
+from functools import partial
+from pathlib import Path
+
+import click
+import trio
+
+from vpool.config import SettingsError
+from vpool.relay.errors import RelayError
+from vpool.relay.server import serve_relay
+from vpool.relay.settings import RelaySettings, load
+
+EXAMPLE = """\b
+Example:
+  vpool-relay --config relay.toml --ready-file /tmp/relay.json
+  VPOOL_RELAY_COORDINATOR_URL=https://coord:8443 VPOOL_RELAY_RELAY_SECRET=s3cret \\
+    VPOOL_RELAY_TLS_CERT=relay.pem VPOOL_RELAY_TLS_KEY=relay.key vpool-relay --port 7700
+
+Exit codes: 0 stopped by SIGTERM/SIGINT, 1 bad settings or unusable data directory,
+2 bad command line.
+"""
+
+
+def write_ready_file(path: Path, info: dict[str, object]) -> None:
+    """Write JSON atomically: readers see the whole file or none."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(info))
+    os.replace(tmp, path)
+
+
+def _raise_fd_limit() -> None:
+    # Every destination rank's log keeps its segment files open.
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or soft < hard:
+        target = hard if hard != resource.RLIM_INFINITY else max(soft, 65536)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        except (ValueError, OSError):
+            pass
+
+
+async def _run(settings: RelaySettings, ready_file: Path | None) -> None:
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        async with trio.open_nursery() as nursery:
+            host, port = await nursery.start(partial(serve_relay, settings))
+            if ready_file is not None:
+                write_ready_file(
+                    ready_file,
+                    {
+                        "host": host,
+                        "port": port,
+                        "pid": os.getpid(),
+                        "name": settings.relay_name(port),
+                    },
+                )
+            async for signum in signals:
+                logging.getLogger(__name__).info("signal %d: stopping", signum)
+                break
+            nursery.cancel_scope.cancel()
+
+
+@click.command(epilog=EXAMPLE)
+@click.option(
+    "--config",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="TOML settings file (see docs/configuration.md).",
+)
+@click.option(
+    "--ready-file",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help='Write {"host","port","pid","name"} here once listening.',
+)
+@click.option("--host", help="Address to listen on.")
+@click.option("--port", type=int, help="TCP port (0 = any free port).")
+@click.option("--name", help="Relay name registered with the coordinator.")
+@click.option("--data-dir", help="Directory of the message logs.")
+@click.option(
+    "--log-level",
+    default="INFO",
+    show_default=True,
+    type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"]),
+)
+def main(
+    config: Path | None,
+    ready_file: Path | None,
+    host: str | None,
+    port: int | None,
+    name: str | None,
+    data_dir: str | None,
+    log_level: str,
+) -> None:
+    """Run a relay: store every rank's incoming messages in a log and push them to it."""
+    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        settings = load(config, host=host, port=port, name=name, data_dir=data_dir)
+    except SettingsError as exc:
+        raise click.ClickException(str(exc)) from exc
+    _raise_fd_limit()
+    try:
+        trio.run(_run, settings, ready_file)
+    except (RelayError, OSError) as exc:
+        click.echo(f"vpool-relay: {exc}", err=True)
+        sys.exit(1)
+    except BaseExceptionGroup as group:
+        fatal, rest = group.split((RelayError, OSError))
+        if fatal is None or rest is not None:
+            raise
+        for leaf in _leaves(fatal):
+            click.echo(f"vpool-relay: {leaf}", err=True)
+        sys.exit(1)
+
+
+def _leaves(group: BaseExceptionGroup[BaseException]) -> list[BaseException]:
+    out: list[BaseException] = []
+    for exc in group.exceptions:
+        out.extend(_leaves(exc) if isinstance(exc, BaseExceptionGroup) else [exc])
+    return out
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,406 @@
+"""One agent connection: handshake, deposits, credits and attachments in; acks and pushes out.
+
+Two tasks per connection. The reader parses every frame that arrived in one read, checks it
+against the session table and the rank's attachment, stages the Data frames and commits them
+to the log in one group write (``Hub.commit``) before reading more, which is the connection's
+back-pressure. The writer owns the stream's send side: each round it sends the queued control
+messages (``Welcome``, ``Attached``, ``Stop``), the coalesced ``Ack``s, then frames pushed from
+the home mailboxes of this connection's ranks, round robin, within their windows.
+
+Anything the agent gets wrong ends in ``Rejected``: the writer sends the ``Error``, the relay
+ends its side and drains what the agent still sends for a moment (so the error is not lost to a
+TCP reset), and only this connection closes.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import trio
+
+from vpool.protocol.errors import RemoteProtocolError, TokenError
+from vpool.protocol.framing import DEFAULT_MAX_HEADER, PREFIX_SIZE, encode_frame
+from vpool.protocol.mailbox import Offer
+from vpool.protocol.messages import (
+    PROTOCOL_VERSION,
+    Ack,
+    Attach,
+    Attached,
+    Credit,
+    Data,
+    Detach,
+    Error,
+    Hello,
+    Message,
+    Stop,
+    Welcome,
+    decode,
+)
+from vpool.protocol.session import Session, State
+from vpool.protocol.tokens import AgentClaims, RankClaims, verify_token
+from vpool.relay.errors import Rejected
+from vpool.relay.hub import Attachment, Batch, Box, Hub, Key, now
+from vpool.relay.wire import FrameReader, RawFrame, send_frames
+
+logger = logging.getLogger(__name__)
+
+# Bytes of pushed frames gathered into one round of the writer.
+PUSH_ROUND = 512 * 1024
+# How long a rejected agent gets to read its Error before the connection is torn down.
+ERROR_LINGER = 2.0
+# A Hello is a version, a role and a token of a few hundred bytes.
+PRE_AUTH_MAX_HEADER = 8 * 1024
+# Batches written by worker threads while the connection reads on; more waits (back-pressure).
+WRITES_IN_FLIGHT = 4
+
+
+def rejection(exc: RemoteProtocolError | TokenError, *, job: int = -1, rank: int = -1) -> Rejected:
+    """The one place protocol-core errors become a connection's ``Error``."""
+    rej = Rejected(exc.code, exc.message, job=job, rank=rank)
+    rej.__cause__ = exc
+    return rej
+
+
+class Connection:
+    def __init__(self, hub: Hub, stream: trio.abc.Stream, *, peer: str = "") -> None:
+        self.hub = hub
+        self.stream = stream
+        self.peer = peer
+        self.session = Session("relay", "server")
+        self.agent = ""
+        self.attached: dict[Key, Attachment] = {}
+        # Ranks fenced or stopped on this connection: their late frames are dropped quietly.
+        self.fenced: set[Key] = set()
+        self.home_boxes: list[Box] = []
+        self._control: list[bytes] = []
+        self._acks: dict[tuple[int, int, int], int] = {}
+        self._wake = trio.Event()
+        self._final: bytes | None = None
+        self._writer_done = trio.Event()
+        self._write_slots = trio.Semaphore(WRITES_IN_FLIGHT)
+        self._nursery: trio.Nursery | None = None
+        self._round = 0
+        self.reason = "the agent closed the connection"
+
+    def __repr__(self) -> str:
+        return f"<Connection agent={self.agent or '?'} peer={self.peer}>"
+
+    # -- outbound queue ---------------------------------------------------------------------
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    def send(self, msg: Message) -> None:
+        """Queue a control message (checked against the session table now)."""
+        if self._final is not None:
+            return
+        self.session.send(msg)
+        self._control.append(encode_frame(msg))
+        self._wake.set()
+
+    def queue_ack(self, job: int, src: int, dst: int, seq: int) -> None:
+        key = (job, src, dst)
+        if seq > self._acks.get(key, 0):
+            self._acks[key] = seq
+            self._wake.set()
+
+    def fence_out(self, key: Key, stop: Stop) -> None:
+        """A newer incarnation (or the job's end) took this rank away from this connection."""
+        self.fenced.add(key)
+        if self.session.is_open:
+            self.send(stop)
+
+    def _fail(self, rej: Rejected) -> None:
+        if self._final is not None:
+            return
+        err = Error(code=rej.code, message=rej.message, job=rej.job, rank=rej.rank)
+        if self.session.state is not State.CLOSED:
+            self.session.send(err)
+        self._final = encode_frame(err)
+        self.reason = f"rejected ({rej.code}): {rej.message}"
+        self._wake.set()
+
+    # -- lifecycle --------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        hub = self.hub
+        hub.connections.add(self)
+        # No payloads before the agent is authenticated: a stranger must not make the relay
+        # allocate a max_payload buffer by sending one frame prefix.
+        reader = FrameReader(self.stream, max_header=PRE_AUTH_MAX_HEADER, max_payload=0)
+        try:
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                nursery.start_soon(self._write_loop, nursery.cancel_scope)
+                try:
+                    await self._read_loop(reader)
+                except Rejected as rej:
+                    logger.info("%r: %s", self, rej.message)
+                    self._fail(rej)
+                    with trio.move_on_after(ERROR_LINGER):
+                        await self._writer_done.wait()
+                        await self._linger()
+                nursery.cancel_scope.cancel()
+        finally:
+            hub.connection_closed(
+                self, f"connection of agent {self.agent or '?'} to relay {hub.name}: {self.reason}"
+            )
+            with trio.move_on_after(1, shield=True):
+                await trio.aclose_forcefully(self.stream)
+
+    async def _linger(self) -> None:
+        # The Error is out: end our side (TCP FIN) and read on, at the TCP level, until the
+        # agent hangs up. Closing while the agent's bytes are still arriving would send a reset,
+        # which can throw away the Error before the agent has read it.
+        raw = self.stream.transport_stream if isinstance(self.stream, trio.SSLStream) else None
+        raw = raw if raw is not None else self.stream
+        try:
+            if isinstance(raw, trio.SocketStream):
+                await raw.send_eof()
+            while await raw.receive_some(65536):
+                pass
+        except (trio.BrokenResourceError, trio.ClosedResourceError, trio.BusyResourceError):
+            pass
+
+    async def _read_loop(self, reader: FrameReader) -> None:
+        try:
+            await self._handshake(reader)
+            while True:
+                frames = await reader.read_frames()
+                if not frames:
+                    return
+                await self._handle(frames)
+        except RemoteProtocolError as exc:
+            raise rejection(exc) from exc
+        except TokenError as exc:
+            raise rejection(exc) from exc
+        except trio.BrokenResourceError:
+            self.reason = "the connection broke"
+        except trio.ClosedResourceError:
+            pass
+
+    async def _handshake(self, reader: FrameReader) -> None:
+        settings = self.hub.settings
+        frames: list[RawFrame] = []
+        with trio.move_on_after(settings.handshake_timeout):
+            if isinstance(self.stream, trio.SSLStream):
+                await self.stream.do_handshake()
+            frames = await reader.read_frames()
+        if not frames:
+            raise Rejected("timeout", "no Hello in time")
+        header_len, frame = frames[0]
+        msg = self._decode(header_len, frame)
+        self.session.receive(msg)
+        assert isinstance(msg, Hello)  # the session table admits nothing else first
+        if msg.version != PROTOCOL_VERSION:
+            raise Rejected(
+                "bad_version",
+                f"protocol version {msg.version}; this relay speaks {PROTOCOL_VERSION}",
+            )
+        if msg.role != "agent":
+            raise Rejected("bad_role", f"role {msg.role!r}; only agents connect to relays")
+        with trio.move_on_after(settings.handshake_timeout):
+            await self.hub.key_ready.wait()
+        key = self.hub.signing_key
+        if key is None:
+            raise Rejected("not_ready", "the relay is not registered with the coordinator yet")
+        claims = verify_token(msg.token, key, now=now(), kind=AgentClaims)
+        self.agent = claims.agent
+        reader.max_header = DEFAULT_MAX_HEADER
+        reader.max_payload = settings.max_payload
+        self.send(
+            Welcome(version=PROTOCOL_VERSION, relay=self.hub.name, max_payload=settings.max_payload)
+        )
+        if len(frames) > 1:
+            await self._handle(frames[1:])
+
+    @staticmethod
+    def _decode(header_len: int, frame: bytes | bytearray) -> Message:
+        msg = decode(frame[PREFIX_SIZE : PREFIX_SIZE + header_len])
+        if len(frame) != PREFIX_SIZE + header_len and type(msg) is not Data:
+            raise RemoteProtocolError(f"{type(msg).__name__} frame must not carry a payload")
+        return msg
+
+    async def _handle(self, frames: list[RawFrame]) -> None:
+        batch = Batch()
+        session = self.session
+        try:
+            for header_len, frame in frames:
+                msg = self._decode(header_len, frame)
+                session.receive(msg)
+                if type(msg) is Data:
+                    self._deposit(msg, frame, batch)
+                elif type(msg) is Credit:
+                    self._credit(msg)
+                elif type(msg) is Attach:
+                    self._attach(msg)
+                elif type(msg) is Detach:
+                    self.hub.detach(self, msg.job, msg.rank)
+        finally:
+            # Frames staged before a bad one still have their place reserved in the log: they
+            # must be written, or the log would keep a hole.
+            if batch and not self.hub.commit_inline(batch):
+                with trio.CancelScope(shield=True):
+                    await self._write_slots.acquire()
+                assert self._nursery is not None
+                self._nursery.start_soon(self._commit, batch)
+
+    async def _commit(self, batch: Batch) -> None:
+        try:
+            await self.hub.commit(batch)
+        finally:
+            self._write_slots.release()
+
+    # -- inbound messages -------------------------------------------------------------------
+
+    def _deposit(self, msg: Data, frame: bytes | bytearray, batch: Batch) -> None:
+        hub = self.hub
+        job, src, dst, seq = msg.job, msg.src, msg.dst, msg.seq
+        att = self.attached.get((job, src))
+        if att is None:
+            if (job, src) in self.fenced or job in hub.finished:
+                return
+            raise Rejected(
+                "not_attached",
+                f"rank {src} of job {job} is not attached on this connection",
+                job=job,
+                rank=src,
+            )
+        if not 0 <= dst < att.claims.size:
+            raise Rejected(
+                "bad_dst",
+                f"destination {dst} outside job {job} of {att.claims.size} ranks",
+                job=job,
+                rank=src,
+            )
+        box = hub.boxes.get((job, dst)) or hub.box(job, dst)
+        mailbox = box.mailbox
+        try:
+            offer = mailbox.offer(src, seq)
+        except RemoteProtocolError as exc:
+            raise rejection(exc, job=job, rank=src) from exc
+        offered = att.offered
+        if seq > offered.get(dst, 0):
+            offered[dst] = seq
+        if offer is Offer.NEW:
+            hub.stage(batch, box, src, seq, frame)
+        elif offer is Offer.DUPLICATE:
+            self.queue_ack(job, src, dst, min(mailbox.acked(src), offered[dst]))
+
+    def _credit(self, msg: Credit) -> None:
+        key = (msg.job, msg.rank)
+        att = self.attached.get(key)
+        if att is None or not att.home:
+            return  # credit for pushes of an attachment that ended meanwhile
+        box = self.hub.boxes.get(key)
+        if box is not None and box.receiver is self:
+            try:
+                box.mailbox.credit(msg.nbytes)
+            except RemoteProtocolError as exc:
+                raise rejection(exc, job=msg.job, rank=msg.rank) from exc
+            if box.mailbox.can_push():
+                self._wake.set()
+
+    def _attach(self, msg: Attach) -> None:
+        hub = self.hub
+        assert hub.signing_key is not None
+        try:
+            claims = verify_token(msg.token, hub.signing_key, now=now(), kind=RankClaims)
+        except TokenError as exc:
+            raise Rejected(exc.code, f"rank token refused: {exc.message}") from exc
+        job, rank = claims.job, claims.rank
+        if claims.agent != self.agent:
+            raise Rejected(
+                "wrong_token",
+                f"the token of job {job} rank {rank} was issued to agent {claims.agent!r}, "
+                f"not to {self.agent!r}",
+                job=job,
+                rank=rank,
+            )
+        if not 0 <= rank < claims.size:
+            raise Rejected(
+                "bad_rank", f"rank {rank} outside a job of {claims.size}", job=job, rank=rank
+            )
+        if job in hub.finished:
+            self.fenced.add((job, rank))
+            self.send(
+                Stop(job=job, rank=rank, incarnation=claims.incarnation, reason="job finished")
+            )
+            return
+        hub.attach(self, claims, msg.home, dict(msg.received))
+        self.send(
+            Attached(
+                job=job,
+                rank=rank,
+                incarnation=claims.incarnation,
+                stored=hub.stored_from(job, rank),
+            )
+        )
+
+    # -- outbound ---------------------------------------------------------------------------
+
+    def _take_control(self) -> list[bytes | bytearray | memoryview]:
+        parts: list[bytes | bytearray | memoryview] = []
+        if self._control:
+            parts.extend(self._control)
+            self._control.clear()
+        if self._acks:
+            session = self.session
+            for (job, src, dst), seq in self._acks.items():
+                ack = Ack(job=job, src=src, dst=dst, seq=seq)
+                session.send(ack)
+                parts.append(encode_frame(ack))
+            self._acks.clear()
+        return parts
+
+    async def _push_round(self, parts: list[bytes | bytearray | memoryview]) -> None:
+        boxes = list(self.home_boxes)
+        if not boxes:
+            return
+        hub = self.hub
+        nbytes = 0
+        self._round += 1
+        first = self._round % len(boxes)
+        for box in boxes[first:] + boxes[:first] if len(boxes) > 1 else boxes:
+            mailbox = box.mailbox
+            while nbytes < PUSH_ROUND:
+                entry = mailbox.next_push()
+                if entry is None:
+                    break
+                frame = entry.ref.frame
+                if frame is None:
+                    frame = await hub.read_frame(box, entry)
+                    if frame is None:
+                        continue
+                hub.pushed(entry)
+                parts.append(frame)
+                nbytes += entry.size
+
+    async def _write_loop(self, scope: trio.CancelScope) -> None:
+        stream = self.stream
+        try:
+            while True:
+                if self._final is not None:
+                    await stream.send_all(self._final)
+                    return
+                if self._acks and not self._control and not self._can_push():
+                    # Only acks to send: let this round's pushes and reads run first, so the
+                    # acks of a burst of deposits leave together (they are cumulative).
+                    await trio.lowlevel.checkpoint()
+                    if self._final is not None:
+                        continue
+                parts = self._take_control()
+                await self._push_round(parts)
+                if parts:
+                    await send_frames(stream, parts)
+                    continue
+                await self._wake.wait()
+                self._wake = trio.Event()
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            self.reason = "the connection broke"
+            scope.cancel()
+        finally:
+            self._writer_done.set()
+
+    def _can_push(self) -> bool:
+        return any(box.mailbox.can_push() for box in self.home_boxes)

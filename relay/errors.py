@@ -1,0 +1,54 @@
+"""Errors of the relay.
+
+    RelayError
+     +-- Rejected          an agent connection broke the protocol or presented a bad token: the
+     |                     relay sends ``Error(code, message, job, rank)`` and closes it
+     +-- StorageError      the on-disk log cannot be read or written (the relay cannot go on)
+     +-- CoordinatorError  the coordinator refused a call or could not be reached
+
+Protocol-level faults raised by ``vpool.protocol`` (``RemoteProtocolError``, ``TokenError``)
+are turned into ``Rejected`` in one place, ``connection.rejection``.
+"""
+
+from __future__ import annotations
+
+
+class RelayError(Exception):
+    """Base class of the relay's errors."""
+
+    code = "relay_error"
+
+    def __init__(self, message: str, *, code: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        if code is not None:
+            self.code = code
+
+
+class Rejected(RelayError):
+    """Close one agent connection with a typed ``Error``; ``job``/``rank`` name the rank
+    concerned, or -1."""
+
+    code = "protocol_error"
+
+    def __init__(self, code: str, message: str, *, job: int = -1, rank: int = -1) -> None:
+        super().__init__(message, code=code)
+        self.job = job
+        self.rank = rank
+
+
+class StorageError(RelayError):
+    """The log directory is unusable (disk full, I/O error, permissions)."""
+
+    code = "storage_error"
+
+
+class CoordinatorError(RelayError):
+    """A coordinator call failed. ``status`` is the HTTP status, or None when the coordinator
+    could not be reached at all."""
+
+    code = "coordinator_error"
+
+    def __init__(self, message: str, *, status: int | None = None, code: str | None = None):
+        super().__init__(message, code=code)
+        self.status = status

@@ -1,0 +1,102 @@
+"""``serve_relay``: the relay's TCP+TLS server around one ``Hub``."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import httpx
+import trio
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+
+from vpool import tls
+from vpool.protocol.errors import TokenError
+from vpool.protocol.tokens import public_key_from_text
+from vpool.relay.connection import Connection
+from vpool.relay.errors import RelayError, StorageError
+from vpool.relay.hub import Hub
+from vpool.relay.registry import CoordinatorClient, register_request, run_registry
+from vpool.relay.settings import RelaySettings
+
+logger = logging.getLogger(__name__)
+
+
+def _peer(stream: trio.abc.Stream) -> str:
+    inner = stream.transport_stream if isinstance(stream, trio.SSLStream) else stream
+    if isinstance(inner, trio.SocketStream):
+        try:
+            host, port = inner.socket.getpeername()[:2]
+            return f"{host}:{port}"
+        except OSError:
+            pass
+    return "?"
+
+
+async def serve_relay(
+    settings: RelaySettings,
+    *,
+    signing_key: Ed25519PublicKey | None = None,
+    coordinator_transport: httpx.AsyncBaseTransport | None = None,
+    hub_ready: trio.MemorySendChannel[Hub] | None = None,
+    task_status: trio.TaskStatus[tuple[str, int]] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve agents until cancelled; ``task_status.started((host, port))`` once listening.
+
+    ``signing_key`` (else the ``signing_key`` setting, else the coordinator's answer to
+    registration) verifies tokens. ``coordinator_transport`` replaces the HTTP transport to
+    the coordinator (tests). ``hub_ready`` receives the hub, for tests that inspect it.
+    """
+    if settings.tls_cert and settings.tls_key:
+        ssl_context = tls.server_context(Path(settings.tls_cert), Path(settings.tls_key))
+    elif settings.insecure_tcp:
+        ssl_context = None
+        logger.warning("serving plain TCP without TLS (insecure_tcp)")
+    else:
+        raise RelayError("tls_cert and tls_key are required (or set insecure_tcp for tests)")
+    if signing_key is None and settings.signing_key:
+        try:
+            signing_key = public_key_from_text(settings.signing_key)
+        except TokenError as exc:
+            raise RelayError(f"bad signing_key setting: {exc.message}") from exc
+    if signing_key is None and not settings.coordinator_url:
+        raise RelayError("no coordinator_url and no signing_key: tokens cannot be verified")
+
+    tcp = await trio.open_tcp_listeners(settings.port, host=settings.host or None)
+    host, port = tcp[0].socket.getsockname()[:2]
+    name = settings.relay_name(port)
+    hub = Hub(settings, settings.data_path(name), name=name, signing_key=signing_key)
+    try:
+        hub.data_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise StorageError(f"cannot create the data directory {hub.data_dir}: {exc}") from exc
+    await trio.to_thread.run_sync(hub.load)
+    listeners: list[trio.abc.Listener[trio.abc.Stream]] = list(tcp)
+    if ssl_context is not None:
+        listeners = [trio.SSLListener(t, ssl_context, https_compatible=False) for t in tcp]
+
+    async def handle(stream: trio.abc.Stream) -> None:
+        try:
+            await Connection(hub, stream, peer=_peer(stream)).run()
+        except* StorageError:
+            # The log cannot be written: no connection can be served honestly any more.
+            raise
+        except* Exception:
+            # A bug met on one connection must not take every other connection down.
+            logger.exception("agent connection from %s failed", _peer(stream))
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(hub.watch_lost)
+        if settings.coordinator_url:
+            client = CoordinatorClient(
+                settings.coordinator_url,
+                settings.relay_secret,
+                ca=settings.coordinator_ca,
+                transport=coordinator_transport,
+            )
+            req = register_request(hub, settings.advertised_host(), port)
+            nursery.start_soon(run_registry, hub, client, req)
+        await nursery.start(trio.serve_listeners, handle, listeners)
+        logger.info("relay %s listening on %s:%d, logs in %s", name, host, port, hub.data_dir)
+        if hub_ready is not None:
+            hub_ready.send_nowait(hub)
+        task_status.started((host, port))

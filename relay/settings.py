@@ -1,0 +1,88 @@
+"""Settings of ``vpool-relay`` (environment prefix ``VPOOL_RELAY``)."""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+
+from vpool import paths
+from vpool.config import load_settings, setting
+
+PREFIX = "VPOOL_RELAY"
+MiB = 1024 * 1024
+
+
+@dataclass(frozen=True)
+class RelaySettings:
+    name: str = setting("", "Name registered with the coordinator; empty = <hostname>-<port>.")
+    host: str = setting("127.0.0.1", "Address to listen on (0.0.0.0 for every interface).")
+    port: int = setting(7700, "TCP port to listen on (0 = any free port).")
+    advertise_host: str = setting(
+        "",
+        "Host agents connect to, told to the coordinator; empty = host (or the hostname "
+        "when host is a wildcard address).",
+    )
+    data_dir: str = setting(
+        "",
+        "Directory of the message logs (jobs/<job>/<dst>/*.seg); "
+        "empty = <vpool state dir>/relay-<name>.",
+    )
+    tls_cert: str = setting("", "PEM certificate (chain) of the relay, issued by the pool CA.")
+    tls_key: str = setting("", "PEM private key of tls_cert.")
+    insecure_tcp: bool = setting(
+        False, "Accept plain TCP when tls_cert/tls_key are empty (tests and benchmarks only)."
+    )
+    coordinator_url: str = setting(
+        "",
+        "Base URL of the coordinator, e.g. https://coord:8443; empty = run standalone "
+        "with signing_key (tests).",
+    )
+    coordinator_ca: str = setting(
+        "",
+        "PEM file of the pool CA that signed the coordinator's certificate; empty = the "
+        "system's trust store.",
+    )
+    relay_secret: str = setting("", "Shared secret presented to the coordinator (Bearer).")
+    signing_key: str = setting(
+        "",
+        "Coordinator's Ed25519 public key (base64url) to verify tokens with when "
+        "coordinator_url is empty; otherwise it comes from registration.",
+    )
+    push_window: int = setting(
+        4 * MiB, "Bytes pushed to one receiving rank and not yet credited by its agent."
+    )
+    max_payload: int = setting(1024 * MiB, "Largest Data payload accepted, in bytes.")
+    lost_grace: float = setting(
+        2.0, "Seconds a dropped rank may take to reattach before the relay reports it lost."
+    )
+    memory_budget: int = setting(
+        256 * MiB,
+        "Bytes of not-yet-pushed frames kept in memory; the rest is read back "
+        "from the log files when pushed.",
+    )
+    fsync: bool = setting(
+        False, "fdatasync the log before acknowledging (survives a machine crash, slower)."
+    )
+    segment_size: int = setting(64 * MiB, "Size at which a log segment file is closed.")
+    handshake_timeout: float = setting(
+        10.0, "Seconds an agent has to complete TLS and Hello after connecting."
+    )
+    write_threads: int = setting(4, "Threads doing large log writes and reads at once.")
+
+    def relay_name(self, port: int) -> str:
+        return self.name or f"{socket.gethostname()}-{port}"
+
+    def advertised_host(self) -> str:
+        if self.advertise_host:
+            return self.advertise_host
+        if self.host in ("", "0.0.0.0", "::"):
+            return socket.gethostname()
+        return self.host
+
+    def data_path(self, name: str) -> Path:
+        return Path(self.data_dir) if self.data_dir else paths.state_dir() / f"relay-{name}"
+
+
+def load(file: Path | None = None, **overrides: object) -> RelaySettings:
+    return load_settings(RelaySettings, prefix=PREFIX, file=file, overrides=overrides)

@@ -1,0 +1,97 @@
+"""The ``mpi4py.MPI`` namespace served by vpool's runtime.
+
+Rank processes get this module as ``mpi4py.MPI`` through the shim package (``shim/mpi4py``).
+Importing it initializes MPI (connects to the agent), as importing mpi4py.MPI does, unless the
+program set ``mpi4py.rc.initialize = False`` first.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+# Re-exports: this module is a namespace.
+from vpool.sdk.mpi import environment as _env
+from vpool.sdk.mpi.buffers import BOTTOM, BUFFER_AUTOMATIC, IN_PLACE  # noqa: F401
+from vpool.sdk.mpi.comm import Comm, Intercomm, Intracomm  # noqa: F401
+from vpool.sdk.mpi.constants import *  # noqa: F403
+from vpool.sdk.mpi.datatypes import *  # noqa: F403
+from vpool.sdk.mpi.datatypes import Datatype  # noqa: F401
+from vpool.sdk.mpi.datatypes import typedict as _typedict  # noqa: F401
+from vpool.sdk.mpi.datatypes import typedict_c as _typedict_c  # noqa: F401
+from vpool.sdk.mpi.datatypes import typedict_f as _typedict_f  # noqa: F401
+from vpool.sdk.mpi.errors import *  # noqa: F403
+from vpool.sdk.mpi.errors import MPIException as Exception  # noqa: F401
+from vpool.sdk.mpi.errors import add_error_class as Add_error_class  # noqa: F401
+from vpool.sdk.mpi.errors import add_error_string as Add_error_string  # noqa: F401
+from vpool.sdk.mpi.errors import error_class as Get_error_class  # noqa: F401
+from vpool.sdk.mpi.errors import error_string as Get_error_string  # noqa: F401
+from vpool.sdk.mpi.group import GROUP_EMPTY, GROUP_NULL, Group  # noqa: F401
+from vpool.sdk.mpi.handles import (  # noqa: F401  # noqa: F401
+    ERRHANDLER_NULL,
+    ERRORS_ABORT,
+    ERRORS_ARE_FATAL,
+    ERRORS_RETURN,
+    INFO_ENV,
+    INFO_NULL,
+    Errhandler,
+    Info,
+)
+from vpool.sdk.mpi.message import MESSAGE_NO_PROC, MESSAGE_NULL, Message  # noqa: F401
+from vpool.sdk.mpi.ops import *  # noqa: F403
+from vpool.sdk.mpi.ops import Op  # noqa: F401
+from vpool.sdk.mpi.request import REQUEST_NULL, Prequest, Request  # noqa: F401
+from vpool.sdk.mpi.serialization import Pickle  # noqa: F401
+from vpool.sdk.mpi.serialization import pickle_ as pickle  # noqa: F401
+from vpool.sdk.mpi.status import Status  # noqa: F401
+from vpool.sdk.mpi.topology import Cartcomm, Graphcomm, Topocomm  # noqa: F401
+from vpool.sdk.mpi.topology import compute_dims as Compute_dims  # noqa: F401
+
+COMM_WORLD = _env.COMM_WORLD
+COMM_SELF = _env.COMM_SELF
+COMM_NULL = Comm()
+
+Init = _env.init
+Finalize = _env.finalize
+Is_initialized = _env.is_initialized
+Is_finalized = _env.is_finalized
+Init_thread = _env.init_thread
+Query_thread = _env.query_thread
+Is_thread_main = _env.is_thread_main
+Wtime = _env.wtime
+Wtick = _env.wtick
+Get_processor_name = _env.processor_name
+Attach_buffer = _env.attach_buffer
+Detach_buffer = _env.detach_buffer
+
+
+def Get_version() -> tuple[int, int]:
+    return (VERSION, SUBVERSION)  # noqa: F405
+
+
+def Get_library_version() -> str:
+    return "vpool MPI runtime (mpi4py-compatible, messages through vpool relays)"
+
+
+def Pcontrol(level: int) -> None:
+    pass
+
+
+def Alloc_mem(size: int, info: Any = None) -> memoryview:
+    return memoryview(bytearray(size))
+
+
+def Free_mem(mem: Any) -> None:
+    pass
+
+
+buffer = memory = memoryview
+
+
+def _initialize_on_import() -> None:
+    rc = getattr(sys.modules.get("mpi4py"), "rc", None)
+    if getattr(rc, "initialize", True) and not _env.is_initialized():
+        _env.init()
+
+
+_initialize_on_import()

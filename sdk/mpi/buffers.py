@@ -1,0 +1,215 @@
+"""Buffer specs of upper-case calls, as mpi4py reads them, turned into flat byte views.
+
+Accepted forms (``buf`` is any object with the buffer protocol, contiguous in C or Fortran
+order; ``datatype`` a Datatype or a type code string)::
+
+    buf                                     datatype from the buffer's format
+    [buf, datatype]                         count = buffer length / datatype extent
+    [buf, count]  /  [buf, (count, displ)]  datatype from the buffer's format
+    [buf, count, datatype]  /  [buf, (count, displ), datatype]  /  [buf, count, displ, datatype]
+    None                                    empty message
+
+Vector forms for the ``*v`` collectives: ``[buf, counts, displs, datatype]``,
+``[buf, (counts, displs), datatype]``, ``[buf, counts, datatype]``, ``[buf, counts]``.
+"""
+
+from __future__ import annotations
+
+import pickle
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+from vpool.sdk.mpi import errors
+from vpool.sdk.mpi.datatypes import BYTE, Datatype, from_format, lookup
+
+
+class _Sentinel:
+    __slots__ = ("_name",)
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+
+    def __repr__(self) -> str:
+        return self._name
+
+    def __reduce__(self) -> str:
+        return self._name
+
+    def __bool__(self) -> bool:
+        return False
+
+
+IN_PLACE = _Sentinel("IN_PLACE")
+BOTTOM = _Sentinel("BOTTOM")
+BUFFER_AUTOMATIC = _Sentinel("BUFFER_AUTOMATIC")
+
+_EMPTY = memoryview(bytearray(0))
+
+
+class Msg(NamedTuple):
+    view: memoryview  # flat unsigned-byte view of exactly the message's bytes
+    count: int
+    datatype: Datatype
+
+
+class VMsg(NamedTuple):
+    view: memoryview  # the whole buffer, flat bytes
+    counts: list[int]
+    displs: list[int]  # in elements of ``datatype``
+    datatype: Datatype
+
+
+def byte_view(obj: Any, writable: bool) -> memoryview:
+    """A flat 'B' view of a contiguous buffer (C or Fortran order), no copy."""
+    if obj is None:
+        return _EMPTY
+    if obj is BOTTOM or obj is IN_PLACE:
+        raise errors.MPIException(errors.ERR_BUFFER, f"{obj!r} is not supported here")
+    try:
+        mv = obj if isinstance(obj, memoryview) else memoryview(obj)
+    except TypeError:
+        raise TypeError(f"message: expected a buffer object, got {type(obj).__name__}") from None
+    if writable and mv.readonly:
+        raise BufferError("Object is not writable.")
+    if mv.format == "B" and mv.ndim == 1 and mv.c_contiguous:
+        return mv
+    if mv.c_contiguous:
+        return mv.cast("B")
+    if mv.contiguous:
+        return pickle.PickleBuffer(mv).raw()
+    raise BufferError("message: buffer is not contiguous")
+
+
+def _datatype_of(obj: Any) -> Datatype:
+    if obj is None:
+        return BYTE
+    mv = obj if isinstance(obj, memoryview) else memoryview(obj)
+    return from_format(mv.format)
+
+
+def _split(spec: Any) -> tuple[Any, Any, int, Datatype | None]:
+    """(buffer, count or None, displacement, datatype or None) of a simple spec."""
+    if not isinstance(spec, (list, tuple)):
+        return spec, None, 0, None
+    n = len(spec)
+    buf = spec[0]
+    count: Any = None
+    displ = 0
+    dt: Datatype | None = None
+    if n == 1:
+        pass
+    elif n == 2:
+        second = spec[1]
+        if isinstance(second, (Datatype, str)):
+            dt = lookup(second)
+        else:
+            count = second
+    elif n == 3:
+        count, dt = spec[1], lookup(spec[2])
+    elif n == 4:
+        count, displ, dt = spec[1], spec[2], lookup(spec[3])
+    else:
+        raise ValueError(f"message: expected 1 to 4 items, got {n}")
+    if isinstance(count, tuple):
+        count, displ = count
+    return buf, count, displ, dt
+
+
+def parse(spec: Any, writable: bool) -> Msg:
+    """Read a buffer spec; the view covers exactly ``count`` elements."""
+    if spec is None:
+        return Msg(_EMPTY, 0, BYTE)
+    if not isinstance(spec, (list, tuple)):
+        view = byte_view(spec, writable)
+        dt = _datatype_of(spec)
+        return Msg(view, _whole(view, dt), dt)
+    buf, count, displ, dt = _split(spec)
+    view = byte_view(buf, writable)
+    if dt is None:
+        dt = _datatype_of(buf)
+    if count is None:
+        count = _whole(view, dt) - displ
+    return Msg(_slice(view, count, displ, dt), count, dt)
+
+
+def parse_blocks(spec: Any, blocks: int, writable: bool) -> Msg:
+    """A buffer of ``blocks`` equal blocks (one per rank); ``count`` is per block, as in MPI
+    (an explicit count in the spec is the count of one block)."""
+    if spec is None:
+        return Msg(_EMPTY, 0, BYTE)
+    buf, count, displ, dt = _split(spec)
+    view = byte_view(buf, writable)
+    if dt is None:
+        dt = _datatype_of(buf)
+    if count is None:
+        count = (_whole(view, dt) - displ) // blocks
+    return Msg(_slice(view, count * blocks, displ, dt), count, dt)
+
+
+def parse_v(spec: Any, size: int, writable: bool) -> VMsg:
+    """Read a vector spec of a ``*v`` collective (counts and displacements per rank)."""
+    if not isinstance(spec, (list, tuple)):
+        raise ValueError("message: expected [buf, counts, displs, datatype]")
+    n = len(spec)
+    buf = spec[0]
+    counts: Any = None
+    displs: Any = None
+    dt: Datatype | None = None
+    if n == 2:
+        counts = spec[1]
+    elif n == 3:
+        counts, dt = spec[1], lookup(spec[2])
+    elif n == 4:
+        counts, displs, dt = spec[1], spec[2], lookup(spec[3])
+    else:
+        raise ValueError(f"message: expected 2 to 4 items, got {n}")
+    if isinstance(counts, tuple) and len(counts) == 2 and isinstance(counts[0], Sequence):
+        counts, displs = counts
+    view = byte_view(buf, writable)
+    if dt is None:
+        dt = _datatype_of(buf)
+    if counts is None:
+        per = _whole(view, dt) // size
+        counts = [per] * size
+    elif isinstance(counts, int):
+        counts = [counts] * size
+    counts = [int(c) for c in counts]
+    if displs is None:
+        displs, pos = [], 0
+        for c in counts:
+            displs.append(pos)
+            pos += c
+    elif isinstance(displs, int):
+        displs = [displs] * size
+    displs = [int(d) for d in displs]
+    if len(counts) != size or len(displs) != size:
+        raise ValueError(f"message: expected {size} counts and displacements")
+    return VMsg(view, counts, displs, dt)
+
+
+def block(vm: VMsg, i: int) -> memoryview:
+    return _slice(vm.view, vm.counts[i], vm.displs[i], vm.datatype)
+
+
+def _whole(view: memoryview, dt: Datatype) -> int:
+    extent = dt.extent
+    if extent <= 0:
+        return 0
+    count, rest = divmod(view.nbytes, extent)
+    if rest:
+        raise ValueError(
+            f"message: buffer length {view.nbytes} is not a multiple of datatype extent {extent}"
+        )
+    return count
+
+
+def _slice(view: memoryview, count: int, displ: int, dt: Datatype) -> memoryview:
+    if count < 0:
+        raise errors.MPIException(errors.ERR_COUNT)
+    start = displ * dt.extent
+    end = start + count * dt.size
+    if start == 0 and end == view.nbytes:
+        return view
+    if end > view.nbytes or start < 0:
+        raise ValueError(f"message: buffer too small: {view.nbytes} bytes, {end} needed")
+    return view[start:end]

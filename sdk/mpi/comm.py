@@ -1,0 +1,749 @@
+"""Communicators: ``MPI.Comm``/``MPI.Intracomm`` with mpi4py's point-to-point and collective API.
+
+A communicator object holds a handle (``_Core``) that copies of it share: its contexts, its
+group (world ranks, in communicator order) and the reverse map. Point-to-point calls translate
+ranks and hand messages to the engine; collectives run the algorithms of ``coll`` (objects) and
+``collbuf`` (buffers) in the collective context ``ctx + 1``.
+
+New communicators get context ids agreed by all members (``agree_ctx``): the maximum of every
+member's next free id, which all members then move past. Two communicators sharing a member never
+share an id; disjoint ones may, harmlessly, since matching also names world ranks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from vpool.protocol.messages import KIND_BUFFER, KIND_PICKLE
+from vpool.sdk.mpi import coll, collbuf, errors, ops
+from vpool.sdk.mpi.buffers import parse
+from vpool.sdk.mpi.constants import (
+    ANY_SOURCE,
+    ANY_TAG,
+    APPNUM,
+    CONGRUENT,
+    HOST,
+    IDENT,
+    IO,
+    LASTUSEDCODE,
+    PROC_NULL,
+    SIMILAR,
+    TAG_UB,
+    TAG_UB_VALUE,
+    UNDEFINED,
+    UNEQUAL,
+    UNIVERSE_SIZE,
+    WTIME_IS_GLOBAL,
+)
+from vpool.sdk.mpi.group import Group
+from vpool.sdk.mpi.request import PROC_NULL_RECV, DoneOp, Prequest, RecvOp, Request
+from vpool.sdk.mpi.serialization import pickle_
+from vpool.sdk.mpi.status import Status
+
+_dumps = pickle_.dumps
+
+
+class _Core:
+    __slots__ = ("attrs", "ctx", "eng", "group", "name", "rank", "size", "topo", "w2c")
+
+    def __init__(self, eng: Any, ctx: int, group: tuple[int, ...], name: str = "") -> None:
+        self.eng = eng
+        self.ctx = ctx
+        self.group = group
+        self.size = len(group)
+        self.rank = group.index(eng.rank)
+        w2c = [UNDEFINED] * eng.size
+        for i, w in enumerate(group):
+            w2c[w] = i
+        self.w2c = w2c
+        self.name = name
+        self.attrs: dict[int, Any] = {}
+        self.topo: Any = None
+
+
+def _rank_error(rank: int, h: _Core) -> errors.MPIException:
+    return errors.MPIException(errors.ERR_RANK, f"rank {rank} of a {h.size}-rank communicator")
+
+
+def _dst(h: _Core, dest: int) -> int:
+    """World rank of a destination, or -1 for PROC_NULL."""
+    if 0 <= dest < h.size:
+        return h.group[dest]
+    if dest == PROC_NULL:
+        return -1
+    raise _rank_error(dest, h)
+
+
+def _src(h: _Core, source: int) -> int:
+    """World rank of a source, ANY_SOURCE or PROC_NULL."""
+    if 0 <= source < h.size:
+        return h.group[source]
+    if source == ANY_SOURCE or source == PROC_NULL:
+        return source
+    raise _rank_error(source, h)
+
+
+def _send_tag(tag: int) -> None:
+    if not 0 <= tag <= TAG_UB_VALUE:
+        raise errors.MPIException(errors.ERR_TAG, f"tag {tag}")
+
+
+def _recv_tag(tag: int) -> None:
+    if not (0 <= tag <= TAG_UB_VALUE or tag == ANY_TAG):
+        raise errors.MPIException(errors.ERR_TAG, f"tag {tag}")
+
+
+def agree_ctx(h: _Core) -> int:
+    """A context id free at every member (collective over ``h``)."""
+    eng = h.eng
+    ctx = coll.allreduce(h, eng.next_ctx, ops.MAX) if h.size > 1 else eng.next_ctx
+    eng.next_ctx = ctx + 2
+    return int(ctx)
+
+
+class Comm:
+    """``MPI.Comm``."""
+
+    _h: _Core | None
+
+    def __init__(self, comm: Comm | None = None) -> None:
+        self._h = comm._h if comm is not None else None
+
+    @classmethod
+    def _wrap(cls, core: _Core | None) -> Any:
+        obj = cls.__new__(cls)
+        obj._h = core
+        return obj
+
+    def _core(self) -> _Core:
+        h = self._h
+        if h is None:
+            raise errors.MPIException(errors.ERR_COMM, "null communicator")
+        return h
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Comm):
+            return NotImplemented
+        return self._h is other._h
+
+    def __hash__(self) -> int:
+        return id(self._h)
+
+    def __bool__(self) -> bool:
+        return self._h is not None
+
+    def __repr__(self) -> str:
+        h = self._h
+        if h is None:
+            return f"<mpi4py.MPI.{type(self).__name__} COMM_NULL>"
+        return f"<mpi4py.MPI.{type(self).__name__} {h.name or 'comm'} rank {h.rank}/{h.size}>"
+
+    def __reduce__(self) -> Any:
+        raise TypeError(f"cannot pickle {type(self).__name__} instances")
+
+    # ---- identity ------------------------------------------------------------------------
+
+    def Get_rank(self) -> int:
+        return self._core().rank
+
+    def Get_size(self) -> int:
+        return self._core().size
+
+    @property
+    def rank(self) -> int:
+        return self._core().rank
+
+    @property
+    def size(self) -> int:
+        return self._core().size
+
+    def Get_group(self) -> Group:
+        h = self._core()
+        return Group._of(h.group, h.eng.rank)
+
+    @property
+    def group(self) -> Group:
+        return self.Get_group()
+
+    def Get_name(self) -> str:
+        return self._core().name
+
+    def Set_name(self, name: str) -> None:
+        self._core().name = name
+
+    @property
+    def name(self) -> str:
+        return self.Get_name()
+
+    @name.setter
+    def name(self, value: str) -> None:
+        self.Set_name(value)
+
+    def Is_inter(self) -> bool:
+        return False
+
+    def Is_intra(self) -> bool:
+        return True
+
+    @property
+    def is_inter(self) -> bool:
+        return self.Is_inter()
+
+    @property
+    def is_intra(self) -> bool:
+        return self.Is_intra()
+
+    def Get_topology(self) -> int:
+        h = self._core()
+        return UNDEFINED if h.topo is None else h.topo.kind
+
+    @property
+    def topology(self) -> int:
+        return self.Get_topology()
+
+    def Compare(self, comm: Comm) -> int:
+        a, b = self._core(), comm._core()
+        if a is b:
+            return IDENT
+        if a.group == b.group:
+            return CONGRUENT
+        if set(a.group) == set(b.group):
+            return SIMILAR
+        return UNEQUAL
+
+    # ---- attributes, error handlers, info --------------------------------------------------
+
+    def Get_attr(self, keyval: int) -> Any:
+        h = self._core()
+        if keyval == TAG_UB:
+            return TAG_UB_VALUE
+        if keyval == HOST:
+            return PROC_NULL
+        if keyval == IO:
+            return ANY_SOURCE
+        if keyval == WTIME_IS_GLOBAL:
+            return False
+        if keyval == UNIVERSE_SIZE:
+            return h.eng.size
+        if keyval == APPNUM:
+            return 0
+        if keyval == LASTUSEDCODE:
+            return errors.ERR_LASTCODE
+        return h.attrs.get(keyval)
+
+    def Set_attr(self, keyval: int, attrval: Any) -> None:
+        self._core().attrs[keyval] = attrval
+
+    def Delete_attr(self, keyval: int) -> None:
+        self._core().attrs.pop(keyval, None)
+
+    @classmethod
+    def Create_keyval(
+        cls, copy_fn: Any = None, delete_fn: Any = None, nopython: bool = False
+    ) -> int:
+        global _next_keyval
+        _next_keyval += 1
+        return _next_keyval
+
+    @classmethod
+    def Free_keyval(cls, keyval: int) -> int:
+        return -1
+
+    def Get_errhandler(self) -> Any:
+        from vpool.sdk.mpi.handles import ERRORS_RETURN
+
+        return ERRORS_RETURN
+
+    def Set_errhandler(self, errhandler: Any) -> None:
+        self._core()
+
+    def Call_errhandler(self, errorcode: int) -> None:
+        raise errors.MPIException(errorcode)
+
+    def Get_info(self) -> Any:
+        from vpool.sdk.mpi.handles import Info
+
+        return Info.Create()
+
+    def Set_info(self, info: Any) -> None:
+        self._core()
+
+    @property
+    def info(self) -> Any:
+        return self.Get_info()
+
+    @classmethod
+    def Get_parent(cls) -> Intercomm:
+        return Intercomm()
+
+    # ---- lifetime ------------------------------------------------------------------------
+
+    def Free(self) -> None:
+        self._core()
+        self._h = None
+
+    def Disconnect(self) -> None:
+        self.Free()
+
+    def Abort(self, errorcode: int = 0) -> None:
+        from vpool.sdk.mpi import environment
+
+        environment.abort(errorcode)
+
+    def Clone(self) -> Any:
+        return self.Dup()
+
+    def Dup(self, info: Any = None) -> Any:
+        h = self._core()
+        ctx = agree_ctx(h)
+        core = _Core(h.eng, ctx, h.group)
+        core.topo = h.topo
+        return type(self)._wrap(core)
+
+    def Dup_with_info(self, info: Any) -> Any:
+        return self.Dup()
+
+    def Idup(self, info: Any = None) -> tuple[Any, Request]:
+        return self.Dup(), Request._of(DoneOp())
+
+    def Split(self, color: int = 0, key: int = 0) -> Intracomm:
+        h = self._core()
+        eng = h.eng
+        if h.size > 1:
+            triples = coll.allgather(h, (color, key, eng.next_ctx))
+        else:
+            triples = [(color, key, eng.next_ctx)]
+        ctx = max(t[2] for t in triples)
+        eng.next_ctx = ctx + 2
+        if color == UNDEFINED:
+            return Intracomm()
+        order = sorted((k, i) for i, (c, k, _) in enumerate(triples) if c == color)
+        return Intracomm._wrap(_Core(eng, ctx, tuple(h.group[i] for _, i in order)))
+
+    def Split_type(self, split_type: int, key: int = 0, info: Any = None) -> Intracomm:
+        from vpool.sdk.mpi import environment
+
+        h = self._core()
+        if split_type == UNDEFINED:
+            return self.Split(UNDEFINED, key)
+        name = environment.processor_name()
+        names = coll.allgather(h, name) if h.size > 1 else [name]
+        return self.Split(names.index(name), key)
+
+    def Create(self, group: Group) -> Any:
+        h = self._core()
+        ctx = agree_ctx(h)
+        members = group._m()
+        if h.eng.rank not in members:
+            return type(self)()
+        return type(self)._wrap(_Core(h.eng, ctx, tuple(members)))
+
+    def Create_group(self, group: Group, tag: int = 0) -> Any:
+        h = self._core()
+        members = tuple(group._m())
+        if h.eng.rank not in members:
+            return type(self)()
+        # Only the group's members take part: agree among them, in the parent's contexts.
+        sub = _Core(h.eng, h.ctx, members)
+        ctx = agree_ctx(sub)
+        return type(self)._wrap(_Core(h.eng, ctx, members))
+
+    def py2f(self) -> int:
+        h = self._h
+        return -1 if h is None else h.ctx
+
+    # ---- point-to-point: buffers -----------------------------------------------------------
+
+    def Send(self, buf: Any, dest: int, tag: int = 0) -> None:
+        h = self._h or self._core()
+        w = _dst(h, dest)
+        _send_tag(tag)
+        if w < 0:
+            return
+        view = parse(buf, writable=False).view
+        h.eng.send(w, h.ctx, tag, KIND_BUFFER, [], [view], view.nbytes)
+
+    Ssend = Send
+    Bsend = Send
+    Rsend = Send
+
+    def Isend(self, buf: Any, dest: int, tag: int = 0) -> Request:
+        self.Send(buf, dest, tag)
+        return Request._of(DoneOp())
+
+    Issend = Isend
+    Ibsend = Isend
+    Irsend = Isend
+
+    def Send_init(self, buf: Any, dest: int, tag: int = 0) -> Prequest:
+        return Prequest._persistent(lambda: self.Isend(buf, dest, tag)._op)
+
+    Ssend_init = Send_init
+    Bsend_init = Send_init
+    Rsend_init = Send_init
+
+    def _post_recv(self, buf: Any, source: int, tag: int) -> Any:
+        h = self._h or self._core()
+        w = _src(h, source)
+        _recv_tag(tag)
+        if w == PROC_NULL:
+            return PROC_NULL_RECV
+        view = parse(buf, writable=True).view
+        op = RecvOp(h.ctx, w, tag, view, h.w2c)
+        h.eng.post(op)
+        return op
+
+    def Recv(
+        self,
+        buf: Any,
+        source: int = ANY_SOURCE,
+        tag: int = ANY_TAG,
+        status: Status | None = None,
+    ) -> None:
+        op = self._post_recv(buf, source, tag)
+        if not op.done:
+            self._h.eng.wait(op)  # type: ignore[union-attr]
+        op.finish(status)
+
+    def Irecv(self, buf: Any, source: int = ANY_SOURCE, tag: int = ANY_TAG) -> Request:
+        return Request._of(self._post_recv(buf, source, tag))
+
+    def Recv_init(self, buf: Any, source: int = ANY_SOURCE, tag: int = ANY_TAG) -> Prequest:
+        return Prequest._persistent(lambda: self._post_recv(buf, source, tag))
+
+    def Sendrecv(
+        self,
+        sendbuf: Any,
+        dest: int,
+        sendtag: int = 0,
+        recvbuf: Any = None,
+        source: int = ANY_SOURCE,
+        recvtag: int = ANY_TAG,
+        status: Status | None = None,
+    ) -> None:
+        op = self._post_recv(recvbuf, source, recvtag)
+        self.Send(sendbuf, dest, sendtag)
+        if not op.done:
+            self._h.eng.wait(op)  # type: ignore[union-attr]
+        op.finish(status)
+
+    def Sendrecv_replace(
+        self,
+        buf: Any,
+        dest: int,
+        sendtag: int = 0,
+        source: int = ANY_SOURCE,
+        recvtag: int = ANY_TAG,
+        status: Status | None = None,
+    ) -> None:
+        # Sends are eager: once Send returns the bytes are gone, the buffer may be received into.
+        self.Send(buf, dest, sendtag)
+        self.Recv(buf, source, recvtag, status)
+
+    # ---- point-to-point: objects -----------------------------------------------------------
+
+    def send(self, obj: Any, dest: int, tag: int = 0) -> None:
+        h = self._h or self._core()
+        if 0 <= dest < h.size and 0 <= tag <= TAG_UB_VALUE:
+            w = h.group[dest]
+        else:
+            w = _dst(h, dest)
+            _send_tag(tag)
+            if w < 0:
+                return
+        bufs, parts = _dumps(obj)
+        h.eng.send(w, h.ctx, tag, KIND_PICKLE, parts, bufs, sum(parts) if parts else len(bufs[0]))
+
+    ssend = send
+    bsend = send
+
+    def isend(self, obj: Any, dest: int, tag: int = 0) -> Request:
+        self.send(obj, dest, tag)
+        return Request._of(DoneOp())
+
+    issend = isend
+    ibsend = isend
+
+    def _post_obj(self, source: int, tag: int) -> Any:
+        h = self._h or self._core()
+        if 0 <= source < h.size:
+            w = h.group[source]
+        else:
+            w = _src(h, source)
+            if w == PROC_NULL:
+                return PROC_NULL_RECV
+        if tag < 0 and tag != ANY_TAG:
+            _recv_tag(tag)
+        op = RecvOp(h.ctx, w, tag, None, h.w2c)
+        h.eng.post(op)
+        return op
+
+    def recv(
+        self,
+        buf: Any = None,
+        source: int = ANY_SOURCE,
+        tag: int = ANY_TAG,
+        status: Status | None = None,
+    ) -> Any:
+        op = self._post_obj(source, tag)
+        if not op.done:
+            self._h.eng.wait(op)  # type: ignore[union-attr]
+        return op.finish(status)
+
+    def irecv(self, buf: Any = None, source: int = ANY_SOURCE, tag: int = ANY_TAG) -> Request:
+        return Request._of(self._post_obj(source, tag))
+
+    def sendrecv(
+        self,
+        sendobj: Any,
+        dest: int,
+        sendtag: int = 0,
+        recvbuf: Any = None,
+        source: int = ANY_SOURCE,
+        recvtag: int = ANY_TAG,
+        status: Status | None = None,
+    ) -> Any:
+        op = self._post_obj(source, recvtag)
+        self.send(sendobj, dest, sendtag)
+        if not op.done:
+            self._h.eng.wait(op)  # type: ignore[union-attr]
+        return op.finish(status)
+
+    # ---- probes ----------------------------------------------------------------------------
+
+    def _probe(self, source: int, tag: int, block: bool) -> Any:
+        h = self._core()
+        w = _src(h, source)
+        _recv_tag(tag)
+        if w == PROC_NULL:
+            return PROC_NULL
+        matcher = h.eng.matcher
+        entry = matcher.probe(h.ctx, w, tag)
+        if entry is None:
+            h.eng.poke()
+            entry = matcher.probe(h.ctx, w, tag)
+            while entry is None and block:
+                h.eng.block()
+                entry = matcher.probe(h.ctx, w, tag)
+        return entry
+
+    def _probe_status(self, entry: Any, status: Status | None) -> None:
+        if status is None:
+            return
+        if entry is PROC_NULL:
+            status._fill(PROC_NULL, ANY_TAG, 0)
+        else:
+            msg, payload = entry
+            status._fill(self._core().w2c[msg.src], msg.tag, len(payload))
+
+    def Probe(
+        self, source: int = ANY_SOURCE, tag: int = ANY_TAG, status: Status | None = None
+    ) -> bool:
+        self._probe_status(self._probe(source, tag, True), status)
+        return True
+
+    def Iprobe(
+        self, source: int = ANY_SOURCE, tag: int = ANY_TAG, status: Status | None = None
+    ) -> bool:
+        entry = self._probe(source, tag, False)
+        if entry is None:
+            return False
+        self._probe_status(entry, status)
+        return True
+
+    probe = Probe
+    iprobe = Iprobe
+
+    def _mprobe(self, source: int, tag: int, block: bool, status: Status | None) -> Any:
+        from vpool.sdk.mpi.message import MESSAGE_NO_PROC, Message
+
+        entry = self._probe(source, tag, block)
+        if entry is None:
+            return None
+        self._probe_status(entry, status)
+        if entry is PROC_NULL:
+            return Message(MESSAGE_NO_PROC)
+        h = self._core()
+        h.eng.matcher.unexpected[h.ctx].remove(entry)
+        return Message._of(entry, h.w2c)
+
+    def Mprobe(
+        self, source: int = ANY_SOURCE, tag: int = ANY_TAG, status: Status | None = None
+    ) -> Any:
+        return self._mprobe(source, tag, True, status)
+
+    def Improbe(
+        self, source: int = ANY_SOURCE, tag: int = ANY_TAG, status: Status | None = None
+    ) -> Any:
+        return self._mprobe(source, tag, False, status)
+
+    mprobe = Mprobe
+    improbe = Improbe
+
+    # ---- collectives: objects --------------------------------------------------------------
+
+    def barrier(self) -> None:
+        coll.barrier(self._core())
+
+    def bcast(self, obj: Any, root: int = 0) -> Any:
+        return coll.bcast(self._core(), obj, root)
+
+    def reduce(self, sendobj: Any, op: Any = ops.SUM, root: int = 0) -> Any:
+        return coll.reduce(self._core(), sendobj, op, root)
+
+    def allreduce(self, sendobj: Any, op: Any = ops.SUM) -> Any:
+        return coll.allreduce(self._core(), sendobj, op)
+
+    def gather(self, sendobj: Any, root: int = 0) -> Any:
+        return coll.gather(self._core(), sendobj, root)
+
+    def scatter(self, sendobj: Any, root: int = 0) -> Any:
+        return coll.scatter(self._core(), sendobj, root)
+
+    def allgather(self, sendobj: Any) -> list[Any]:
+        return coll.allgather(self._core(), sendobj)
+
+    def alltoall(self, sendobj: Any) -> list[Any]:
+        return coll.alltoall(self._core(), sendobj)
+
+    # ---- collectives: buffers --------------------------------------------------------------
+
+    def Barrier(self) -> None:
+        coll.barrier(self._core())
+
+    def Bcast(self, buf: Any, root: int = 0) -> None:
+        collbuf.Bcast(self._core(), buf, root)
+
+    def Reduce(self, sendbuf: Any, recvbuf: Any, op: Any = ops.SUM, root: int = 0) -> None:
+        collbuf.Reduce(self._core(), sendbuf, recvbuf, op, root)
+
+    def Allreduce(self, sendbuf: Any, recvbuf: Any, op: Any = ops.SUM) -> None:
+        collbuf.Allreduce(self._core(), sendbuf, recvbuf, op)
+
+    def Gather(self, sendbuf: Any, recvbuf: Any, root: int = 0) -> None:
+        collbuf.Gather(self._core(), sendbuf, recvbuf, root)
+
+    def Gatherv(self, sendbuf: Any, recvbuf: Any, root: int = 0) -> None:
+        collbuf.Gatherv(self._core(), sendbuf, recvbuf, root)
+
+    def Scatter(self, sendbuf: Any, recvbuf: Any, root: int = 0) -> None:
+        collbuf.Scatter(self._core(), sendbuf, recvbuf, root)
+
+    def Scatterv(self, sendbuf: Any, recvbuf: Any, root: int = 0) -> None:
+        collbuf.Scatterv(self._core(), sendbuf, recvbuf, root)
+
+    def Allgather(self, sendbuf: Any, recvbuf: Any) -> None:
+        collbuf.Allgather(self._core(), sendbuf, recvbuf)
+
+    def Allgatherv(self, sendbuf: Any, recvbuf: Any) -> None:
+        collbuf.Allgatherv(self._core(), sendbuf, recvbuf)
+
+    def Alltoall(self, sendbuf: Any, recvbuf: Any) -> None:
+        collbuf.Alltoall(self._core(), sendbuf, recvbuf)
+
+    def Alltoallv(self, sendbuf: Any, recvbuf: Any) -> None:
+        collbuf.Alltoallv(self._core(), sendbuf, recvbuf)
+
+    def Reduce_scatter_block(self, sendbuf: Any, recvbuf: Any, op: Any = ops.SUM) -> None:
+        collbuf.Reduce_scatter_block(self._core(), sendbuf, recvbuf, op)
+
+    def Reduce_scatter(
+        self, sendbuf: Any, recvbuf: Any, recvcounts: Any = None, op: Any = ops.SUM
+    ) -> None:
+        collbuf.Reduce_scatter(self._core(), sendbuf, recvbuf, recvcounts, op)
+
+    # Non-blocking collectives run to completion at the call (see the module's known limits).
+
+    def Ibarrier(self) -> Request:
+        self.Barrier()
+        return Request._of(DoneOp())
+
+    def Ibcast(self, buf: Any, root: int = 0) -> Request:
+        self.Bcast(buf, root)
+        return Request._of(DoneOp())
+
+    def Ireduce(self, sendbuf: Any, recvbuf: Any, op: Any = ops.SUM, root: int = 0) -> Request:
+        self.Reduce(sendbuf, recvbuf, op, root)
+        return Request._of(DoneOp())
+
+    def Iallreduce(self, sendbuf: Any, recvbuf: Any, op: Any = ops.SUM) -> Request:
+        self.Allreduce(sendbuf, recvbuf, op)
+        return Request._of(DoneOp())
+
+    def Igather(self, sendbuf: Any, recvbuf: Any, root: int = 0) -> Request:
+        self.Gather(sendbuf, recvbuf, root)
+        return Request._of(DoneOp())
+
+    def Iscatter(self, sendbuf: Any, recvbuf: Any, root: int = 0) -> Request:
+        self.Scatter(sendbuf, recvbuf, root)
+        return Request._of(DoneOp())
+
+    def Iallgather(self, sendbuf: Any, recvbuf: Any) -> Request:
+        self.Allgather(sendbuf, recvbuf)
+        return Request._of(DoneOp())
+
+    def Ialltoall(self, sendbuf: Any, recvbuf: Any) -> Request:
+        self.Alltoall(sendbuf, recvbuf)
+        return Request._of(DoneOp())
+
+    def ibarrier(self) -> Request:
+        return self.Ibarrier()
+
+
+class Intracomm(Comm):
+    """``MPI.Intracomm``: adds the prefix reductions and topology constructors."""
+
+    def scan(self, sendobj: Any, op: Any = ops.SUM) -> Any:
+        return coll.scan(self._core(), sendobj, op, exclusive=False)
+
+    def exscan(self, sendobj: Any, op: Any = ops.SUM) -> Any:
+        return coll.scan(self._core(), sendobj, op, exclusive=True)
+
+    def Scan(self, sendbuf: Any, recvbuf: Any, op: Any = ops.SUM) -> None:
+        collbuf.Scan(self._core(), sendbuf, recvbuf, op, exclusive=False)
+
+    def Exscan(self, sendbuf: Any, recvbuf: Any, op: Any = ops.SUM) -> None:
+        collbuf.Scan(self._core(), sendbuf, recvbuf, op, exclusive=True)
+
+    def Iscan(self, sendbuf: Any, recvbuf: Any, op: Any = ops.SUM) -> Request:
+        self.Scan(sendbuf, recvbuf, op)
+        return Request._of(DoneOp())
+
+    def Iexscan(self, sendbuf: Any, recvbuf: Any, op: Any = ops.SUM) -> Request:
+        self.Exscan(sendbuf, recvbuf, op)
+        return Request._of(DoneOp())
+
+    # Topology constructors live with the topologies (``topology`` imports this module).
+
+    def Create_cart(
+        self, dims: Sequence[int], periods: Sequence[bool] | None = None, reorder: bool = False
+    ) -> Any:
+        from vpool.sdk.mpi import topology
+
+        return topology.create_cart(self, dims, periods, reorder)
+
+    def Create_graph(
+        self, index: Sequence[int], edges: Sequence[int], reorder: bool = False
+    ) -> Any:
+        from vpool.sdk.mpi import topology
+
+        return topology.create_graph(self, index, edges, reorder)
+
+    def Cart_map(self, dims: Sequence[int], periods: Any = None) -> int:
+        from vpool.sdk.mpi import topology
+
+        return self.rank if self.rank < topology.cart_map(dims, self.size) else UNDEFINED
+
+
+class Intercomm(Comm):
+    """``MPI.Intercomm``: only the null one exists (no dynamic processes)."""
+
+    def Is_inter(self) -> bool:
+        return True
+
+    def Is_intra(self) -> bool:
+        return False
+
+
+_next_keyval = 0x70000000

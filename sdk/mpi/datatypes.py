@@ -1,0 +1,364 @@
+"""MPI datatypes: sizes and extents for buffer specs, numpy dtypes for reductions.
+
+Messages travel as raw bytes, so a datatype only matters for counting (``Get_count``, buffer
+specs with counts and displacements) and for applying reduction operations, which are done with
+numpy on views of the buffers. numpy is imported lazily: most programs never reduce a buffer, and
+startup time of rank processes counts.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Any
+
+from vpool.sdk.mpi import errors
+
+# Pair types of MAXLOC/MINLOC, as C lays out ``struct {T value; int index;}``.
+_PAIRS = {
+    "FLOAT_INT": ("f4", "i4"),
+    "DOUBLE_INT": ("f8", "i4"),
+    "LONG_INT": ("i8", "i4"),
+    "2INT": ("i4", "i4"),
+    "SHORT_INT": ("i2", "i4"),
+    "LONG_DOUBLE_INT": ("g", "i4"),
+}
+
+
+class Datatype:
+    """An MPI datatype. Predefined ones have a numpy type code; contiguous derived ones keep
+    their base type and multiplicity so reductions still apply."""
+
+    __slots__ = ("_base", "_code", "_committed", "_count", "_extent", "_lb", "_name", "_size")
+
+    def __init__(
+        self,
+        datatype: Datatype | None = None,
+        *,
+        name: str = "",
+        size: int = 0,
+        code: str | None = None,
+        base: Datatype | None = None,
+        count: int = 1,
+        lb: int = 0,
+        extent: int | None = None,
+    ) -> None:
+        if datatype is not None:
+            # mpi4py's Datatype(datatype) copy constructor: same handle.
+            self._name, self._size, self._code = datatype._name, datatype._size, datatype._code
+            self._base, self._count = datatype._base, datatype._count
+            self._lb, self._extent = datatype._lb, datatype._extent
+            self._committed = datatype._committed
+            return
+        self._name = name
+        self._size = size
+        self._code = code
+        self._base = base
+        self._count = count
+        self._lb = lb
+        self._extent = size if extent is None else extent
+        self._committed = True
+
+    # ---- properties as in mpi4py ----
+    def Get_size(self) -> int:
+        return self._size
+
+    @property
+    def size(self) -> int:
+        return self._size
+
+    def Get_extent(self) -> tuple[int, int]:
+        return (self._lb, self._extent)
+
+    @property
+    def extent(self) -> int:
+        return self._extent
+
+    @property
+    def lb(self) -> int:
+        return self._lb
+
+    @property
+    def ub(self) -> int:
+        return self._lb + self._extent
+
+    def Get_true_extent(self) -> tuple[int, int]:
+        return (0, self._size)
+
+    @property
+    def true_extent(self) -> int:
+        return self._size
+
+    @property
+    def true_lb(self) -> int:
+        return 0
+
+    def Get_name(self) -> str:
+        return self._name
+
+    def Set_name(self, name: str) -> None:
+        self._name = name
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @name.setter
+    def name(self, value: str) -> None:
+        self._name = value
+
+    @property
+    def is_predefined(self) -> bool:
+        return _BY_NAME.get(self._name) is self or self is DATATYPE_NULL
+
+    @property
+    def is_named(self) -> bool:
+        return self.is_predefined
+
+    def tocode(self) -> str:
+        if self._code is None:
+            raise ValueError(f"cannot map datatype {self._name or '(derived)'} to a type code")
+        return self._code
+
+    def Commit(self) -> Datatype:
+        self._committed = True
+        return self
+
+    def Free(self) -> None:
+        pass
+
+    def Dup(self) -> Datatype:
+        return Datatype(self)
+
+    def Create_contiguous(self, count: int) -> Datatype:
+        if count < 0:
+            raise errors.MPIException(errors.ERR_COUNT)
+        base = self._base or self
+        return Datatype(
+            name="",
+            size=self._size * count,
+            code=None,
+            base=base,
+            count=self._count * count,
+        )
+
+    def Create_resized(self, lb: int, extent: int) -> Datatype:
+        dt = Datatype(self)
+        dt._lb, dt._extent = lb, extent
+        if dt._base is None and self._code is not None:
+            dt._base, dt._count = self, 1
+        return dt
+
+    def numpy_dtype(self) -> Any:
+        """numpy dtype of one element of the base type (for reductions)."""
+        import numpy as np
+
+        base = self._base or self
+        if base._name in _PAIR_NAMES:
+            value, index = _PAIRS[_PAIR_NAMES[base._name]]
+            return np.dtype([("v", value), ("i", index)], align=True)
+        if base._code is None:
+            raise errors.MPIException(errors.ERR_TYPE, "datatype cannot be reduced")
+        return np.dtype(base._code)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Datatype):
+            return NotImplemented
+        return self is other or (
+            self._name == other._name
+            and self._size == other._size
+            and self._code == other._code
+            and self._base is other._base
+            and self._count == other._count
+            and self._extent == other._extent
+        )
+
+    def __hash__(self) -> int:
+        return hash((self._name, self._size, self._code))
+
+    def __bool__(self) -> bool:
+        return self is not DATATYPE_NULL
+
+    def __repr__(self) -> str:
+        return f"<mpi4py.MPI.Datatype {self._name or '(derived)'}>"
+
+    def __reduce__(self) -> Any:
+        if self._name in _BY_NAME:
+            return (_by_name, (self._name,))
+        return (Datatype, (None,), None)
+
+
+_PAIR_NAMES = {f"MPI_{k}": k for k in _PAIRS}
+_BY_NAME: dict[str, Datatype] = {}
+
+
+def _by_name(name: str) -> Datatype:
+    return _BY_NAME[name]
+
+
+def _native(code: str) -> int:
+    return struct.calcsize(code) if code not in ("g", "G") else (16 if code == "g" else 32)
+
+
+def _make(name: str, code: str | None, size: int | None = None) -> Datatype:
+    if size is None:
+        assert code is not None
+        size = _numpy_size(code)
+    dt = Datatype(name=name, size=size, code=code)
+    _BY_NAME[name] = dt
+    return dt
+
+
+def _numpy_size(code: str) -> int:
+    sizes = {"i1": 1, "i2": 2, "i4": 4, "i8": 8, "u1": 1, "u2": 2, "u4": 4, "u8": 8}
+    sizes |= {"f2": 2, "f4": 4, "f8": 8, "c8": 8, "c16": 16, "F": 8, "D": 16, "G": 32, "U": 4}
+    if code in sizes:
+        return sizes[code]
+    return _native(code)
+
+
+DATATYPE_NULL = Datatype(name="MPI_DATATYPE_NULL", size=0, code=None)
+PACKED = _make("MPI_PACKED", "B", 1)
+BYTE = _make("MPI_BYTE", "B", 1)
+AINT = _make("MPI_AINT", "q")
+OFFSET = _make("MPI_OFFSET", "q")
+COUNT = _make("MPI_COUNT", "q")
+CHAR = _make("MPI_CHAR", "c", 1)
+WCHAR = _make("MPI_WCHAR", "U", 4)
+SIGNED_CHAR = _make("MPI_SIGNED_CHAR", "b")
+SHORT = _make("MPI_SHORT", "h")
+INT = _make("MPI_INT", "i")
+LONG = _make("MPI_LONG", "l")
+LONG_LONG = _make("MPI_LONG_LONG_INT", "q")
+UNSIGNED_CHAR = _make("MPI_UNSIGNED_CHAR", "B")
+UNSIGNED_SHORT = _make("MPI_UNSIGNED_SHORT", "H")
+UNSIGNED = _make("MPI_UNSIGNED", "I")
+UNSIGNED_LONG = _make("MPI_UNSIGNED_LONG", "L")
+UNSIGNED_LONG_LONG = _make("MPI_UNSIGNED_LONG_LONG", "Q")
+FLOAT = _make("MPI_FLOAT", "f")
+DOUBLE = _make("MPI_DOUBLE", "d")
+LONG_DOUBLE = _make("MPI_LONG_DOUBLE", "g", 16)
+C_BOOL = _make("MPI_C_BOOL", "?", 1)
+INT8_T = _make("MPI_INT8_T", "i1")
+INT16_T = _make("MPI_INT16_T", "i2")
+INT32_T = _make("MPI_INT32_T", "i4")
+INT64_T = _make("MPI_INT64_T", "i8")
+UINT8_T = _make("MPI_UINT8_T", "u1")
+UINT16_T = _make("MPI_UINT16_T", "u2")
+UINT32_T = _make("MPI_UINT32_T", "u4")
+UINT64_T = _make("MPI_UINT64_T", "u8")
+C_COMPLEX = _make("MPI_C_COMPLEX", "F", 8)
+C_FLOAT_COMPLEX = C_COMPLEX
+C_DOUBLE_COMPLEX = _make("MPI_C_DOUBLE_COMPLEX", "D", 16)
+C_LONG_DOUBLE_COMPLEX = _make("MPI_C_LONG_DOUBLE_COMPLEX", "G", 32)
+CXX_BOOL = _make("MPI_CXX_BOOL", "?", 1)
+CXX_FLOAT_COMPLEX = _make("MPI_CXX_FLOAT_COMPLEX", "F", 8)
+CXX_DOUBLE_COMPLEX = _make("MPI_CXX_DOUBLE_COMPLEX", "D", 16)
+CXX_LONG_DOUBLE_COMPLEX = _make("MPI_CXX_LONG_DOUBLE_COMPLEX", "G", 32)
+SHORT_INT = _make("MPI_SHORT_INT", None, 8)
+TWOINT = _make("MPI_2INT", None, 8)
+LONG_INT = _make("MPI_LONG_INT", None, 16)
+FLOAT_INT = _make("MPI_FLOAT_INT", None, 8)
+DOUBLE_INT = _make("MPI_DOUBLE_INT", None, 16)
+LONG_DOUBLE_INT = _make("MPI_LONG_DOUBLE_INT", None, 32)
+# Fortran types, as MPICH maps them on this platform.
+CHARACTER = _make("MPI_CHARACTER", "c", 1)
+LOGICAL = _make("MPI_LOGICAL", "i4", 4)
+INTEGER = _make("MPI_INTEGER", "i4", 4)
+REAL = _make("MPI_REAL", "f4", 4)
+DOUBLE_PRECISION = _make("MPI_DOUBLE_PRECISION", "f8", 8)
+COMPLEX = _make("MPI_COMPLEX", "c8", 8)
+DOUBLE_COMPLEX = _make("MPI_DOUBLE_COMPLEX", "c16", 16)
+LB = Datatype(name="MPI_LB", size=0, code=None)
+UB = Datatype(name="MPI_UB", size=0, code=None)
+
+SIGNED_SHORT = SHORT
+SIGNED_INT = INT
+SIGNED_LONG = LONG
+SIGNED_LONG_LONG = LONG_LONG
+UNSIGNED_INT = UNSIGNED
+LONG_LONG_INT = LONG_LONG
+BOOL = C_BOOL
+F_BOOL = LOGICAL
+F_INT = INTEGER
+F_FLOAT = REAL
+F_DOUBLE = DOUBLE_PRECISION
+F_COMPLEX = COMPLEX
+F_FLOAT_COMPLEX = COMPLEX
+F_DOUBLE_COMPLEX = DOUBLE_COMPLEX
+
+# mpi4py's MPI._typedict: numpy/struct type characters -> datatype.
+typedict: dict[str, Datatype] = {
+    "?": C_BOOL,
+    "c": CHAR,
+    "b": SIGNED_CHAR,
+    "h": SHORT,
+    "i": INT,
+    "l": LONG,
+    "q": LONG_LONG,
+    "p": AINT,
+    "B": UNSIGNED_CHAR,
+    "H": UNSIGNED_SHORT,
+    "I": UNSIGNED,
+    "L": UNSIGNED_LONG,
+    "Q": UNSIGNED_LONG_LONG,
+    "f": FLOAT,
+    "d": DOUBLE,
+    "g": LONG_DOUBLE,
+    "F": C_FLOAT_COMPLEX,
+    "D": C_DOUBLE_COMPLEX,
+    "G": C_LONG_DOUBLE_COMPLEX,
+    "U": WCHAR,
+    "b1": C_BOOL,
+    "i1": INT8_T,
+    "i2": INT16_T,
+    "i4": INT32_T,
+    "i8": INT64_T,
+    "u1": UINT8_T,
+    "u2": UINT16_T,
+    "u4": UINT32_T,
+    "u8": UINT64_T,
+    "f4": FLOAT,
+    "f8": DOUBLE,
+    "c8": C_FLOAT_COMPLEX,
+    "c16": C_DOUBLE_COMPLEX,
+}
+typedict_c = dict(typedict)
+typedict_f: dict[str, Datatype] = {
+    "l": LOGICAL,
+    "i": INTEGER,
+    "r": REAL,
+    "s": REAL,
+    "d": DOUBLE_PRECISION,
+    "c": COMPLEX,
+    "z": DOUBLE_COMPLEX,
+}
+
+# Buffer-protocol format strings -> datatype, for buffers passed without a datatype.
+_FORMATS: dict[str, Datatype] = {**typedict, "B": BYTE, "Zf": C_FLOAT_COMPLEX}
+_FORMATS |= {"Zd": C_DOUBLE_COMPLEX, "Zg": C_LONG_DOUBLE_COMPLEX}
+
+
+def from_format(fmt: str) -> Datatype:
+    """Datatype for a memoryview format; unknown ones (structs) travel as bytes."""
+    dt = _FORMATS.get(fmt)
+    if dt is None:
+        dt = _FORMATS.get(fmt.lstrip("@=<>!"))
+    return dt if dt is not None else BYTE
+
+
+def lookup(spec: Datatype | str) -> Datatype:
+    """A datatype from a Datatype or a type code string such as ``"d"`` or ``"i4"``."""
+    if isinstance(spec, Datatype):
+        return spec
+    if isinstance(spec, str):
+        import numpy as np
+
+        try:
+            code = np.dtype(spec).char
+        except TypeError as exc:
+            raise errors.MPIException(errors.ERR_TYPE, f"unknown type code {spec!r}") from exc
+        dt = typedict.get(code) or typedict.get(spec)
+        if dt is None:
+            raise errors.MPIException(errors.ERR_TYPE, f"unknown type code {spec!r}")
+        return dt
+    raise TypeError(f"expected a datatype, got {type(spec).__name__}")

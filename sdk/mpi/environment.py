@@ -1,0 +1,152 @@
+"""Process-wide MPI state: Init/Finalize, the exit hook, Abort, clocks and processor name.
+
+``init`` connects to the agent named by ``VPOOL_AGENT_SOCKET`` (or, without one, runs as a
+single-rank job, like an MPICH singleton) and fills in COMM_WORLD and COMM_SELF. At interpreter
+exit the hook flushes the program's output and finalizes: it waits until the relays have every
+message this rank sent, so none dies with the process. After an uncaught exception it only
+flushes: the process exits non-zero and the job fails anyway.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import socket
+import sys
+import threading
+import time
+from typing import Any
+
+from vpool.sdk.mpi import errors
+from vpool.sdk.mpi.comm import Intracomm, _Core
+from vpool.sdk.mpi.constants import THREAD_SERIALIZED
+from vpool.sdk.mpi.runtime import Engine
+
+_NOT_STARTED, _RUNNING, _FINALIZED = 0, 1, 2
+
+COMM_WORLD = Intracomm()
+COMM_SELF = Intracomm()
+
+_state = _NOT_STARTED
+_engine: Engine | None = None
+_processor = ""
+
+
+def engine() -> Engine:
+    if _engine is None:
+        raise errors.MPIException(errors.ERR_OTHER, "MPI is not initialized")
+    return _engine
+
+
+def init() -> None:
+    global _state, _engine, _processor
+    if _state != _NOT_STARTED:
+        raise errors.MPIException(errors.ERR_OTHER, "MPI_Init called more than once")
+    path = os.environ.get("VPOOL_AGENT_SOCKET")
+    if path:
+        from vpool.sdk.mpi.transport import Transport
+
+        eng = Engine(0, 0, 1)
+        transport = Transport.connect(path, os.environ.get("VPOOL_RANK_SECRET", ""), eng)
+        eng.job, eng.rank, eng.size = transport.job, transport.rank, transport.size
+        eng.transport = transport
+        _processor = transport.processor or socket.gethostname()
+    else:
+        eng = Engine(0, 0, 1)
+        _processor = socket.gethostname()
+    _engine = eng
+    COMM_WORLD._h = _Core(eng, 0, tuple(range(eng.size)), "MPI_COMM_WORLD")
+    COMM_SELF._h = _Core(eng, 2, (eng.rank,), "MPI_COMM_SELF")
+    _state = _RUNNING
+    atexit.register(_at_exit)
+
+
+def finalize() -> None:
+    global _state
+    if _state != _RUNNING:
+        raise errors.MPIException(errors.ERR_OTHER, "MPI is not running")
+    eng = engine()
+    transport = eng.transport
+    if transport is not None:
+        transport.finalize()
+        transport.sock.close()
+        eng.transport = None
+    _state = _FINALIZED
+
+
+def is_initialized() -> bool:
+    return _state != _NOT_STARTED
+
+
+def is_finalized() -> bool:
+    return _state == _FINALIZED
+
+
+def _flush() -> None:
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:
+            pass
+
+
+def _at_exit() -> None:
+    _flush()
+    if _state != _RUNNING:
+        return
+    if getattr(sys, "last_value", None) is not None or getattr(sys, "last_exc", None) is not None:
+        return  # an uncaught exception: no clean end to announce
+    finalize()
+
+
+def abort(code: int = 0, message: str = "") -> None:
+    """End the whole job with ``code``: tell the agent, then leave at once."""
+    _flush()
+    eng = _engine
+    if eng is not None and eng.transport is not None:
+        try:
+            eng.transport.abort(code, message or f"MPI.Abort({code}) called by rank {eng.rank}")
+        except Exception:
+            pass
+    status = code & 0xFF
+    os._exit(status if status or not code else 1)
+
+
+def wtime() -> float:
+    # One place to read the clock: a message-logging layer records the values it returns.
+    return time.perf_counter()
+
+
+def wtick() -> float:
+    return time.get_clock_info("perf_counter").resolution
+
+
+def processor_name() -> str:
+    return _processor or socket.gethostname()
+
+
+def init_thread(required: int) -> int:
+    init()
+    return THREAD_SERIALIZED
+
+
+def query_thread() -> int:
+    return THREAD_SERIALIZED
+
+
+def is_thread_main() -> bool:
+    return threading.current_thread() is threading.main_thread()
+
+
+_attached: Any = None
+
+
+def attach_buffer(buf: Any) -> None:
+    global _attached
+    _attached = buf
+
+
+def detach_buffer() -> Any:
+    global _attached
+    buf, _attached = _attached, None
+    return buf

@@ -1,0 +1,112 @@
+"""Small handle types programs pass around but the runtime gives no behaviour to:
+``MPI.Info`` (a string dictionary) and ``MPI.Errhandler`` (errors always raise ``MPI.Exception``,
+as with mpi4py's default)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+
+class Info:
+    __slots__ = ("_items", "_null")
+
+    def __init__(self, info: Info | None = None) -> None:
+        self._items: dict[str, str] = dict(info._items) if info is not None else {}
+        self._null = info._null if info is not None else True
+
+    @classmethod
+    def Create(cls, items: Any = None) -> Info:
+        info = cls()
+        info._null = False
+        if items:
+            info._items.update(dict(items))
+        return info
+
+    def Dup(self) -> Info:
+        return Info(self)
+
+    def Free(self) -> None:
+        self._items.clear()
+        self._null = True
+
+    def Get(self, key: str) -> str | None:
+        return self._items.get(key)
+
+    def Set(self, key: str, value: str) -> None:
+        self._items[key] = str(value)
+
+    def Delete(self, key: str) -> None:
+        del self._items[key]
+
+    def Get_nkeys(self) -> int:
+        return len(self._items)
+
+    def Get_nthkey(self, n: int) -> str:
+        return list(self._items)[n]
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._items)
+
+    def __getitem__(self, key: str) -> str:
+        return self._items[key]
+
+    def __setitem__(self, key: str, value: str) -> None:
+        self.Set(key, value)
+
+    def __delitem__(self, key: str) -> None:
+        self.Delete(key)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._items
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self._items.get(key, default)
+
+    def keys(self) -> Any:
+        return self._items.keys()
+
+    def values(self) -> Any:
+        return self._items.values()
+
+    def items(self) -> Any:
+        return self._items.items()
+
+    def __bool__(self) -> bool:
+        return not self._null
+
+
+class Errhandler:
+    __slots__ = ("_name",)
+
+    def __init__(self, errhandler: Errhandler | None = None) -> None:
+        self._name = errhandler._name if errhandler is not None else ""
+
+    @classmethod
+    def _named(cls, name: str) -> Errhandler:
+        e = cls()
+        e._name = name
+        return e
+
+    def Free(self) -> None:
+        pass
+
+    def __bool__(self) -> bool:
+        return bool(self._name)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Errhandler) and other._name == self._name
+
+    def __hash__(self) -> int:
+        return hash(self._name)
+
+
+INFO_NULL = Info()
+INFO_ENV = Info.Create()
+ERRHANDLER_NULL = Errhandler()
+ERRORS_RETURN = Errhandler._named("ERRORS_RETURN")
+ERRORS_ARE_FATAL = Errhandler._named("ERRORS_ARE_FATAL")
+ERRORS_ABORT = Errhandler._named("ERRORS_ABORT")

@@ -1,0 +1,448 @@
+"""Requests: the internal operations behind them and mpi4py's ``Request`` API.
+
+An operation has ``done`` and ``finish(status) -> result``; ``finish`` raises the operation's
+MPI error, fills the status and returns the received object for lower-case receives.
+
+- ``RecvOp``: a posted receive (buffer or pickled), completed by the matcher;
+- ``DoneOp``: already complete (sends are eager; blocking-then-complete collectives).
+
+Completion order is decided in one place per call (``Waitany``/``Testany``/``Waitsome``): the
+lowest index among completed requests, so the choice depends only on which messages arrived.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from vpool.protocol.messages import Data
+from vpool.sdk.mpi import errors
+from vpool.sdk.mpi.constants import ANY_SOURCE, ANY_TAG, PROC_NULL, UNDEFINED
+from vpool.sdk.mpi.serialization import pickle_
+from vpool.sdk.mpi.status import Status
+
+
+class RecvOp:
+    """A posted receive on context ``ctx`` from world rank ``src`` (or ANY_SOURCE) with ``tag``.
+
+    ``view`` is the flat byte view of the user's buffer, or None for a pickled receive.
+    ``w2c`` maps world ranks to the communicator's ranks for the status."""
+
+    __slots__ = ("cancelled", "ctx", "done", "error", "msg", "nbytes", "payload", "src", "tag")
+    __slots__ += ("view", "w2c")
+
+    def __init__(self, ctx: int, src: int, tag: int, view: memoryview | None, w2c: Any) -> None:
+        self.ctx = ctx
+        self.src = src
+        self.tag = tag
+        self.view = view
+        self.w2c = w2c
+        self.done = False
+        self.cancelled = False
+        self.error = errors.SUCCESS
+        self.msg: Data | None = None
+        self.payload: Any = None
+        self.nbytes = 0
+
+    def complete(self, msg: Data, payload: Any) -> None:
+        """Matched with an owned payload (bytes, bytearray or a view of one)."""
+        self.msg = msg
+        n = len(payload)
+        self.nbytes = n
+        view = self.view
+        if view is None:
+            self.payload = payload
+        elif n > view.nbytes:
+            self.error = errors.ERR_TRUNCATE
+            view[:] = memoryview(payload)[: view.nbytes]
+        elif n:
+            view[:n] = payload
+        self.done = True
+
+    def complete_view(self, msg: Data, view: memoryview) -> None:
+        """Matched with a view the transport reuses after this call: keep a copy."""
+        if self.view is None:
+            self.msg = msg
+            self.nbytes = len(view)
+            self.payload = bytearray(view) if msg.parts else bytes(view)
+            self.done = True
+        else:
+            self.complete(msg, view)
+
+    def direct(self, nbytes: int) -> memoryview | None:
+        """Where a large payload may be read straight into, if the user's buffer fits it."""
+        view = self.view
+        if view is not None and nbytes <= view.nbytes:
+            return view[:nbytes]
+        return None
+
+    def complete_direct(self, msg: Data, nbytes: int) -> None:
+        self.msg = msg
+        self.nbytes = nbytes
+        self.done = True
+
+    def fill(self, status: Status) -> None:
+        msg = self.msg
+        if msg is None:
+            status._fill(ANY_SOURCE, ANY_TAG, 0, self.error)
+            status._cancelled = self.cancelled
+        else:
+            status._fill(self.w2c[msg.src], msg.tag, self.nbytes, self.error)
+
+    def finish(self, status: Status | None) -> Any:
+        if status is not None:
+            self.fill(status)
+        if self.error:
+            raise errors.MPIException(self.error)
+        if self.view is None and self.msg is not None:
+            return pickle_.loads(self.payload, self.msg.parts)
+        return None
+
+
+class DoneOp:
+    """A complete operation: eager sends, PROC_NULL receives, blocking collectives."""
+
+    __slots__ = ("result", "source")
+
+    done = True
+
+    def __init__(self, result: Any = None, source: int = ANY_SOURCE) -> None:
+        self.result = result
+        self.source = source
+
+    def finish(self, status: Status | None) -> Any:
+        if status is not None:
+            status._fill(self.source, ANY_TAG, 0)
+        return self.result
+
+
+SEND_DONE = DoneOp()
+PROC_NULL_RECV = DoneOp(source=PROC_NULL)
+
+
+def _engine() -> Any:
+    from vpool.sdk.mpi import environment
+
+    return environment.engine()
+
+
+class Request:
+    """``MPI.Request``. A null request (``REQUEST_NULL``) has no operation."""
+
+    __slots__ = ("_op",)
+
+    def __init__(self, request: Request | None = None) -> None:
+        self._op: Any = request._op if request is not None else None
+
+    @classmethod
+    def _of(cls, op: Any) -> Request:
+        req = cls.__new__(cls)
+        req._op = op
+        return req
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Request):
+            return NotImplemented
+        return self._op is other._op
+
+    def __hash__(self) -> int:
+        return id(self._op)
+
+    def __bool__(self) -> bool:
+        return self._op is not None
+
+    def __repr__(self) -> str:
+        return f"<mpi4py.MPI.{type(self).__name__} {'null' if self._op is None else 'active'}>"
+
+    # ---- one request ---------------------------------------------------------------------
+
+    def _complete(self, status: Status | None) -> Any:
+        op = self._op
+        if op is None:
+            if status is not None:
+                status._fill(ANY_SOURCE, ANY_TAG, 0)
+            return None
+        if not op.done:
+            _engine().wait(op)
+        self._release()
+        return op.finish(status)
+
+    def _release(self) -> None:
+        self._op = None
+
+    def _test(self) -> bool:
+        op = self._op
+        if op is None or op.done:
+            return True
+        _engine().poke()
+        return bool(op.done)
+
+    def Wait(self, status: Status | None = None) -> bool:
+        self._complete(status)
+        return True
+
+    def Test(self, status: Status | None = None) -> bool:
+        if not self._test():
+            return False
+        self._complete(status)
+        return True
+
+    def wait(self, status: Status | None = None) -> Any:
+        return self._complete(status)
+
+    def test(self, status: Status | None = None) -> tuple[bool, Any]:
+        if not self._test():
+            return (False, None)
+        return (True, self._complete(status))
+
+    def Get_status(self, status: Status | None = None) -> bool:
+        if not self._test():
+            return False
+        op = self._op
+        if status is not None:
+            if op is None:
+                status._fill(ANY_SOURCE, ANY_TAG, 0)
+            elif isinstance(op, RecvOp):
+                op.fill(status)
+            else:
+                status._fill(op.source, ANY_TAG, 0)
+        return True
+
+    def get_status(self, status: Status | None = None) -> bool:
+        return self.Get_status(status)
+
+    def Cancel(self) -> None:
+        op = self._op
+        if isinstance(op, RecvOp) and not op.done and _engine().matcher.cancel(op):
+            op.cancelled = True
+            op.done = True
+
+    def cancel(self) -> None:
+        self.Cancel()
+
+    def Free(self) -> None:
+        op = self._op
+        if isinstance(op, RecvOp) and not op.done:
+            # A freed receive still completes eventually; keep matching it but drop the result.
+            pass
+        self._op = None
+
+    def free(self) -> None:
+        self.Free()
+
+    # ---- many requests -------------------------------------------------------------------
+
+    @classmethod
+    def Waitall(cls, requests: Sequence[Request], statuses: list[Status] | None = None) -> bool:
+        _waitall(requests, statuses)
+        return True
+
+    @classmethod
+    def waitall(
+        cls, requests: Sequence[Request], statuses: list[Status] | None = None
+    ) -> list[Any]:
+        return _waitall(requests, statuses)
+
+    @classmethod
+    def Testall(cls, requests: Sequence[Request], statuses: list[Status] | None = None) -> bool:
+        return _testall(requests, statuses)[0]
+
+    @classmethod
+    def testall(
+        cls, requests: Sequence[Request], statuses: list[Status] | None = None
+    ) -> tuple[bool, list[Any] | None]:
+        return _testall(requests, statuses)
+
+    @classmethod
+    def Waitany(cls, requests: Sequence[Request], status: Status | None = None) -> int:
+        return _waitany(requests, status)[0]
+
+    @classmethod
+    def waitany(cls, requests: Sequence[Request], status: Status | None = None) -> tuple[int, Any]:
+        return _waitany(requests, status)
+
+    @classmethod
+    def Testany(cls, requests: Sequence[Request], status: Status | None = None) -> tuple[int, bool]:
+        index, flag, _ = _testany(requests, status)
+        return index, flag
+
+    @classmethod
+    def testany(
+        cls, requests: Sequence[Request], status: Status | None = None
+    ) -> tuple[int, bool, Any]:
+        return _testany(requests, status)
+
+    @classmethod
+    def Waitsome(
+        cls, requests: Sequence[Request], statuses: list[Status] | None = None
+    ) -> list[int] | None:
+        return _some(requests, statuses, block=True)[0]
+
+    @classmethod
+    def waitsome(
+        cls, requests: Sequence[Request], statuses: list[Status] | None = None
+    ) -> tuple[list[int] | None, list[Any] | None]:
+        return _some(requests, statuses, block=True)
+
+    @classmethod
+    def Testsome(
+        cls, requests: Sequence[Request], statuses: list[Status] | None = None
+    ) -> list[int] | None:
+        return _some(requests, statuses, block=False)[0]
+
+    @classmethod
+    def testsome(
+        cls, requests: Sequence[Request], statuses: list[Status] | None = None
+    ) -> tuple[list[int] | None, list[Any] | None]:
+        return _some(requests, statuses, block=False)
+
+    @classmethod
+    def Startall(cls, requests: Sequence[Prequest]) -> None:
+        for req in requests:
+            req.Start()
+
+
+def _statuses(statuses: list[Status] | None, n: int) -> list[Status | None]:
+    if statuses is None:
+        return [None] * n
+    while len(statuses) < n:
+        statuses.append(Status())
+    return list(statuses[:n])
+
+
+def _waitall(requests: Sequence[Request], statuses: list[Status] | None) -> list[Any]:
+    sts = _statuses(statuses, len(requests))
+    results = []
+    failed = None
+    for req, st in zip(requests, sts, strict=True):
+        try:
+            results.append(req._complete(st))
+        except errors.MPIException as exc:
+            failed = failed or exc
+            results.append(None)
+    if failed is not None:
+        raise errors.MPIException(errors.ERR_IN_STATUS, str(failed))
+    return results
+
+
+def _testall(
+    requests: Sequence[Request], statuses: list[Status] | None
+) -> tuple[bool, list[Any] | None]:
+    eng = None
+    for req in requests:
+        op = req._op
+        if op is not None and not op.done:
+            if eng is None:
+                eng = _engine()
+                eng.poke()
+            if not op.done:
+                return (False, None)
+    return (True, _waitall(requests, statuses))
+
+
+def _first_done(requests: Sequence[Request]) -> tuple[int, bool]:
+    """Lowest index of a completed request; (UNDEFINED, True) when all are null."""
+    active = False
+    for i, req in enumerate(requests):
+        op = req._op
+        if op is not None:
+            if op.done:
+                return i, True
+            active = True
+    return UNDEFINED, not active
+
+
+def _waitany(requests: Sequence[Request], status: Status | None) -> tuple[int, Any]:
+    index, found = _first_done(requests)
+    if not found:
+        eng = _engine()
+        eng.poke()
+        index, found = _first_done(requests)
+        while not found:
+            eng.block()
+            index, found = _first_done(requests)
+    if index == UNDEFINED:
+        if status is not None:
+            status._fill(ANY_SOURCE, ANY_TAG, 0)
+        return UNDEFINED, None
+    return index, requests[index]._complete(status)
+
+
+def _testany(requests: Sequence[Request], status: Status | None) -> tuple[int, bool, Any]:
+    index, found = _first_done(requests)
+    if not found:
+        _engine().poke()
+        index, found = _first_done(requests)
+    if not found:
+        return UNDEFINED, False, None
+    if index == UNDEFINED:
+        if status is not None:
+            status._fill(ANY_SOURCE, ANY_TAG, 0)
+        return UNDEFINED, True, None
+    return index, True, requests[index]._complete(status)
+
+
+def _some(
+    requests: Sequence[Request], statuses: list[Status] | None, block: bool
+) -> tuple[list[int] | None, list[Any] | None]:
+    def ready() -> tuple[list[int], bool]:
+        done = [i for i, r in enumerate(requests) if r._op is not None and r._op.done]
+        return done, any(r._op is not None for r in requests)
+
+    done, active = ready()
+    if not active:
+        return None, None
+    if not done:
+        eng = _engine()
+        eng.poke()
+        done, _ = ready()
+        while block and not done:
+            eng.block()
+            done, _ = ready()
+    sts = _statuses(statuses, len(done)) if statuses is not None else [None] * len(done)
+    results = [requests[i]._complete(st) for i, st in zip(done, sts, strict=True)]
+    return done, results
+
+
+class Prequest(Request):
+    """``MPI.Prequest``: a persistent request; ``Start`` runs the operation again."""
+
+    __slots__ = ("_start",)
+
+    def __init__(self, request: Request | None = None) -> None:
+        super().__init__(request)
+        self._start: Callable[[], Any] | None = getattr(request, "_start", None)
+
+    @classmethod
+    def _persistent(cls, start: Callable[[], Any]) -> Prequest:
+        req = cls.__new__(cls)
+        req._op = None
+        req._start = start
+        return req
+
+    def Start(self) -> None:
+        if self._start is None:
+            raise errors.MPIException(errors.ERR_REQUEST)
+        self._op = self._start()
+
+    def start(self) -> None:
+        self.Start()
+
+    def _release(self) -> None:
+        # A completed persistent request becomes inactive, not null: it may be started again.
+        self._op = None
+
+    def __bool__(self) -> bool:
+        return self._start is not None
+
+    def Free(self) -> None:
+        self._op = None
+        self._start = None
+
+    @classmethod
+    def Startall(cls, requests: Sequence[Prequest]) -> None:
+        for req in requests:
+            req.Start()
+
+
+REQUEST_NULL = Request()

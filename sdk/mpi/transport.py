@@ -1,0 +1,346 @@
+"""The rank's connection to its agent: one unix socket, frames of ``vpool.protocol.framing``.
+
+Single-threaded and driven from MPI calls only. The socket stays in blocking mode; reads that
+must not block pass ``MSG_DONTWAIT``, so waiting for a message is one ``recv_into`` system call.
+
+Reading: frames land in a preallocated buffer with ``recv_into``. A small frame is handed to the
+engine as a view of that buffer (the engine copies what it keeps). A large payload is read
+straight into its destination: the user's buffer when a posted receive claims it at header time,
+else a fresh bytearray that becomes the unexpected message's payload.
+
+Writing: ``sendmsg`` of [prefix+header, *payload parts], no payload copy. When the socket is full
+the writer polls for both directions and keeps reading incoming frames meanwhile, so two ranks
+sending large messages to each other cannot deadlock.
+
+Transport failures (agent gone, ``Stop``, ``Error``, malformed frames) end the process: an MPI
+program cannot continue without its agent, and the agent reports the job's fate.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import socket
+import struct
+import sys
+from typing import Any, Protocol
+
+from vpool.protocol.errors import RemoteProtocolError
+from vpool.protocol.framing import DEFAULT_MAX_HEADER, DEFAULT_MAX_PAYLOAD, PREFIX
+from vpool.protocol.messages import (
+    PROTOCOL_VERSION,
+    Abort,
+    Ack,
+    Data,
+    Error,
+    Finalize,
+    Message,
+    RankHello,
+    RankWelcome,
+    Stop,
+    decode,
+    encode,
+)
+
+# Payloads above this are read straight into their destination instead of the read buffer.
+LARGE = 64 * 1024
+READ_BUFFER = 4 * LARGE + DEFAULT_MAX_HEADER
+SOCKET_BUFFER = 4 * 1024 * 1024
+MAX_IOV = 512  # below every platform's IOV_MAX
+EXIT_TRANSPORT = 1
+
+_unpack_prefix = struct.Struct("!II").unpack_from
+_pack_prefix = PREFIX.pack
+_DONTWAIT = socket.MSG_DONTWAIT
+
+
+class Sink(Protocol):
+    """What the transport hands incoming messages to (the p2p engine)."""
+
+    def on_small(self, msg: Data, view: memoryview) -> None: ...
+
+    def on_header(self, msg: Data, nbytes: int) -> tuple[memoryview, Any]: ...
+
+    def on_payload(self, msg: Data, view: memoryview, token: Any) -> None: ...
+
+
+def die(text: str, code: int = EXIT_TRANSPORT) -> None:
+    """Leave now: flush what the program printed, say why on stderr, skip atexit handlers."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:
+            pass
+    try:
+        os.write(2, f"vpool: {text}\n".encode())
+    except OSError:
+        pass
+    os._exit(code)
+
+
+class Transport:
+    def __init__(self, sock: socket.socket, welcome: RankWelcome, sink: Sink) -> None:
+        self.sock = sock
+        self.job = welcome.job
+        self.rank = welcome.rank
+        self.size = welcome.size
+        self.incarnation = welcome.incarnation
+        self.processor = welcome.processor
+        self.sink = sink
+        # seq(s, d) of the last message sent to each destination, and the highest acked.
+        self.sent = [0] * self.size
+        self.acked = [0] * self.size
+        self._rbuf = bytearray(READ_BUFFER)
+        self._rview = memoryview(self._rbuf)
+        self._rpos = 0
+        self._rend = 0
+        # A large payload being read: [target view, bytes filled, header, sink token].
+        self._large: list[Any] | None = None
+        self._poll = select.poll()
+        self._fd = sock.fileno()
+        self._poll.register(self._fd, select.POLLIN)
+        self.closed = False
+
+    # ---- opening -------------------------------------------------------------------------
+
+    @classmethod
+    def connect(cls, path: str, secret: str, sink: Sink) -> Transport:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER)
+        except OSError:
+            pass  # a smaller buffer only costs throughput
+        try:
+            sock.connect(path)
+        except OSError as exc:
+            die(f"cannot connect to the agent at {path}: {exc}")
+        header = encode(RankHello(version=PROTOCOL_VERSION, secret=secret))
+        sock.sendall(_pack_prefix(len(header), 0) + header)
+        welcome = _read_welcome(sock)
+        return cls(sock, welcome, sink)
+
+    # ---- writing -------------------------------------------------------------------------
+
+    def send_data(
+        self, dst: int, ctx: int, tag: int, kind: int, parts: list[int], bufs: list[Any], n: int
+    ) -> None:
+        """Deposit one message; returns once every byte is handed to the socket."""
+        seq = self.sent[dst] + 1
+        self.sent[dst] = seq
+        header = encode(Data(self.job, self.rank, dst, seq, ctx, tag, kind, parts))
+        head = _pack_prefix(len(header), n) + header
+        if not n:
+            self._write([head], len(head))
+        elif len(bufs) == 1:
+            self._write([head, bufs[0]], len(head) + n)
+        else:
+            self._write([head, *bufs], len(head) + n)
+
+    def send_message(self, msg: Message) -> None:
+        header = encode(msg)
+        head = _pack_prefix(len(header), 0) + header
+        self._write([head], len(head))
+
+    def _write(self, parts: list[Any], total: int) -> None:
+        if len(parts) <= MAX_IOV:
+            try:
+                sent = self.sock.sendmsg(parts, (), _DONTWAIT)
+            except BlockingIOError:
+                sent = 0
+            except OSError as exc:
+                die(f"lost the connection to the agent: {exc}")
+            if sent == total:
+                return
+        else:
+            sent = 0
+        self._write_slow(parts, sent)
+
+    def _write_slow(self, parts: list[Any], sent: int) -> None:
+        views = [memoryview(p) for p in parts]
+        views = [v if v.format == "B" and v.ndim == 1 else v.cast("B") for v in views]
+        i = 0
+        while sent:
+            size = views[i].nbytes
+            if sent >= size:
+                sent -= size
+                i += 1
+            else:
+                views[i] = views[i][sent:]
+                sent = 0
+        poll = self._poll
+        fd = self._fd
+        poll.modify(fd, select.POLLIN | select.POLLOUT)
+        try:
+            while i < len(views):
+                events = 0
+                for _, ev in poll.poll():
+                    events |= ev
+                if events & (select.POLLIN | select.POLLHUP | select.POLLERR):
+                    # Keep draining incoming frames so a peer writing to us can progress.
+                    self._read(_DONTWAIT)
+                if not events & select.POLLOUT:
+                    continue
+                try:
+                    n = self.sock.sendmsg(views[i : i + MAX_IOV], (), _DONTWAIT)
+                except BlockingIOError:
+                    continue
+                except OSError as exc:
+                    die(f"lost the connection to the agent: {exc}")
+                while n:
+                    size = views[i].nbytes
+                    if n >= size:
+                        n -= size
+                        i += 1
+                    else:
+                        views[i] = views[i][n:]
+                        n = 0
+                while i < len(views) and views[i].nbytes == 0:
+                    i += 1
+        finally:
+            poll.modify(fd, select.POLLIN)
+
+    # ---- reading -------------------------------------------------------------------------
+
+    def progress(self, block: bool) -> None:
+        """Read what has arrived; with ``block``, wait until at least one byte does."""
+        if block:
+            self._read(0)
+        else:
+            while self._read(_DONTWAIT):
+                pass
+
+    def _read(self, flags: int) -> bool:
+        """One ``recv_into`` and the frames it completes; False when nothing was there."""
+        large = self._large
+        try:
+            if large is not None:
+                view, filled = large[0], large[1]
+                n = self.sock.recv_into(view[filled:], 0, flags)
+            else:
+                n = self.sock.recv_into(self._rview[self._rend :], 0, flags)
+        except BlockingIOError:
+            return False
+        except InterruptedError:
+            return True
+        except OSError as exc:
+            die(f"lost the connection to the agent: {exc}")
+        if n == 0:
+            die("the agent closed the connection")
+        if large is not None:
+            filled += n
+            if filled < view.nbytes:
+                large[1] = filled
+                return True
+            self._large = None
+            self.sink.on_payload(large[2], view, large[3])
+            return True
+        self._rend += n
+        self._parse()
+        return True
+
+    def _parse(self) -> None:
+        buf = self._rbuf
+        view = self._rview
+        pos = self._rpos
+        end = self._rend
+        sink = self.sink
+        while end - pos >= 8:
+            hlen, plen = _unpack_prefix(buf, pos)
+            if hlen == 0 or hlen > DEFAULT_MAX_HEADER or plen > DEFAULT_MAX_PAYLOAD:
+                die(f"malformed frame from the agent (header {hlen}, payload {plen} bytes)")
+            body = pos + 8 + hlen
+            if plen > LARGE:
+                if body > end:
+                    break
+                msg = self._decode(view[pos + 8 : body])
+                if type(msg) is not Data:
+                    die(f"{type(msg).__name__} frame with a payload from the agent")
+                target, token = sink.on_header(msg, plen)
+                have = min(end - body, plen)
+                if have:
+                    target[:have] = view[body : body + have]
+                pos = body + have
+                if have == plen:
+                    sink.on_payload(msg, target, token)
+                    continue
+                self._large = [target, have, msg, token]
+                break
+            fend = body + plen
+            if fend > end:
+                break
+            msg = self._decode(view[pos + 8 : body])
+            pos = fend
+            if type(msg) is Data:
+                sink.on_small(msg, view[body:fend])
+            else:
+                self._control(msg)
+        if pos == end:
+            pos = end = 0
+        elif len(buf) - end < 8 + DEFAULT_MAX_HEADER + LARGE:
+            remaining = end - pos
+            buf[:remaining] = view[pos:end]
+            pos, end = 0, remaining
+        self._rpos = pos
+        self._rend = end
+
+    @staticmethod
+    def _decode(raw: memoryview) -> Message:
+        try:
+            return decode(raw)
+        except RemoteProtocolError as exc:
+            die(f"malformed frame from the agent: {exc}")
+            raise  # unreachable: die() exits
+
+    def _control(self, msg: Message) -> None:
+        if type(msg) is Ack:
+            if msg.src == self.rank and 0 <= msg.dst < self.size and msg.seq > self.acked[msg.dst]:
+                self.acked[msg.dst] = msg.seq
+        elif type(msg) is Stop:
+            die(f"stopped: {msg.reason}")
+        elif type(msg) is Error:
+            die(f"error from the agent: {msg.code}: {msg.message}")
+        else:
+            die(f"unexpected {type(msg).__name__} from the agent")
+
+    # ---- ending --------------------------------------------------------------------------
+
+    def all_acked(self) -> bool:
+        return self.sent == self.acked
+
+    def finalize(self) -> None:
+        """Wait until every deposit is acknowledged, then say so to the agent."""
+        while self.sent != self.acked:
+            self._read(0)
+        self.send_message(Finalize())
+        self.closed = True
+
+    def abort(self, code: int, message: str) -> None:
+        self.send_message(Abort(code=code, message=message))
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    # Exact reads: frames that follow the welcome belong to the transport's read buffer.
+    data = b""
+    while len(data) < n:
+        chunk = sock.recv(n - len(data))
+        if not chunk:
+            die("the agent closed the connection before welcoming this rank")
+        data += chunk
+    return data
+
+
+def _read_welcome(sock: socket.socket) -> RankWelcome:
+    hlen, plen = _unpack_prefix(_recv_exact(sock, 8), 0)
+    if hlen == 0 or hlen > DEFAULT_MAX_HEADER or plen:
+        die("malformed answer from the agent")
+    try:
+        msg = decode(_recv_exact(sock, hlen))
+    except RemoteProtocolError as exc:
+        die(f"malformed answer from the agent: {exc}")
+        raise
+    if isinstance(msg, Error):
+        die(f"the agent refused this rank: {msg.code}: {msg.message}")
+    if not isinstance(msg, RankWelcome):
+        die(f"expected RankWelcome from the agent, got {type(msg).__name__}")
+    return msg

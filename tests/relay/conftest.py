@@ -1,0 +1,67 @@
+"""Fixtures of the relay tests: a pool's keys and a relay running in the test's nursery.
+
+The fakes live in ``relay_fakes.py`` next to this file, loaded by path and registered as the
+module ``relay_fakes`` (pytest runs with --import-mode=importlib, so test folders are not on
+sys.path); test modules then ``from relay_fakes import ...``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+import trio
+
+
+def _load(name: str) -> ModuleType:
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).parent / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+fakes = _load("relay_fakes")
+
+
+@pytest.fixture(autouse=True)
+def no_relay_bugs(caplog: pytest.LogCaptureFixture) -> Iterator[None]:
+    """The relay logs an unexpected exception on a connection instead of crashing; in tests
+    that is a failure."""
+    yield
+    bugs = [
+        r for r in caplog.records if r.name.startswith("vpool.relay") and r.levelno >= logging.ERROR
+    ]
+    assert not bugs, "\n".join(r.getMessage() + "\n" + (r.exc_text or "") for r in bugs)
+
+
+@pytest.fixture(scope="session")
+def pool(tmp_path_factory: pytest.TempPathFactory) -> object:
+    return fakes.Pool(tmp_path_factory.mktemp("pki"))
+
+
+@pytest.fixture
+async def relay(nursery: trio.Nursery, pool: object, tmp_path: Path, agents: object) -> object:
+    return await fakes.start_relay(
+        nursery,
+        pool.settings(tmp_path / "relay"),
+        signing_key=pool.key.public_key(),  # type: ignore[attr-defined]
+    )
+
+
+@pytest.fixture
+async def agents() -> object:
+    """Closes every FakeAgent a test opened."""
+    opened: list[object] = []
+    fakes.FakeAgent.opened = opened
+    yield opened
+    for agent in opened:
+        await agent.aclose()  # type: ignore[attr-defined]

@@ -1,0 +1,316 @@
+"""Fakes for the relay tests: a pool's keys and certificates, a fake agent speaking the frames
+over TLS, a relay running in the test's nursery and a fake coordinator (an httpx transport)."""
+
+from __future__ import annotations
+
+import datetime as dt
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import httpx
+import msgspec
+import trio
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from vpool import tls
+from vpool.protocol import api, pki
+from vpool.protocol.framing import FrameDecoder, encode_frame
+from vpool.protocol.messages import (
+    PROTOCOL_VERSION,
+    Ack,
+    Attach,
+    Attached,
+    Credit,
+    Data,
+    Error,
+    Hello,
+    Message,
+    Welcome,
+)
+from vpool.protocol.tokens import AgentClaims, RankClaims, public_key_text, sign_token
+from vpool.relay.hub import Hub
+from vpool.relay.server import serve_relay
+from vpool.relay.settings import RelaySettings
+
+DEADLINE = 10.0
+
+
+@dataclass
+class Pool:
+    """A pool's CA, relay certificate and coordinator signing key."""
+
+    dir: Path
+    key: Ed25519PrivateKey = field(default_factory=Ed25519PrivateKey.generate)
+
+    def __post_init__(self) -> None:
+        now = dt.datetime.now(dt.UTC)
+        ca_cert, ca_key = pki.make_ca("test", now=now)
+        cert, key = pki.issue_server_cert(
+            ca_cert,
+            ca_key,
+            common_name="relay",
+            dns_names=["localhost"],
+            ip_addresses=["127.0.0.1"],
+            now=now,
+        )
+        self.ca = self.dir / "ca.pem"
+        self.cert = self.dir / "relay.pem"
+        self.cert_key = self.dir / "relay.key"
+        self.ca.write_bytes(ca_cert)
+        self.cert.write_bytes(cert)
+        self.cert_key.write_bytes(key)
+        self.client_ssl = tls.client_context(self.ca)
+
+    @property
+    def public_key_text(self) -> str:
+        return public_key_text(self.key.public_key())
+
+    def agent_token(
+        self, agent: str, *, expires: float | None = None, key: Ed25519PrivateKey | None = None
+    ) -> str:
+        exp = time.time() + 3600 if expires is None else expires
+        return sign_token(AgentClaims(agent=agent, expires=exp), key or self.key)
+
+    def rank_token(
+        self,
+        job: int,
+        rank: int,
+        *,
+        agent: str,
+        size: int,
+        incarnation: int = 1,
+        expires: float | None = None,
+        key: Ed25519PrivateKey | None = None,
+    ) -> str:
+        exp = time.time() + 3600 if expires is None else expires
+        claims = RankClaims(
+            job=job, rank=rank, incarnation=incarnation, size=size, agent=agent, expires=exp
+        )
+        return sign_token(claims, key or self.key)
+
+    def settings(self, data_dir: Path, **kw: Any) -> RelaySettings:
+        base = RelaySettings(
+            name="relay-t",
+            host="127.0.0.1",
+            port=0,
+            data_dir=str(data_dir),
+            tls_cert=str(self.cert),
+            tls_key=str(self.cert_key),
+            lost_grace=0.5,
+            handshake_timeout=5.0,
+        )
+        return replace(base, **kw)
+
+
+class FakeAgent:
+    """One agent connection, driven step by step by a test. Every connection lands in
+    ``opened`` (the ``agents`` fixture closes them)."""
+
+    opened: list[FakeAgent] = []
+
+    def __init__(self, stream: trio.abc.Stream, agent: str) -> None:
+        self.stream = stream
+        self.agent = agent
+        self.decoder = FrameDecoder(max_payload=2**31)
+        self.welcome: Welcome | None = None
+
+    @classmethod
+    async def connect(
+        cls,
+        pool: Pool,
+        addr: tuple[str, int],
+        agent: str = "agent-1",
+        *,
+        hello: bool = True,
+        token: str | None = None,
+    ) -> FakeAgent:
+        stream = await trio.open_ssl_over_tcp_stream(addr[0], addr[1], ssl_context=pool.client_ssl)
+        self = cls(stream, agent)
+        cls.opened.append(self)
+        if hello:
+            tok = pool.agent_token(agent) if token is None else token
+            await self.send(Hello(version=PROTOCOL_VERSION, role="agent", token=tok))
+            self.welcome = await self.expect(Welcome)
+        return self
+
+    async def send(self, msg: Message, payload: bytes = b"") -> None:
+        await self.stream.send_all(encode_frame(msg, payload))
+
+    async def send_raw(self, data: bytes) -> None:
+        await self.stream.send_all(data)
+
+    async def recv(self) -> tuple[Message, bytes]:
+        """The next frame; EOFError when the relay closed the connection."""
+        with trio.fail_after(DEADLINE):
+            while True:
+                frame = self.decoder.next_frame()
+                if frame is not None:
+                    return frame.message, frame.payload
+                try:
+                    data = await self.stream.receive_some(1 << 20)
+                except trio.BrokenResourceError as exc:
+                    raise EOFError("connection broken") from exc
+                if not data:
+                    raise EOFError("connection closed")
+                self.decoder.receive_data(data)
+
+    async def expect(self, kind: type[Any]) -> Any:
+        msg, _ = await self.recv()
+        assert isinstance(msg, kind), f"expected {kind.__name__}, got {msg!r}"
+        return msg
+
+    async def expect_error(self, code: str) -> Error:
+        """Skip acks and pushes up to an Error with ``code``, then see the connection close."""
+        while True:
+            msg, _ = await self.recv()
+            if isinstance(msg, Error):
+                break
+            assert isinstance(msg, Ack | Data), msg
+        err = msg
+        assert err.code == code, err
+        with trio.fail_after(DEADLINE):
+            try:
+                while True:
+                    await self.recv()
+            except EOFError:
+                pass
+        return err
+
+    async def attach(
+        self,
+        pool: Pool,
+        job: int,
+        rank: int,
+        *,
+        size: int,
+        home: bool = False,
+        received: dict[int, int] | None = None,
+        incarnation: int = 1,
+    ) -> Attached:
+        token = pool.rank_token(job, rank, agent=self.agent, size=size, incarnation=incarnation)
+        await self.send(Attach(token=token, home=home, received=received or {}))
+        return await self.expect(Attached)
+
+    async def deposit(
+        self, job: int, src: int, dst: int, seq: int, payload: bytes, tag: int = 0
+    ) -> None:
+        await self.send(Data(job=job, src=src, dst=dst, seq=seq, ctx=0, tag=tag), payload)
+
+    async def next_data(self, *, credit: bool = True) -> tuple[Data, bytes]:
+        """The next pushed Data frame (skipping acks), credited back as the agent would."""
+        while True:
+            msg, payload = await self.recv()
+            if isinstance(msg, Data):
+                if credit:
+                    nbytes = len(encode_frame(msg, payload))
+                    await self.send(Credit(job=msg.job, rank=msg.dst, nbytes=nbytes))
+                return msg, payload
+            assert isinstance(msg, Ack), msg
+
+    async def next_ack(self) -> Ack:
+        return await self.expect(Ack)
+
+    async def acks_until(self, job: int, src: int, dst: int, seq: int) -> None:
+        while True:
+            ack = await self.next_ack()
+            if (ack.job, ack.src, ack.dst) == (job, src, dst) and ack.seq >= seq:
+                return
+
+    async def aclose(self) -> None:
+        await trio.aclose_forcefully(self.stream)
+
+
+@dataclass
+class RunningRelay:
+    addr: tuple[str, int]
+    scope: trio.CancelScope
+    settings: RelaySettings
+    hub: Hub
+    done: trio.Event
+
+    async def stop(self) -> None:
+        self.scope.cancel()
+        with trio.fail_after(DEADLINE):
+            await self.done.wait()
+
+
+async def start_relay(nursery: trio.Nursery, settings: RelaySettings, **kw: Any) -> RunningRelay:
+    scope = trio.CancelScope()
+    done = trio.Event()
+    send, recv = trio.open_memory_channel[Hub](1)
+
+    async def run(task_status: trio.TaskStatus[tuple[str, int]]) -> None:
+        try:
+            with scope:
+                await serve_relay(settings, hub_ready=send, task_status=task_status, **kw)
+        finally:
+            done.set()
+
+    with trio.fail_after(DEADLINE):
+        addr = await nursery.start(run)
+    return RunningRelay(addr, scope, settings, recv.receive_nowait(), done)
+
+
+Handler = Callable[[httpx.Request], Awaitable[httpx.Response]]
+
+
+class FakeCoordinator:
+    """The relay endpoints of the coordinator API, recording what relays post."""
+
+    def __init__(
+        self, pool: Pool, *, heartbeat_interval: float = 0.05, register_failures: int = 0
+    ) -> None:
+        self.pool = pool
+        self.heartbeat_interval = heartbeat_interval
+        self.register_failures = register_failures
+        self.registered: list[api.RelayRegister] = []
+        self.heartbeats: list[api.RelayHeartbeat] = []
+        self.lost: list[api.RankLost] = []
+        self.finished_jobs: list[int] = []
+        self.changed = trio.Event()
+        self.transport = httpx.MockTransport(self.handle)
+
+    def _json(self, body: object, status: int = 200) -> httpx.Response:
+        return httpx.Response(
+            status, content=msgspec.json.encode(body), headers={"content-type": "application/json"}
+        )
+
+    async def handle(self, request: httpx.Request) -> httpx.Response:
+        if request.headers.get("authorization") != "Bearer s3cret":
+            return self._json(api.ErrorBody(api.ErrorDetail("unauthorized", "bad secret")), 401)
+        path = request.url.path
+        try:
+            if path == "/api/v1/relays/register":
+                if self.register_failures > 0:
+                    self.register_failures -= 1
+                    return self._json(api.ErrorBody(api.ErrorDetail("down", "starting")), 503)
+                self.registered.append(msgspec.json.decode(request.content, type=api.RelayRegister))
+                return self._json(
+                    api.RelayRegistered(
+                        signing_key=self.pool.public_key_text,
+                        heartbeat_interval=self.heartbeat_interval,
+                    )
+                )
+            if path == "/api/v1/relays/heartbeat":
+                self.heartbeats.append(
+                    msgspec.json.decode(request.content, type=api.RelayHeartbeat)
+                )
+                return self._json(api.RelayHeartbeatResponse(finished_jobs=self.finished_jobs))
+            if path == "/api/v1/relays/lost":
+                self.lost.extend(msgspec.json.decode(request.content, type=api.RelayLost).lost)
+                return self._json({})
+            return self._json(api.ErrorBody(api.ErrorDetail("not_found", path)), 404)
+        finally:
+            self.changed.set()
+            self.changed = trio.Event()
+
+    async def wait_for(self, check: Callable[[], bool]) -> None:
+        with trio.fail_after(DEADLINE):
+            while not check():
+                await self.changed.wait()
+
+
+__all__ = ["DEADLINE", "FakeAgent", "FakeCoordinator", "Pool", "RunningRelay", "start_relay"]
