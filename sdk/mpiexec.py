@@ -166,6 +166,16 @@ class _Router:
         if all(r.exited for r in self.ranks):
             self.all_exited.set()
 
+    async def forward_signals(self) -> None:
+        """SIGTERM/SIGHUP to mpiexec stop the ranks too, rather than orphaning them."""
+        try:
+            receiver = trio.open_signal_receiver(signal.SIGTERM, signal.SIGHUP)
+        except RuntimeError:
+            return  # not the main thread: signals are someone else's business
+        with receiver as signals:
+            async for signum in signals:
+                self.fail(128 + signum, f"stopping the ranks on {signal.Signals(signum).name}")
+
     # ---- connections ---------------------------------------------------------------------
     # Plain non-blocking sockets; trio only waits for readiness. Trying the system call first
     # and waiting only when it would block saves a trip through the scheduler per frame.
@@ -464,6 +474,7 @@ async def run_async(
             async with trio.open_nursery() as nursery:
                 router.nursery = nursery
                 nursery.start_soon(router.accept, listener)
+                nursery.start_soon(router.forward_signals)
                 for rank in router.ranks:
                     rank_stdin = subprocess.DEVNULL
                     if rank.index == 0:
@@ -511,7 +522,10 @@ def run(
     async def main() -> int:
         return await run_async(n, argv, stdin=stdin, env=env)
 
-    return trio.run(main)
+    try:
+        return trio.run(main)
+    except KeyboardInterrupt:
+        return 128 + signal.SIGINT  # the ranks got the same SIGINT and are killed by now
 
 
 def main(args: Sequence[str] | None = None) -> int:

@@ -12,7 +12,8 @@ Modules by concern:
 - ``request``, ``status``, ``message``: completion objects;
 - ``buffers``, ``datatypes``, ``serialization``: what a message's bytes are;
 - ``ops``, ``coll``, ``collbuf``: reductions and collectives over point-to-point;
-- ``comm``, ``group``, ``topology``, ``handles``: communicators and friends;
+- ``comm`` (with ``commcoll``, ``commattr``), ``group``, ``topology``, ``handles``:
+  communicators and friends;
 - ``environment``: Init/Finalize, exit hook, Abort, clocks;
 - ``MPI``: the namespace.
 """

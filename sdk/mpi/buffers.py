@@ -48,7 +48,7 @@ _EMPTY = memoryview(bytearray(0))
 
 class Msg(NamedTuple):
     view: memoryview  # flat unsigned-byte view of exactly the message's bytes
-    count: int
+    items: int  # count of ``datatype`` elements (per block, for ``parse_blocks``)
     datatype: Datatype
 
 
@@ -78,6 +78,13 @@ def byte_view(obj: Any, writable: bool) -> memoryview:
     if mv.contiguous:
         return pickle.PickleBuffer(mv).raw()
     raise BufferError("message: buffer is not contiguous")
+
+
+def view_of(spec: Any, writable: bool) -> memoryview:
+    """Just the bytes of a point-to-point buffer spec (the datatype does not travel)."""
+    if spec is None or isinstance(spec, (list, tuple)):
+        return parse(spec, writable).view
+    return byte_view(spec, writable)
 
 
 def _datatype_of(obj: Any) -> Datatype:
@@ -207,7 +214,7 @@ def _slice(view: memoryview, count: int, displ: int, dt: Datatype) -> memoryview
     if count < 0:
         raise errors.MPIException(errors.ERR_COUNT)
     start = displ * dt.extent
-    end = start + count * dt.size
+    end = start + count * dt.extent
     if start == 0 and end == view.nbytes:
         return view
     if end > view.nbytes or start < 0:

@@ -187,7 +187,7 @@ def Gather(h: Any, sendbuf: Any, recvbuf: Any, root: int) -> None:
     blocks: list[memoryview] = []
     if rank == root:
         r = parse_blocks(recvbuf, size, writable=True)
-        blocks = _blocks(r.view, r.count * r.datatype.size, size)
+        blocks = _blocks(r.view, r.items * r.datatype.extent, size)
     mine = None if sendbuf is IN_PLACE else parse(sendbuf, writable=False).view
     _gather_views(h, mine, blocks, root)
 
@@ -222,7 +222,7 @@ def Scatter(h: Any, sendbuf: Any, recvbuf: Any, root: int) -> None:
     blocks: list[memoryview] = []
     if rank == root:
         s = parse_blocks(sendbuf, size, writable=False)
-        blocks = _blocks(s.view, s.count * s.datatype.size, size)
+        blocks = _blocks(s.view, s.items * s.datatype.extent, size)
     out = None if recvbuf is IN_PLACE else parse(recvbuf, writable=True).view
     _scatter_views(h, blocks, out, root)
 
@@ -241,7 +241,7 @@ def Scatterv(h: Any, sendbuf: Any, recvbuf: Any, root: int) -> None:
 def Allgather(h: Any, sendbuf: Any, recvbuf: Any) -> None:
     size = h.size
     r = parse_blocks(recvbuf, size, writable=True)
-    blocks = _blocks(r.view, r.count * r.datatype.size, size)
+    blocks = _blocks(r.view, r.items * r.datatype.extent, size)
     _allgather(h, sendbuf, r.view, blocks)
 
 
@@ -264,12 +264,12 @@ def _allgather(h: Any, sendbuf: Any, whole: memoryview, blocks: list[memoryview]
 def Alltoall(h: Any, sendbuf: Any, recvbuf: Any) -> None:
     size = h.size
     r = parse_blocks(recvbuf, size, writable=True)
-    rblocks = _blocks(r.view, r.count * r.datatype.size, size)
+    rblocks = _blocks(r.view, r.items * r.datatype.extent, size)
     if sendbuf is IN_PLACE:
-        sblocks = _blocks(_copy(r.view), r.count * r.datatype.size, size)
+        sblocks = _blocks(_copy(r.view), r.items * r.datatype.extent, size)
     else:
         s = parse_blocks(sendbuf, size, writable=False)
-        sblocks = _blocks(s.view, s.count * s.datatype.size, size)
+        sblocks = _blocks(s.view, s.items * s.datatype.extent, size)
     _pairwise(h, sblocks, rblocks)
 
 
@@ -337,7 +337,7 @@ def Reduce_scatter_block(h: Any, sendbuf: Any, recvbuf: Any, op: Any) -> None:
     size = h.size
     if sendbuf is IN_PLACE:
         whole = parse_blocks(recvbuf, size, writable=True)
-        src, dt, out = whole.view, whole.datatype, whole.view[: whole.count * whole.datatype.size]
+        src, dt, out = whole.view, whole.datatype, whole.view[: whole.items * whole.datatype.extent]
     else:
         s = parse_blocks(sendbuf, size, writable=False)
         src, dt = s.view, s.datatype
@@ -361,14 +361,14 @@ def Reduce_scatter(h: Any, sendbuf: Any, recvbuf: Any, recvcounts: Any, op: Any)
     counts = [int(c) for c in recvcounts]
     if len(counts) != size:
         raise ValueError(f"expecting {size} receive counts")
-    offsets = [sum(counts[:i]) * dt.size for i in range(size)]
-    src = s.view[: sum(counts) * dt.size]
-    out = s.view[: counts[h.rank] * dt.size] if sendbuf is IN_PLACE else None
+    offsets = [sum(counts[:i]) * dt.extent for i in range(size)]
+    src = s.view[: sum(counts) * dt.extent]
+    out = s.view[: counts[h.rank] * dt.extent] if sendbuf is IN_PLACE else None
     if out is None:
-        out = parse(recvbuf, writable=True).view[: counts[h.rank] * dt.size]
+        out = parse(recvbuf, writable=True).view[: counts[h.rank] * dt.extent]
     total = _scratch(src.nbytes) if h.rank == 0 else None
     reduce_views(h, src, total, dt, op, 0)
     blocks: list[memoryview] = []
     if total is not None:
-        blocks = [total[offsets[i] : offsets[i] + counts[i] * dt.size] for i in range(size)]
+        blocks = [total[offsets[i] : offsets[i] + counts[i] * dt.extent] for i in range(size)]
     _scatter_views(h, blocks, out, 0)

@@ -16,25 +16,20 @@ from collections.abc import Sequence
 from typing import Any
 
 from vpool.protocol.messages import KIND_BUFFER, KIND_PICKLE
-from vpool.sdk.mpi import coll, collbuf, errors, ops
-from vpool.sdk.mpi.buffers import parse
+from vpool.sdk.mpi import coll, errors, ops
+from vpool.sdk.mpi.buffers import view_of
+from vpool.sdk.mpi.commattr import CommAttributes
+from vpool.sdk.mpi.commcoll import CommCollectives, IntraCollectives
 from vpool.sdk.mpi.constants import (
     ANY_SOURCE,
     ANY_TAG,
-    APPNUM,
     CONGRUENT,
-    HOST,
     IDENT,
-    IO,
-    LASTUSEDCODE,
     PROC_NULL,
     SIMILAR,
-    TAG_UB,
     TAG_UB_VALUE,
     UNDEFINED,
     UNEQUAL,
-    UNIVERSE_SIZE,
-    WTIME_IS_GLOBAL,
 )
 from vpool.sdk.mpi.group import Group
 from vpool.sdk.mpi.request import PROC_NULL_RECV, DoneOp, Prequest, RecvOp, Request
@@ -102,7 +97,7 @@ def agree_ctx(h: _Core) -> int:
     return int(ctx)
 
 
-class Comm:
+class Comm(CommAttributes, CommCollectives):
     """``MPI.Comm``."""
 
     _h: _Core | None
@@ -212,67 +207,6 @@ class Comm:
             return SIMILAR
         return UNEQUAL
 
-    # ---- attributes, error handlers, info --------------------------------------------------
-
-    def Get_attr(self, keyval: int) -> Any:
-        h = self._core()
-        if keyval == TAG_UB:
-            return TAG_UB_VALUE
-        if keyval == HOST:
-            return PROC_NULL
-        if keyval == IO:
-            return ANY_SOURCE
-        if keyval == WTIME_IS_GLOBAL:
-            return False
-        if keyval == UNIVERSE_SIZE:
-            return h.eng.size
-        if keyval == APPNUM:
-            return 0
-        if keyval == LASTUSEDCODE:
-            return errors.ERR_LASTCODE
-        return h.attrs.get(keyval)
-
-    def Set_attr(self, keyval: int, attrval: Any) -> None:
-        self._core().attrs[keyval] = attrval
-
-    def Delete_attr(self, keyval: int) -> None:
-        self._core().attrs.pop(keyval, None)
-
-    @classmethod
-    def Create_keyval(
-        cls, copy_fn: Any = None, delete_fn: Any = None, nopython: bool = False
-    ) -> int:
-        global _next_keyval
-        _next_keyval += 1
-        return _next_keyval
-
-    @classmethod
-    def Free_keyval(cls, keyval: int) -> int:
-        return -1
-
-    def Get_errhandler(self) -> Any:
-        from vpool.sdk.mpi.handles import ERRORS_RETURN
-
-        return ERRORS_RETURN
-
-    def Set_errhandler(self, errhandler: Any) -> None:
-        self._core()
-
-    def Call_errhandler(self, errorcode: int) -> None:
-        raise errors.MPIException(errorcode)
-
-    def Get_info(self) -> Any:
-        from vpool.sdk.mpi.handles import Info
-
-        return Info.Create()
-
-    def Set_info(self, info: Any) -> None:
-        self._core()
-
-    @property
-    def info(self) -> Any:
-        return self.Get_info()
-
     @classmethod
     def Get_parent(cls) -> Intercomm:
         return Intercomm()
@@ -361,7 +295,7 @@ class Comm:
         _send_tag(tag)
         if w < 0:
             return
-        view = parse(buf, writable=False).view
+        view = view_of(buf, writable=False)
         h.eng.send(w, h.ctx, tag, KIND_BUFFER, [], [view], view.nbytes)
 
     Ssend = Send
@@ -389,8 +323,7 @@ class Comm:
         _recv_tag(tag)
         if w == PROC_NULL:
             return PROC_NULL_RECV
-        view = parse(buf, writable=True).view
-        op = RecvOp(h.ctx, w, tag, view, h.w2c)
+        op = RecvOp(h.ctx, w, tag, view_of(buf, writable=True), h.w2c)
         h.eng.post(op)
         return op
 
@@ -581,138 +514,9 @@ class Comm:
     mprobe = Mprobe
     improbe = Improbe
 
-    # ---- collectives: objects --------------------------------------------------------------
 
-    def barrier(self) -> None:
-        coll.barrier(self._core())
-
-    def bcast(self, obj: Any, root: int = 0) -> Any:
-        return coll.bcast(self._core(), obj, root)
-
-    def reduce(self, sendobj: Any, op: Any = ops.SUM, root: int = 0) -> Any:
-        return coll.reduce(self._core(), sendobj, op, root)
-
-    def allreduce(self, sendobj: Any, op: Any = ops.SUM) -> Any:
-        return coll.allreduce(self._core(), sendobj, op)
-
-    def gather(self, sendobj: Any, root: int = 0) -> Any:
-        return coll.gather(self._core(), sendobj, root)
-
-    def scatter(self, sendobj: Any, root: int = 0) -> Any:
-        return coll.scatter(self._core(), sendobj, root)
-
-    def allgather(self, sendobj: Any) -> list[Any]:
-        return coll.allgather(self._core(), sendobj)
-
-    def alltoall(self, sendobj: Any) -> list[Any]:
-        return coll.alltoall(self._core(), sendobj)
-
-    # ---- collectives: buffers --------------------------------------------------------------
-
-    def Barrier(self) -> None:
-        coll.barrier(self._core())
-
-    def Bcast(self, buf: Any, root: int = 0) -> None:
-        collbuf.Bcast(self._core(), buf, root)
-
-    def Reduce(self, sendbuf: Any, recvbuf: Any, op: Any = ops.SUM, root: int = 0) -> None:
-        collbuf.Reduce(self._core(), sendbuf, recvbuf, op, root)
-
-    def Allreduce(self, sendbuf: Any, recvbuf: Any, op: Any = ops.SUM) -> None:
-        collbuf.Allreduce(self._core(), sendbuf, recvbuf, op)
-
-    def Gather(self, sendbuf: Any, recvbuf: Any, root: int = 0) -> None:
-        collbuf.Gather(self._core(), sendbuf, recvbuf, root)
-
-    def Gatherv(self, sendbuf: Any, recvbuf: Any, root: int = 0) -> None:
-        collbuf.Gatherv(self._core(), sendbuf, recvbuf, root)
-
-    def Scatter(self, sendbuf: Any, recvbuf: Any, root: int = 0) -> None:
-        collbuf.Scatter(self._core(), sendbuf, recvbuf, root)
-
-    def Scatterv(self, sendbuf: Any, recvbuf: Any, root: int = 0) -> None:
-        collbuf.Scatterv(self._core(), sendbuf, recvbuf, root)
-
-    def Allgather(self, sendbuf: Any, recvbuf: Any) -> None:
-        collbuf.Allgather(self._core(), sendbuf, recvbuf)
-
-    def Allgatherv(self, sendbuf: Any, recvbuf: Any) -> None:
-        collbuf.Allgatherv(self._core(), sendbuf, recvbuf)
-
-    def Alltoall(self, sendbuf: Any, recvbuf: Any) -> None:
-        collbuf.Alltoall(self._core(), sendbuf, recvbuf)
-
-    def Alltoallv(self, sendbuf: Any, recvbuf: Any) -> None:
-        collbuf.Alltoallv(self._core(), sendbuf, recvbuf)
-
-    def Reduce_scatter_block(self, sendbuf: Any, recvbuf: Any, op: Any = ops.SUM) -> None:
-        collbuf.Reduce_scatter_block(self._core(), sendbuf, recvbuf, op)
-
-    def Reduce_scatter(
-        self, sendbuf: Any, recvbuf: Any, recvcounts: Any = None, op: Any = ops.SUM
-    ) -> None:
-        collbuf.Reduce_scatter(self._core(), sendbuf, recvbuf, recvcounts, op)
-
-    # Non-blocking collectives run to completion at the call (see the module's known limits).
-
-    def Ibarrier(self) -> Request:
-        self.Barrier()
-        return Request._of(DoneOp())
-
-    def Ibcast(self, buf: Any, root: int = 0) -> Request:
-        self.Bcast(buf, root)
-        return Request._of(DoneOp())
-
-    def Ireduce(self, sendbuf: Any, recvbuf: Any, op: Any = ops.SUM, root: int = 0) -> Request:
-        self.Reduce(sendbuf, recvbuf, op, root)
-        return Request._of(DoneOp())
-
-    def Iallreduce(self, sendbuf: Any, recvbuf: Any, op: Any = ops.SUM) -> Request:
-        self.Allreduce(sendbuf, recvbuf, op)
-        return Request._of(DoneOp())
-
-    def Igather(self, sendbuf: Any, recvbuf: Any, root: int = 0) -> Request:
-        self.Gather(sendbuf, recvbuf, root)
-        return Request._of(DoneOp())
-
-    def Iscatter(self, sendbuf: Any, recvbuf: Any, root: int = 0) -> Request:
-        self.Scatter(sendbuf, recvbuf, root)
-        return Request._of(DoneOp())
-
-    def Iallgather(self, sendbuf: Any, recvbuf: Any) -> Request:
-        self.Allgather(sendbuf, recvbuf)
-        return Request._of(DoneOp())
-
-    def Ialltoall(self, sendbuf: Any, recvbuf: Any) -> Request:
-        self.Alltoall(sendbuf, recvbuf)
-        return Request._of(DoneOp())
-
-    def ibarrier(self) -> Request:
-        return self.Ibarrier()
-
-
-class Intracomm(Comm):
+class Intracomm(IntraCollectives, Comm):
     """``MPI.Intracomm``: adds the prefix reductions and topology constructors."""
-
-    def scan(self, sendobj: Any, op: Any = ops.SUM) -> Any:
-        return coll.scan(self._core(), sendobj, op, exclusive=False)
-
-    def exscan(self, sendobj: Any, op: Any = ops.SUM) -> Any:
-        return coll.scan(self._core(), sendobj, op, exclusive=True)
-
-    def Scan(self, sendbuf: Any, recvbuf: Any, op: Any = ops.SUM) -> None:
-        collbuf.Scan(self._core(), sendbuf, recvbuf, op, exclusive=False)
-
-    def Exscan(self, sendbuf: Any, recvbuf: Any, op: Any = ops.SUM) -> None:
-        collbuf.Scan(self._core(), sendbuf, recvbuf, op, exclusive=True)
-
-    def Iscan(self, sendbuf: Any, recvbuf: Any, op: Any = ops.SUM) -> Request:
-        self.Scan(sendbuf, recvbuf, op)
-        return Request._of(DoneOp())
-
-    def Iexscan(self, sendbuf: Any, recvbuf: Any, op: Any = ops.SUM) -> Request:
-        self.Exscan(sendbuf, recvbuf, op)
-        return Request._of(DoneOp())
 
     # Topology constructors live with the topologies (``topology`` imports this module).
 
@@ -744,6 +548,3 @@ class Intercomm(Comm):
 
     def Is_intra(self) -> bool:
         return False
-
-
-_next_keyval = 0x70000000

@@ -139,6 +139,7 @@ class Datatype:
             code=None,
             base=base,
             count=self._count * count,
+            extent=self._extent * count,
         )
 
     def Create_resized(self, lb: int, extent: int) -> Datatype:
@@ -199,11 +200,13 @@ def _native(code: str) -> int:
     return struct.calcsize(code) if code not in ("g", "G") else (16 if code == "g" else 32)
 
 
-def _make(name: str, code: str | None, size: int | None = None) -> Datatype:
+def _make(
+    name: str, code: str | None, size: int | None = None, extent: int | None = None
+) -> Datatype:
     if size is None:
         assert code is not None
         size = _numpy_size(code)
-    dt = Datatype(name=name, size=size, code=code)
+    dt = Datatype(name=name, size=size, code=code, extent=extent)
     _BY_NAME[name] = dt
     return dt
 
@@ -254,12 +257,13 @@ CXX_BOOL = _make("MPI_CXX_BOOL", "?", 1)
 CXX_FLOAT_COMPLEX = _make("MPI_CXX_FLOAT_COMPLEX", "F", 8)
 CXX_DOUBLE_COMPLEX = _make("MPI_CXX_DOUBLE_COMPLEX", "D", 16)
 CXX_LONG_DOUBLE_COMPLEX = _make("MPI_CXX_LONG_DOUBLE_COMPLEX", "G", 32)
-SHORT_INT = _make("MPI_SHORT_INT", None, 8)
+# Size counts the data only, extent the C struct with its padding (what a buffer holds).
+SHORT_INT = _make("MPI_SHORT_INT", None, 6, 8)
 TWOINT = _make("MPI_2INT", None, 8)
-LONG_INT = _make("MPI_LONG_INT", None, 16)
+LONG_INT = _make("MPI_LONG_INT", None, 12, 16)
 FLOAT_INT = _make("MPI_FLOAT_INT", None, 8)
-DOUBLE_INT = _make("MPI_DOUBLE_INT", None, 16)
-LONG_DOUBLE_INT = _make("MPI_LONG_DOUBLE_INT", None, 32)
+DOUBLE_INT = _make("MPI_DOUBLE_INT", None, 12, 16)
+LONG_DOUBLE_INT = _make("MPI_LONG_DOUBLE_INT", None, 20, 32)
 # Fortran types, as MPICH maps them on this platform.
 CHARACTER = _make("MPI_CHARACTER", "c", 1)
 LOGICAL = _make("MPI_LOGICAL", "i4", 4)

@@ -38,7 +38,7 @@ def _minloc(x: Any, y: Any) -> Any:
 
 
 def _lxor(x: Any, y: Any) -> Any:
-    return (x or y) and not (x and y)
+    return bool(x) != bool(y)
 
 
 _PY: dict[str, Callable[[Any, Any], Any]] = {
@@ -46,9 +46,9 @@ _PY: dict[str, Callable[[Any, Any], Any]] = {
     "MIN": lambda x, y: y if y < x else x,
     "SUM": lambda x, y: x + y,
     "PROD": lambda x, y: x * y,
-    "LAND": lambda x, y: x and y,
+    "LAND": lambda x, y: bool(x) and bool(y),
     "BAND": lambda x, y: x & y,
-    "LOR": lambda x, y: x or y,
+    "LOR": lambda x, y: bool(x) or bool(y),
     "BOR": lambda x, y: x | y,
     "LXOR": _lxor,
     "BXOR": lambda x, y: x ^ y,

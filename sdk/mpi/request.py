@@ -28,8 +28,19 @@ class RecvOp:
     ``view`` is the flat byte view of the user's buffer, or None for a pickled receive.
     ``w2c`` maps world ranks to the communicator's ranks for the status."""
 
-    __slots__ = ("cancelled", "ctx", "done", "error", "msg", "nbytes", "payload", "src", "tag")
-    __slots__ += ("view", "w2c")
+    __slots__ = (
+        "cancelled",
+        "ctx",
+        "done",
+        "error",
+        "msg",
+        "nbytes",
+        "payload",
+        "src",
+        "tag",
+        "view",
+        "w2c",
+    )
 
     def __init__(self, ctx: int, src: int, tag: int, view: memoryview | None, w2c: Any) -> None:
         self.ctx = ctx

@@ -69,17 +69,13 @@ class Engine:
         transport = self.transport
         while not op.done:
             if transport is None:
-                raise errors.MPIException(
-                    errors.ERR_OTHER, "this operation can never complete in a 1-rank run"
-                )
+                raise _no_peers()
             transport.progress(True)
 
     def block(self) -> None:
         """Wait for anything to arrive (callers re-check their condition)."""
         if self.transport is None:
-            raise errors.MPIException(
-                errors.ERR_OTHER, "this operation can never complete in a 1-rank run"
-            )
+            raise _no_peers()
         self.transport.progress(True)
 
     def poke(self) -> None:
@@ -116,3 +112,11 @@ class Engine:
                 self.matcher.stash(msg, view.obj)
                 return
         op.complete(msg, view)
+
+
+def _no_peers() -> errors.MPIException:
+    # Waiting would hang forever: nothing can arrive without a connection to the agent.
+    return errors.MPIException(
+        errors.ERR_OTHER,
+        "no message can ever arrive: MPI is finalized, or this single-rank run has no peers",
+    )

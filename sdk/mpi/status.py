@@ -46,7 +46,7 @@ class Status:
         self._error = error
 
     def Get_count(self, datatype: Datatype = BYTE) -> int:
-        size = datatype.Get_size()
+        size = datatype.extent
         if size == 0:
             return 0
         count, rest = divmod(self._count, size)
@@ -54,14 +54,14 @@ class Status:
 
     def Get_elements(self, datatype: Datatype) -> int:
         base = datatype._base or datatype
-        size = base.Get_size()
+        size = base.extent
         if size == 0:
             return 0
         count, rest = divmod(self._count, size)
         return UNDEFINED if rest else count
 
     def Set_elements(self, datatype: Datatype, count: int) -> None:
-        self._count = count * (datatype._base or datatype).Get_size()
+        self._count = count * (datatype._base or datatype).extent
 
     def Is_cancelled(self) -> bool:
         return self._cancelled

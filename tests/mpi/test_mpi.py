@@ -39,8 +39,10 @@ async def mpiexec(
     env: dict[str, str] | None = None,
     deadline: float = 60,
 ) -> Result:
-    """Run ``programs/<program>`` with ``n`` ranks, as ``python -m vpool.sdk.mpiexec`` would."""
-    cmd = [sys.executable, "-m", "vpool.sdk.mpiexec", "-n", str(n), str(PROGRAMS / program), *args]
+    """Run ``programs/<program>`` (or ``-m module``) with ``n`` ranks through
+    ``python -m vpool.sdk.mpiexec``."""
+    target = [program] if program.startswith("-") else [str(PROGRAMS / program)]
+    cmd = [sys.executable, "-m", "vpool.sdk.mpiexec", "-n", str(n), "--", *target, *args]
     full_env = {**os.environ, **(env or {})}
     with trio.fail_after(deadline):
         proc = await trio.run_process(
@@ -165,3 +167,10 @@ async def test_topologies_persistent_requests_and_errors(n: int) -> None:
     res = await mpiexec(n, "topo.py")
     assert res.returncode == 0, res
     assert res.stdout == f"topo ok {n}\n", res
+
+
+async def test_mpi4py_runner_aborts_the_job_on_an_exception() -> None:
+    res = await mpiexec(3, "-m", "mpi4py", str(PROGRAMS / "fail.py"), "raise")
+    assert res.returncode == 1, res
+    assert "RuntimeError: boom in rank 1" in res.stderr
+    assert "MPI.Abort(1)" in res.stderr
