@@ -40,6 +40,7 @@ from vpool.protocol.session import Session, State
 from vpool.protocol.tokens import AgentClaims, RankClaims, verify_token
 from vpool.relay.errors import Rejected
 from vpool.relay.hub import Attachment, Batch, Box, Hub, Key, now
+from vpool.relay.tlsstream import DirectTLSStream
 from vpool.relay.wire import FrameReader, RawFrame, send_frames
 
 logger = logging.getLogger(__name__)
@@ -149,16 +150,20 @@ class Connection:
                 await trio.aclose_forcefully(self.stream)
 
     async def _linger(self) -> None:
-        # The Error is out: end our side (TCP FIN) and read on, at the TCP level, until the
-        # agent hangs up. Closing while the agent's bytes are still arriving would send a reset,
+        # The Error is out: end our side (TCP FIN) and read on, below TLS, until the agent
+        # hangs up. Closing while the agent's bytes are still arriving would send a reset,
         # which can throw away the Error before the agent has read it.
-        raw = self.stream.transport_stream if isinstance(self.stream, trio.SSLStream) else None
-        raw = raw if raw is not None else self.stream
+        stream = self.stream
         try:
+            if isinstance(stream, DirectTLSStream):
+                await stream.send_eof()
+                await stream.drain()
+                return
+            raw = stream.transport_stream if isinstance(stream, trio.SSLStream) else stream
             if isinstance(raw, trio.SocketStream):
                 await raw.send_eof()
-            while await raw.receive_some(65536):
-                pass
+                while await raw.receive_some(65536):
+                    pass
         except (trio.BrokenResourceError, trio.ClosedResourceError, trio.BusyResourceError):
             pass
 
@@ -183,7 +188,7 @@ class Connection:
         settings = self.hub.settings
         frames: list[RawFrame] = []
         with trio.move_on_after(settings.handshake_timeout):
-            if isinstance(self.stream, trio.SSLStream):
+            if isinstance(self.stream, trio.SSLStream | DirectTLSStream):
                 await self.stream.do_handshake()
             frames = await reader.read_frames()
         if not frames:

@@ -1,0 +1,91 @@
+"""relay.wire.FrameReader: whole frames out of any split of the byte stream, limits first."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import trio
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from vpool.protocol.errors import RemoteProtocolError
+from vpool.protocol.framing import PREFIX, encode_frame
+from vpool.protocol.messages import Credit, Data
+from vpool.relay.wire import BIG, FrameReader
+
+
+class Chunks(trio.abc.ReceiveStream):
+    """A stream that returns the given chunks, one per receive, never more than asked."""
+
+    def __init__(self, chunks: list[bytes]) -> None:
+        self.chunks = list(chunks)
+
+    async def receive_some(self, max_bytes: int | None = None) -> bytes:
+        await trio.lowlevel.checkpoint()
+        if not self.chunks:
+            return b""
+        chunk = self.chunks.pop(0)
+        if max_bytes is not None and len(chunk) > max_bytes:
+            self.chunks.insert(0, chunk[max_bytes:])
+            chunk = chunk[:max_bytes]
+        return chunk
+
+    async def aclose(self) -> None:
+        pass
+
+
+def frames_of(sizes: list[int]) -> list[bytes]:
+    out = []
+    for i, size in enumerate(sizes):
+        if size < 0:
+            out.append(encode_frame(Credit(job=1, rank=0, nbytes=-size)))
+        else:
+            payload = bytes([i % 251]) * size
+            out.append(encode_frame(Data(job=1, src=0, dst=1, seq=i + 1, ctx=0, tag=0), payload))
+    return out
+
+
+def split(data: bytes, cuts: list[int]) -> list[bytes]:
+    points = sorted({c % (len(data) + 1) for c in cuts} | {0, len(data)})
+    return [data[a:b] for a, b in itertools.pairwise(points) if b > a]
+
+
+async def read_all(chunks: list[bytes], *, max_payload: int = 1 << 30) -> list[bytes]:
+    reader = FrameReader(Chunks(chunks), max_header=65536, max_payload=max_payload)
+    got: list[bytes] = []
+    while frames := await reader.read_frames():
+        for header_len, frame in frames:
+            assert PREFIX.unpack_from(frame)[0] == header_len
+            got.append(bytes(frame))
+    return got
+
+
+sizes = st.lists(
+    st.one_of(st.integers(-5, -1), st.integers(0, 300), st.integers(BIG - 50, BIG + 3000)),
+    min_size=1,
+    max_size=8,
+)
+
+
+@settings(max_examples=60)
+@given(sizes, st.lists(st.integers(0, 10**6), max_size=30))
+def test_any_split_gives_back_the_frames(sizes: list[int], cuts: list[int]) -> None:
+    frames = frames_of(sizes)
+    data = b"".join(frames)
+    assert trio.run(read_all, split(data, cuts)) == frames
+
+
+async def test_limits_are_checked_on_the_prefix() -> None:
+    # Only the prefix arrives: the reader must refuse before waiting for a body.
+    with pytest.raises(RemoteProtocolError) as info:
+        await read_all([PREFIX.pack(10, 1001)], max_payload=1000)
+    assert info.value.code == "frame_too_large"
+
+
+async def test_end_of_stream_inside_a_frame() -> None:
+    frame = frames_of([BIG * 2])[0]
+    with pytest.raises(RemoteProtocolError):
+        await read_all([frame[:1000]])
+    with pytest.raises(RemoteProtocolError):
+        await read_all([frame[:5]])
