@@ -5,6 +5,10 @@ clients do exactly what benchmarks/programs/pingpong.py does, with blocking TLS 
 the floor vpool's data path (rank -> agent -> relay -> agent -> rank, with logging) is held to.
 
     python benchmarks/bare_relay.py            # prints the same JSON as the MPI program
+    python benchmarks/bare_relay.py --sweep [--quick]   # what programs/mpi_bench.py prints
+
+``measure`` gives pingpong.py's three figures; ``measure_sweep`` the round trip per message size
+and the streaming bandwidth per size, with the same iteration counts as programs/mpi_bench.py.
 """
 
 from __future__ import annotations
@@ -79,7 +83,11 @@ class _Client:
         self.sock.sendall(bytes([me]))
 
     def send(self, payload: bytes) -> None:
-        self.sock.sendall(PREFIX.pack(len(payload)) + payload)
+        if len(payload) > 65536:
+            self.sock.sendall(PREFIX.pack(len(payload)))
+            self.sock.sendall(payload)
+        else:
+            self.sock.sendall(PREFIX.pack(len(payload)) + payload)
 
     def recv(self) -> bytes:
         head = self._exact(4)
@@ -130,6 +138,75 @@ def _client(me: int, port: int, ca: str, iters: tuple[int, int, int], out: mp.Qu
         out.put({"rtt_64": r64, "rtt_1m": r1m, "bw_mib": bw})
 
 
+def _sweep_client(me: int, port: int, ca: str, quick: bool, out: mp.Queue) -> None:
+    plan = sweep_plan(quick)
+    c = _Client(port, Path(ca), me)
+
+    def sync() -> None:  # a round trip of 1 byte, the barrier of this two-client world
+        if me == 0:
+            c.send(b"s")
+            c.recv()
+        else:
+            c.recv()
+            c.send(b"s")
+
+    def rtt(size: int, iters: int) -> float:
+        msg = bytes(size)
+        for n in (max(1, iters // 10), iters):
+            sync()
+            t0 = time.perf_counter()
+            for _ in range(n):
+                if me == 0:
+                    c.send(msg)
+                    c.recv()
+                else:
+                    c.recv()
+                    c.send(msg)
+            elapsed = time.perf_counter() - t0
+        return elapsed / iters
+
+    def bandwidth(size: int, count: int) -> float:
+        msg = bytes(size)
+        sync()
+        t0 = time.perf_counter()
+        if me == 0:
+            for _ in range(count):
+                c.send(msg)
+            c.recv()
+        else:
+            for _ in range(count):
+                c.recv()
+            c.send(b"k")
+        return count * size / (time.perf_counter() - t0) / 2**20
+
+    result = {
+        "rtt": {str(s): rtt(s, n) for s, n in plan["rtt"]},
+        "bw": {str(s): bandwidth(s, n) for s, n in plan["bw"]},
+    }
+    if me == 0:
+        out.put(result)
+
+
+KiB, MiB = 1024, 1024 * 1024
+
+
+def sweep_plan(quick: bool) -> dict[str, list[tuple[int, int]]]:
+    """(size, iterations) of each round trip and streaming measurement, as in mpi_bench.py."""
+    if quick:
+        rtt_sizes = [8, 512, 32 * KiB, 2 * MiB, 16 * MiB]
+        bw_sizes = [1 * MiB, 16 * MiB]
+        rtt_bytes, bw_bytes, cap = 24 * MiB, 96 * MiB, 300
+    else:
+        rtt_sizes = [8, 32, 128, 512, 2 * KiB, 8 * KiB, 32 * KiB, 128 * KiB, 512 * KiB, 2 * MiB]
+        rtt_sizes += [8 * MiB, 16 * MiB]
+        bw_sizes = [64 * KiB, 1 * MiB, 16 * MiB]
+        rtt_bytes, bw_bytes, cap = 128 * MiB, 512 * MiB, 1000
+    return {
+        "rtt": [(s, max(3, min(cap, rtt_bytes // (2 * s)))) for s in rtt_sizes],
+        "bw": [(s, max(4, bw_bytes // s)) for s in bw_sizes],
+    }
+
+
 def _relay_process(cert: str, key: str, port_q: mp.Queue) -> None:
     async def main() -> None:
         async with trio.open_nursery() as nursery:
@@ -141,6 +218,15 @@ def _relay_process(cert: str, key: str, port_q: mp.Queue) -> None:
 
 def measure(iters: tuple[int, int, int] = (2000, 50, 200)) -> dict[str, float]:
     """Start the bare relay and two client processes; return their figures."""
+    return _run(_client, (iters,))
+
+
+def measure_sweep(quick: bool = False) -> dict[str, dict[str, float]]:
+    """Round trip per size and streaming bandwidth per size (``sweep_plan``)."""
+    return _run(_sweep_client, (quick,))
+
+
+def _run(target, extra: tuple):  # type: ignore[no-untyped-def]
     now = dt.datetime.now(dt.UTC)
     with tempfile.TemporaryDirectory() as tmp:
         ca_cert, ca_key = make_ca("bench", now=now)
@@ -160,7 +246,7 @@ def measure(iters: tuple[int, int, int] = (2000, 50, 200)) -> dict[str, float]:
         try:
             port = port_q.get(timeout=30)
             clients = [
-                ctx.Process(target=_client, args=(me, port, str(paths["ca.pem"]), iters, out))
+                ctx.Process(target=target, args=(me, port, str(paths["ca.pem"]), *extra, out))
                 for me in (0, 1)
             ]
             for c in clients:
@@ -175,5 +261,8 @@ def measure(iters: tuple[int, int, int] = (2000, 50, 200)) -> dict[str, float]:
 
 
 if __name__ == "__main__":
-    json.dump(measure(), sys.stdout)
+    if "--sweep" in sys.argv:
+        json.dump(measure_sweep("--quick" in sys.argv), sys.stdout)
+    else:
+        json.dump(measure(), sys.stdout)
     print()

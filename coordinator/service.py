@@ -1,8 +1,10 @@
 """The coordinator's behaviour behind the HTTP routers: authentication, jobs, agents, relays.
 
-One ``Coordinator`` per process. It owns the store, the blob files, the signing key and two
-wake-up signals: ``work`` (new placements, for lease long-polls) and ``changes`` (job states and
-output, for output long-polls). Time comes from the injected ``clock`` so tests can move it.
+One ``Coordinator`` per process. It owns the store, the blob files, the signing key and three
+wake-up signals: ``work`` (new placements, for lease long-polls), ``changes`` (job states and
+output, for output long-polls) and ``ended`` (a job or rank ended, so some rank may have to stop:
+for held heartbeats, which carry stop orders). Time comes from the injected ``clock`` so tests
+can move it.
 """
 
 from __future__ import annotations
@@ -73,6 +75,7 @@ class Coordinator:
         self.blobs = BlobFiles(state / "blobs")
         self.work = Signal()
         self.changes = Signal()
+        self.ended = Signal()
 
     def close(self) -> None:
         self.store.close()
@@ -193,7 +196,7 @@ class Coordinator:
     async def cancel(self, user: str, job_id: int) -> api.JobInfo:
         await self.own_job(user, job_id)
         info = await self.db.call(self.store.cancel_job, job_id, self.clock())
-        self.changes.fire()
+        self._states_changed()
         return info
 
     async def output(
@@ -277,12 +280,23 @@ class Coordinator:
                 await work.wait()
 
     async def heartbeat(self, agent_id: str, hb: api.AgentHeartbeat) -> api.AgentHeartbeatResponse:
+        # Held (up to hb.wait, at most one heartbeat interval, so the agent keeps its pace) while
+        # none of its ranks has to stop: when a rank fails, the others' stop orders go out at
+        # once instead of at each agent's next heartbeat.
+        hold = min(max(hb.wait, 0.0), self.settings.heartbeat_interval, self.settings.max_wait)
+        deadline = trio.current_time() + hold
+        ended = self.ended.current()
         stops, changed = await self.db.call(
             self.store.agent_heartbeat, agent_id, hb, self.clock(), self.settings.agent_timeout
         )
         if changed:
-            self.changes.fire()
+            self._states_changed()
         await self.schedule()
+        while False:
+            with trio.move_on_at(deadline):
+                await ended.wait()
+            ended = self.ended.current()
+            stops = await self.db.call(self.store.stop_orders, agent_id, hb.ranks)
         return api.AgentHeartbeatResponse(stop=stops, agent_token=self.agent_token(agent_id))
 
     async def post_output(self, agent_id: str, batch: api.OutputBatch) -> None:
@@ -294,12 +308,12 @@ class Coordinator:
 
     async def rank_exit(self, agent_id: str, ex: api.RankExit) -> None:
         if await self.db.call(self.store.rank_exit, agent_id, ex, self.clock()):
-            self.changes.fire()
+            self._states_changed()
             await self.schedule()
 
     async def rank_problem(self, agent_id: str, pr: api.RankProblem) -> None:
         if await self.db.call(self.store.rank_problem, agent_id, pr, self.clock()):
-            self.changes.fire()
+            self._states_changed()
             await self.schedule()
 
     async def put_result(
@@ -348,7 +362,7 @@ class Coordinator:
 
     async def relay_lost(self, report: api.RelayLost) -> None:
         if await self.db.call(self.store.relay_lost, report.name, report.lost, self.clock()):
-            self.changes.fire()
+            self._states_changed()
             await self.schedule()
 
     # -- time-driven --------------------------------------------------------------------------
@@ -375,7 +389,12 @@ class Coordinator:
             self.store.expire_relays, now - self.settings.relay_timeout, now
         )
         if agents or relays:
-            self.changes.fire()
+            self._states_changed()
+
+    def _states_changed(self) -> None:
+        """Job or rank states changed: wake output long-polls and held heartbeats."""
+        self.changes.fire()
+        self.ended.fire()
 
 
 def _trim(records: list[api.OutputRecord], max_bytes: int) -> tuple[list[api.OutputRecord], bool]:

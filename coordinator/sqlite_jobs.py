@@ -266,18 +266,10 @@ class JobsMixin:
         changed = False
         with self.db.atomic():
             for rs in hb.ranks:
-                row = self._one(
-                    "SELECT r.incarnation, r.agent, r.state, j.state AS job_state, j.reason "
-                    "FROM ranks r JOIN jobs j ON j.id = r.job WHERE r.job = ? AND r.rank = ?",
-                    [rs.job, rs.rank],
-                )
+                row = self._rank_row(rs)
                 reason = _stop_reason(row, agent_id, rs.incarnation)
                 if reason:
-                    stops.append(
-                        api.StopOrder(
-                            job=rs.job, rank=rs.rank, incarnation=rs.incarnation, reason=reason
-                        )
-                    )
+                    stops.append(_stop_order(rs, reason))
                 elif rs.state == "running" and row is not None and row["state"] == "leased":
                     self.db.execute(
                         "UPDATE ranks SET state = 'running' WHERE job = ? AND rank = ?",
@@ -303,6 +295,22 @@ class JobsMixin:
                     reason = f"rank {r['rank']} lost: agent {name} no longer runs it"
                     changed = self._lose(r["job"], r["rank"], reason, now) or changed
         return stops, changed
+
+    def stop_orders(self, agent_id: str, ranks: list[api.RankState]) -> list[api.StopOrder]:
+        """The stop orders ``agent_heartbeat`` would give for ``ranks``, changing nothing."""
+        stops = []
+        for rs in ranks:
+            reason = _stop_reason(self._rank_row(rs), agent_id, rs.incarnation)
+            if reason:
+                stops.append(_stop_order(rs, reason))
+        return stops
+
+    def _rank_row(self, rs: api.RankState) -> dict[str, Any] | None:
+        return self._one(
+            "SELECT r.incarnation, r.agent, r.state, j.state AS job_state, j.reason "
+            "FROM ranks r JOIN jobs j ON j.id = r.job WHERE r.job = ? AND r.rank = ?",
+            [rs.job, rs.rank],
+        )
 
     def rank_exit(self, agent_id: str, ex: api.RankExit, now: float) -> bool:
         """Apply a rank's exit; True if the job changed."""
@@ -478,6 +486,10 @@ class JobsMixin:
     def _agent_name(self, agent_id: str) -> str:
         row = self._one("SELECT name FROM agents WHERE id = ?", [agent_id])
         return str(row["name"]) if row and row["name"] else agent_id
+
+
+def _stop_order(rs: api.RankState, reason: str) -> api.StopOrder:
+    return api.StopOrder(job=rs.job, rank=rs.rank, incarnation=rs.incarnation, reason=reason)
 
 
 def _stop_reason(row: dict[str, Any] | None, agent_id: str, incarnation: int) -> str:

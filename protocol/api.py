@@ -198,6 +198,9 @@ class RankState(msgspec.Struct, frozen=True):
 class AgentHeartbeat(msgspec.Struct, frozen=True):
     ranks: list[RankState]
     free_slots: int
+    # Seconds the coordinator may hold the answer while none of ``ranks`` has to stop (at most
+    # its heartbeat interval), so that a stop order reaches the agent the moment it exists.
+    wait: float = 0.0
 
 
 class StopOrder(msgspec.Struct, frozen=True):

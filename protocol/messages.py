@@ -44,11 +44,14 @@ class Hello(_Msg, frozen=True, tag="hello"):
 
 
 class Welcome(_Msg, frozen=True, tag="welcome"):
-    """Relay's answer to a good ``Hello``."""
+    """Relay's answer to a good ``Hello``. ``push_window`` is the relay's push window per
+    receiving rank (0 = not said): an agent may then gather ``Credit`` up to a quarter of it
+    instead of crediting every write."""
 
     version: int
     relay: str = ""
     max_payload: int = 0
+    push_window: int = 0
 
 
 class Error(_Msg, frozen=True, tag="error"):

@@ -40,7 +40,6 @@ from vpool.protocol.session import Session, State
 from vpool.protocol.tokens import AgentClaims, RankClaims, verify_token
 from vpool.relay.errors import Rejected
 from vpool.relay.hub import Attachment, Batch, Box, Hub, Key, now
-from vpool.relay.tlsstream import DirectTLSStream
 from vpool.relay.wire import FrameReader, RawFrame, send_frames
 
 logger = logging.getLogger(__name__)
@@ -53,6 +52,10 @@ ERROR_LINGER = 2.0
 PRE_AUTH_MAX_HEADER = 8 * 1024
 # Batches written by worker threads while the connection reads on; more waits (back-pressure).
 WRITES_IN_FLIGHT = 4
+# How long acks may wait for other frames to travel with. A rank needs its acks only to finish
+# (MPI_Finalize), while a frame of its own per ack costs a write here, a read and a forward in the
+# agent, and a wake-up of the rank: a third of all the frames of a ping-pong.
+ACK_DELAY = 0.005
 
 
 def rejection(exc: RemoteProtocolError | TokenError, *, job: int = -1, rank: int = -1) -> Rejected:
@@ -75,6 +78,7 @@ class Connection:
         self.home_boxes: list[Box] = []
         self._control: list[bytes] = []
         self._acks: dict[tuple[int, int, int], int] = {}
+        self._acks_since = 0.0
         self._wake = trio.Event()
         self._final: bytes | None = None
         self._writer_done = trio.Event()
@@ -102,8 +106,12 @@ class Connection:
     def queue_ack(self, job: int, src: int, dst: int, seq: int) -> None:
         key = (job, src, dst)
         if seq > self._acks.get(key, 0):
+            if not self._acks:
+                # The first ack of a round arms the writer's ACK_DELAY timer; later ones wait
+                # with it (they are cumulative) unless something else goes out first.
+                self._acks_since = trio.current_time()
+                self._wake.set()
             self._acks[key] = seq
-            self._wake.set()
 
     def fence_out(self, key: Key, stop: Stop) -> None:
         """A newer incarnation (or the job's end) took this rank away from this connection."""
@@ -155,10 +163,6 @@ class Connection:
         # which can throw away the Error before the agent has read it.
         stream = self.stream
         try:
-            if isinstance(stream, DirectTLSStream):
-                await stream.send_eof()
-                await stream.drain()
-                return
             raw = stream.transport_stream if isinstance(stream, trio.SSLStream) else stream
             if isinstance(raw, trio.SocketStream):
                 await raw.send_eof()
@@ -188,7 +192,7 @@ class Connection:
         settings = self.hub.settings
         frames: list[RawFrame] = []
         with trio.move_on_after(settings.handshake_timeout):
-            if isinstance(self.stream, trio.SSLStream | DirectTLSStream):
+            if isinstance(self.stream, trio.SSLStream):
                 await self.stream.do_handshake()
             frames = await reader.read_frames()
         if not frames:
@@ -214,7 +218,12 @@ class Connection:
         reader.max_header = DEFAULT_MAX_HEADER
         reader.max_payload = settings.max_payload
         self.send(
-            Welcome(version=PROTOCOL_VERSION, relay=self.hub.name, max_payload=settings.max_payload)
+            Welcome(
+                version=PROTOCOL_VERSION,
+                relay=self.hub.name,
+                max_payload=settings.max_payload,
+                push_window=settings.push_window,
+            )
         )
         if len(frames) > 1:
             await self._handle(frames[1:])
@@ -389,10 +398,13 @@ class Connection:
                     await stream.send_all(self._final)
                     return
                 if self._acks and not self._control and not self._can_push():
-                    # Only acks to send: let this round's pushes and reads run first, so the
-                    # acks of a burst of deposits leave together (they are cumulative).
-                    await trio.lowlevel.checkpoint()
-                    if self._final is not None:
+                    # Only acks to send: they leave with the next other frame, or after
+                    # ACK_DELAY (they are cumulative, so any number of them make one round).
+                    due = self._acks_since + ACK_DELAY
+                    if trio.current_time() < due:
+                        with trio.move_on_at(due):
+                            await self._wake.wait()
+                        self._wake = trio.Event()
                         continue
                 parts = self._take_control()
                 await self._push_round(parts)

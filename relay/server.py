@@ -17,7 +17,6 @@ from vpool.relay.errors import RelayError, StorageError
 from vpool.relay.hub import Hub
 from vpool.relay.registry import CoordinatorClient, register_request, run_registry
 from vpool.relay.settings import RelaySettings
-from vpool.relay.tlsstream import DirectTLSStream
 
 logger = logging.getLogger(__name__)
 
@@ -54,8 +53,6 @@ async def serve_relay(
         logger.warning("serving plain TCP without TLS (insecure_tcp)")
     else:
         raise RelayError("tls_cert and tls_key are required (or set insecure_tcp for tests)")
-    if settings.tls_engine not in ("direct", "trio"):
-        raise RelayError(f"tls_engine is {settings.tls_engine!r}: use direct or trio")
     if signing_key is None and settings.signing_key:
         try:
             signing_key = public_key_from_text(settings.signing_key)
@@ -74,15 +71,11 @@ async def serve_relay(
         raise StorageError(f"cannot create the data directory {hub.data_dir}: {exc}") from exc
     await trio.to_thread.run_sync(hub.load)
     listeners: list[trio.abc.Listener[trio.abc.Stream]] = list(tcp)
-    direct = ssl_context is not None and settings.tls_engine == "direct"
-    if ssl_context is not None and not direct:
+    if ssl_context is not None:
         listeners = [trio.SSLListener(t, ssl_context, https_compatible=False) for t in tcp]
 
     async def handle(stream: trio.abc.Stream) -> None:
         peer = _peer(stream)
-        if direct:
-            assert ssl_context is not None and isinstance(stream, trio.SocketStream)
-            stream = DirectTLSStream.wrap(stream, ssl_context)
         try:
             await Connection(hub, stream, peer=peer).run()
         except* StorageError:

@@ -30,11 +30,6 @@ class RelaySettings:
     )
     tls_cert: str = setting("", "PEM certificate (chain) of the relay, issued by the pool CA.")
     tls_key: str = setting("", "PEM private key of tls_cert.")
-    tls_engine: str = setting(
-        "trio",
-        "How TLS is driven: trio (trio.SSLStream over memory buffers) or direct (OpenSSL "
-        "reads and writes the socket itself; 10-20% less CPU per message).",
-    )
     insecure_tcp: bool = setting(
         False, "Accept plain TCP when tls_cert/tls_key are empty (tests and benchmarks only)."
     )

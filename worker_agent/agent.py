@@ -187,9 +187,15 @@ class Agent:
     async def heartbeat_loop(self) -> None:
         while True:
             token = self.client.token
+            interval = max(self.enrolled.heartbeat_interval, _MIN_HEARTBEAT)
+            sent = trio.current_time()
             try:
+                # The coordinator holds the answer for up to one interval unless it has stop
+                # orders, so a job that ends here stops its other ranks at once.
                 resp = await self.client.heartbeat(
-                    AgentHeartbeat(ranks=self.ranks.states(), free_slots=self.free_slots)
+                    AgentHeartbeat(
+                        ranks=self.ranks.states(), free_slots=self.free_slots, wait=interval
+                    )
                 )
             except CoordinatorUnreachable as exc:
                 log.warning("heartbeat: %s", exc)
@@ -204,7 +210,7 @@ class Agent:
                     rank = self.ranks.find(order.job, order.rank, order.incarnation)
                     if rank is not None:
                         rank.request_stop(order.reason)
-            await trio.sleep(max(self.enrolled.heartbeat_interval, _MIN_HEARTBEAT))
+            await trio.sleep_until(sent + interval)
 
 
 async def enroll(

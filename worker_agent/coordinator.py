@@ -143,7 +143,9 @@ class CoordinatorClient:
         return resp.leases
 
     async def heartbeat(self, hb: api.AgentHeartbeat) -> api.AgentHeartbeatResponse:
-        resp = await self._json_call(f"{PREFIX}/heartbeat", hb, api.AgentHeartbeatResponse)
+        resp = await self._json_call(
+            f"{PREFIX}/heartbeat", hb, api.AgentHeartbeatResponse, http_timeout=hb.wait + 30.0
+        )
         if resp.agent_token:
             self.token = resp.agent_token
         return resp

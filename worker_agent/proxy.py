@@ -33,11 +33,13 @@ from vpool.protocol.messages import (
 from vpool.protocol.session import Session
 from vpool.worker_agent.errors import RankSocketError, RelayLinkError
 from vpool.worker_agent.local_ranks import LocalRank, LocalRanks
+from vpool.worker_agent.relay_link import RelayLink
 from vpool.worker_agent.wire import FrameReader, encode_small, send_parts
 
 log = logging.getLogger("vpool.agent")
 
 HELLO_TIMEOUT = 10.0
+RANK_SOCKET_BUFFER = 4 * 1024 * 1024
 # Longest unix socket path (sun_path is 108 bytes on Linux, including the NUL).
 _MAX_SOCKET_PATH = 107
 
@@ -130,6 +132,13 @@ class RankProxy:
             _unlink(path)
 
     async def handle(self, stream: trio.SocketStream) -> None:
+        for opt in (stdlib_socket.SO_SNDBUF, stdlib_socket.SO_RCVBUF):
+            try:
+                # As large as the rank's own (sdk/mpi/transport.py): a 200 KiB default makes
+                # a pushed 16 MiB payload take a hundred wake-ups of both processes.
+                stream.setsockopt(stdlib_socket.SOL_SOCKET, opt, RANK_SOCKET_BUFFER)
+            except OSError:
+                pass  # a smaller buffer only costs throughput
         async with stream:
             reader = FrameReader(stream, max_payload=self.max_payload)
             session = Session("rank", "server")
@@ -242,11 +251,17 @@ class RankProxy:
     async def _write_loop(self, stream: trio.SocketStream, rank: LocalRank) -> None:
         job, me = rank.lease.job, rank.lease.rank
         outbox = rank.outbox
+        # Credit written but not yet sent, per link (see RelayLink.credit_batch).
+        held: dict[RelayLink, int] = {}
         try:
             while True:
                 batch, credits = await outbox.take()
                 await send_parts(stream, batch)
                 for link, nbytes in credits.items():
+                    nbytes += held.pop(link, 0)
+                    if nbytes < link.credit_batch:
+                        held[link] = nbytes
+                        continue
                     try:
                         await link.credit(job, me, nbytes)
                     except RelayLinkError:

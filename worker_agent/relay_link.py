@@ -73,6 +73,8 @@ class RelayLink:
         # Largest payload the relay takes: a bigger one is refused to its rank alone, before
         # the relay would close the connection every rank here shares.
         self.max_payload = owner.max_payload
+        # Bytes of Credit an agent may hold back per rank (0: credit every write).
+        self.credit_batch = 0
         self.broken: str | None = None
         self.ranks: dict[RankKey, LocalRank] = {}
         self._pending: dict[RankKey, _PendingAttach] = {}
@@ -134,6 +136,10 @@ class RelayLink:
             self.broken = str(exc)
             raise
         self.welcome = frame.message
+        # Credit is gathered up to a quarter of the relay's push window: the relay still has
+        # three quarters to push into meanwhile, so this never stalls delivery, and one Credit
+        # frame then covers many pushed frames instead of one each.
+        self.credit_batch = max(0, frame.message.push_window // 4)
         if frame.message.max_payload > 0:
             self.max_payload = min(self.max_payload, frame.message.max_payload)
         self._owner.nursery.start_soon(self._run, stream, reader)

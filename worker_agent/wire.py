@@ -28,6 +28,9 @@ Buffer = bytes | bytearray | memoryview
 SMALL_FRAME = 64 * 1024
 # receive_some() size: below glibc's mmap threshold so each read is a cheap malloc.
 _CHUNK = 64 * 1024
+# receive_some() size inside a large payload (TLS streams, which have no recv_into): fewer,
+# larger reads; the payload buffer is allocated already, so no malloc per read to keep cheap.
+_PAYLOAD_CHUNK = 1024 * 1024
 
 
 class WireFrame(NamedTuple):
@@ -102,7 +105,7 @@ class FrameReader:
             if self._recv_into is not None:
                 got = await self._recv_into(view[have:])
             else:
-                chunk = await self._stream.receive_some(min(n - have, _CHUNK))
+                chunk = await self._stream.receive_some(min(n - have, _PAYLOAD_CHUNK))
                 got = len(chunk)
                 view[have : have + got] = chunk
             if not got:

@@ -26,6 +26,7 @@ from vpool.sdk.mpi.errors import add_error_class as Add_error_class  # noqa: F40
 from vpool.sdk.mpi.errors import add_error_string as Add_error_string  # noqa: F401
 from vpool.sdk.mpi.errors import error_class as Get_error_class  # noqa: F401
 from vpool.sdk.mpi.errors import error_string as Get_error_string  # noqa: F401
+from vpool.sdk.mpi.grequest import Grequest  # noqa: F401
 from vpool.sdk.mpi.group import GROUP_EMPTY, GROUP_NULL, Group  # noqa: F401
 from vpool.sdk.mpi.handles import (  # noqa: F401  # noqa: F401
     ERRHANDLER_NULL,
@@ -73,6 +74,11 @@ def Get_library_version() -> str:
     return "vpool MPI runtime (mpi4py-compatible, messages through vpool relays)"
 
 
+def get_vendor() -> tuple[str, tuple[int, int, int]]:
+    """Not a vendor mpi4py knows: no test or program takes an MPICH/Open MPI code path for it."""
+    return ("vpool", (0, 1, 0))
+
+
 def Pcontrol(level: int) -> None:
     pass
 
@@ -86,6 +92,16 @@ def Free_mem(mem: Any) -> None:
 
 
 buffer = memory = memoryview
+
+
+def _comm_lock(comm: Comm, key: Any = None) -> Any:
+    from vpool.sdk.mpi.comm import comm_lock
+
+    return comm_lock(comm._core(), key)
+
+
+def _comm_lock_table(comm: Comm) -> dict[Any, Any]:
+    return comm._core().locks
 
 
 def _initialize_on_import() -> None:

@@ -15,12 +15,13 @@ Vector forms for the ``*v`` collectives: ``[buf, counts, displs, datatype]``,
 
 from __future__ import annotations
 
+import operator
 import pickle
-from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 from vpool.sdk.mpi import errors
 from vpool.sdk.mpi.datatypes import BYTE, Datatype, from_format, lookup
+from vpool.sdk.mpi.dlpack import exported_view
 
 
 class _Sentinel:
@@ -68,7 +69,12 @@ def byte_view(obj: Any, writable: bool) -> memoryview:
     try:
         mv = obj if isinstance(obj, memoryview) else memoryview(obj)
     except TypeError:
-        raise TypeError(f"message: expected a buffer object, got {type(obj).__name__}") from None
+        exported = exported_view(obj)
+        if exported is None:
+            raise TypeError(
+                f"message: expected a buffer object, got {type(obj).__name__}"
+            ) from None
+        mv = exported
     if writable and mv.readonly:
         raise BufferError("Object is not writable.")
     if mv.format == "B" and mv.ndim == 1 and mv.c_contiguous:
@@ -90,8 +96,30 @@ def view_of(spec: Any, writable: bool) -> memoryview:
 def _datatype_of(obj: Any) -> Datatype:
     if obj is None:
         return BYTE
-    mv = obj if isinstance(obj, memoryview) else memoryview(obj)
+    try:
+        mv = obj if isinstance(obj, memoryview) else memoryview(obj)
+    except TypeError:
+        return _exported_datatype(obj)
     return from_format(mv.format)
+
+
+def _exported_datatype(obj: Any) -> Datatype:
+    """The datatype of a DLPack / CUDA-array-interface buffer, from its numpy-style type."""
+    typestr = getattr(obj, "__cuda_array_interface__", {}).get("typestr") if hasattr(
+        obj, "__cuda_array_interface__"
+    ) else None
+    if typestr is None and hasattr(obj, "__dlpack__"):
+        try:
+            import numpy as np
+
+            return from_format(np.from_dlpack(obj).dtype.char)
+        except Exception:
+            return BYTE
+    if typestr is not None:
+        import numpy as np
+
+        return from_format(np.dtype(typestr).char)
+    raise TypeError(f"message: expected a buffer object, got {type(obj).__name__}")
 
 
 def _split(spec: Any) -> tuple[Any, Any, int, Datatype | None]:
@@ -170,7 +198,10 @@ def parse_v(spec: Any, size: int, writable: bool) -> VMsg:
         counts, displs, dt = spec[1], spec[2], lookup(spec[3])
     else:
         raise ValueError(f"message: expected 2 to 4 items, got {n}")
-    if isinstance(counts, tuple) and len(counts) == 2 and isinstance(counts[0], Sequence):
+    if n == 2 and isinstance(counts, Datatype):
+        counts, dt = None, counts
+    elif isinstance(counts, tuple) and len(counts) == 2 and not _integral(counts[0]):
+        # (counts, displs), where counts may be any sequence: a list, a numpy array, None.
         counts, displs = counts
     view = byte_view(buf, writable)
     if dt is None:
@@ -192,6 +223,14 @@ def parse_v(spec: Any, size: int, writable: bool) -> VMsg:
     if len(counts) != size or len(displs) != size:
         raise ValueError(f"message: expected {size} counts and displacements")
     return VMsg(view, counts, displs, dt)
+
+
+def _integral(x: Any) -> bool:
+    try:
+        operator.index(x)
+    except TypeError:
+        return False
+    return True
 
 
 def block(vm: VMsg, i: int) -> memoryview:

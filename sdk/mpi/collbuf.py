@@ -1,374 +1,290 @@
-"""Collective operations on typed buffers (upper-case calls).
+"""Collective operations on typed buffers (upper-case calls), blocking and non-blocking.
 
-Same algorithms, contexts and ordering rules as ``coll`` (see there), moving raw bytes: received
-data goes straight into the user's buffer when it is the final destination, reductions work on
-two scratch buffers swapped between steps. ``IN_PLACE`` follows MPI: the root's (or every
-rank's, for the all-* calls) input is taken from the receive buffer.
+Each call reads its buffer specs as mpi4py does (which arguments a rank ignores, ``None`` as
+``IN_PLACE`` where mpi4py takes it so, ``ValueError`` for mismatched counts) and hands flat byte
+views to an algorithm of ``collalg``. With ``nb`` the algorithm becomes the schedule behind the
+returned request (``sched.Schedule``); without, it runs to the end in the call.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from vpool.sdk.mpi import errors
+from vpool.sdk.mpi import collalg
 from vpool.sdk.mpi.buffers import IN_PLACE, VMsg, block, parse, parse_blocks, parse_v
-from vpool.sdk.mpi.coll import (
-    TAG_ALLREDUCE,
-    TAG_ALLTOALL,
-    TAG_BCAST,
-    TAG_EXSCAN,
-    TAG_GATHER,
-    TAG_REDUCE,
-    TAG_SCAN,
-    TAG_SCATTER,
-    check_root,
-    finish,
-    fold_plan,
-    post_recv,
-    real_rank,
-    recv_into,
-    send_bytes,
-    tree_children,
-)
-from vpool.sdk.mpi.datatypes import Datatype
+from vpool.sdk.mpi.coll import check_root
+from vpool.sdk.mpi.sched import Algo, new_tag, run, start
 
 
-def _scratch(n: int) -> memoryview:
-    return memoryview(bytearray(n))
+def _go(h: Any, algo: Algo, nb: bool) -> Any:
+    return start(h, algo) if nb else run(h, algo)
 
 
-def _copy(view: memoryview) -> memoryview:
-    return memoryview(bytearray(view))
+def in_place(spec: Any) -> bool:
+    return spec is None or spec is IN_PLACE
 
 
-def _same_size(a: memoryview, b: memoryview) -> None:
-    if a.nbytes != b.nbytes:
-        raise errors.MPIException(
-            errors.ERR_COUNT, f"send buffer has {a.nbytes} bytes, receive buffer {b.nbytes}"
-        )
+def _same(src: Any, dst: Any) -> None:
+    if src.datatype != dst.datatype and src.datatype.size != dst.datatype.size:
+        raise ValueError("mismatch in send and receive MPI datatypes")
+    if src.view.nbytes != dst.view.nbytes:
+        raise ValueError(f"mismatch in send count {src.items} and receive count {dst.items}")
 
 
-def tree_bcast(h: Any, view: memoryview, root: int) -> None:
-    size = h.size
-    if size == 1:
-        return
-    vrank = (h.rank - root) % size
-    parent, children = tree_children(vrank, size)
-    if parent >= 0:
-        recv_into(h, (parent + root) % size, TAG_BCAST, view)
-    for child in children:
-        send_bytes(h, (child + root) % size, TAG_BCAST, view)
-
-
-def Bcast(h: Any, buf: Any, root: int) -> None:
+def Bcast(h: Any, buf: Any, root: int, nb: bool = False) -> Any:
     check_root(h, root)
-    tree_bcast(h, parse(buf, writable=h.rank != root).view, root)
+    view = parse(buf, writable=h.rank != root).view
+    return _go(h, collalg.bcast(h, view, root, new_tag(h)), nb)
 
 
-def reduce_views(
-    h: Any, src: memoryview, out: memoryview | None, dt: Datatype, op: Any, root: int
-) -> None:
-    """Reduce ``src`` of every rank into ``out`` at ``root``: binomial tree to rank 0 in rank
-    order, then to the root."""
-    size, rank = h.size, h.rank
-    acc = _copy(src)
-    tmp: memoryview | None = None
-    mask = 1
-    while mask < size:
-        if rank & mask:
-            send_bytes(h, rank - mask, TAG_REDUCE, acc)
-            break
-        peer = rank | mask
-        if peer < size:
-            if tmp is None:
-                tmp = _scratch(acc.nbytes)
-            recv_into(h, peer, TAG_REDUCE, tmp)
-            op.reduce_bytes(acc, tmp, dt)  # tmp = acc op tmp: lower ranks first
-            acc, tmp = tmp, acc
-        mask <<= 1
-    if rank == root:
-        assert out is not None
-        if root == 0:
-            out[:] = acc
-        else:
-            recv_into(h, 0, TAG_REDUCE, out)
-    elif rank == 0:
-        send_bytes(h, root, TAG_REDUCE, acc)
-
-
-def Reduce(h: Any, sendbuf: Any, recvbuf: Any, op: Any, root: int) -> None:
+def Reduce(h: Any, sendbuf: Any, recvbuf: Any, op: Any, root: int, nb: bool = False) -> Any:
     check_root(h, root)
     out = None
-    if sendbuf is IN_PLACE:
+    if h.rank == root:
         r = parse(recvbuf, writable=True)
-        src, dt = r.view, r.datatype
-        if h.rank == root:
-            out = r.view
+        out = r.view
+        if in_place(sendbuf):
+            src, dt = r.view, r.datatype
+        else:
+            s = parse(sendbuf, writable=False)
+            _same(s, r)
+            src, dt = s.view, s.datatype
     else:
         s = parse(sendbuf, writable=False)
         src, dt = s.view, s.datatype
-        if h.rank == root:
-            out = parse(recvbuf, writable=True).view
-            _same_size(src, out)
-    reduce_views(h, src, out, dt, op, root)
+    return _go(h, collalg.reduce(h, src, out, dt, op, root, new_tag(h)), nb)
 
 
-def Allreduce(h: Any, sendbuf: Any, recvbuf: Any, op: Any) -> None:
+def Allreduce(h: Any, sendbuf: Any, recvbuf: Any, op: Any, nb: bool = False) -> Any:
     r = parse(recvbuf, writable=True)
-    if sendbuf is IN_PLACE:
-        acc, dt = _copy(r.view), r.datatype
-    else:
+    if not in_place(sendbuf):
         s = parse(sendbuf, writable=False)
-        _same_size(s.view, r.view)
-        acc, dt = _copy(s.view), s.datatype
-    size = h.size
-    if size > 1:
-        acc = _recursive_doubling(h, acc, dt, op)
-    r.view[:] = acc
+        _same(s, r)
+        r.view[:] = s.view
+    return _go(h, collalg.allreduce(h, r.view, r.datatype, op, new_tag(h)), nb)
 
 
-def _recursive_doubling(h: Any, acc: memoryview, dt: Datatype, op: Any) -> memoryview:
-    size, rank = h.size, h.rank
-    pof2, rem, newrank = fold_plan(rank, size)
-    tmp = _scratch(acc.nbytes)
-    if rank < 2 * rem:
-        if newrank < 0:
-            send_bytes(h, rank + 1, TAG_ALLREDUCE, acc)
-        else:
-            recv_into(h, rank - 1, TAG_ALLREDUCE, tmp)
-            op.reduce_bytes(tmp, acc, dt)  # acc = lower op acc
-    if newrank >= 0:
-        mask = 1
-        while mask < pof2:
-            peer = real_rank(newrank ^ mask, rem)
-            pending = post_recv(h, peer, TAG_ALLREDUCE, tmp)
-            send_bytes(h, peer, TAG_ALLREDUCE, acc)
-            finish(h, pending)
-            if peer < rank:
-                op.reduce_bytes(tmp, acc, dt)
-            else:
-                op.reduce_bytes(acc, tmp, dt)
-                acc, tmp = tmp, acc
-            mask <<= 1
-    if rank < 2 * rem:
-        if newrank < 0:
-            recv_into(h, rank + 1, TAG_ALLREDUCE, acc)
-        else:
-            send_bytes(h, rank - 1, TAG_ALLREDUCE, acc)
-    return acc
-
-
-def _gather_views(h: Any, mine: memoryview | None, blocks: list[memoryview], root: int) -> None:
-    """Root receives block i from rank i (its own from ``mine`` unless None: in place)."""
-    rank = h.rank
-    if rank != root:
-        assert mine is not None
-        send_bytes(h, root, TAG_GATHER, mine)
-        return
-    pending = [
-        (post_recv(h, i, TAG_GATHER, view), view) for i, view in enumerate(blocks) if i != root
-    ]
-    if mine is not None:
-        _same_size(mine, blocks[root])
-        blocks[root][:] = mine
-    for op, view in pending:
-        finish(h, op)
-        if op.nbytes != view.nbytes:
-            raise errors.MPIException(errors.ERR_TRUNCATE, "gather block of the wrong size")
-
-
-def _blocks(view: memoryview, n: int, size: int) -> list[memoryview]:
-    return [view[i * n : (i + 1) * n] for i in range(size)]
-
-
-def Gather(h: Any, sendbuf: Any, recvbuf: Any, root: int) -> None:
+def Gather(h: Any, sendbuf: Any, recvbuf: Any, root: int, nb: bool = False) -> Any:
     check_root(h, root)
     size, rank = h.size, h.rank
-    blocks: list[memoryview] = []
+    whole = mine = None
     if rank == root:
         r = parse_blocks(recvbuf, size, writable=True)
-        blocks = _blocks(r.view, r.items * r.datatype.extent, size)
-    mine = None if sendbuf is IN_PLACE else parse(sendbuf, writable=False).view
-    _gather_views(h, mine, blocks, root)
+        whole = r.view
+        bs = r.items * r.datatype.extent
+        if not in_place(sendbuf):
+            s = parse(sendbuf, writable=False)
+            if s.view.nbytes != bs:
+                raise ValueError(f"mismatch in send count {s.items} and receive count {r.items}")
+            mine = s.view
+    else:
+        mine = parse(sendbuf, writable=False).view
+        bs = mine.nbytes
+    return _go(h, collalg.gather(h, mine, whole, bs, root, new_tag(h)), nb)
 
 
-def Gatherv(h: Any, sendbuf: Any, recvbuf: Any, root: int) -> None:
+def Gatherv(h: Any, sendbuf: Any, recvbuf: Any, root: int, nb: bool = False) -> Any:
     check_root(h, root)
     size, rank = h.size, h.rank
     blocks: list[memoryview] = []
+    mine = None
     if rank == root:
         r = parse_v(recvbuf, size, writable=True)
         blocks = [block(r, i) for i in range(size)]
-    mine = None if sendbuf is IN_PLACE else parse(sendbuf, writable=False).view
-    _gather_views(h, mine, blocks, root)
+        if not in_place(sendbuf):
+            mine = parse(sendbuf, writable=False).view
+    else:
+        mine = parse(sendbuf, writable=False).view
+    return _go(h, collalg.linear_gatherv(h, mine, blocks, root, new_tag(h)), nb)
 
 
-def _scatter_views(h: Any, blocks: list[memoryview], out: memoryview | None, root: int) -> None:
-    if h.rank != root:
-        assert out is not None
-        recv_into(h, root, TAG_SCATTER, out)
-        return
-    for i, view in enumerate(blocks):
-        if i != root:
-            send_bytes(h, i, TAG_SCATTER, view)
-    if out is not None:
-        _same_size(blocks[root], out)
-        out[:] = blocks[root]
-
-
-def Scatter(h: Any, sendbuf: Any, recvbuf: Any, root: int) -> None:
+def Scatter(h: Any, sendbuf: Any, recvbuf: Any, root: int, nb: bool = False) -> Any:
     check_root(h, root)
     size, rank = h.size, h.rank
-    blocks: list[memoryview] = []
+    whole = out = None
     if rank == root:
         s = parse_blocks(sendbuf, size, writable=False)
-        blocks = _blocks(s.view, s.items * s.datatype.extent, size)
-    out = None if recvbuf is IN_PLACE else parse(recvbuf, writable=True).view
-    _scatter_views(h, blocks, out, root)
+        whole = s.view
+        bs = s.items * s.datatype.extent
+        if not in_place(recvbuf):
+            r = parse(recvbuf, writable=True)
+            if r.view.nbytes != bs:
+                raise ValueError(f"mismatch in send count {s.items} and receive count {r.items}")
+            out = r.view
+    else:
+        out = parse(recvbuf, writable=True).view
+        bs = out.nbytes
+    return _go(h, collalg.scatter(h, whole, out, bs, root, new_tag(h)), nb)
 
 
-def Scatterv(h: Any, sendbuf: Any, recvbuf: Any, root: int) -> None:
+def Scatterv(h: Any, sendbuf: Any, recvbuf: Any, root: int, nb: bool = False) -> Any:
     check_root(h, root)
     size, rank = h.size, h.rank
     blocks: list[memoryview] = []
+    out = None
     if rank == root:
         s = parse_v(sendbuf, size, writable=False)
         blocks = [block(s, i) for i in range(size)]
-    out = None if recvbuf is IN_PLACE else parse(recvbuf, writable=True).view
-    _scatter_views(h, blocks, out, root)
-
-
-def Allgather(h: Any, sendbuf: Any, recvbuf: Any) -> None:
-    size = h.size
-    r = parse_blocks(recvbuf, size, writable=True)
-    blocks = _blocks(r.view, r.items * r.datatype.extent, size)
-    _allgather(h, sendbuf, r.view, blocks)
-
-
-def Allgatherv(h: Any, sendbuf: Any, recvbuf: Any) -> None:
-    r: VMsg = parse_v(recvbuf, h.size, writable=True)
-    blocks = [block(r, i) for i in range(h.size)]
-    _allgather(h, sendbuf, r.view, blocks)
-
-
-def _allgather(h: Any, sendbuf: Any, whole: memoryview, blocks: list[memoryview]) -> None:
-    rank = h.rank
-    if sendbuf is IN_PLACE:
-        mine = None if rank == 0 else blocks[rank]
+        if not in_place(recvbuf):
+            out = parse(recvbuf, writable=True).view
     else:
-        mine = parse(sendbuf, writable=False).view
-    _gather_views(h, mine, blocks, 0)
-    tree_bcast(h, whole, 0)
+        out = parse(recvbuf, writable=True).view
+    return _go(h, collalg.linear_scatterv(h, blocks, out, root, new_tag(h)), nb)
 
 
-def Alltoall(h: Any, sendbuf: Any, recvbuf: Any) -> None:
+def Allgather(h: Any, sendbuf: Any, recvbuf: Any, nb: bool = False) -> Any:
     size = h.size
     r = parse_blocks(recvbuf, size, writable=True)
-    rblocks = _blocks(r.view, r.items * r.datatype.extent, size)
-    if sendbuf is IN_PLACE:
-        sblocks = _blocks(_copy(r.view), r.items * r.datatype.extent, size)
+    bs = r.items * r.datatype.extent
+    if not in_place(sendbuf):
+        s = parse(sendbuf, writable=False)
+        if s.view.nbytes != bs:
+            raise ValueError(f"mismatch in send count {s.items} and receive count {r.items}")
+        r.view[h.rank * bs : (h.rank + 1) * bs] = s.view
+    offsets = [i * bs for i in range(size + 1)]
+    return _go(h, collalg.allgather(h, r.view, offsets, new_tag(h)), nb)
+
+
+def Allgatherv(h: Any, sendbuf: Any, recvbuf: Any, nb: bool = False) -> Any:
+    size, rank = h.size, h.rank
+    r: VMsg = parse_v(recvbuf, size, writable=True)
+    blocks = [block(r, i) for i in range(size)]
+    if not in_place(sendbuf):
+        blocks[rank][:] = parse(sendbuf, writable=False).view
+    ext = r.datatype.extent
+    offsets = [d * ext for d in r.displs] + [(r.displs[-1] + r.counts[-1]) * ext]
+    if all(offsets[i] + blocks[i].nbytes == offsets[i + 1] for i in range(size)):
+        whole = r.view
+        algo = collalg.allgather(h, whole, offsets, new_tag(h))
+        return _go(h, algo, nb)
+    # Blocks with gaps or out of order: gather them back to back in scratch, then spread.
+    packed = [0]
+    for b in blocks:
+        packed.append(packed[-1] + b.nbytes)
+    tmp = collalg.scratch(packed[-1])
+    tmp[packed[rank] : packed[rank + 1]] = blocks[rank]
+    tag = new_tag(h)
+
+    def algo() -> Algo:
+        yield from collalg.allgather(h, tmp, packed, tag)
+        for i, b in enumerate(blocks):
+            b[:] = tmp[packed[i] : packed[i + 1]]
+
+    return _go(h, algo(), nb)
+
+
+def Alltoall(h: Any, sendbuf: Any, recvbuf: Any, nb: bool = False) -> Any:
+    size = h.size
+    r = parse_blocks(recvbuf, size, writable=True)
+    bs = r.items * r.datatype.extent
+    rblocks = [r.view[i * bs : (i + 1) * bs] for i in range(size)]
+    if in_place(sendbuf):
+        copy = collalg.scratch(r.view.nbytes)
+        copy[:] = r.view
+        sblocks = [copy[i * bs : (i + 1) * bs] for i in range(size)]
     else:
         s = parse_blocks(sendbuf, size, writable=False)
-        sblocks = _blocks(s.view, s.items * s.datatype.extent, size)
-    _pairwise(h, sblocks, rblocks)
+        n = s.items * s.datatype.extent
+        sblocks = [s.view[i * n : (i + 1) * n] for i in range(size)]
+    return _go(h, collalg.pairwise(h, sblocks, rblocks, new_tag(h)), nb)
 
 
-def Alltoallv(h: Any, sendbuf: Any, recvbuf: Any) -> None:
+def Alltoallv(h: Any, sendbuf: Any, recvbuf: Any, nb: bool = False) -> Any:
     size = h.size
     r = parse_v(recvbuf, size, writable=True)
     rblocks = [block(r, i) for i in range(size)]
-    if sendbuf is IN_PLACE:
-        copy = VMsg(_copy(r.view), r.counts, r.displs, r.datatype)
-        sblocks = [block(copy, i) for i in range(size)]
+    if in_place(sendbuf):
+        copy = collalg.scratch(r.view.nbytes)
+        copy[:] = r.view
+        cm = VMsg(copy, r.counts, r.displs, r.datatype)
+        sblocks = [block(cm, i) for i in range(size)]
     else:
         s = parse_v(sendbuf, size, writable=False)
         sblocks = [block(s, i) for i in range(size)]
-    _pairwise(h, sblocks, rblocks)
+    return _go(h, collalg.pairwise(h, sblocks, rblocks, new_tag(h)), nb)
 
 
-def _pairwise(h: Any, sblocks: list[memoryview], rblocks: list[memoryview]) -> None:
-    size, rank = h.size, h.rank
-    _same_size(sblocks[rank], rblocks[rank])
-    rblocks[rank][:] = sblocks[rank]
-    for i in range(1, size):
-        dst, src = (rank + i) % size, (rank - i) % size
-        pending = post_recv(h, src, TAG_ALLTOALL, rblocks[src])
-        send_bytes(h, dst, TAG_ALLTOALL, sblocks[dst])
-        finish(h, pending)
-
-
-def Scan(h: Any, sendbuf: Any, recvbuf: Any, op: Any, exclusive: bool) -> None:
-    """Prefix reduction by recursive doubling; ``exclusive`` leaves rank 0's buffer alone."""
-    size, rank = h.size, h.rank
+def Scan(
+    h: Any, sendbuf: Any, recvbuf: Any, op: Any, exclusive: bool, nb: bool = False
+) -> Any:
     r = parse(recvbuf, writable=True)
-    if sendbuf is IN_PLACE:
+    if in_place(sendbuf):
         src, dt = r.view, r.datatype
     else:
         s = parse(sendbuf, writable=False)
-        _same_size(s.view, r.view)
+        _same(s, r)
         src, dt = s.view, s.datatype
-    partial = _copy(src)
-    if not exclusive and sendbuf is not IN_PLACE:
-        r.view[:] = src
-    tmp = _scratch(partial.nbytes)
-    have = not exclusive
-    tag = TAG_EXSCAN if exclusive else TAG_SCAN
-    mask = 1
-    while mask < size:
-        peer = rank ^ mask
-        if peer < size:
-            pending = post_recv(h, peer, tag, tmp)
-            send_bytes(h, peer, tag, partial)
-            finish(h, pending)
-            if peer < rank:
-                if have:
-                    op.reduce_bytes(tmp, r.view, dt)
-                else:
-                    r.view[:] = tmp
-                    have = True
-                op.reduce_bytes(tmp, partial, dt)
-            else:
-                op.reduce_bytes(partial, tmp, dt)
-                partial, tmp = tmp, partial
-        mask <<= 1
+    return _go(h, collalg.scan(h, src, r.view, dt, op, exclusive, new_tag(h)), nb)
 
 
-def Reduce_scatter_block(h: Any, sendbuf: Any, recvbuf: Any, op: Any) -> None:
+def Reduce_scatter_block(h: Any, sendbuf: Any, recvbuf: Any, op: Any, nb: bool = False) -> Any:
     size = h.size
-    if sendbuf is IN_PLACE:
+    if in_place(sendbuf):
         whole = parse_blocks(recvbuf, size, writable=True)
-        src, dt, out = whole.view, whole.datatype, whole.view[: whole.items * whole.datatype.extent]
+        src, dt = whole.view, whole.datatype
+        out = whole.view[: whole.items * dt.extent]
     else:
         s = parse_blocks(sendbuf, size, writable=False)
-        src, dt = s.view, s.datatype
-        out = parse(recvbuf, writable=True).view
+        r = parse(recvbuf, writable=True)
+        if s.items != r.items or s.view.nbytes != r.view.nbytes * size:
+            raise ValueError(f"mismatch in send count {s.items} and receive count {r.items}")
+        src, dt, out = s.view, s.datatype, r.view
     n = src.nbytes // size
-    total = _scratch(src.nbytes) if h.rank == 0 else None
-    reduce_views(h, src, total, dt, op, 0)
-    blocks = _blocks(total, n, size) if total is not None else []
-    _scatter_views(h, blocks, out, 0)
+    return _reduce_then_scatter(h, src, dt, op, [n] * size, out, nb)
 
 
-def Reduce_scatter(h: Any, sendbuf: Any, recvbuf: Any, recvcounts: Any, op: Any) -> None:
-    size = h.size
-    if sendbuf is IN_PLACE:
-        s = parse(recvbuf, writable=True)
+def Reduce_scatter(
+    h: Any, sendbuf: Any, recvbuf: Any, recvcounts: Any, op: Any, nb: bool = False
+) -> Any:
+    size, rank = h.size, h.rank
+    r = parse(recvbuf, writable=True)
+    dt = r.datatype
+    if in_place(sendbuf):
+        if recvcounts is None:
+            raise ValueError("Reduce_scatter in place needs recvcounts")
+        src = r.view
     else:
         s = parse(sendbuf, writable=False)
-    dt = s.datatype
-    if recvcounts is None:
-        raise ValueError("Reduce_scatter needs recvcounts")
+        src, dt = s.view, s.datatype
+        if recvcounts is None:
+            from vpool.sdk.mpi import coll
+
+            recvcounts = coll.allgather(h, r.items)
     counts = [int(c) for c in recvcounts]
     if len(counts) != size:
-        raise ValueError(f"expecting {size} receive counts")
-    offsets = [sum(counts[:i]) * dt.extent for i in range(size)]
-    src = s.view[: sum(counts) * dt.extent]
-    out = s.view[: counts[h.rank] * dt.extent] if sendbuf is IN_PLACE else None
-    if out is None:
-        out = parse(recvbuf, writable=True).view[: counts[h.rank] * dt.extent]
-    total = _scratch(src.nbytes) if h.rank == 0 else None
-    reduce_views(h, src, total, dt, op, 0)
-    blocks: list[memoryview] = []
-    if total is not None:
-        blocks = [total[offsets[i] : offsets[i] + counts[i] * dt.extent] for i in range(size)]
-    _scatter_views(h, blocks, out, 0)
+        raise ValueError(f"expecting {size} receive counts, got {len(counts)}")
+    ext = dt.extent
+    if in_place(sendbuf):
+        if r.items != sum(counts):
+            raise ValueError(f"mismatch in receive count {r.items} and sum(counts) {sum(counts)}")
+        out = r.view[: counts[rank] * ext]
+    else:
+        if src.nbytes != sum(counts) * ext:
+            raise ValueError(f"mismatch in send count and sum(counts) {sum(counts)}")
+        if r.items != counts[rank]:
+            raise ValueError(f"mismatch in receive count {r.items} and counts[{rank}]")
+        out = r.view
+    return _reduce_then_scatter(h, src, dt, op, [c * ext for c in counts], out, nb)
+
+
+def _reduce_then_scatter(
+    h: Any, src: memoryview, dt: Any, op: Any, sizes: list[int], out: memoryview, nb: bool
+) -> Any:
+    """Reduce to rank 0 (rank order, pipelined), then scatter the pieces from there."""
+    tag = new_tag(h)
+    total = collalg.scratch(src.nbytes) if h.rank == 0 else None
+
+    def algo() -> Algo:
+        yield from collalg.reduce(h, src, total, dt, op, 0, tag)
+        if len(set(sizes)) == 1:
+            yield from collalg.scatter(h, total, out, sizes[0], 0, tag)
+            return
+        blocks: list[memoryview] = []
+        if total is not None:
+            pos = 0
+            for n in sizes:
+                blocks.append(total[pos : pos + n])
+                pos += n
+        yield from collalg.linear_scatterv(h, blocks, out, 0, tag)
+
+    return _go(h, algo(), nb)

@@ -12,6 +12,8 @@ share an id; disjoint ones may, harmlessly, since matching also names world rank
 
 from __future__ import annotations
 
+import threading
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -40,7 +42,9 @@ _dumps = pickle_.dumps
 
 
 class _Core:
-    __slots__ = ("attrs", "ctx", "eng", "group", "name", "rank", "size", "topo", "w2c")
+    __slots__ = (
+        "attrs", "cseq", "ctx", "eng", "group", "locks", "name", "rank", "size", "topo", "w2c"
+    )
 
     def __init__(self, eng: Any, ctx: int, group: tuple[int, ...], name: str = "") -> None:
         self.eng = eng
@@ -55,6 +59,19 @@ class _Core:
         self.name = name
         self.attrs: dict[int, Any] = {}
         self.topo: Any = None
+        self.locks: dict[Any, Any] = {}  # mpi4py's per-communicator lock table (comm_lock)
+        # Collectives started on this communicator: each one's messages carry its number as
+        # their tag, so overlapping non-blocking collectives never match each other's messages.
+        self.cseq = 0
+
+
+def comm_lock(h: _Core, key: Any) -> Any:
+    """The lock mpi4py takes around lower-case calls of ``key`` on a communicator, made on
+    first use (``MPI._comm_lock``); threads calling them on one communicator take turns."""
+    lock = h.locks.get(key)
+    if lock is None:
+        lock = h.locks[key] = threading.Lock()
+    return lock
 
 
 def _rank_error(rank: int, h: _Core) -> errors.MPIException:
@@ -102,12 +119,15 @@ class Comm(CommAttributes, CommCollectives):
 
     _h: _Core | None
 
-    def __init__(self, comm: Comm | None = None) -> None:
-        self._h = comm._h if comm is not None else None
+    def __new__(cls, comm: Comm | None = None) -> Any:
+        # A handle copy, as in mpi4py: subclasses call ``super().__new__(cls, comm)``.
+        obj = super().__new__(cls)
+        obj._h = comm._h if comm is not None else None
+        return obj
 
     @classmethod
     def _wrap(cls, core: _Core | None) -> Any:
-        obj = cls.__new__(cls)
+        obj = object.__new__(cls)
         obj._h = core
         return obj
 
@@ -298,22 +318,34 @@ class Comm(CommAttributes, CommCollectives):
         view = view_of(buf, writable=False)
         h.eng.send(w, h.ctx, tag, KIND_BUFFER, [], [view], view.nbytes)
 
-    Ssend = Send
     Bsend = Send
     Rsend = Send
+
+    def Ssend(self, buf: Any, dest: int, tag: int = 0) -> None:
+        self.Issend(buf, dest, tag).Wait()
 
     def Isend(self, buf: Any, dest: int, tag: int = 0) -> Request:
         self.Send(buf, dest, tag)
         return Request._of(DoneOp())
 
-    Issend = Isend
     Ibsend = Isend
     Irsend = Isend
+
+    def Issend(self, buf: Any, dest: int, tag: int = 0) -> Request:
+        h = self._h or self._core()
+        w = _dst(h, dest)
+        _send_tag(tag)
+        if w < 0:
+            return Request._of(DoneOp())
+        view = view_of(buf, writable=False)
+        return Request._of(h.eng.ssend(w, h.ctx, tag, KIND_BUFFER, [], [view], view.nbytes))
 
     def Send_init(self, buf: Any, dest: int, tag: int = 0) -> Prequest:
         return Prequest._persistent(lambda: self.Isend(buf, dest, tag)._op)
 
-    Ssend_init = Send_init
+    def Ssend_init(self, buf: Any, dest: int, tag: int = 0) -> Prequest:
+        return Prequest._persistent(lambda: self.Issend(buf, dest, tag)._op)
+
     Bsend_init = Send_init
     Rsend_init = Send_init
 
@@ -374,6 +406,31 @@ class Comm(CommAttributes, CommCollectives):
         self.Send(buf, dest, sendtag)
         self.Recv(buf, source, recvtag, status)
 
+    def Isendrecv(
+        self,
+        sendbuf: Any,
+        dest: int,
+        sendtag: int = 0,
+        recvbuf: Any = None,
+        source: int = ANY_SOURCE,
+        recvtag: int = ANY_TAG,
+    ) -> Request:
+        op = self._post_recv(recvbuf, source, recvtag)
+        self.Send(sendbuf, dest, sendtag)
+        return Request._of(op)
+
+    def Isendrecv_replace(
+        self,
+        buf: Any,
+        dest: int,
+        sendtag: int = 0,
+        source: int = ANY_SOURCE,
+        recvtag: int = ANY_TAG,
+    ) -> Request:
+        view_of(buf, writable=True)  # a bad receive buffer must fail before anything is sent
+        self.Send(buf, dest, sendtag)  # eager: the bytes are out before the receive is posted
+        return Request._of(self._post_recv(buf, source, recvtag))
+
     # ---- point-to-point: objects -----------------------------------------------------------
 
     def send(self, obj: Any, dest: int, tag: int = 0) -> None:
@@ -388,15 +445,26 @@ class Comm(CommAttributes, CommCollectives):
         bufs, parts = _dumps(obj)
         h.eng.send(w, h.ctx, tag, KIND_PICKLE, parts, bufs, sum(parts) if parts else len(bufs[0]))
 
-    ssend = send
     bsend = send
+
+    def ssend(self, obj: Any, dest: int, tag: int = 0) -> None:
+        self.issend(obj, dest, tag).wait()
 
     def isend(self, obj: Any, dest: int, tag: int = 0) -> Request:
         self.send(obj, dest, tag)
         return Request._of(DoneOp())
 
-    issend = isend
     ibsend = isend
+
+    def issend(self, obj: Any, dest: int, tag: int = 0) -> Request:
+        h = self._h or self._core()
+        w = _dst(h, dest)
+        _send_tag(tag)
+        if w < 0:
+            return Request._of(DoneOp())
+        bufs, parts = _dumps(obj)
+        n = sum(parts) if parts else len(bufs[0])
+        return Request._of(h.eng.ssend(w, h.ctx, tag, KIND_PICKLE, parts, bufs, n))
 
     def _post_obj(self, source: int, tag: int) -> Any:
         h = self._h or self._core()
@@ -419,6 +487,8 @@ class Comm(CommAttributes, CommCollectives):
         tag: int = ANY_TAG,
         status: Status | None = None,
     ) -> Any:
+        if buf is not None:
+            warnings.warn("the 'buf' argument is deprecated", UserWarning, stacklevel=2)
         op = self._post_obj(source, tag)
         if not op.done:
             self._h.eng.wait(op)  # type: ignore[union-attr]
@@ -498,7 +568,7 @@ class Comm(CommAttributes, CommCollectives):
         if entry is PROC_NULL:
             return Message(MESSAGE_NO_PROC)
         h = self._core()
-        h.eng.matcher.unexpected[h.ctx].remove(entry)
+        h.eng.claim(entry)
         return Message._of(entry, h.w2c)
 
     def Mprobe(

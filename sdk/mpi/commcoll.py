@@ -2,16 +2,16 @@
 point-to-point) by concern: each forwards to the algorithms of ``coll`` (objects) and
 ``collbuf`` (buffers) with the communicator's core.
 
-Non-blocking collectives run to completion at the call and return a complete request. That is
-correct for every program that would not deadlock with blocking collectives in their place.
+Non-blocking collectives return a request whose schedule (``sched.Schedule``) advances each
+time the request is tested or waited on.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from vpool.sdk.mpi import coll, collbuf, ops
-from vpool.sdk.mpi.request import DoneOp, Request
+from vpool.sdk.mpi import coll, collbuf, ops, sched
+from vpool.sdk.mpi.request import Request
 
 
 class CommCollectives:
@@ -25,7 +25,11 @@ class CommCollectives:
         coll.barrier(self._core())
 
     def bcast(self, obj: Any, root: int = 0) -> Any:
-        return coll.bcast(self._core(), obj, root)
+        from vpool.sdk.mpi.comm import comm_lock  # mpi4py's lock table (MPI._comm_lock_table)
+
+        h = self._core()
+        with comm_lock(h, "bcast"):
+            return coll.bcast(h, obj, root)
 
     def reduce(self, sendobj: Any, op: Any = ops.SUM, root: int = 0) -> Any:
         return coll.reduce(self._core(), sendobj, op, root)
@@ -91,39 +95,53 @@ class CommCollectives:
     ) -> None:
         collbuf.Reduce_scatter(self._core(), sendbuf, recvbuf, recvcounts, op)
 
-    # Non-blocking collectives run to completion at the call (see the module's known limits).
+    # ---- non-blocking: the request's schedule advances whenever it is tested or waited on --
 
     def Ibarrier(self) -> Request:
-        self.Barrier()
-        return Request._of(DoneOp())
+        h = self._core()
+        return sched.start(h, coll.barrier_algo(h, sched.new_tag(h)))  # type: ignore[no-any-return]
 
     def Ibcast(self, buf: Any, root: int = 0) -> Request:
-        self.Bcast(buf, root)
-        return Request._of(DoneOp())
+        return collbuf.Bcast(self._core(), buf, root, nb=True)  # type: ignore[no-any-return]
 
     def Ireduce(self, sendbuf: Any, recvbuf: Any, op: Any = ops.SUM, root: int = 0) -> Request:
-        self.Reduce(sendbuf, recvbuf, op, root)
-        return Request._of(DoneOp())
+        return collbuf.Reduce(self._core(), sendbuf, recvbuf, op, root, nb=True)  # type: ignore[no-any-return]
 
     def Iallreduce(self, sendbuf: Any, recvbuf: Any, op: Any = ops.SUM) -> Request:
-        self.Allreduce(sendbuf, recvbuf, op)
-        return Request._of(DoneOp())
+        return collbuf.Allreduce(self._core(), sendbuf, recvbuf, op, nb=True)  # type: ignore[no-any-return]
 
     def Igather(self, sendbuf: Any, recvbuf: Any, root: int = 0) -> Request:
-        self.Gather(sendbuf, recvbuf, root)
-        return Request._of(DoneOp())
+        return collbuf.Gather(self._core(), sendbuf, recvbuf, root, nb=True)  # type: ignore[no-any-return]
+
+    def Igatherv(self, sendbuf: Any, recvbuf: Any, root: int = 0) -> Request:
+        return collbuf.Gatherv(self._core(), sendbuf, recvbuf, root, nb=True)  # type: ignore[no-any-return]
 
     def Iscatter(self, sendbuf: Any, recvbuf: Any, root: int = 0) -> Request:
-        self.Scatter(sendbuf, recvbuf, root)
-        return Request._of(DoneOp())
+        return collbuf.Scatter(self._core(), sendbuf, recvbuf, root, nb=True)  # type: ignore[no-any-return]
+
+    def Iscatterv(self, sendbuf: Any, recvbuf: Any, root: int = 0) -> Request:
+        return collbuf.Scatterv(self._core(), sendbuf, recvbuf, root, nb=True)  # type: ignore[no-any-return]
 
     def Iallgather(self, sendbuf: Any, recvbuf: Any) -> Request:
-        self.Allgather(sendbuf, recvbuf)
-        return Request._of(DoneOp())
+        return collbuf.Allgather(self._core(), sendbuf, recvbuf, nb=True)  # type: ignore[no-any-return]
+
+    def Iallgatherv(self, sendbuf: Any, recvbuf: Any) -> Request:
+        return collbuf.Allgatherv(self._core(), sendbuf, recvbuf, nb=True)  # type: ignore[no-any-return]
 
     def Ialltoall(self, sendbuf: Any, recvbuf: Any) -> Request:
-        self.Alltoall(sendbuf, recvbuf)
-        return Request._of(DoneOp())
+        return collbuf.Alltoall(self._core(), sendbuf, recvbuf, nb=True)  # type: ignore[no-any-return]
+
+    def Ialltoallv(self, sendbuf: Any, recvbuf: Any) -> Request:
+        return collbuf.Alltoallv(self._core(), sendbuf, recvbuf, nb=True)  # type: ignore[no-any-return]
+
+    def Ireduce_scatter_block(self, sendbuf: Any, recvbuf: Any, op: Any = ops.SUM) -> Request:
+        return collbuf.Reduce_scatter_block(self._core(), sendbuf, recvbuf, op, nb=True)  # type: ignore[no-any-return]
+
+    def Ireduce_scatter(
+        self, sendbuf: Any, recvbuf: Any, recvcounts: Any = None, op: Any = ops.SUM
+    ) -> Request:
+        h = self._core()
+        return collbuf.Reduce_scatter(h, sendbuf, recvbuf, recvcounts, op, nb=True)  # type: ignore[no-any-return]
 
     def ibarrier(self) -> Request:
         return self.Ibarrier()
@@ -147,9 +165,9 @@ class IntraCollectives:
         collbuf.Scan(self._core(), sendbuf, recvbuf, op, exclusive=True)
 
     def Iscan(self, sendbuf: Any, recvbuf: Any, op: Any = ops.SUM) -> Request:
-        self.Scan(sendbuf, recvbuf, op)
-        return Request._of(DoneOp())
+        h = self._core()
+        return collbuf.Scan(h, sendbuf, recvbuf, op, exclusive=False, nb=True)  # type: ignore[no-any-return]
 
     def Iexscan(self, sendbuf: Any, recvbuf: Any, op: Any = ops.SUM) -> Request:
-        self.Exscan(sendbuf, recvbuf, op)
-        return Request._of(DoneOp())
+        h = self._core()
+        return collbuf.Scan(h, sendbuf, recvbuf, op, exclusive=True, nb=True)  # type: ignore[no-any-return]

@@ -68,6 +68,7 @@ def finalize() -> None:
     eng = engine()
     transport = eng.transport
     if transport is not None:
+        eng._flush_notices()
         transport.finalize()
         transport.sock.close()
         eng.transport = None

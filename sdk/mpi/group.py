@@ -125,7 +125,14 @@ class Group:
         return f"<mpi4py.MPI.Group {self._members}>"
 
     def __reduce__(self) -> Any:
-        raise TypeError("cannot pickle an MPI.Group")
+        # Only the predefined groups travel (as mpi4py): by name, or as a copy of one.
+        for name in ("GROUP_NULL", "GROUP_EMPTY"):
+            const = globals()[name]
+            if self is const:
+                return name
+            if self._members == const._members:
+                return (Group, (const,))
+        raise ValueError("cannot serialize 'mpi4py.MPI.Group' instance")
 
 
 GROUP_NULL = Group()

@@ -97,6 +97,10 @@ class Matcher:
                 return i
         return -1
 
+    def remove(self, entry: Entry) -> None:
+        """Take a probed message out of the queue (matched probe: ``Mprobe``)."""
+        self.unexpected[entry[0].ctx].remove(entry)
+
     def cancel(self, op: Any) -> bool:
         """Withdraw a posted receive; False if it was already matched."""
         try:

@@ -59,32 +59,48 @@ _PY: dict[str, Callable[[Any, Any], Any]] = {
 }
 
 
-class Op:
-    """``MPI.Op``: a predefined operation or one made by ``Op.Create``."""
+MAX_USER_OPS = 32
+"""Live user-defined operations allowed at once (MPICH's limit, which mpi4py's tests expect)."""
 
-    __slots__ = ("_commute", "_name", "_user")
+_user_slots: dict[int, Callable[..., Any]] = {}
+
+
+class Op:
+    """``MPI.Op``: a predefined operation (``_name`` is its constant's name, ``OP_NULL``
+    included) or one made by ``Op.Create`` (``_user`` is the function, ``_slot`` its entry in
+    the registry of live user operations)."""
+
+    __slots__ = ("_commute", "_name", "_slot", "_user")
 
     def __init__(self, op: Op | None = None) -> None:
         if op is not None:
             self._name, self._user, self._commute = op._name, op._user, op._commute
+            self._slot = op._slot
         else:
-            self._name, self._user, self._commute = "", None, True
+            self._name, self._user, self._commute, self._slot = "OP_NULL", None, True, 0
 
     @classmethod
     def _predefined(cls, name: str) -> Op:
         op = cls.__new__(cls)
-        op._name, op._user, op._commute = name, None, True
+        op._name, op._user, op._commute, op._slot = name, None, True, 0
         return op
 
     @classmethod
     def Create(cls, function: Callable[..., Any], commute: bool = False) -> Op:
+        if len(_user_slots) >= MAX_USER_OPS:
+            raise RuntimeError(f"too many user-defined reduction operations ({MAX_USER_OPS})")
+        slot = 1
+        while slot in _user_slots:
+            slot += 1
+        _user_slots[slot] = function
         op = cls.__new__(cls)
-        op._name, op._user, op._commute = "", function, bool(commute)
+        op._name, op._user, op._commute, op._slot = "", function, bool(commute), slot
         return op
 
     def Free(self) -> None:
-        self._user = None
-        self._name = ""
+        if self._user is not None:
+            _user_slots.pop(self._slot, None)
+        self._name, self._user, self._commute, self._slot = "OP_NULL", None, True, 0
 
     def Is_commutative(self) -> bool:
         return self._commute
@@ -95,33 +111,38 @@ class Op:
 
     @property
     def is_predefined(self) -> bool:
-        return self._user is None and bool(self._name)
+        return self._user is None
+
+    def toint(self) -> int:
+        return -1
 
     def __bool__(self) -> bool:
-        return self._user is not None or bool(self._name)
+        return self._user is not None or self._name != "OP_NULL"
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Op):
             return NotImplemented
-        return self._name == other._name and self._user is other._user
+        return self._name == other._name and self._slot == other._slot
 
     def __hash__(self) -> int:
-        return hash((self._name, id(self._user)))
+        return hash((self._name, self._slot))
 
     def __repr__(self) -> str:
         return f"<mpi4py.MPI.Op {self._name or 'user'}>"
 
     def __reduce__(self) -> Any:
-        if self.is_predefined:
-            return (Op._predefined, (self._name,))
-        raise TypeError("cannot pickle a user-defined MPI.Op")
+        if self._user is None:
+            if globals().get(self._name) is self:
+                return self._name  # the module's constant itself
+            return (Op, (globals()[self._name],))
+        return (type(self).Create, (self._user, self._commute))
 
     def __call__(self, x: Any, y: Any) -> Any:
         """Combine two Python objects, ``x`` from the lower ranks."""
         if self._user is not None:
             return self._user(x, y, None)
-        if not self._name:
-            raise errors.MPIException(errors.ERR_OP)
+        if self._name == "OP_NULL":
+            raise ValueError("cannot call user-defined operation")
         return _PY[self._name](x, y)
 
     # ---- buffers -------------------------------------------------------------------------
@@ -129,7 +150,7 @@ class Op:
     def reduce_bytes(self, a: memoryview, b: memoryview, datatype: Datatype) -> None:
         """``b = a op b`` elementwise, in place in ``b``; ``a`` holds the lower ranks' part."""
         if self._user is not None:
-            self._user(a, b, datatype)
+            self._user(_typed(a, datatype), _typed(b, datatype), datatype)
             return
         _apply_numpy(self._name, a, b, datatype)
 
@@ -138,9 +159,23 @@ class Op:
 
         src = parse(inbuf, writable=False)
         dst = parse(inoutbuf, writable=True)
+        if src.datatype != dst.datatype and src.datatype.size != dst.datatype.size:
+            raise ValueError("mismatch in inbuf and inoutbuf MPI datatypes")
         if src.view.nbytes != dst.view.nbytes:
-            raise errors.MPIException(errors.ERR_COUNT, "buffers of different sizes")
+            raise ValueError(f"mismatch in inbuf count {src.items} and inoutbuf count {dst.items}")
         self.reduce_bytes(src.view, dst.view, dst.datatype)
+
+
+def _typed(view: memoryview, datatype: Datatype) -> memoryview:
+    """The view as the elements of a basic datatype when it has a struct code, so a user
+    function may assign an ``array`` of that type to it (as to mpi4py's buffers)."""
+    code = getattr(datatype, "_code", None)
+    if code and datatype.extent == datatype.size and len(code) == 1:
+        try:
+            return view.cast(code)
+        except (TypeError, ValueError):
+            pass
+    return view
 
 
 def _apply_numpy(name: str, a: memoryview, b: memoryview, datatype: Datatype) -> None:
@@ -190,7 +225,7 @@ _NUMPY = {
     "BXOR": "bitwise_xor",
 }
 
-OP_NULL = Op()
+OP_NULL = Op._predefined("OP_NULL")
 MAX = Op._predefined("MAX")
 MIN = Op._predefined("MIN")
 SUM = Op._predefined("SUM")

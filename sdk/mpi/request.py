@@ -105,7 +105,8 @@ class RecvOp:
             self.fill(status)
         if self.error:
             raise errors.MPIException(self.error)
-        if self.view is None and self.msg is not None:
+        if self.view is None and self.msg is not None and self.nbytes:
+            # An empty message (e.g. ``Send([None, 0, "B"])``) is None, as in mpi4py.
             return pickle_.loads(self.payload, self.msg.parts)
         return None
 
@@ -137,33 +138,78 @@ def _engine() -> Any:
     return environment.engine()
 
 
-class Request:
-    """``MPI.Request``. A null request (``REQUEST_NULL``) has no operation."""
+_handles: dict[int, Request] = {}  # handles handed out by ``Request.handle``, for fromhandle
 
-    __slots__ = ("_op",)
+
+class Request:
+    """``MPI.Request``. A null request (``REQUEST_NULL``) has no operation.
+
+    ``_op`` is the active operation; ``_start`` makes a new one for persistent requests, whose
+    identity (handle) it is: an inactive persistent request is not null."""
+
+    __slots__ = ("_op", "_start")
 
     def __init__(self, request: Request | None = None) -> None:
+        if request is not None and not isinstance(request, Request):
+            raise TypeError(f"expected a Request, got {type(request).__name__}")
         self._op: Any = request._op if request is not None else None
+        self._start: Callable[[], Any] | None = (
+            request._start if request is not None else None
+        )
 
     @classmethod
     def _of(cls, op: Any) -> Request:
         req = cls.__new__(cls)
         req._op = op
+        req._start = None
         return req
+
+    def _key(self) -> Any:
+        return self._start if self._start is not None else self._op
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Request):
             return NotImplemented
-        return self._op is other._op
+        return self._key() is other._key()
 
     def __hash__(self) -> int:
-        return id(self._op)
+        return id(self._key())
 
     def __bool__(self) -> bool:
-        return self._op is not None
+        return self._key() is not None
 
     def __repr__(self) -> str:
-        return f"<mpi4py.MPI.{type(self).__name__} {'null' if self._op is None else 'active'}>"
+        return f"<mpi4py.MPI.{type(self).__name__} {'null' if not self else 'active'}>"
+
+    @property
+    def handle(self) -> int:
+        key = self._key()
+        if key is None:
+            return 0
+        _handles[id(key)] = self
+        return id(key)
+
+    @classmethod
+    def fromhandle(cls, handle: int) -> Any:
+        obj = cls.__new__(cls)
+        src = _handles.get(handle)
+        obj._op = src._op if src is not None else None
+        obj._start = src._start if src is not None else None
+        return obj
+
+    def toint(self) -> int:
+        return self.handle
+
+    def py2f(self) -> int:
+        return self.handle
+
+    @classmethod
+    def fromint(cls, value: int) -> Any:
+        return cls.fromhandle(value)
+
+    @classmethod
+    def f2py(cls, value: int) -> Any:
+        return cls.fromhandle(value)
 
     # ---- one request ---------------------------------------------------------------------
 
@@ -179,6 +225,7 @@ class Request:
         return op.finish(status)
 
     def _release(self) -> None:
+        # A completed persistent request becomes inactive, not null: it may be started again.
         self._op = None
 
     def _test(self) -> bool:
@@ -216,7 +263,7 @@ class Request:
             elif isinstance(op, RecvOp):
                 op.fill(status)
             else:
-                status._fill(op.source, ANY_TAG, 0)
+                status._fill(getattr(op, "source", ANY_SOURCE), ANY_TAG, 0)
         return True
 
     def get_status(self, status: Status | None = None) -> bool:
@@ -227,16 +274,16 @@ class Request:
         if isinstance(op, RecvOp) and not op.done and _engine().matcher.cancel(op):
             op.cancelled = True
             op.done = True
+        elif hasattr(op, "cancel"):
+            op.cancel()
 
     def cancel(self) -> None:
         self.Cancel()
 
     def Free(self) -> None:
-        op = self._op
-        if isinstance(op, RecvOp) and not op.done:
-            # A freed receive still completes eventually; keep matching it but drop the result.
-            pass
+        # A freed receive still completes eventually: it stays posted, its result is dropped.
         self._op = None
+        self._start = None
 
     def free(self) -> None:
         self.Free()
@@ -312,13 +359,59 @@ class Request:
         for req in requests:
             req.Start()
 
+    # ---- status without completion (MPI 4.1) ------------------------------------------------
 
-def _statuses(statuses: list[Status] | None, n: int) -> list[Status | None]:
+    @classmethod
+    def Get_status_any(
+        cls, requests: Sequence[Request], status: Status | None = None
+    ) -> tuple[int, bool]:
+        index, found = _first_done(requests)
+        if not found:
+            _engine().poke()
+            index, found = _first_done(requests)
+        if found and status is not None:
+            if index == UNDEFINED:
+                status._fill(ANY_SOURCE, ANY_TAG, 0)
+            else:
+                requests[index].Get_status(status)
+        return index, found
+
+    get_status_any = Get_status_any
+
+    @classmethod
+    def Get_status_all(cls, requests: Sequence[Request], statuses: Any = None) -> bool:
+        if not all(r._test() for r in requests):
+            return False
+        for req, st in zip(requests, _statuses(statuses, len(requests)), strict=True):
+            req.Get_status(st)
+        return True
+
+    get_status_all = Get_status_all
+
+    @classmethod
+    def Get_status_some(
+        cls, requests: Sequence[Request], statuses: Any = None
+    ) -> list[int] | None:
+        if not any(r._op is not None for r in requests):
+            return None
+        _engine().poke()
+        done = [i for i, r in enumerate(requests) if r._op is not None and r._op.done]
+        for i, st in zip(done, _statuses(statuses, len(done)), strict=True):
+            requests[i].Get_status(st)
+        return done
+
+    get_status_some = Get_status_some
+
+
+def _statuses(statuses: Any, n: int) -> list[Status | None]:
+    """The first ``n`` statuses to fill, as mpi4py does: a short list grows, a tuple does not."""
     if statuses is None:
         return [None] * n
-    while len(statuses) < n:
-        statuses.append(Status())
-    return list(statuses[:n])
+    if isinstance(statuses, list):
+        while len(statuses) < n:
+            statuses.append(Status())
+    have = list(statuses[:n])
+    return have + [None] * (n - len(have))
 
 
 def _waitall(requests: Sequence[Request], statuses: list[Status] | None) -> list[Any]:
@@ -410,7 +503,7 @@ def _some(
         while block and not done:
             eng.block()
             done, _ = ready()
-    sts = _statuses(statuses, len(done)) if statuses is not None else [None] * len(done)
+    sts = _statuses(statuses, len(done))
     results = [requests[i]._complete(st) for i, st in zip(done, sts, strict=True)]
     return done, results
 
@@ -418,11 +511,7 @@ def _some(
 class Prequest(Request):
     """``MPI.Prequest``: a persistent request; ``Start`` runs the operation again."""
 
-    __slots__ = ("_start",)
-
-    def __init__(self, request: Request | None = None) -> None:
-        super().__init__(request)
-        self._start: Callable[[], Any] | None = getattr(request, "_start", None)
+    __slots__ = ()
 
     @classmethod
     def _persistent(cls, start: Callable[[], Any]) -> Prequest:
@@ -438,13 +527,6 @@ class Prequest(Request):
 
     def start(self) -> None:
         self.Start()
-
-    def _release(self) -> None:
-        # A completed persistent request becomes inactive, not null: it may be started again.
-        self._op = None
-
-    def __bool__(self) -> bool:
-        return self._start is not None
 
     def Free(self) -> None:
         self._op = None

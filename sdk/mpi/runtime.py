@@ -8,20 +8,44 @@ Progress happens only inside MPI calls: ``wait`` blocks in the transport until t
 waits for completes; ``poke`` reads whatever has arrived without blocking. There are no pending
 writes between calls (sends complete when handed to the socket), so at every call boundary the
 process state is plain data: the queues of the matcher and the transport's counters.
+
+Synchronous sends (``Ssend``/``Issend``) carry ``KIND_SYNC`` in ``Data.kind``; the receiver, when
+it matches such a message, answers with an empty ``Data`` on the reserved context ``CTX_MATCHED``
+whose tag is the matched message's seq. The send completes when that notice arrives. Notices are
+queued while the transport is delivering (no writes from inside its callbacks) and sent when the
+MPI call that made progress returns control to the engine.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from vpool.protocol.messages import Data
+from vpool.protocol.messages import KIND_BUFFER, Data
 from vpool.sdk.mpi import errors
 from vpool.sdk.mpi.matching import Matcher
 from vpool.sdk.mpi.transport import Transport
 
+KIND_SYNC = 0x10  # flag on Data.kind: the sender waits until the message is matched
+CTX_MATCHED = -1  # reserved context of "your synchronous message seq=tag was matched" notices
+
+
+class SyncSendOp:
+    """A synchronous send: done once the receiver matched it."""
+
+    __slots__ = ("done",)
+
+    def __init__(self) -> None:
+        self.done = False
+
+    def finish(self, status: Any) -> None:
+        if status is not None:
+            status._fill(-2, -1, 0)  # ANY_SOURCE, ANY_TAG: a send's status says nothing
+        return None
+
 
 class Engine:
-    __slots__ = ("job", "matcher", "next_ctx", "rank", "size", "transport")
+    __slots__ = ("job", "local_seq", "matcher", "next_ctx", "notices", "rank", "size", "syncs",
+                 "transport")
 
     def __init__(self, job: int, rank: int, size: int) -> None:
         self.job = job
@@ -32,6 +56,10 @@ class Engine:
         # Context ids: 0/1 are COMM_WORLD's, 2/3 COMM_SELF's (never on the wire); every new
         # communicator takes the next free even id, agreed by its members (``comm.agree_ctx``).
         self.next_ctx = 4
+        # Synchronous sends waiting for their notice, by (destination world rank, seq).
+        self.syncs: dict[tuple[int, int], SyncSendOp] = {}
+        self.notices: list[tuple[int, int]] = []  # (source, seq) of matched synchronous messages
+        self.local_seq = 0  # seq numbers of messages to self (they never reach the transport)
 
     # ---- sending -------------------------------------------------------------------------
 
@@ -46,15 +74,65 @@ class Engine:
         else:
             raise errors.MPIException(errors.ERR_OTHER, "MPI is not initialized or finalized")
 
-    def _send_local(self, ctx: int, tag: int, kind: int, parts: list[int], bufs: list[Any]) -> None:
+    def ssend(
+        self, dst: int, ctx: int, tag: int, kind: int, parts: list[int], bufs: list[Any], n: int
+    ) -> SyncSendOp:
+        """Start a synchronous send; the returned operation is done once the message matched."""
+        op = SyncSendOp()
+        kind |= KIND_SYNC
+        if dst == self.rank:
+            self.local_seq += 1
+            self.syncs[(dst, self.local_seq)] = op
+            self._send_local(ctx, tag, kind, parts, bufs, self.local_seq)
+        elif self.transport is not None:
+            self.transport.send_data(dst, ctx, tag, kind, parts, bufs, n)
+            self.syncs[(dst, self.transport.sent[dst])] = op
+        else:
+            raise errors.MPIException(errors.ERR_OTHER, "MPI is not initialized or finalized")
+        return op
+
+    def _send_local(
+        self, ctx: int, tag: int, kind: int, parts: list[int], bufs: list[Any], seq: int = 0
+    ) -> None:
         # Copy now: the sender may reuse its buffers as soon as the send returns.
         payload = bytearray().join(bufs) if parts else b"".join(bufs)
-        msg = Data(self.job, self.rank, self.rank, 0, ctx, tag, kind, parts)
+        msg = Data(self.job, self.rank, self.rank, seq, ctx, tag, kind, parts)
         op = self.matcher.arrive(msg)
         if op is not None:
+            self._matched(msg)
             op.complete(msg, payload)
         else:
             self.matcher.stash(msg, payload)
+
+    # ---- synchronous-send notices ----------------------------------------------------------
+
+    def _matched(self, msg: Data) -> None:
+        """A receive took ``msg``: tell its sender if it waits for that."""
+        if msg.kind & KIND_SYNC:
+            if msg.src == self.rank:
+                op = self.syncs.pop((msg.src, msg.seq), None)
+                if op is not None:
+                    op.done = True
+            else:
+                self.notices.append((msg.src, msg.seq))
+
+    def _flush_notices(self) -> None:
+        notices = self.notices
+        transport = self.transport
+        while notices and transport is not None:
+            src, seq = notices.pop(0)
+            transport.send_data(src, CTX_MATCHED, seq, KIND_BUFFER, [], [], 0)
+
+    def _on_notice(self, msg: Data) -> None:
+        op = self.syncs.pop((msg.src, msg.tag), None)
+        if op is not None:
+            op.done = True
+
+    def claim(self, entry: Any) -> None:
+        """A matched probe took ``entry`` out of the unexpected queue."""
+        self.matcher.remove(entry)
+        self._matched(entry[0])
+        self._flush_notices()
 
     # ---- receiving -----------------------------------------------------------------------
 
@@ -62,7 +140,9 @@ class Engine:
         """Post a receive: it takes a queued message now or waits in the posted queue."""
         entry = self.matcher.post(op)
         if entry is not None:
+            self._matched(entry[0])
             op.complete(entry[0], entry[1])
+            self._flush_notices()
 
     def wait(self, op: Any) -> None:
         """Make progress until ``op.done``."""
@@ -71,23 +151,33 @@ class Engine:
             if transport is None:
                 raise _no_peers()
             transport.progress(True)
+            if self.notices:
+                self._flush_notices()
 
     def block(self) -> None:
         """Wait for anything to arrive (callers re-check their condition)."""
         if self.transport is None:
             raise _no_peers()
         self.transport.progress(True)
+        if self.notices:
+            self._flush_notices()
 
     def poke(self) -> None:
         """Take in whatever has arrived, without blocking."""
         if self.transport is not None:
             self.transport.progress(False)
+            if self.notices:
+                self._flush_notices()
 
     # ---- transport sink ------------------------------------------------------------------
 
     def on_small(self, msg: Data, view: memoryview) -> None:
+        if msg.ctx == CTX_MATCHED:
+            self._on_notice(msg)
+            return
         op = self.matcher.arrive(msg)
         if op is not None:
+            self._matched(msg)
             op.complete_view(msg, view)
         else:
             self.matcher.stash(msg, bytearray(view) if msg.parts else bytes(view))
@@ -95,6 +185,7 @@ class Engine:
     def on_header(self, msg: Data, nbytes: int) -> tuple[memoryview, Any]:
         op = self.matcher.arrive(msg)
         if op is not None:
+            self._matched(msg)
             target = op.direct(nbytes)
             if target is not None:
                 return target, (op, True)
@@ -111,6 +202,7 @@ class Engine:
             if op is None:
                 self.matcher.stash(msg, view.obj)
                 return
+            self._matched(msg)
         op.complete(msg, view)
 
 

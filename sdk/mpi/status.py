@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from array import array
 from typing import Any
 
 from vpool.sdk.mpi import errors
@@ -9,23 +10,82 @@ from vpool.sdk.mpi.constants import ANY_SOURCE, ANY_TAG, UNDEFINED
 from vpool.sdk.mpi.datatypes import BYTE, Datatype
 
 
+_LO, _HI, _SRC, _TAG, _ERR = range(5)
+
+
 class Status:
-    __slots__ = ("_cancelled", "_count", "_error", "_source", "_tag")
+    """Five C ints laid out as MPICH's ``MPI_Status`` (count_lo, count_hi_and_cancelled,
+    MPI_SOURCE, MPI_TAG, MPI_ERROR), so ``tomemory`` gives a live view as mpi4py does."""
+
+    __slots__ = ("_m",)
 
     def __init__(self, status: Status | None = None) -> None:
         if status is not None:
-            self._source, self._tag, self._error = status._source, status._tag, status._error
-            self._count, self._cancelled = status._count, status._cancelled
+            if not isinstance(status, Status):
+                raise TypeError(f"expected a Status, got {type(status).__name__}")
+            self._m = array("i", status._m)
         else:
-            self._source = ANY_SOURCE
-            self._tag = ANY_TAG
-            self._error = errors.SUCCESS
-            self._count = 0
-            self._cancelled = False
+            self._m = array("i", (0, 0, ANY_SOURCE, ANY_TAG, errors.SUCCESS))
 
     def _fill(self, source: int, tag: int, count: int, error: int = errors.SUCCESS) -> None:
-        self._source, self._tag, self._count, self._error = source, tag, count, error
-        self._cancelled = False
+        m = self._m
+        m[_SRC] = source
+        m[_TAG] = tag
+        m[_ERR] = error
+        if count >> 31:
+            m[_HI] = 0
+            self._count = count
+        else:
+            m[_LO] = count
+            m[_HI] = 0
+
+    @property
+    def _count(self) -> int:
+        m = self._m
+        return (m[_LO] & 0xFFFFFFFF) | ((m[_HI] >> 1) << 32)
+
+    @_count.setter
+    def _count(self, count: int) -> None:
+        m = self._m
+        lo = count & 0xFFFFFFFF
+        m[_LO] = lo - (1 << 32) if lo >> 31 else lo
+        m[_HI] = ((count >> 32) << 1) | (m[_HI] & 1)
+
+    @property
+    def _cancelled(self) -> bool:
+        return bool(self._m[_HI] & 1)
+
+    @_cancelled.setter
+    def _cancelled(self, flag: bool) -> None:
+        m = self._m
+        m[_HI] = (m[_HI] & ~1) | (1 if flag else 0)
+
+    @property
+    def _source(self) -> int:
+        return self._m[_SRC]
+
+    @_source.setter
+    def _source(self, value: int) -> None:
+        self._m[_SRC] = value
+
+    @property
+    def _tag(self) -> int:
+        return self._m[_TAG]
+
+    @_tag.setter
+    def _tag(self, value: int) -> None:
+        self._m[_TAG] = value
+
+    @property
+    def _error(self) -> int:
+        return self._m[_ERR]
+
+    @_error.setter
+    def _error(self, value: int) -> None:
+        self._m[_ERR] = value
+
+    def tomemory(self) -> memoryview:
+        return memoryview(self._m)
 
     def Get_source(self) -> int:
         return self._source
@@ -83,13 +143,12 @@ class Status:
         self._count = value
 
     def py2f(self) -> list[int]:
-        return [self._count, int(self._cancelled), self._source, self._tag, self._error]
+        return list(self._m)
 
     @classmethod
     def f2py(cls, arg: list[int]) -> Status:
         st = cls()
-        st._count, cancelled, st._source, st._tag, st._error = arg
-        st._cancelled = bool(cancelled)
+        st._m = array("i", arg)
         return st
 
     def __eq__(self, other: object) -> bool:

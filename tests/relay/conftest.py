@@ -48,18 +48,12 @@ def pool(tmp_path_factory: pytest.TempPathFactory) -> object:
     return fakes.Pool(tmp_path_factory.mktemp("pki"))
 
 
-@pytest.fixture(params=["trio", "direct"])
-async def relay(
-    nursery: trio.Nursery,
-    pool: object,
-    tmp_path: Path,
-    agents: object,
-    request: pytest.FixtureRequest,
-) -> object:
-    """A relay in the test's nursery, once per TLS engine."""
+@pytest.fixture
+async def relay(nursery: trio.Nursery, pool: object, tmp_path: Path, agents: object) -> object:
+    """A relay in the test's nursery."""
     return await fakes.start_relay(
         nursery,
-        pool.settings(tmp_path / "relay", tls_engine=request.param),  # type: ignore[attr-defined]
+        pool.settings(tmp_path / "relay"),  # type: ignore[attr-defined]
         signing_key=pool.key.public_key(),  # type: ignore[attr-defined]
     )
 

@@ -3,7 +3,6 @@ control, resuming from counters, duplicates, gaps, fencing, detaching."""
 
 from __future__ import annotations
 
-import pytest
 import trio
 from relay_fakes import FakeAgent, Pool, RunningRelay, start_relay
 
@@ -108,11 +107,10 @@ async def test_flow_control_window(
     assert [m.seq for m, _ in rest] == list(range(per_window + 2, 11))
 
 
-@pytest.mark.parametrize("engine", ["trio", "direct"])
 async def test_frame_larger_than_window_goes_alone(
-    pool: Pool, nursery: trio.Nursery, tmp_path: object, agents: object, engine: str
+    pool: Pool, nursery: trio.Nursery, tmp_path: object, agents: object
 ) -> None:
-    settings = pool.settings(tmp_path / "relay", push_window=64 * 1024, tls_engine=engine)  # type: ignore[operator]
+    settings = pool.settings(tmp_path / "relay", push_window=64 * 1024)  # type: ignore[operator]
     relay = await start_relay(nursery, settings, signing_key=pool.key.public_key())
     a = await FakeAgent.connect(pool, relay.addr, "agent-a")
     r = await FakeAgent.connect(pool, relay.addr, "agent-r")

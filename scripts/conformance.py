@@ -1,0 +1,419 @@
+#!/usr/bin/env python3
+"""Run mpi4py 4.1.2's own test suite against vpool's MPI runtime and write docs/conformance.md.
+
+Each test module runs as ``vsdk mpiexec -n N -- test/main.py -v MODULE`` for every N asked for,
+with a timeout (a hung run is killed, with its process group, and counted as hung). Each rank's
+unittest output goes to its own log file, so results of different ranks never interleave: this
+script re-runs itself inside every rank (``--rank-log DIR``) to redirect stdout/stderr before
+running main.py unchanged.
+
+A test counts once however many ranks ran it: failed (or error) if it failed on any rank, skipped
+and passed as rank 0 reports. Results are kept in .cache/conformance/results.json keyed by
+(ranks, module), so runs of a few modules update the report without losing the others.
+
+    scripts/conformance.py --core --check          # CI: the core modules at 1, 2 and 4 ranks
+    scripts/conformance.py --modules test_p2p_obj --ranks 2
+    scripts/conformance.py --all --ranks 2         # whole suite, for the comparison with MPICH
+
+Exit status: 0, or 1 with ``--check`` when a core module has failures, errors or hangs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import runpy
+import signal
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from pathlib import Path
+
+VERSION = "4.1.2"
+ROOT = Path(__file__).resolve().parent.parent
+CACHE = ROOT / ".cache"
+SDIST = CACHE / "sdist" / f"mpi4py-{VERSION}"
+RESULTS = CACHE / "conformance" / "results.json"
+REPORT = ROOT / "docs" / "conformance.md"
+VSDK = ROOT / ".venv" / "bin" / "vsdk"
+
+CORE = [
+    "test_p2p_obj",
+    "test_p2p_buf",
+    "test_request",
+    "test_status",
+    "test_msgzero",
+    "test_environ",
+    "test_errhandler",
+    "test_exceptions",
+    "test_cco_obj",
+    "test_cco_buf",
+    "test_cco_vec",
+    "test_cco_nb_buf",
+    "test_op",
+    "test_comm",
+    "test_group",
+    "test_comm_topo",
+]
+
+# Real MPICH (mpi4py 4.1.2's suite at 2 ranks), the yardstick of the whole-suite count.
+MPICH_PASSED, MPICH_TOTAL = 1931, 2127
+
+OUT_OF_SCOPE = [
+    (
+        "One-sided communication (RMA: `MPI.Win`, Put/Get/Accumulate)",
+        "needs remote memory access between volunteer machines with no shared memory or RDMA; "
+        "every byte goes through relays as a logged message",
+    ),
+    (
+        "Parallel I/O (MPI-IO: `MPI.File`)",
+        "ranks run in throw-away work directories on different machines; there is no shared "
+        "file system to open a file collectively on",
+    ),
+    (
+        "Dynamic processes (Spawn, Connect/Accept, ports, name publishing)",
+        "a job's ranks are placed and gang-scheduled by the coordinator up front; jobs cannot "
+        "grow or join each other",
+    ),
+    (
+        "Intercommunicators (for now)",
+        "only intracommunicators exist; `Create_intercomm` and the intercommunicator collectives "
+        "are not implemented yet",
+    ),
+]
+
+_RAN = re.compile(r"^Ran (\d+) tests? in ")
+_SUMMARY = re.compile(r"^(OK|FAILED)\b(?: \((.*)\))?\s*$")
+_HEADER = re.compile(r"^(FAIL|ERROR): (\S+) \(([\w.]+)\)")
+_LINE = re.compile(r"^(\w+) \(([\w.]+)\)(?:\n.*)? \.\.\. ")
+_SKIP = re.compile(r" \.\.\. skipped '(.*)'$")
+
+
+# ---- inside a rank -----------------------------------------------------------------------
+
+
+def rank_main(logdir: str, argv: list[str]) -> None:
+    """Send this rank's stdout/stderr to its own log, then run main.py as a script."""
+    path = os.path.join(logdir, f"rank-{os.environ.get('VPOOL_RANK', '0')}.log")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    sys.argv = list(argv)
+    sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))
+    runpy.run_path(argv[0], run_name="__main__")
+
+
+# ---- the sdist ---------------------------------------------------------------------------
+
+
+def ensure_sdist() -> Path:
+    if (SDIST / "test" / "main.py").is_file():
+        return SDIST
+    SDIST.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        subprocess.run(
+            [
+                sys.executable, "-m", "pip", "download", "--no-binary", ":all:", "--no-deps",
+                "--dest", tmp, f"mpi4py=={VERSION}",
+            ],
+            check=True,
+        )
+        archive = next(Path(tmp).glob(f"mpi4py-{VERSION}.tar.gz"))
+        with tarfile.open(archive) as tar:
+            tar.extractall(SDIST.parent, filter="data")
+    return SDIST
+
+
+def all_modules(sdist: Path) -> list[str]:
+    return sorted(p.stem for p in (sdist / "test").glob("test_*.py"))
+
+
+# ---- running one module ------------------------------------------------------------------
+
+
+def run_module(sdist: Path, module: str, ranks: int, timeout: float) -> dict:
+    with tempfile.TemporaryDirectory(prefix="conformance-") as logdir:
+        cmd = [
+            str(VSDK), "mpiexec", "-n", str(ranks), "--",
+            str(Path(__file__).resolve()), "--rank-log", logdir,
+            str(sdist / "test" / "main.py"), "-v", module,
+        ]
+        start = time.monotonic()
+        proc = subprocess.Popen(
+            cmd,
+            cwd=sdist / "test",
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # its own process group: a hang is killed with its ranks
+        )
+        hung = False
+        try:
+            out, _ = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            hung = True
+            _kill_group(proc)
+            out, _ = proc.communicate()
+        elapsed = time.monotonic() - start
+        logs = [
+            (Path(logdir) / f"rank-{r}.log").read_text(errors="replace")
+            if (Path(logdir) / f"rank-{r}.log").exists()
+            else ""
+            for r in range(ranks)
+        ]
+    result = parse(logs, hung)
+    result.update(
+        module=module,
+        ranks=ranks,
+        seconds=round(elapsed, 1),
+        exit_code=proc.returncode,
+        launcher=out.decode(errors="replace")[-2000:],
+    )
+    return result
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=5)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def parse(logs: list[str], hung: bool) -> dict:
+    """Counts of one module from every rank's unittest output (see the module docstring)."""
+    failed: set[str] = set()
+    errored: set[str] = set()
+    crashed: list[int] = []
+    running: dict[int, str] = {}
+    ran = skipped = 0
+    skip_reasons: dict[str, int] = {}
+    for rank, text in enumerate(logs):
+        lines = text.splitlines()
+        for line in lines:
+            m = _HEADER.match(line)
+            if m:
+                name = m.group(3)
+                (failed if m.group(1) == "FAIL" else errored).add(name)
+        summary = _summary(lines)
+        if summary is None:
+            crashed.append(rank)
+            last = _last_started(text)
+            if last:
+                running[rank] = last
+        if rank == 0:
+            if summary is not None:
+                ran, skipped = summary
+            else:
+                ran = len(re.findall(r" \.\.\. (?:ok|FAIL|ERROR|skipped|expected)", text))
+            for line in lines:
+                m = _SKIP.search(line)
+                if m:
+                    skip_reasons[m.group(1)] = skip_reasons.get(m.group(1), 0) + 1
+            if summary is None:
+                skipped = sum(skip_reasons.values())
+    errored -= failed
+    # Failing on another rank only is still one failing test of the ran ones.
+    n_bad = len(failed) + len(errored)
+    crash_error = 1 if crashed and not hung and not n_bad else 0
+    return {
+        "tests": ran,
+        "passed": max(ran - skipped - n_bad, 0),
+        "failed": len(failed),
+        "errors": len(errored) + crash_error,
+        "skipped": skipped,
+        "hung": 1 if hung else 0,
+        "failed_tests": sorted(failed),
+        "error_tests": sorted(errored),
+        "running_at_end": {str(k): v for k, v in running.items()},
+        "crashed_ranks": crashed if not hung else [],
+        "skip_reasons": skip_reasons,
+    }
+
+
+def _summary(lines: list[str]) -> tuple[int, int] | None:
+    ran = None
+    for i, line in enumerate(lines):
+        m = _RAN.match(line)
+        if m:
+            ran = int(m.group(1))
+            for follow in lines[i + 1 : i + 4]:
+                s = _SUMMARY.match(follow)
+                if s:
+                    skipped = re.search(r"skipped=(\d+)", s.group(2) or "")
+                    return ran, int(skipped.group(1)) if skipped else 0
+    return None
+
+
+def _last_started(text: str) -> str:
+    found = re.findall(r"^(\w+ \([\w.]+\)) \.\.\. ", text, re.M)
+    return found[-1] if found else ""
+
+
+# ---- the report --------------------------------------------------------------------------
+
+
+def load_results() -> dict:
+    if RESULTS.exists():
+        return json.loads(RESULTS.read_text())
+    return {}
+
+
+def save_results(results: dict) -> None:
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps(results, indent=1, sort_keys=True))
+
+
+COLS = ("tests", "passed", "failed", "errors", "skipped", "hung")
+
+
+def write_report(results: dict, path: Path) -> None:
+    by_ranks: dict[int, list[dict]] = {}
+    for r in results.values():
+        by_ranks.setdefault(r["ranks"], []).append(r)
+    out = [
+        "# mpi4py conformance",
+        "",
+        f"mpi4py {VERSION}'s own test suite (`test/main.py -v MODULE`) run against vpool's MPI",
+        "runtime with `vsdk mpiexec -n N`, one module per run. Generated by",
+        "`scripts/conformance.py`; do not edit by hand. A test counts once: failed if it failed",
+        "on any rank; skips and passes as rank 0 reports them. *hung* means the run was killed",
+        "at its timeout.",
+        "",
+    ]
+    whole = by_ranks.get(2, [])
+    if whole:
+        tot = {c: sum(r[c] for r in whole) for c in COLS}
+        out += [
+            "## Whole suite at 2 ranks",
+            "",
+            "| runtime | modules | passed | of tests | failed | errors | skipped | hung |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|",
+            f"| vpool | {len(whole)} | {tot['passed']} | {tot['tests']} | {tot['failed']} | "
+            f"{tot['errors']} | {tot['skipped']} | {tot['hung']} |",
+            f"| MPICH (reference) | all | {MPICH_PASSED:,} | {MPICH_TOTAL:,} | | | | |",
+            "",
+        ]
+        if len(whole) < 60:
+            out += [f"(only {len(whole)} modules were run at 2 ranks so far)", ""]
+    for n in sorted(by_ranks):
+        rows = sorted(by_ranks[n], key=lambda r: r["module"])
+        out += [
+            f"## {n} rank{'s' if n > 1 else ''}",
+            "",
+            "| module | core | tests | passed | failed | errors | skipped | hung | seconds |",
+            "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+        ]
+        for r in rows:
+            core = "yes" if r["module"] in CORE else ""
+            out.append(
+                f"| {r['module']} | {core} | "
+                + " | ".join(str(r[c]) for c in COLS)
+                + f" | {r['seconds']} |"
+            )
+        tot = {c: sum(r[c] for r in rows) for c in COLS}
+        out.append("| **total** | | " + " | ".join(f"**{tot[c]}**" for c in COLS) + " | |")
+        out.append("")
+        bad = [r for r in rows if r["failed"] or r["errors"] or r["hung"]]
+        if bad:
+            out += ["Not passing:", ""]
+            for r in bad:
+                names = r["failed_tests"] + r["error_tests"]
+                what = ", ".join(names[:8]) + (" ..." if len(names) > 8 else "")
+                if r["hung"]:
+                    what += f" hung in {r['running_at_end'] or 'start-up'}"
+                if r.get("crashed_ranks") and not names:
+                    what += f" ranks {r['crashed_ranks']} ended without a summary"
+                out.append(f"- {r['module']}: {what}")
+            out.append("")
+    out += [
+        "## Out of scope",
+        "",
+        "These features are not provided; the runtime raises `NotImplementedError` for them,",
+        "which the suite turns into skips where it supports that.",
+        "",
+    ]
+    for feature, why in OUT_OF_SCOPE:
+        out.append(f"- **{feature}**: {why}.")
+    reasons: dict[str, int] = {}
+    for r in results.values():
+        if r["ranks"] == 2:
+            for k, v in r["skip_reasons"].items():
+                reasons[k] = reasons.get(k, 0) + v
+    if reasons:
+        out += ["", "Skip reasons reported by the suite at 2 ranks (count of tests):", ""]
+        for k, v in sorted(reasons.items(), key=lambda kv: -kv[1]):
+            out.append(f"- {v} x `{k}`")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(out) + "\n")
+
+
+# ---- command line ------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--rank-log"]:
+        rank_main(argv[1], argv[2:])
+        return 0
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--ranks", default="1,2,4", help="rank counts, comma-separated")
+    which = parser.add_mutually_exclusive_group()
+    which.add_argument("--modules", help="test modules, comma-separated (test_ prefix optional)")
+    which.add_argument("--core", action="store_true", help="the core modules")
+    which.add_argument("--all", action="store_true", help="every module of the suite")
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds per module run")
+    parser.add_argument("--check", action="store_true", help="exit 1 if a core module fails")
+    parser.add_argument("--report", type=Path, default=REPORT, help="markdown output")
+    parser.add_argument("--fresh", action="store_true", help="forget earlier results")
+    opts = parser.parse_args(argv)
+
+    sdist = ensure_sdist()
+    if opts.all:
+        modules = all_modules(sdist)
+    elif opts.modules:
+        modules = [m if m.startswith("test_") else f"test_{m}" for m in opts.modules.split(",")]
+    else:
+        modules = CORE
+    rank_counts = [int(n) for n in opts.ranks.split(",")]
+    results = {} if opts.fresh else load_results()
+    bad = []
+    for n in rank_counts:
+        for module in modules:
+            r = run_module(sdist, module, n, opts.timeout)
+            results[f"{n}:{module}"] = r
+            save_results(results)
+            flag = "ok" if not (r["failed"] or r["errors"] or r["hung"]) else "NOT OK"
+            print(
+                f"{n} ranks {module:24} {flag:6} "
+                + " ".join(f"{c}={r[c]}" for c in COLS)
+                + f" ({r['seconds']}s)",
+                flush=True,
+            )
+            if flag != "ok":
+                for name in r["failed_tests"] + r["error_tests"]:
+                    print(f"    {name}", flush=True)
+                if r["hung"]:
+                    print(f"    hung in {r['running_at_end']}", flush=True)
+                if module in CORE:
+                    bad.append((n, module))
+    write_report(results, opts.report)
+    if opts.check and bad:
+        print(f"core modules not passing: {bad}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
