@@ -292,7 +292,7 @@ class Coordinator:
         if changed:
             self._states_changed()
         await self.schedule()
-        while False:
+        while not stops and hb.ranks and trio.current_time() < deadline:
             with trio.move_on_at(deadline):
                 await ended.wait()
             ended = self.ended.current()

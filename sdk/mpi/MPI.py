@@ -41,9 +41,10 @@ from vpool.sdk.mpi.handles import (  # noqa: F401  # noqa: F401
 from vpool.sdk.mpi.message import MESSAGE_NO_PROC, MESSAGE_NULL, Message  # noqa: F401
 from vpool.sdk.mpi.ops import *  # noqa: F403
 from vpool.sdk.mpi.ops import Op  # noqa: F401
+from vpool.sdk.mpi.outofscope import *  # noqa: F403
 from vpool.sdk.mpi.request import REQUEST_NULL, Prequest, Request  # noqa: F401
 from vpool.sdk.mpi.serialization import Pickle  # noqa: F401
-from vpool.sdk.mpi.serialization import pickle_ as pickle  # noqa: F401
+from vpool.sdk.mpi.serialization import public_pickle as pickle  # noqa: F401
 from vpool.sdk.mpi.status import Status  # noqa: F401
 from vpool.sdk.mpi.topology import Cartcomm, Graphcomm, Topocomm  # noqa: F401
 from vpool.sdk.mpi.topology import compute_dims as Compute_dims  # noqa: F401
@@ -77,6 +78,13 @@ def Get_library_version() -> str:
 def get_vendor() -> tuple[str, tuple[int, int, int]]:
     """Not a vendor mpi4py knows: no test or program takes an MPICH/Open MPI code path for it."""
     return ("vpool", (0, 1, 0))
+
+
+def Get_hw_resource_info() -> Info:
+    """MPI 4.1's hardware resource info: what this rank's process may use."""
+    import os
+
+    return Info.Create({"mpi_hw_resource_type": "cpu", "ncpus": str(os.cpu_count() or 1)})
 
 
 def Pcontrol(level: int) -> None:

@@ -190,35 +190,36 @@ def parse_v(spec: Any, size: int, writable: bool) -> VMsg:
     counts: Any = None
     displs: Any = None
     dt: Datatype | None = None
+    # The forms of mpi4py's message_vector: a tuple in the counts place is (counts, displs).
     if n == 2:
-        counts = spec[1]
+        if isinstance(spec[1], (Datatype, str)):
+            dt = lookup(spec[1])
+        else:
+            counts = spec[1]
     elif n == 3:
         counts, dt = spec[1], lookup(spec[2])
     elif n == 4:
         counts, displs, dt = spec[1], spec[2], lookup(spec[3])
     else:
         raise ValueError(f"message: expected 2 to 4 items, got {n}")
-    if n == 2 and isinstance(counts, Datatype):
-        counts, dt = None, counts
-    elif isinstance(counts, tuple) and len(counts) == 2 and not _integral(counts[0]):
-        # (counts, displs), where counts may be any sequence: a list, a numpy array, None.
+    if n < 4 and isinstance(counts, tuple):
         counts, displs = counts
     view = byte_view(buf, writable)
     if dt is None:
         dt = _datatype_of(buf)
     if counts is None:
-        per = _whole(view, dt) // size
-        counts = [per] * size
+        total = _whole(view, dt)
+        counts = [total // size + (total % size > i) for i in range(size)]
     elif isinstance(counts, int):
         counts = [counts] * size
     counts = [int(c) for c in counts]
-    if displs is None:
+    if displs is None:  # contiguous
         displs, pos = [], 0
         for c in counts:
             displs.append(pos)
             pos += c
-    elif isinstance(displs, int):
-        displs = [displs] * size
+    elif isinstance(displs, int):  # strided
+        displs = [displs * i for i in range(size)]
     displs = [int(d) for d in displs]
     if len(counts) != size or len(displs) != size:
         raise ValueError(f"message: expected {size} counts and displacements")

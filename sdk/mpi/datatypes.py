@@ -260,6 +260,7 @@ CXX_LONG_DOUBLE_COMPLEX = _make("MPI_CXX_LONG_DOUBLE_COMPLEX", "G", 32)
 # Size counts the data only, extent the C struct with its padding (what a buffer holds).
 SHORT_INT = _make("MPI_SHORT_INT", None, 6, 8)
 TWOINT = _make("MPI_2INT", None, 8)
+INT_INT = TWOINT
 LONG_INT = _make("MPI_LONG_INT", None, 12, 16)
 FLOAT_INT = _make("MPI_FLOAT_INT", None, 8)
 DOUBLE_INT = _make("MPI_DOUBLE_INT", None, 12, 16)

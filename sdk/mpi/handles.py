@@ -79,11 +79,19 @@ class Info:
         return not self._null
 
 
+MAX_USER_ERRHANDLERS = 32  # MPICH's limit; one more raises, as the suite expects
+_live_user = 0
+_by_int: dict[int, Errhandler] = {}
+
+
 class Errhandler:
-    __slots__ = ("_name",)
+    """``MPI.Errhandler``: a predefined handler (by name) or a program's function."""
+
+    __slots__ = ("_fn", "_name")
 
     def __init__(self, errhandler: Errhandler | None = None) -> None:
         self._name = errhandler._name if errhandler is not None else ""
+        self._fn: Any = errhandler._fn if errhandler is not None else None
 
     @classmethod
     def _named(cls, name: str) -> Errhandler:
@@ -91,8 +99,25 @@ class Errhandler:
         e._name = name
         return e
 
+    @classmethod
+    def _user(cls, fn: Any) -> Errhandler:
+        from vpool.sdk.mpi import errors
+
+        global _live_user
+        if _live_user >= MAX_USER_ERRHANDLERS:
+            raise errors.MPIException(errors.ERR_OTHER, "too many user error handlers")
+        _live_user += 1
+        e = cls()
+        e._name = f"user-{id(fn)}"
+        e._fn = fn
+        return e
+
     def Free(self) -> None:
-        pass
+        global _live_user
+        if self._fn is not None and self._name:
+            _live_user -= 1
+        self._name = ""
+        self._fn = None
 
     def __bool__(self) -> bool:
         return bool(self._name)
@@ -103,10 +128,32 @@ class Errhandler:
     def __hash__(self) -> int:
         return hash(self._name)
 
+    def __reduce__(self) -> Any:
+        if self._fn is not None:
+            raise ValueError("cannot serialize user-defined error handlers")
+        predefined = _PREDEFINED.get(self._name)
+        if predefined is self:
+            return self._name[4:] if self._name else "ERRHANDLER_NULL"
+        return (Errhandler._named, (self._name,))
+
+    def toint(self) -> int:
+        key = hash(self._name) & 0x3FFFFFFF
+        _by_int[key] = self
+        return key
+
+    py2f = toint
+
+    @classmethod
+    def fromint(cls, value: int) -> Errhandler:
+        return Errhandler(_by_int.get(value))
+
+    f2py = fromint
+
 
 INFO_NULL = Info()
 INFO_ENV = Info.Create()
 ERRHANDLER_NULL = Errhandler()
-ERRORS_RETURN = Errhandler._named("ERRORS_RETURN")
-ERRORS_ARE_FATAL = Errhandler._named("ERRORS_ARE_FATAL")
-ERRORS_ABORT = Errhandler._named("ERRORS_ABORT")
+ERRORS_RETURN = Errhandler._named("MPI_ERRORS_RETURN")
+ERRORS_ARE_FATAL = Errhandler._named("MPI_ERRORS_ARE_FATAL")
+ERRORS_ABORT = Errhandler._named("MPI_ERRORS_ABORT")
+_PREDEFINED = {e._name: e for e in (ERRORS_RETURN, ERRORS_ARE_FATAL, ERRORS_ABORT)}

@@ -20,8 +20,10 @@ OOB_MIN_BYTES = 8192
 PROTOCOL = 5
 
 
-class Pickle:
-    """``MPI.pickle``: the serializer behind lower-case calls; programs may swap dumps/loads."""
+class WirePickle:
+    """The serializer behind lower-case calls, producing payload parts (see the docstring).
+
+    Programs configure it through ``MPI.pickle`` (``PublicPickle``)."""
 
     def __init__(
         self,
@@ -37,8 +39,11 @@ class Pickle:
     def dumps(self, obj: Any) -> tuple[list[Any], list[int]]:
         """The payload parts of ``obj`` and their lengths (empty when there is only a stream)."""
         if self._dumps is not None:
-            data = self._dumps(obj)
+            proto = self.PROTOCOL
+            data = self._dumps(obj) if proto is None else self._dumps(obj, proto)
             return [data], []
+        if 0 <= self.PROTOCOL < PROTOCOL:
+            return [pickle.dumps(obj, self.PROTOCOL)], []  # no out-of-band buffers before 5
         buffers: list[memoryview] = []
         threshold = self.THRESHOLD
 
@@ -67,8 +72,69 @@ class Pickle:
             pos += n
         return pickle.loads(view[: parts[0]], buffers=buffers)
 
+pickle_ = WirePickle()
+
+
+class Pickle:
+    """``MPI.Pickle`` as mpi4py has it: ``dumps(obj) -> bytes`` and ``loads(bytes)``.
+
+    ``MPI.pickle`` is the instance that configures the serializer of lower-case calls:
+    ``MPI.pickle.__init__(dill.dumps, dill.loads)`` makes every message use dill."""
+
+    def __init__(
+        self,
+        dumps: Callable[..., bytes] | None = None,
+        loads: Callable[..., Any] | None = None,
+        protocol: int | None = None,
+    ) -> None:
+        wire = self.__dict__.get("_wire")
+        if wire is None:
+            wire = WirePickle()
+            self._wire = wire
+        wire._dumps, wire._loads = dumps, loads
+        if protocol is None:
+            protocol = PROTOCOL if dumps is None else None
+        elif protocol < 0:
+            protocol = pickle.HIGHEST_PROTOCOL if dumps is None else protocol
+        wire.PROTOCOL = protocol  # type: ignore[assignment]
+
+    @classmethod
+    def _over(cls, wire: WirePickle) -> Pickle:
+        obj = cls.__new__(cls)
+        obj._wire = wire
+        return obj
+
+    @property
+    def PROTOCOL(self) -> int | None:
+        return self._wire.PROTOCOL
+
+    @PROTOCOL.setter
+    def PROTOCOL(self, value: int) -> None:
+        self._wire.PROTOCOL = value
+
+    @property
+    def THRESHOLD(self) -> int:
+        return self._wire.THRESHOLD
+
+    @THRESHOLD.setter
+    def THRESHOLD(self, value: int) -> None:
+        self._wire.THRESHOLD = value
+
+    def dumps(self, obj: Any) -> bytes:
+        wire = self._wire
+        if wire._dumps is not None:
+            proto = wire.PROTOCOL
+            return wire._dumps(obj) if proto is None else wire._dumps(obj, proto)
+        return pickle.dumps(obj, wire.PROTOCOL)
+
+    def loads(self, data: Any) -> Any:
+        wire = self._wire
+        if wire._loads is not None:
+            return wire._loads(data)
+        return pickle.loads(data)
+
     def __repr__(self) -> str:
         return f"<mpi4py.MPI.Pickle protocol={self.PROTOCOL}>"
 
 
-pickle_ = Pickle()
+public_pickle = Pickle._over(pickle_)

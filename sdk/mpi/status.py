@@ -9,7 +9,6 @@ from vpool.sdk.mpi import errors
 from vpool.sdk.mpi.constants import ANY_SOURCE, ANY_TAG, UNDEFINED
 from vpool.sdk.mpi.datatypes import BYTE, Datatype
 
-
 _LO, _HI, _SRC, _TAG, _ERR = range(5)
 
 

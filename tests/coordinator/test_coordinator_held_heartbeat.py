@@ -32,8 +32,11 @@ async def _held_heartbeat(pool: Pool, agent: Agent, leases: list[api.Lease], wai
 async def _until_held(pool: Pool) -> None:
     """Until a heartbeat waits on the coordinator's ``ended`` signal (the store runs in threads,
     so "all tasks blocked" alone may come before the heartbeat got there)."""
-    while pool.core.ended.current().statistics().tasks_waiting == 0:
+    for _ in range(100_000):
+        if pool.core.ended.current().statistics().tasks_waiting:
+            return
         await trio.testing.wait_all_tasks_blocked()
+    raise AssertionError("no heartbeat is held")
 
 
 async def test_held_heartbeat_returns_stop_orders_as_soon_as_a_rank_fails(
