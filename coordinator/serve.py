@@ -6,7 +6,6 @@ hypercorn (``fd://``) and only then write the ready file with the real port.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import signal
@@ -14,7 +13,6 @@ import socket
 import ssl
 from functools import partial
 from pathlib import Path
-from typing import Any
 
 import trio
 from hypercorn.config import Config
@@ -24,6 +22,7 @@ from vpool import tls
 from vpool.coordinator.app import create_app
 from vpool.coordinator.service import Coordinator
 from vpool.coordinator.settings import CoordinatorSettings
+from vpool.readyfile import write_ready_file
 
 log = logging.getLogger("vpool.coordinator")
 
@@ -72,11 +71,6 @@ def bind(host: str, port: int) -> socket.socket:
         raise
     return sock
 
-
-def write_ready_file(path: Path, info: dict[str, Any]) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(info))
-    os.replace(tmp, path)
 
 
 async def _until_signal() -> None:

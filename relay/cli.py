@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import resource
@@ -15,6 +14,7 @@ import click
 import trio
 
 from vpool.config import SettingsError
+from vpool.readyfile import write_ready_file
 from vpool.relay.errors import RelayError
 from vpool.relay.server import serve_relay
 from vpool.relay.settings import RelaySettings, load
@@ -29,12 +29,6 @@ Exit codes: 0 stopped by SIGTERM/SIGINT, 1 bad settings or unusable data directo
 2 bad command line.
 """
 
-
-def write_ready_file(path: Path, info: dict[str, object]) -> None:
-    """Write JSON atomically: readers see the whole file or none."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(info))
-    os.replace(tmp, path)
 
 
 def _raise_fd_limit() -> None:

@@ -6,18 +6,16 @@ use, enrollment refused), 2 for bad command-line usage (click).
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import signal
 import sys
 from pathlib import Path
-from typing import Any
 
 import click
 import trio
 
 from vpool.config import SettingsError
+from vpool.readyfile import write_ready_file
 from vpool.worker_agent.agent import run_agent
 from vpool.worker_agent.errors import AgentError
 from vpool.worker_agent.settings import AgentSettings, load_agent_settings
@@ -36,12 +34,6 @@ Example:
 Every setting can also come from the environment as VPOOL_AGENT_<NAME>.
 """
 
-
-def write_ready_file(path: Path, info: dict[str, Any]) -> None:
-    """Write ``info`` as JSON to ``path`` atomically (temp file, then rename)."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(info))
-    os.replace(tmp, path)
 
 
 async def _watch_signals(cancel_scope: trio.CancelScope) -> None:
