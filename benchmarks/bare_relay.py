@@ -104,43 +104,10 @@ class _Client:
         return bytes(view)
 
 
-def _client(me: int, port: int, ca: str, iters: tuple[int, int, int], out: mp.Queue) -> None:
-    c = _Client(port, Path(ca), me)
-
-    def rtt(size: int, n: int) -> float:
-        msg = bytes(size)
-        for rep in range(2):  # warm-up, then measured
-            count = max(1, n // 10) if rep == 0 else n
-            t0 = time.perf_counter()
-            for _ in range(count):
-                if me == 0:
-                    c.send(msg)
-                    c.recv()
-                else:
-                    c.recv()
-                    c.send(msg)
-        return (time.perf_counter() - t0) / n
-
-    r64 = rtt(64, iters[0])
-    r1m = rtt(2**20, iters[1])
-    msg = bytes(2**20)
-    t0 = time.perf_counter()
-    if me == 0:
-        for _ in range(iters[2]):
-            c.send(msg)
-        c.recv()
-    else:
-        for _ in range(iters[2]):
-            c.recv()
-        c.send(b"k")
-    bw = iters[2] * 2**20 / (time.perf_counter() - t0) / 2**20
-    if me == 0:
-        out.put({"rtt_64": r64, "rtt_1m": r1m, "bw_mib": bw})
-
-
-def _sweep_client(me: int, port: int, ca: str, quick: bool, out: mp.Queue) -> None:
-    plan = sweep_plan(quick)
-    c = _Client(port, Path(ca), me)
+def pair_figures(c, me: int, plan: dict[str, list[tuple[int, int]]]) -> dict[str, dict[str, float]]:  # type: ignore[no-untyped-def]
+    """Round trips and streaming between two peers ``me`` = 0 and 1, each with a client ``c``
+    that has ``send(bytes)`` and ``recv()``; ``plan`` as ``sweep_plan`` returns it. Shared by
+    every two-client benchmark so they measure exactly the same thing."""
 
     def sync() -> None:  # a round trip of 1 byte, the barrier of this two-client world
         if me == 0:
@@ -152,7 +119,7 @@ def _sweep_client(me: int, port: int, ca: str, quick: bool, out: mp.Queue) -> No
 
     def rtt(size: int, iters: int) -> float:
         msg = bytes(size)
-        for n in (max(1, iters // 10), iters):
+        for n in (max(1, iters // 10), iters):  # warm-up, then measured
             sync()
             t0 = time.perf_counter()
             for _ in range(n):
@@ -179,10 +146,33 @@ def _sweep_client(me: int, port: int, ca: str, quick: bool, out: mp.Queue) -> No
             c.send(b"k")
         return count * size / (time.perf_counter() - t0) / 2**20
 
-    result = {
+    return {
         "rtt": {str(s): rtt(s, n) for s, n in plan["rtt"]},
         "bw": {str(s): bandwidth(s, n) for s, n in plan["bw"]},
     }
+
+
+def pingpong_plan(iters: tuple[int, int, int]) -> dict[str, list[tuple[int, int]]]:
+    return {"rtt": [(64, iters[0]), (2**20, iters[1])], "bw": [(2**20, iters[2])]}
+
+
+def pingpong_result(fig: dict[str, dict[str, float]]) -> dict[str, float]:
+    """The figures of benchmarks/programs/pingpong.py out of ``pair_figures``."""
+    return {
+        "rtt_64": fig["rtt"]["64"],
+        "rtt_1m": fig["rtt"][str(2**20)],
+        "bw_mib": fig["bw"][str(2**20)],
+    }
+
+
+def _client(me: int, port: int, ca: str, iters: tuple[int, int, int], out: mp.Queue) -> None:
+    fig = pair_figures(_Client(port, Path(ca), me), me, pingpong_plan(iters))
+    if me == 0:
+        out.put(pingpong_result(fig))
+
+
+def _sweep_client(me: int, port: int, ca: str, quick: bool, out: mp.Queue) -> None:
+    result = pair_figures(_Client(port, Path(ca), me), me, sweep_plan(quick))
     if me == 0:
         out.put(result)
 

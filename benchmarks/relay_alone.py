@@ -4,7 +4,7 @@ A real ``vpool-relay`` process (TLS, log on disk) and two client processes that 
 with blocking TLS sockets: rank 0 and rank 1 of one job, both homed at the relay, each pushed
 frame credited back. Same figures as the bare relay: 64 B and 1 MiB round trips, 1 MiB streaming.
 
-    .venv/bin/python tests/relay/bench_relay.py [--quick] [--fsync]
+    .venv/bin/python benchmarks/relay_alone.py [--quick] [--fsync]
 """
 
 from __future__ import annotations
@@ -45,7 +45,9 @@ from vpool.protocol.tokens import (
 )
 from vpool.tls import client_context
 
-REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bare_relay
+
 BIN = Path(sys.executable).parent
 
 
@@ -103,38 +105,21 @@ class Agent:
         return bytes(view)
 
 
+class _DataOnly:
+    """The relay's pushes without acks: what pair_figures needs."""
+
+    def __init__(self, agent: Agent) -> None:
+        self.send = agent.send
+        self.recv = agent.recv_data
+
+
 def _client(
     rank: int, port: int, ca: str, key_pem: bytes, iters: tuple[int, int, int], out: mp.Queue
 ) -> None:
     c = Agent(port, Path(ca), private_key_from_bytes(key_pem), rank)
-
-    def rtt(size: int, n: int) -> float:
-        msg = bytes(size)
-        for rep in range(2):
-            count = max(1, n // 10) if rep == 0 else n
-            t0 = time.perf_counter()
-            for _ in range(count):
-                if rank == 0:
-                    c.send(msg)
-                    c.recv_data()
-                else:
-                    c.recv_data()
-                    c.send(msg)
-        return (time.perf_counter() - t0) / n
-
-    r64 = rtt(64, iters[0])
-    r1m = rtt(2**20, iters[1])
-    msg = bytes(2**20)
-    t0 = time.perf_counter()
-    if rank == 0:
-        for _ in range(iters[2]):
-            c.send(msg)
-        c.recv_data()
-    else:
-        for _ in range(iters[2]):
-            c.recv_data()
-        c.send(b"k")
-    bw = iters[2] * 2**20 / (time.perf_counter() - t0) / 2**20
+    result = bare_relay.pingpong_result(
+        bare_relay.pair_figures(_DataOnly(c), rank, bare_relay.pingpong_plan(iters))
+    )
     # Small messages streamed: the relay's per-message cost.
     small = bytes(64)
     n = iters[0] * 20
@@ -147,9 +132,8 @@ def _client(
         for _ in range(n):
             c.recv_data()
         c.send(b"k")
-    rate = n / (time.perf_counter() - t0)
     if rank == 0:
-        out.put({"rtt_64": r64, "rtt_1m": r1m, "bw_mib": bw, "msgs_per_s_64": rate})
+        out.put({**result, "msgs_per_s_64": n / (time.perf_counter() - t0)})
 
 
 def measure(
@@ -228,9 +212,6 @@ def main() -> None:
     iters = (500, 20, 100) if args.quick else (2000, 50, 300)
     result: dict[str, object] = {"relay": measure(iters, fsync=args.fsync, profile=args.profile)}
     if not args.no_baseline:
-        sys.path.insert(0, str(REPO / "benchmarks"))
-        import bare_relay
-
         base = bare_relay.measure(iters)
         result["bare"] = base
         mine = result["relay"]
