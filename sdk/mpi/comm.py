@@ -7,12 +7,19 @@ ranks and hand messages to the engine; collectives run the algorithms of ``coll`
 
 New communicators get context ids agreed by all members (``agree_ctx``): the maximum of every
 member's next free id, which all members then move past. Two communicators sharing a member never
-share an id; disjoint ones may, harmlessly, since matching also names world ranks.
+share an id; disjoint ones may, harmlessly, since matching also names world ranks. Constructors
+that only the new communicator's members call (``Create_group``, ``Create_from_group``) agree in
+a parent's collective context under negative tags, which no collective of the parent uses.
+
+The context id is also the communicator's integer handle (``toint``/``py2f``): unique among the
+communicators a process belongs to.
 """
 
 from __future__ import annotations
 
 import threading
+import weakref
+import zlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -20,7 +27,14 @@ from vpool.sdk.mpi import coll, errors, ops
 from vpool.sdk.mpi.commattr import CommAttributes
 from vpool.sdk.mpi.commcoll import CommCollectives, IntraCollectives
 from vpool.sdk.mpi.constants import (
+    CART,
+    COMM_TYPE_HW_GUIDED,
+    COMM_TYPE_HW_UNGUIDED,
+    COMM_TYPE_RESOURCE_GUIDED,
+    COMM_TYPE_SHARED,
     CONGRUENT,
+    DIST_GRAPH,
+    GRAPH,
     IDENT,
     SIMILAR,
     UNDEFINED,
@@ -37,7 +51,19 @@ _dumps = pickle_.dumps
 
 class _Core:
     __slots__ = (
-        "attrs", "cseq", "ctx", "eng", "errh", "group", "locks", "name", "rank", "size", "topo",
+        "__weakref__",
+        "attrs",
+        "buf",
+        "cseq",
+        "ctx",
+        "eng",
+        "errh",
+        "group",
+        "locks",
+        "name",
+        "rank",
+        "size",
+        "topo",
         "w2c",
     )
 
@@ -59,6 +85,7 @@ class _Core:
         # Collectives started on this communicator: each one's messages carry its number as
         # their tag, so overlapping non-blocking collectives never match each other's messages.
         self.cseq = 0
+        self.buf: Any = None  # buffer attached for buffered sends (MPI 4.1, per communicator)
 
 
 def comm_lock(h: _Core, key: Any) -> Any:
@@ -78,6 +105,72 @@ def agree_ctx(h: _Core) -> int:
     return int(ctx)
 
 
+# Tag spaces (negative, below ANY_TAG) of the agreements among a new communicator's members.
+_CREATE_GROUP_TAGS = -(1 << 40)
+_FROM_GROUP_TAGS = -(1 << 41)
+
+
+def agree_ctx_among(eng: Any, ctx: int, members: tuple[int, ...], tag: int) -> int:
+    """``agree_ctx`` among ``members`` only, in context ``ctx``'s collective context with
+    ``tag``: the members' own sequence, apart from every collective of that context."""
+    sub = _Core(eng, ctx, members)
+    sub.cseq = tag - 1  # the agreement's one collective takes the next number: ``tag``
+    return agree_ctx(sub)
+
+
+_by_handle: weakref.WeakValueDictionary[int, _Core] = weakref.WeakValueDictionary()
+
+_SHARED_MEMORY = "mpi_shared_memory"
+_PROCESS = "vpool://process"  # the level below a machine: each rank is its own process
+_RESTYPE = "mpi_hw_resource_type"
+
+
+def _split_color(split_type: int, info: Any, names: list[str], me: int) -> tuple[int, str]:
+    """(color, resource type) of this rank for ``Split_type``: machines (by processor name) are
+    the shared-memory domains; below them each process stands alone."""
+    host = names.index(names[me])
+    if split_type == UNDEFINED:
+        return UNDEFINED, ""
+    if split_type == COMM_TYPE_SHARED:
+        return host, _SHARED_MEMORY
+    if split_type in (COMM_TYPE_HW_GUIDED, COMM_TYPE_RESOURCE_GUIDED):
+        wanted = info.Get(_RESTYPE) if info else None
+        return (host, _SHARED_MEMORY) if wanted == _SHARED_MEMORY else (UNDEFINED, "")
+    if split_type == COMM_TYPE_HW_UNGUIDED:
+        # The first level that splits the communicator into smaller parts, if any.
+        if len(set(names)) > 1:
+            return host, _SHARED_MEMORY
+        if len(names) > 1:
+            return me, _PROCESS
+        return UNDEFINED, ""
+    raise errors.MPIException(errors.ERR_ARG, f"unknown split type {split_type}")
+
+
+def _class_of(core: _Core) -> type:
+    """The class ``fromint`` gives a handle: by its topology, as mpi4py does."""
+    kind = None if core.topo is None else core.topo.kind
+    if kind == CART or kind == GRAPH:
+        from vpool.sdk.mpi import topology
+
+        return topology.Cartcomm if kind == CART else topology.Graphcomm
+    if kind == DIST_GRAPH:
+        from vpool.sdk.mpi import distgraph
+
+        return distgraph.Distgraphcomm
+    return Intracomm
+
+
+def _predefined(name: str) -> Any:
+    """Unpickling of the predefined communicators: the object itself."""
+    from vpool.sdk.mpi import MPI
+
+    return getattr(MPI, name)
+
+
+def _predefined_copy(cls: type, name: str) -> Any:
+    return cls(_predefined(name))
+
+
 class Comm(CommP2P, CommErrhandlers, CommAttributes, CommCollectives):
     """``MPI.Comm``."""
 
@@ -85,9 +178,20 @@ class Comm(CommP2P, CommErrhandlers, CommAttributes, CommCollectives):
 
     def __new__(cls, comm: Comm | None = None) -> Any:
         # A handle copy, as in mpi4py: subclasses call ``super().__new__(cls, comm)``.
+        if comm is not None and not isinstance(comm, Comm):
+            raise TypeError(
+                f"Argument 'comm' has incorrect type (expected mpi4py.MPI.Comm, got "
+                f"{type(comm).__name__})"
+            )
         obj = super().__new__(cls)
         obj._h = comm._h if comm is not None else None
+        if obj._h is not None:
+            cls._check_handle(obj._h)
         return obj
+
+    @classmethod
+    def _check_handle(cls, h: _Core) -> None:
+        """Raise TypeError if a handle is not of this class's kind (mpi4py's ``__cinit__``)."""
 
     @classmethod
     def _wrap(cls, core: _Core | None) -> Any:
@@ -119,7 +223,22 @@ class Comm(CommP2P, CommErrhandlers, CommAttributes, CommCollectives):
         return f"<mpi4py.MPI.{type(self).__name__} {h.name or 'comm'} rank {h.rank}/{h.size}>"
 
     def __reduce__(self) -> Any:
-        raise TypeError(f"cannot pickle {type(self).__name__} instances")
+        # The predefined communicators travel by name (the object itself, or a copy of it).
+        from vpool.sdk.mpi import environment
+
+        h = self._h
+        name = None
+        if h is None:
+            name = "COMM_NULL"
+        elif h is environment.COMM_WORLD._h:
+            name = "COMM_WORLD"
+        elif h is environment.COMM_SELF._h:
+            name = "COMM_SELF"
+        if name is None:
+            raise ValueError(f"cannot serialize 'mpi4py.MPI.{type(self).__name__}' instance")
+        if self is _predefined(name):
+            return (_predefined, (name,))
+        return (_predefined_copy, (type(self), name))
 
     # ---- identity ------------------------------------------------------------------------
 
@@ -146,6 +265,8 @@ class Comm(CommP2P, CommErrhandlers, CommAttributes, CommCollectives):
         return self.Get_group()
 
     def Get_name(self) -> str:
+        if self._h is None:
+            return "MPI_COMM_NULL"
         return self._core().name
 
     def Set_name(self, name: str) -> None:
@@ -160,9 +281,11 @@ class Comm(CommP2P, CommErrhandlers, CommAttributes, CommCollectives):
         self.Set_name(value)
 
     def Is_inter(self) -> bool:
+        self._core()
         return False
 
     def Is_intra(self) -> bool:
+        self._core()
         return True
 
     @property
@@ -181,6 +304,10 @@ class Comm(CommP2P, CommErrhandlers, CommAttributes, CommCollectives):
     def topology(self) -> int:
         return self.Get_topology()
 
+    @property
+    def is_topo(self) -> bool:
+        return self.Get_topology() != UNDEFINED
+
     def Compare(self, comm: Comm) -> int:
         a, b = self._core(), comm._core()
         if a is b:
@@ -198,8 +325,10 @@ class Comm(CommP2P, CommErrhandlers, CommAttributes, CommCollectives):
     # ---- lifetime ------------------------------------------------------------------------
 
     def Free(self) -> None:
-        if self._core().ctx < 4:  # contexts 0-3: COMM_WORLD and COMM_SELF
+        h = self._core()
+        if h.ctx < 4:  # contexts 0-3: COMM_WORLD and COMM_SELF
             raise errors.MPIException(errors.ERR_COMM, "cannot free a predefined communicator")
+        _by_handle.pop(h.ctx, None)
         self._h = None
 
     def Disconnect(self) -> None:
@@ -224,7 +353,10 @@ class Comm(CommP2P, CommErrhandlers, CommAttributes, CommCollectives):
         return self.Dup()
 
     def Idup(self, info: Any = None) -> tuple[Any, Request]:
-        return self.Dup(), Request._of(DoneOp())
+        return self.Dup(info), Request._of(DoneOp())
+
+    def Idup_with_info(self, info: Any) -> tuple[Any, Request]:
+        return self.Idup(info)
 
     def Split(self, color: int = 0, key: int = 0) -> Intracomm:
         h = self._core()
@@ -247,7 +379,11 @@ class Comm(CommP2P, CommErrhandlers, CommAttributes, CommCollectives):
         # Every member takes part in the same collectives, UNDEFINED ones too.
         name = environment.processor_name()
         names = coll.allgather(h, name) if h.size > 1 else [name]
-        return self.Split(UNDEFINED if split_type == UNDEFINED else names.index(name), key)
+        color, restype = _split_color(split_type, info, names, h.rank)
+        comm = self.Split(color, key)
+        if comm and split_type == COMM_TYPE_HW_UNGUIDED and info:
+            info.Set(_RESTYPE, restype)  # MPI 4: tells the caller which level it got
+        return comm
 
     def Create(self, group: Group) -> Any:
         h = self._core()
@@ -263,23 +399,76 @@ class Comm(CommP2P, CommErrhandlers, CommAttributes, CommCollectives):
         if h.eng.rank not in members:
             return type(self)()
         # Only the group's members take part: agree among them, in the parent's contexts.
-        sub = _Core(h.eng, h.ctx, members)
-        ctx = agree_ctx(sub)
+        ctx = agree_ctx_among(h.eng, h.ctx, members, _CREATE_GROUP_TAGS - (tag & 0x7FFFFFFF))
         return type(self)._wrap(_Core(h.eng, ctx, members))
+
+    # ---- buffered sends (MPI 4.1: a buffer per communicator) -------------------------------
+
+    def Attach_buffer(self, buf: Any) -> None:
+        from vpool.sdk.mpi.buffers import BUFFER_AUTOMATIC
+
+        h = self._core()
+        if h.buf is not None:
+            raise errors.MPIException(errors.ERR_BUFFER, "a buffer is already attached")
+        if buf is not BUFFER_AUTOMATIC and buf is not None and memoryview(buf).readonly:
+            raise BufferError("Object is not writable.")
+        h.buf = buf
+
+    def Detach_buffer(self) -> Any:
+        h = self._core()
+        buf, h.buf = h.buf, None
+        return buf
+
+    def Flush_buffer(self) -> None:
+        # Buffered sends leave at once (every send is eager): nothing is ever pending.
+        self._core()
+
+    def Iflush_buffer(self) -> Request:
+        self._core()
+        return Request._of(DoneOp())
 
     def py2f(self) -> int:
         h = self._h
-        return -1 if h is None else h.ctx
+        if h is None:
+            return -1
+        _by_handle[h.ctx] = h
+        return h.ctx
+
+    toint = py2f
+
+    @classmethod
+    def f2py(cls, arg: int) -> Any:
+        h = _by_handle.get(arg)
+        return Comm() if h is None else _class_of(h)._wrap(h)
+
+    fromint = f2py
 
 
 class Intracomm(IntraCollectives, Comm):
     """``MPI.Intracomm``: adds the prefix reductions and topology constructors."""
 
+    @classmethod
+    def Create_from_group(
+        cls, group: Group, stringtag: str = "org.mpi4py", info: Any = None, errhandler: Any = None
+    ) -> Intracomm:
+        """MPI 4: a communicator of ``group``, made by its members alone. Members agree in
+        COMM_WORLD's collective context, under a tag derived from ``stringtag`` (which tells
+        concurrent creations apart, as MPI asks)."""
+        from vpool.sdk.mpi import environment
+
+        eng = environment.engine()
+        members = tuple(group._m())
+        if eng.rank not in members:
+            raise errors.MPIException(errors.ERR_GROUP, "the calling process is not in the group")
+        tag = _FROM_GROUP_TAGS - zlib.crc32(str(stringtag).encode())
+        core = _Core(eng, agree_ctx_among(eng, 0, members, tag), members)
+        if errhandler is not None:
+            core.errh = errhandler
+        return cls._wrap(core)  # type: ignore[no-any-return]
+
     # Topology constructors live with the topologies (``topology`` imports this module).
 
-    def Create_cart(
-        self, dims: Sequence[int], periods: Sequence[bool] | None = None, reorder: bool = False
-    ) -> Any:
+    def Create_cart(self, dims: Sequence[int], periods: Any = None, reorder: bool = False) -> Any:
         from vpool.sdk.mpi import topology
 
         return topology.create_cart(self, dims, periods, reorder)
@@ -291,17 +480,76 @@ class Intracomm(IntraCollectives, Comm):
 
         return topology.create_graph(self, index, edges, reorder)
 
+    def Create_dist_graph_adjacent(
+        self,
+        sources: Sequence[int] | None,
+        destinations: Sequence[int] | None,
+        sourceweights: Any = None,
+        destweights: Any = None,
+        info: Any = None,
+        reorder: bool = False,
+    ) -> Any:
+        from vpool.sdk.mpi import distgraph
+
+        return distgraph.create_adjacent(self, sources, destinations, sourceweights, destweights)
+
+    def Create_dist_graph(
+        self,
+        sources: Sequence[int],
+        degrees: Sequence[int],
+        destinations: Sequence[int],
+        weights: Any = None,
+        info: Any = None,
+        reorder: bool = False,
+    ) -> Any:
+        from vpool.sdk.mpi import distgraph
+
+        return distgraph.create(self, sources, degrees, destinations, weights)
+
     def Cart_map(self, dims: Sequence[int], periods: Any = None) -> int:
         from vpool.sdk.mpi import topology
 
-        return self.rank if self.rank < topology.cart_map(dims, self.size) else UNDEFINED
+        dims = [int(d) for d in dims]
+        topology.cart_periods(periods, len(dims))
+        nodes = 1
+        for d in dims:
+            nodes *= d
+        if nodes > self.size:
+            raise errors.MPIException(errors.ERR_ARG, f"topology of {nodes} ranks in {self.size}")
+        return topology.topo_map(nodes, self.rank)
+
+    def Graph_map(self, index: Sequence[int], edges: Sequence[int]) -> int:
+        from vpool.sdk.mpi import topology
+
+        index, edges = topology.graph_arrays(index, edges)
+        if len(index) > self.size:
+            raise errors.MPIException(errors.ERR_ARG, f"graph of {len(index)} in {self.size}")
+        return topology.topo_map(len(index), self.rank)
 
 
 class Intercomm(Comm):
     """``MPI.Intercomm``: only the null one exists (no dynamic processes)."""
 
+    @classmethod
+    def _check_handle(cls, h: _Core) -> None:
+        raise TypeError("expecting an intercommunicator")  # every real communicator is intra
+
     def Is_inter(self) -> bool:
+        self._core()
         return True
 
     def Is_intra(self) -> bool:
+        self._core()
         return False
+
+    def Get_remote_group(self) -> Any:
+        self._core()
+        raise NotImplementedError("intercommunicators")
+
+    def Get_remote_size(self) -> int:
+        self._core()
+        raise NotImplementedError("intercommunicators")
+
+    def Merge(self, high: bool = False) -> Any:
+        self._core()
+        raise NotImplementedError("intercommunicators")

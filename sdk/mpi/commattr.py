@@ -15,6 +15,7 @@ from vpool.sdk.mpi.constants import (
     APPNUM,
     HOST,
     IO,
+    KEYVAL_INVALID,
     LASTUSEDCODE,
     PROC_NULL,
     TAG_UB,
@@ -31,6 +32,8 @@ class CommAttributes:
 
     def Get_attr(self, keyval: int) -> Any:
         h = self._core()
+        if keyval == KEYVAL_INVALID:
+            raise errors.MPIException(errors.ERR_KEYVAL, "invalid keyval")
         if keyval == TAG_UB:
             return TAG_UB_VALUE
         if keyval == HOST:
@@ -87,3 +90,7 @@ class CommAttributes:
     @property
     def info(self) -> Any:
         return self.Get_info()
+
+    @info.setter
+    def info(self, value: Any) -> None:
+        self.Set_info(value)

@@ -7,12 +7,13 @@ ignored, which MPI allows.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from typing import Any
 
 from vpool.sdk.mpi import errors
 from vpool.sdk.mpi.comm import Intracomm, _Core, agree_ctx
-from vpool.sdk.mpi.constants import CART, GRAPH, PROC_NULL, UNDEFINED
+from vpool.sdk.mpi.constants import CART, DIST_GRAPH, GRAPH, PROC_NULL, UNDEFINED
 
 
 def compute_dims(nnodes: int, dims: Any) -> list[int]:
@@ -83,10 +84,29 @@ class _Graph:
     def __init__(self, index: Sequence[int], edges: Sequence[int]) -> None:
         self.index = [int(i) for i in index]
         self.edges = [int(e) for e in edges]
+        nnodes = len(self.index)
+        if (
+            any(not 0 <= e < nnodes for e in self.edges)
+            or any(b < a for a, b in zip([0, *self.index], self.index, strict=False))
+            or (self.index and self.index[-1] != len(self.edges))
+        ):
+            raise errors.MPIException(errors.ERR_ARG, "invalid graph index or edges")
 
     def neighbors(self, rank: int) -> list[int]:
+        if not 0 <= rank < len(self.index):
+            raise errors.MPIException(errors.ERR_RANK, f"rank {rank} not in the graph")
         start = self.index[rank - 1] if rank else 0
         return self.edges[start : self.index[rank]]
+
+
+def graph_arrays(index: Sequence[int], edges: Sequence[int]) -> tuple[list[int], list[int]]:
+    """mpi4py's extension: an index that starts with 0 and ends with the edge count (the
+    "standard" adjacency arrays, one entry longer) loses its first entry."""
+    index = [operator.index(i) for i in index]
+    edges = [operator.index(e) for e in edges]
+    if index and index[0] == 0 and index[-1] == len(edges):
+        index = index[1:]
+    return index, edges
 
 
 def _topo_comm(cls: type, comm: Any, nodes: int, topo: Any) -> Any:
@@ -102,10 +122,26 @@ def _topo_comm(cls: type, comm: Any, nodes: int, topo: Any) -> Any:
 
 
 class Topocomm(Intracomm):
+    """``MPI.Topocomm``: what Cartesian, graph and distributed graph communicators share."""
+
+    _kinds: tuple[int, ...] = (CART, GRAPH, DIST_GRAPH)
+    _expecting = "a topology communicator"
+
+    @classmethod
+    def _check_handle(cls, h: Any) -> None:
+        if h.topo is None or h.topo.kind not in cls._kinds:
+            raise TypeError(f"expecting {cls._expecting}")
+
+    def _inout(self) -> tuple[list[int], list[int]]:
+        raise TypeError("expecting a topology communicator")
+
+    def _recv_order(self, n: int) -> list[int]:
+        return list(range(n))
+
     @property
     def degrees(self) -> tuple[int, int]:
-        n = len(self._neighbors())
-        return (n, n)
+        ins, outs = self._inout()
+        return (len(ins), len(outs))
 
     @property
     def indegree(self) -> int:
@@ -117,40 +153,34 @@ class Topocomm(Intracomm):
 
     @property
     def inoutedges(self) -> tuple[list[int], list[int]]:
-        n = self._neighbors()
-        return (n, n)
+        return self._inout()
 
     @property
     def inedges(self) -> list[int]:
-        return self._neighbors()
+        return self.inoutedges[0]
 
     @property
     def outedges(self) -> list[int]:
-        return self._neighbors()
-
-    def _neighbors(self) -> list[int]:
-        raise NotImplementedError
+        return self.inoutedges[1]
 
     def neighbor_allgather(self, sendobj: Any) -> list[Any]:
-        """Objects from every in-neighbour, in neighbour order (via point-to-point)."""
-        sources, dests = self.inoutedges
-        tag = 0x7FFF0001
-        for d in dests:
-            if d != PROC_NULL:
-                self.send(sendobj, dest=d, tag=tag)
-        return [None if s == PROC_NULL else self.recv(source=s, tag=tag) for s in sources]
+        """Objects from every in-neighbour, in neighbour order."""
+        from vpool.sdk.mpi import neighbor
+
+        return neighbor.allgather(self, sendobj)
 
     def neighbor_alltoall(self, sendobj: Sequence[Any]) -> list[Any]:
-        sources, dests = self.inoutedges
-        tag = 0x7FFF0002
-        for d, obj in zip(dests, sendobj, strict=True):
-            if d != PROC_NULL:
-                self.send(obj, dest=d, tag=tag)
-        return [None if s == PROC_NULL else self.recv(source=s, tag=tag) for s in sources]
+        """The i-th object to the i-th out-neighbour; objects from every in-neighbour."""
+        from vpool.sdk.mpi import neighbor
+
+        return neighbor.alltoall(self, sendobj)
 
 
 class Cartcomm(Topocomm):
     """``MPI.Cartcomm``."""
+
+    _kinds = (CART,)
+    _expecting = "a Cartesian communicator"
 
     def _cart(self) -> _Cart:
         topo = self._core().topo
@@ -227,24 +257,26 @@ class Cartcomm(Topocomm):
         periods = [p for p, k in zip(cart.periods, remain_dims, strict=True) if k]
         result = Cartcomm._wrap(sub._h)
         assert result._h is not None
-        result._h.topo = _Cart(dims or [1], periods or [False])
+        result._h.topo = _Cart(dims, periods)
         return result  # type: ignore[no-any-return]
 
-    def _neighbors(self) -> list[int]:
+    def _inout(self) -> tuple[list[int], list[int]]:
         out = []
         for direction in range(self.Get_dim()):
             src, dst = self.Shift(direction, 1)
             out += [src, dst]
-        return out
+        return (out, list(out))
 
-    @property
-    def inoutedges(self) -> tuple[list[int], list[int]]:
-        n = self._neighbors()
-        return (n, n)
+    def _recv_order(self, n: int) -> list[int]:
+        # See ``neighbor``: slot k receives what the neighbour sent from its slot k ^ 1.
+        return [k ^ 1 for k in range(n)]
 
 
 class Graphcomm(Topocomm):
     """``MPI.Graphcomm``."""
+
+    _kinds = (GRAPH,)
+    _expecting = "a general graph communicator"
 
     def _graph(self) -> _Graph:
         topo = self._core().topo
@@ -278,26 +310,60 @@ class Graphcomm(Topocomm):
     def nneighbors(self) -> int:
         return len(self.neighbors)
 
-    def _neighbors(self) -> list[int]:
-        return self.neighbors
+    @property
+    def dims(self) -> tuple[int, int]:
+        return self.Get_dims()
+
+    @property
+    def nnodes(self) -> int:
+        return self.Get_dims()[0]
+
+    @property
+    def nedges(self) -> int:
+        return self.Get_dims()[1]
+
+    @property
+    def index(self) -> list[int]:
+        return self.Get_topo()[0]
+
+    @property
+    def edges(self) -> list[int]:
+        return self.Get_topo()[1]
+
+    def _inout(self) -> tuple[list[int], list[int]]:
+        n = self.neighbors
+        return (n, list(n))
 
 
-def create_cart(
-    comm: Any, dims: Sequence[int], periods: Sequence[bool] | None, reorder: bool
-) -> Cartcomm:
-    periods = list(periods) if periods is not None else [False] * len(dims)
+def cart_periods(periods: Any, ndims: int) -> list[bool]:
+    """``periods`` as mpi4py takes it: None (none periodic), one bool for all, or one per
+    dimension (ValueError otherwise)."""
+    if periods is None:
+        periods = False
+    if isinstance(periods, bool):
+        return [periods] * ndims
+    out = [bool(operator.index(p)) for p in periods]
+    if len(out) != ndims:
+        raise ValueError(f"expecting {ndims} items, got {len(out)}")
+    return out
+
+
+def create_cart(comm: Any, dims: Sequence[int], periods: Any, reorder: bool) -> Cartcomm:
+    dims = [operator.index(d) for d in dims]
+    periods = cart_periods(periods, len(dims))
+    if any(d <= 0 for d in dims):
+        raise errors.MPIException(errors.ERR_DIMS, f"invalid dimensions {dims}")
     nodes = 1
     for d in dims:
-        nodes *= int(d)
+        nodes *= d
     return _topo_comm(Cartcomm, comm, nodes, _Cart(dims, periods))  # type: ignore[no-any-return]
 
 
 def create_graph(comm: Any, index: Sequence[int], edges: Sequence[int], reorder: bool) -> Graphcomm:
+    index, edges = graph_arrays(index, edges)
     return _topo_comm(Graphcomm, comm, len(index), _Graph(index, edges))  # type: ignore[no-any-return]
 
 
-def cart_map(dims: Sequence[int], size: int) -> int:
-    nodes = 1
-    for d in dims:
-        nodes *= int(d)
-    return UNDEFINED if nodes > size else nodes
+def topo_map(nodes: int, rank: int) -> int:
+    """``Cart_map``/``Graph_map``: no reordering, so the first ``nodes`` ranks keep theirs."""
+    return rank if rank < nodes else UNDEFINED
