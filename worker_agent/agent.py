@@ -63,6 +63,7 @@ class Agent:
         self.busy = 0
         self._slot_freed = trio.Event()
         self._enroll_lock = trio.Lock()
+        self._beat = trio.CancelScope()  # the heartbeat being waited for, or the pause after it
         self.socket_path = choose_socket_path(settings.work_path, SOCKET_NAME)
         self.links = RelayLinks(
             nursery,
@@ -164,6 +165,9 @@ class Agent:
         rank = LocalRank(lease)
         self.ranks.add(rank)
         self.busy += 1
+        # A held heartbeat covers only the ranks it lists: report the new one now, so that its
+        # stop order, should its job end early, goes out at once too.
+        self._beat.cancel()
         log.info(
             "leased rank %d of job %d (incarnation %d, %d ranks)",
             lease.rank,
@@ -189,28 +193,34 @@ class Agent:
             token = self.client.token
             interval = max(self.enrolled.heartbeat_interval, _MIN_HEARTBEAT)
             sent = trio.current_time()
-            try:
-                # The coordinator holds the answer for up to one interval unless it has stop
-                # orders, so a job that ends here stops its other ranks at once.
-                resp = await self.client.heartbeat(
-                    AgentHeartbeat(
-                        ranks=self.ranks.states(), free_slots=self.free_slots, wait=interval
+            resp, refused = None, None
+            with trio.CancelScope() as self._beat:
+                try:
+                    # The coordinator holds the answer for up to one interval unless it has
+                    # stop orders, so a job that fails elsewhere stops its ranks here at once.
+                    resp = await self.client.heartbeat(
+                        AgentHeartbeat(
+                            ranks=self.ranks.states(), free_slots=self.free_slots, wait=interval
+                        )
                     )
-                )
-            except CoordinatorUnreachable as exc:
-                log.warning("heartbeat: %s", exc)
-            except CoordinatorRejected as exc:
-                if exc.status == 401:
-                    log.warning("heartbeat refused (%s); enrolling again", exc)
-                    await self.reenroll(token)
-                else:
-                    log.error("heartbeat refused: %s", exc)
-            else:
+                except CoordinatorUnreachable as exc:
+                    log.warning("heartbeat: %s", exc)
+                except CoordinatorRejected as exc:
+                    refused = exc
+            if refused is not None and refused.status == 401:
+                log.warning("heartbeat refused (%s); enrolling again", refused)
+                await self.reenroll(token)
+            elif refused is not None:
+                log.error("heartbeat refused: %s", refused)
+            if resp is not None:
                 for order in resp.stop:
                     rank = self.ranks.find(order.job, order.rank, order.incarnation)
                     if rank is not None:
                         rank.request_stop(order.reason)
-            await trio.sleep_until(sent + interval)
+            if self._beat.cancelled_caught:
+                continue  # a rank started: send its heartbeat now
+            with trio.CancelScope() as self._beat:
+                await trio.sleep_until(sent + interval)
 
 
 async def enroll(
