@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import operator
 import pickle
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
-from vpool.sdk.mpi import errors
+from vpool.sdk.mpi import derived, errors
 from vpool.sdk.mpi.datatypes import BYTE, Datatype, from_format, lookup
-from vpool.sdk.mpi.dlpack import exported_view
+from vpool.sdk.mpi.dlpack import exported_typecode, exported_view
 
 
 class _Sentinel:
@@ -51,6 +52,9 @@ class Msg(NamedTuple):
     view: memoryview  # flat unsigned-byte view of exactly the message's bytes
     items: int  # count of ``datatype`` elements (per block, for ``parse_blocks``)
     datatype: Datatype
+    # For a writable buffer of a non-contiguous datatype, ``view`` is a packed copy: this
+    # scatters it back into the buffer once the data arrived (see ``derived``).
+    unpack: Callable[[], None] | None = None
 
 
 class VMsg(NamedTuple):
@@ -89,7 +93,10 @@ def byte_view(obj: Any, writable: bool) -> memoryview:
 def view_of(spec: Any, writable: bool) -> memoryview:
     """Just the bytes of a point-to-point buffer spec (the datatype does not travel)."""
     if spec is None or isinstance(spec, (list, tuple)):
-        return parse(spec, writable).view
+        m = parse(spec, writable)
+        if m.unpack is not None:
+            raise NotImplementedError("receiving into a non-contiguous datatype point-to-point")
+        return m.view
     return byte_view(spec, writable)
 
 
@@ -104,22 +111,11 @@ def _datatype_of(obj: Any) -> Datatype:
 
 
 def _exported_datatype(obj: Any) -> Datatype:
-    """The datatype of a DLPack / CUDA-array-interface buffer, from its numpy-style type."""
-    typestr = getattr(obj, "__cuda_array_interface__", {}).get("typestr") if hasattr(
-        obj, "__cuda_array_interface__"
-    ) else None
-    if typestr is None and hasattr(obj, "__dlpack__"):
-        try:
-            import numpy as np
-
-            return from_format(np.from_dlpack(obj).dtype.char)
-        except Exception:
-            return BYTE
-    if typestr is not None:
-        import numpy as np
-
-        return from_format(np.dtype(typestr).char)
-    raise TypeError(f"message: expected a buffer object, got {type(obj).__name__}")
+    """The datatype of a DLPack / CUDA-array-interface buffer, from its element type."""
+    if exported_view(obj) is None:
+        raise TypeError(f"message: expected a buffer object, got {type(obj).__name__}")
+    code = exported_typecode(obj)
+    return from_format(code) if code is not None else BYTE
 
 
 def _split(spec: Any) -> tuple[Any, Any, int, Datatype | None]:
@@ -164,7 +160,23 @@ def parse(spec: Any, writable: bool) -> Msg:
         dt = _datatype_of(buf)
     if count is None:
         count = _whole(view, dt) - displ
-    return Msg(_slice(view, count, displ, dt), count, dt)
+    return _msg(view, count, displ, dt, count, writable)
+
+
+def _msg(view: memoryview, count: int, displ: int, dt: Datatype, items: int, wr: bool) -> Msg:
+    if not derived.packed(dt):
+        return Msg(_slice(view, count, displ, dt), items, dt)
+    if count < 0:
+        raise errors.MPIException(errors.ERR_COUNT)
+    start = displ * dt.extent
+    end = start + derived.span(dt, count)
+    if start < 0 or end > view.nbytes:
+        raise ValueError(f"message: buffer too small: {view.nbytes} bytes, {end} needed")
+    region = view[start:end]
+    data = derived.pack(region, dt, count)
+    if not wr:
+        return Msg(data, items, dt)
+    return Msg(data, items, dt, lambda: derived.unpack(data, region, dt, count))
 
 
 def parse_blocks(spec: Any, blocks: int, writable: bool) -> Msg:
@@ -178,20 +190,23 @@ def parse_blocks(spec: Any, blocks: int, writable: bool) -> Msg:
         dt = _datatype_of(buf)
     if count is None:
         count = (_whole(view, dt) - displ) // blocks
-    return Msg(_slice(view, count * blocks, displ, dt), count, dt)
+    return _msg(view, count * blocks, displ, dt, count, writable)
 
 
 def parse_v(spec: Any, size: int, writable: bool) -> VMsg:
     """Read a vector spec of a ``*v`` collective (counts and displacements per rank)."""
-    if not isinstance(spec, (list, tuple)):
-        raise ValueError("message: expected [buf, counts, displs, datatype]")
+    bare = not isinstance(spec, (list, tuple))
+    if bare:
+        spec = [spec]
     n = len(spec)
     buf = spec[0]
     counts: Any = None
     displs: Any = None
     dt: Datatype | None = None
     # The forms of mpi4py's message_vector: a tuple in the counts place is (counts, displs).
-    if n == 2:
+    if n == 1 and bare:
+        pass
+    elif n == 2:
         if isinstance(spec[1], (Datatype, str)):
             dt = lookup(spec[1])
         else:
@@ -201,7 +216,7 @@ def parse_v(spec: Any, size: int, writable: bool) -> VMsg:
     elif n == 4:
         counts, displs, dt = spec[1], spec[2], lookup(spec[3])
     else:
-        raise ValueError(f"message: expected 2 to 4 items, got {n}")
+        raise ValueError(f"message: expecting 2 to 4 items, got {n}")
     if n < 4 and isinstance(counts, tuple):
         counts, displs = counts
     view = byte_view(buf, writable)
@@ -224,6 +239,45 @@ def parse_v(spec: Any, size: int, writable: bool) -> VMsg:
     if len(counts) != size or len(displs) != size:
         raise ValueError(f"message: expected {size} counts and displacements")
     return VMsg(view, counts, displs, dt)
+
+
+def parse_w(
+    spec: Any, size: int, writable: bool
+) -> tuple[memoryview, list[int], list[int], list[Datatype]]:
+    """Read an ``Alltoallw`` spec: (buffer view, counts, byte displacements, datatypes)."""
+    if not isinstance(spec, (list, tuple)):
+        raise TypeError("message: expecting a list or tuple")
+    n = len(spec)
+    counts: Any = None
+    displs: Any = None
+    if n == 2:
+        buf, types = spec
+    elif n == 3:
+        buf, (counts, displs), types = spec
+    elif n == 4:
+        buf, counts, displs, types = spec
+    else:
+        raise ValueError(f"message: expecting 2 to 4 items, got {n}")
+    if buf is BOTTOM:
+        if counts is None or displs is None:
+            raise ValueError("message: BOTTOM requires counts and displs")
+        raise NotImplementedError("MPI.BOTTOM with absolute addresses")
+    if counts is None and displs is None:
+        counts, displs = [1] * size, [0] * size
+    if not isinstance(types, (list, tuple)):
+        types = [types] * size
+    types = [lookup(t) for t in types]
+    counts, displs = [int(c) for c in counts], [int(d) for d in displs]
+    if not len(counts) == len(displs) == len(types) == size:
+        raise ValueError(f"message: expecting {size} counts, displacements and datatypes")
+    return byte_view(buf, writable), counts, displs, types
+
+
+def w_block(view: memoryview, count: int, displ: int, dt: Datatype, writable: bool) -> Msg:
+    """One peer's block of an ``Alltoallw`` buffer: ``displ`` counts bytes."""
+    if displ < 0:
+        raise ValueError(f"message: negative displacement {displ}")
+    return _msg(view[displ:], count, 0, dt, count, writable)
 
 
 def _integral(x: Any) -> bool:

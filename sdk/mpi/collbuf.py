@@ -11,13 +11,34 @@ from __future__ import annotations
 from typing import Any
 
 from vpool.sdk.mpi import collalg
-from vpool.sdk.mpi.buffers import IN_PLACE, VMsg, block, parse, parse_blocks, parse_v
+from vpool.sdk.mpi.buffers import (
+    IN_PLACE,
+    Msg,
+    VMsg,
+    block,
+    parse,
+    parse_blocks,
+    parse_v,
+    parse_w,
+    w_block,
+)
 from vpool.sdk.mpi.coll import check_root
 from vpool.sdk.mpi.sched import Algo, new_tag, run, start
 
 
-def _go(h: Any, algo: Algo, nb: bool) -> Any:
+def _go(h: Any, algo: Algo, nb: bool, *msgs: Msg | None) -> Any:
+    unpacks = [m.unpack for m in msgs if m is not None and m.unpack is not None]
+    if unpacks:
+        algo = _then(algo, unpacks)
     return start(h, algo) if nb else run(h, algo)
+
+
+def _then(algo: Algo, unpacks: list[Any]) -> Algo:
+    """Run ``algo``, then scatter packed receive buffers back into their datatypes' layout."""
+    result = yield from algo
+    for unpack in unpacks:
+        unpack()
+    return result
 
 
 def in_place(spec: Any) -> bool:
@@ -33,13 +54,13 @@ def _same(src: Any, dst: Any) -> None:
 
 def Bcast(h: Any, buf: Any, root: int, nb: bool = False) -> Any:
     check_root(h, root)
-    view = parse(buf, writable=h.rank != root).view
-    return _go(h, collalg.bcast(h, view, root, new_tag(h)), nb)
+    m = parse(buf, writable=h.rank != root)
+    return _go(h, collalg.bcast(h, m.view, root, new_tag(h)), nb, m)
 
 
 def Reduce(h: Any, sendbuf: Any, recvbuf: Any, op: Any, root: int, nb: bool = False) -> Any:
     check_root(h, root)
-    out = None
+    out = r = None
     if h.rank == root:
         r = parse(recvbuf, writable=True)
         out = r.view
@@ -52,7 +73,7 @@ def Reduce(h: Any, sendbuf: Any, recvbuf: Any, op: Any, root: int, nb: bool = Fa
     else:
         s = parse(sendbuf, writable=False)
         src, dt = s.view, s.datatype
-    return _go(h, collalg.reduce(h, src, out, dt, op, root, new_tag(h)), nb)
+    return _go(h, collalg.reduce(h, src, out, dt, op, root, new_tag(h)), nb, r)
 
 
 def Allreduce(h: Any, sendbuf: Any, recvbuf: Any, op: Any, nb: bool = False) -> Any:
@@ -61,17 +82,17 @@ def Allreduce(h: Any, sendbuf: Any, recvbuf: Any, op: Any, nb: bool = False) -> 
         s = parse(sendbuf, writable=False)
         _same(s, r)
         r.view[:] = s.view
-    return _go(h, collalg.allreduce(h, r.view, r.datatype, op, new_tag(h)), nb)
+    return _go(h, collalg.allreduce(h, r.view, r.datatype, op, new_tag(h)), nb, r)
 
 
 def Gather(h: Any, sendbuf: Any, recvbuf: Any, root: int, nb: bool = False) -> Any:
     check_root(h, root)
     size, rank = h.size, h.rank
-    whole = mine = None
+    whole = mine = r = None
     if rank == root:
         r = parse_blocks(recvbuf, size, writable=True)
         whole = r.view
-        bs = r.items * r.datatype.extent
+        bs = r.view.nbytes // size
         if not in_place(sendbuf):
             s = parse(sendbuf, writable=False)
             if s.view.nbytes != bs:
@@ -80,7 +101,7 @@ def Gather(h: Any, sendbuf: Any, recvbuf: Any, root: int, nb: bool = False) -> A
     else:
         mine = parse(sendbuf, writable=False).view
         bs = mine.nbytes
-    return _go(h, collalg.gather(h, mine, whole, bs, root, new_tag(h)), nb)
+    return _go(h, collalg.gather(h, mine, whole, bs, root, new_tag(h)), nb, r)
 
 
 def Gatherv(h: Any, sendbuf: Any, recvbuf: Any, root: int, nb: bool = False) -> Any:
@@ -101,48 +122,51 @@ def Gatherv(h: Any, sendbuf: Any, recvbuf: Any, root: int, nb: bool = False) -> 
 def Scatter(h: Any, sendbuf: Any, recvbuf: Any, root: int, nb: bool = False) -> Any:
     check_root(h, root)
     size, rank = h.size, h.rank
-    whole = out = None
+    whole = out = r = None
     if rank == root:
         s = parse_blocks(sendbuf, size, writable=False)
         whole = s.view
-        bs = s.items * s.datatype.extent
+        bs = s.view.nbytes // size
         if not in_place(recvbuf):
             r = parse(recvbuf, writable=True)
             if r.view.nbytes != bs:
                 raise ValueError(f"mismatch in send count {s.items} and receive count {r.items}")
             out = r.view
     else:
-        out = parse(recvbuf, writable=True).view
+        r = parse(recvbuf, writable=True)
+        out = r.view
         bs = out.nbytes
-    return _go(h, collalg.scatter(h, whole, out, bs, root, new_tag(h)), nb)
+    return _go(h, collalg.scatter(h, whole, out, bs, root, new_tag(h)), nb, r)
 
 
 def Scatterv(h: Any, sendbuf: Any, recvbuf: Any, root: int, nb: bool = False) -> Any:
     check_root(h, root)
     size, rank = h.size, h.rank
     blocks: list[memoryview] = []
-    out = None
+    out = r = None
     if rank == root:
         s = parse_v(sendbuf, size, writable=False)
         blocks = [block(s, i) for i in range(size)]
         if not in_place(recvbuf):
-            out = parse(recvbuf, writable=True).view
+            r = parse(recvbuf, writable=True)
     else:
-        out = parse(recvbuf, writable=True).view
-    return _go(h, collalg.linear_scatterv(h, blocks, out, root, new_tag(h)), nb)
+        r = parse(recvbuf, writable=True)
+    if r is not None:
+        out = r.view
+    return _go(h, collalg.linear_scatterv(h, blocks, out, root, new_tag(h)), nb, r)
 
 
 def Allgather(h: Any, sendbuf: Any, recvbuf: Any, nb: bool = False) -> Any:
     size = h.size
     r = parse_blocks(recvbuf, size, writable=True)
-    bs = r.items * r.datatype.extent
+    bs = r.view.nbytes // size
     if not in_place(sendbuf):
         s = parse(sendbuf, writable=False)
         if s.view.nbytes != bs:
             raise ValueError(f"mismatch in send count {s.items} and receive count {r.items}")
         r.view[h.rank * bs : (h.rank + 1) * bs] = s.view
     offsets = [i * bs for i in range(size + 1)]
-    return _go(h, collalg.allgather(h, r.view, offsets, new_tag(h)), nb)
+    return _go(h, collalg.allgather(h, r.view, offsets, new_tag(h)), nb, r)
 
 
 def Allgatherv(h: Any, sendbuf: Any, recvbuf: Any, nb: bool = False) -> Any:
@@ -176,7 +200,7 @@ def Allgatherv(h: Any, sendbuf: Any, recvbuf: Any, nb: bool = False) -> Any:
 def Alltoall(h: Any, sendbuf: Any, recvbuf: Any, nb: bool = False) -> Any:
     size = h.size
     r = parse_blocks(recvbuf, size, writable=True)
-    bs = r.items * r.datatype.extent
+    bs = r.view.nbytes // size
     rblocks = [r.view[i * bs : (i + 1) * bs] for i in range(size)]
     if in_place(sendbuf):
         copy = collalg.scratch(r.view.nbytes)
@@ -184,9 +208,9 @@ def Alltoall(h: Any, sendbuf: Any, recvbuf: Any, nb: bool = False) -> Any:
         sblocks = [copy[i * bs : (i + 1) * bs] for i in range(size)]
     else:
         s = parse_blocks(sendbuf, size, writable=False)
-        n = s.items * s.datatype.extent
+        n = s.view.nbytes // size
         sblocks = [s.view[i * n : (i + 1) * n] for i in range(size)]
-    return _go(h, collalg.pairwise(h, sblocks, rblocks, new_tag(h)), nb)
+    return _go(h, collalg.pairwise(h, sblocks, rblocks, new_tag(h)), nb, r)
 
 
 def Alltoallv(h: Any, sendbuf: Any, recvbuf: Any, nb: bool = False) -> Any:
@@ -204,6 +228,22 @@ def Alltoallv(h: Any, sendbuf: Any, recvbuf: Any, nb: bool = False) -> Any:
     return _go(h, collalg.pairwise(h, sblocks, rblocks, new_tag(h)), nb)
 
 
+def Alltoallw(h: Any, sendbuf: Any, recvbuf: Any, nb: bool = False) -> Any:
+    """Per-peer counts, byte displacements and datatypes; blocks travel packed."""
+    size = h.size
+    rv, rcounts, rdispls, rtypes = parse_w(recvbuf, size, writable=True)
+    if in_place(sendbuf):
+        sv = collalg.scratch(rv.nbytes)
+        sv[:] = rv
+        scounts, sdispls, stypes = rcounts, rdispls, rtypes
+    else:
+        sv, scounts, sdispls, stypes = parse_w(sendbuf, size, writable=False)
+    sblocks = [w_block(sv, scounts[i], sdispls[i], stypes[i], False).view for i in range(size)]
+    rmsgs = [w_block(rv, rcounts[i], rdispls[i], rtypes[i], True) for i in range(size)]
+    rblocks = [m.view for m in rmsgs]
+    return _go(h, collalg.pairwise(h, sblocks, rblocks, new_tag(h)), nb, *rmsgs)
+
+
 def Scan(
     h: Any, sendbuf: Any, recvbuf: Any, op: Any, exclusive: bool, nb: bool = False
 ) -> Any:
@@ -214,7 +254,7 @@ def Scan(
         s = parse(sendbuf, writable=False)
         _same(s, r)
         src, dt = s.view, s.datatype
-    return _go(h, collalg.scan(h, src, r.view, dt, op, exclusive, new_tag(h)), nb)
+    return _go(h, collalg.scan(h, src, r.view, dt, op, exclusive, new_tag(h)), nb, r)
 
 
 def Reduce_scatter_block(h: Any, sendbuf: Any, recvbuf: Any, op: Any, nb: bool = False) -> Any:

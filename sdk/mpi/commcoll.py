@@ -87,6 +87,9 @@ class CommCollectives:
     def Alltoallv(self, sendbuf: Any, recvbuf: Any) -> None:
         collbuf.Alltoallv(self._core(), sendbuf, recvbuf)
 
+    def Alltoallw(self, sendbuf: Any, recvbuf: Any) -> None:
+        collbuf.Alltoallw(self._core(), sendbuf, recvbuf)
+
     def Reduce_scatter_block(self, sendbuf: Any, recvbuf: Any, op: Any = ops.SUM) -> None:
         collbuf.Reduce_scatter_block(self._core(), sendbuf, recvbuf, op)
 
@@ -133,6 +136,9 @@ class CommCollectives:
 
     def Ialltoallv(self, sendbuf: Any, recvbuf: Any) -> Request:
         return collbuf.Alltoallv(self._core(), sendbuf, recvbuf, nb=True)  # type: ignore[no-any-return]
+
+    def Ialltoallw(self, sendbuf: Any, recvbuf: Any) -> Request:
+        return collbuf.Alltoallw(self._core(), sendbuf, recvbuf, nb=True)  # type: ignore[no-any-return]
 
     def Ireduce_scatter_block(self, sendbuf: Any, recvbuf: Any, op: Any = ops.SUM) -> Request:
         return collbuf.Reduce_scatter_block(self._core(), sendbuf, recvbuf, op, nb=True)  # type: ignore[no-any-return]

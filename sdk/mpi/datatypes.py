@@ -11,7 +11,7 @@ from __future__ import annotations
 import struct
 from typing import Any
 
-from vpool.sdk.mpi import errors
+from vpool.sdk.mpi import derived, errors
 
 # Pair types of MAXLOC/MINLOC, as C lays out ``struct {T value; int index;}``.
 _PAIRS = {
@@ -28,7 +28,9 @@ class Datatype:
     """An MPI datatype. Predefined ones have a numpy type code; contiguous derived ones keep
     their base type and multiplicity so reductions still apply."""
 
-    __slots__ = ("_base", "_code", "_committed", "_count", "_extent", "_lb", "_name", "_size")
+    __slots__ = (
+        "_base", "_code", "_committed", "_count", "_extent", "_lb", "_name", "_segs", "_size"
+    )
 
     def __init__(
         self,
@@ -48,6 +50,7 @@ class Datatype:
             self._base, self._count = datatype._base, datatype._count
             self._lb, self._extent = datatype._lb, datatype._extent
             self._committed = datatype._committed
+            self._segs = datatype._segs
             return
         self._name = name
         self._size = size
@@ -57,6 +60,7 @@ class Datatype:
         self._lb = lb
         self._extent = size if extent is None else extent
         self._committed = True
+        self._segs: tuple[tuple[int, int], ...] | None = None  # see ``derived``
 
     # ---- properties as in mpi4py ----
     def Get_size(self) -> int:
@@ -82,15 +86,24 @@ class Datatype:
         return self._lb + self._extent
 
     def Get_true_extent(self) -> tuple[int, int]:
-        return (0, self._size)
+        segs = derived.segs_of(self)
+        if not segs:
+            return (0, 0)
+        lo = min(off for off, _ in segs)
+        return (lo, max(off + n for off, n in segs) - lo)
 
     @property
     def true_extent(self) -> int:
-        return self._size
+        return self.Get_true_extent()[1]
 
     @property
     def true_lb(self) -> int:
-        return 0
+        return self.Get_true_extent()[0]
+
+    @property
+    def true_ub(self) -> int:
+        lb, extent = self.Get_true_extent()
+        return lb + extent
 
     def Get_name(self) -> str:
         return self._name
@@ -108,7 +121,7 @@ class Datatype:
 
     @property
     def is_predefined(self) -> bool:
-        return _BY_NAME.get(self._name) is self or self is DATATYPE_NULL
+        return self._segs is None
 
     @property
     def is_named(self) -> bool:
@@ -119,35 +132,82 @@ class Datatype:
             raise ValueError(f"cannot map datatype {self._name or '(derived)'} to a type code")
         return self._code
 
+    def _check(self) -> None:
+        if not self:
+            raise errors.MPIException(errors.ERR_TYPE, "null datatype")
+
     def Commit(self) -> Datatype:
+        self._check()
         self._committed = True
         return self
 
     def Free(self) -> None:
-        pass
+        self._check()
+        if self.is_predefined:
+            raise errors.MPIException(errors.ERR_TYPE, "cannot free a predefined datatype")
+        self._become_null()
+
+    def free(self) -> None:
+        if self and not self.is_predefined:
+            self._become_null()
+
+    def _become_null(self) -> None:
+        null = DATATYPE_NULL
+        self._name, self._size, self._code = null._name, 0, None
+        self._base, self._count, self._lb, self._extent = None, 1, 0, 0
+        self._segs = None
 
     def Dup(self) -> Datatype:
+        self._check()
         return Datatype(self)
 
+    def Get_attr(self, keyval: int) -> Any:
+        self._check()
+        from vpool.sdk.mpi.constants import KEYVAL_INVALID
+
+        if keyval == KEYVAL_INVALID:
+            raise errors.MPIException(errors.ERR_KEYVAL, "invalid keyval")
+        return None
+
+    # ---- constructors of derived datatypes (``derived``) ----
     def Create_contiguous(self, count: int) -> Datatype:
-        if count < 0:
-            raise errors.MPIException(errors.ERR_COUNT)
-        base = self._base or self
-        return Datatype(
-            name="",
-            size=self._size * count,
-            code=None,
-            base=base,
-            count=self._count * count,
-            extent=self._extent * count,
-        )
+        return derived.build([(0, count, self)])
+
+    def Create_vector(self, count: int, blocklength: int, stride: int) -> Datatype:
+        ext = self._extent
+        n = derived.count_arg(count)
+        return derived.build([(i * stride * ext, blocklength, self) for i in range(n)])
+
+    def Create_hvector(self, count: int, blocklength: int, stride: int) -> Datatype:
+        n = derived.count_arg(count)
+        return derived.build([(i * stride, blocklength, self) for i in range(n)])
+
+    def Create_indexed(self, blocklengths: Any, displacements: Any) -> Datatype:
+        ext = self._extent
+        pairs = derived.zip_args(blocklengths, displacements)
+        return derived.build([(d * ext, b, self) for b, d in pairs])
+
+    def Create_hindexed(self, blocklengths: Any, displacements: Any) -> Datatype:
+        pairs = derived.zip_args(blocklengths, displacements)
+        return derived.build([(d, b, self) for b, d in pairs])
+
+    def Create_indexed_block(self, blocklength: int, displacements: Any) -> Datatype:
+        ext = self._extent
+        return derived.build([(int(d) * ext, blocklength, self) for d in displacements])
+
+    def Create_hindexed_block(self, blocklength: int, displacements: Any) -> Datatype:
+        return derived.build([(int(d), blocklength, self) for d in displacements])
+
+    @classmethod
+    def Create_struct(cls, blocklengths: Any, displacements: Any, datatypes: Any) -> Datatype:
+        types = list(datatypes)
+        pairs = derived.zip_args(blocklengths, displacements)
+        if len(types) != len(pairs):
+            raise ValueError("mismatch in blocklengths and datatypes")
+        return derived.build([(d, b, t) for (b, d), t in zip(pairs, types, strict=True)])
 
     def Create_resized(self, lb: int, extent: int) -> Datatype:
-        dt = Datatype(self)
-        dt._lb, dt._extent = lb, extent
-        if dt._base is None and self._code is not None:
-            dt._base, dt._count = self, 1
-        return dt
+        return derived.resized(self, lb, extent)
 
     def numpy_dtype(self) -> Any:
         """numpy dtype of one element of the base type (for reductions)."""
@@ -171,13 +231,15 @@ class Datatype:
             and self._base is other._base
             and self._count == other._count
             and self._extent == other._extent
+            and self._lb == other._lb
+            and self._segs == other._segs
         )
 
     def __hash__(self) -> int:
         return hash((self._name, self._size, self._code))
 
     def __bool__(self) -> bool:
-        return self is not DATATYPE_NULL
+        return self._name != "MPI_DATATYPE_NULL"
 
     def __repr__(self) -> str:
         return f"<mpi4py.MPI.Datatype {self._name or '(derived)'}>"

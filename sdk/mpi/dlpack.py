@@ -101,7 +101,7 @@ def _view(obj: Any, capsule: Any, address: int, nbytes: int, readonly: bool) -> 
     return view.toreadonly() if readonly else view
 
 
-def _from_dlpack(obj: Any) -> memoryview:
+def _tensor(obj: Any) -> tuple[Any, _Tensor, bool]:
     device, _ = obj.__dlpack_device__()
     if int(device) not in (_CPU, _CPU_PINNED):
         raise BufferError("message: only host (CPU) memory can be sent by vpool ranks")
@@ -118,6 +118,41 @@ def _from_dlpack(obj: Any) -> memoryview:
         tensor = _Tensor.from_address(_GetPointer(capsule, b"dltensor"))
     else:
         raise BufferError("message: invalid DLPack capsule")
+    return capsule, tensor, readonly
+
+
+# DLPack type codes -> numpy kind letters (kDLInt, kDLUInt, kDLFloat, kDLComplex, kDLBool).
+_KINDS = {0: "i", 1: "u", 2: "f", 5: "c", 6: "b"}
+_WIDE = {"f16": "g", "c32": "G"}  # long double (complex) as x86-64 stores it
+
+
+def exported_typecode(obj: Any) -> str | None:
+    """The numpy-style type code of a DLPack / CUDA-array-interface buffer (None: unknown).
+
+    Read from the capsule directly: numpy's ``from_dlpack`` rejects long doubles and would leave
+    the exporter's capsule in a failed state."""
+    if hasattr(obj, "__dlpack__") and hasattr(obj, "__dlpack_device__"):
+        _, tensor, _ = _tensor(obj)
+        kind = _KINDS.get(tensor.dtype.code)
+        lanes = tensor.dtype.lanes
+        if kind == "f" and lanes == 2:  # how some exporters spell complex numbers
+            kind, lanes = "c", 1
+        if kind is None or lanes != 1:
+            return None
+        if kind == "b":
+            return "?"
+        code = f"{kind}{tensor.dtype.bits * tensor.dtype.lanes // 8}"
+        return _WIDE.get(code, code)
+    cai = getattr(obj, "__cuda_array_interface__", None)
+    if isinstance(cai, dict):
+        import numpy as np
+
+        return str(np.dtype(cai["typestr"]).char)
+    return None
+
+
+def _from_dlpack(obj: Any) -> memoryview:
+    capsule, tensor, readonly = _tensor(obj)
     ndim = tensor.ndim
     shape = [tensor.shape[i] for i in range(ndim)]
     strides = [tensor.strides[i] for i in range(ndim)] if tensor.strides else None

@@ -8,6 +8,12 @@ from collections.abc import Iterator
 from typing import Any
 
 
+def _error(name: str, detail: str) -> Exception:
+    from vpool.sdk.mpi import errors
+
+    return errors.MPIException(getattr(errors, name), detail)
+
+
 class Info:
     __slots__ = ("_items", "_null")
 
@@ -23,26 +29,45 @@ class Info:
             info._items.update(dict(items))
         return info
 
+    def _check(self) -> None:
+        if self._null:
+            raise _error("ERR_INFO", "null info")
+
     def Dup(self) -> Info:
+        self._check()
         return Info(self)
 
     def Free(self) -> None:
+        self._check()
         self._items.clear()
         self._null = True
 
+    def free(self) -> None:
+        if not self._null and self is not INFO_ENV:
+            self.Free()
+
     def Get(self, key: str) -> str | None:
+        self._check()
         return self._items.get(key)
 
     def Set(self, key: str, value: str) -> None:
+        self._check()
         self._items[key] = str(value)
 
     def Delete(self, key: str) -> None:
+        self._check()
+        if key not in self._items:
+            raise _error("ERR_INFO_NOKEY", f"no key {key!r}")
         del self._items[key]
 
     def Get_nkeys(self) -> int:
+        self._check()
         return len(self._items)
 
     def Get_nthkey(self, n: int) -> str:
+        self._check()
+        if not 0 <= n < len(self._items):
+            raise _error("ERR_ARG", f"no key number {n}")
         return list(self._items)[n]
 
     def __len__(self) -> int:
@@ -114,6 +139,8 @@ class Errhandler:
 
     def Free(self) -> None:
         global _live_user
+        if not self._name:
+            raise _error("ERR_ARG", "null error handler")
         if self._fn is not None and self._name:
             _live_user -= 1
         self._name = ""

@@ -98,6 +98,8 @@ class Op:
         return op
 
     def Free(self) -> None:
+        if self._user is None:
+            raise errors.MPIException(errors.ERR_OP, "cannot free a null or predefined operation")
         if self._user is not None:
             _user_slots.pop(self._slot, None)
         self._name, self._user, self._commute, self._slot = "OP_NULL", None, True, 0

@@ -270,6 +270,8 @@ class Request:
         return self.Get_status(status)
 
     def Cancel(self) -> None:
+        if not self:
+            raise errors.MPIException(errors.ERR_REQUEST, "null request")
         op = self._op
         if isinstance(op, RecvOp) and not op.done and _engine().matcher.cancel(op):
             op.cancelled = True
@@ -282,11 +284,14 @@ class Request:
 
     def Free(self) -> None:
         # A freed receive still completes eventually: it stays posted, its result is dropped.
+        if not self:
+            raise errors.MPIException(errors.ERR_REQUEST, "null request")
         self._op = None
         self._start = None
 
     def free(self) -> None:
-        self.Free()
+        if self:
+            self.Free()
 
     # ---- many requests -------------------------------------------------------------------
 
@@ -529,6 +534,8 @@ class Prequest(Request):
         self.Start()
 
     def Free(self) -> None:
+        if not self:
+            raise errors.MPIException(errors.ERR_REQUEST, "null request")
         self._op = None
         self._start = None
 

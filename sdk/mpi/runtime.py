@@ -44,8 +44,8 @@ class SyncSendOp:
 
 
 class Engine:
-    __slots__ = ("job", "local_seq", "matcher", "next_ctx", "notices", "rank", "size", "syncs",
-                 "transport")
+    __slots__ = ("advancing", "job", "local_seq", "matcher", "next_ctx", "notices", "rank",
+                 "schedules", "size", "syncs", "transport")
 
     def __init__(self, job: int, rank: int, size: int) -> None:
         self.job = job
@@ -60,6 +60,10 @@ class Engine:
         self.syncs: dict[tuple[int, int], SyncSendOp] = {}
         self.notices: list[tuple[int, int]] = []  # (source, seq) of matched synchronous messages
         self.local_seq = 0  # seq numbers of messages to self (they never reach the transport)
+        # Open non-blocking collectives (``sched.Schedule``): every blocking wait advances them,
+        # so a rank blocked in, say, Recv still sends the rounds its peers' collectives need.
+        self.schedules: list[Any] = []
+        self.advancing = False
 
     # ---- sending -------------------------------------------------------------------------
 
@@ -150,6 +154,9 @@ class Engine:
         while not op.done:
             if transport is None:
                 raise _no_peers()
+            self.advance_schedules()
+            if op.done:
+                break
             transport.progress(True)
             if self.notices:
                 self._flush_notices()
@@ -158,6 +165,7 @@ class Engine:
         """Wait for anything to arrive (callers re-check their condition)."""
         if self.transport is None:
             raise _no_peers()
+        self.advance_schedules()
         self.transport.progress(True)
         if self.notices:
             self._flush_notices()
@@ -168,6 +176,19 @@ class Engine:
             self.transport.progress(False)
             if self.notices:
                 self._flush_notices()
+        self.advance_schedules()
+
+    def advance_schedules(self) -> None:
+        """Step open non-blocking collectives whose receives completed (never from transport
+        callbacks: a step sends, and the transport is not re-entrant)."""
+        if not self.schedules or self.advancing:
+            return
+        self.advancing = True
+        try:
+            for sched in list(self.schedules):
+                sched.step()
+        finally:
+            self.advancing = False
 
     # ---- transport sink ------------------------------------------------------------------
 

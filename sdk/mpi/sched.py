@@ -89,24 +89,45 @@ def run(h: Any, algo: Algo) -> Any:
 class Schedule:
     """The operation of a non-blocking collective's request (see the module docstring)."""
 
-    __slots__ = ("_algo", "_done", "_pending", "result")
+    __slots__ = ("_algo", "_busy", "_done", "_eng", "_error", "_pending", "result")
 
     source = ANY_SOURCE
 
-    def __init__(self, algo: Algo) -> None:
+    def __init__(self, algo: Algo, eng: Any = None) -> None:
         self._algo = algo
         self._pending: list[RecvOp] = []
         self._done = False
+        self._busy = False
+        self._error: BaseException | None = None
+        self._eng = eng
         self.result: Any = None
         self._advance(first=True)
+        if not self._done and eng is not None:
+            eng.schedules.append(self)
 
     @property
     def done(self) -> bool:
         if not self._done:
             self._advance(first=False)
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
         return self._done
 
+    def step(self) -> None:
+        """Advance from the engine's progress hook; an error waits for the request's owner."""
+        if self._done or self._busy:
+            return
+        try:
+            self._advance(first=False)
+        except Exception as exc:  # re-raised by ``done``
+            self._error = exc
+            self._finish()
+
     def _advance(self, first: bool) -> None:
+        if self._busy:
+            return
+        self._busy = True
         algo = self._algo
         try:
             if first:
@@ -117,8 +138,19 @@ class Schedule:
                 self._pending = algo.send(None)
         except StopIteration as stop:
             self.result = stop.value
-            self._done = True
-            self._pending = []
+            self._finish()
+        except BaseException:
+            self._finish()
+            raise
+        finally:
+            self._busy = False
+
+    def _finish(self) -> None:
+        self._done = True
+        self._pending = []
+        eng = self._eng
+        if eng is not None and self in eng.schedules:
+            eng.schedules.remove(self)
 
     def finish(self, status: Any) -> Any:
         if status is not None:
@@ -130,4 +162,4 @@ def start(h: Any, algo: Algo) -> Any:
     """A request for a non-blocking collective already under way."""
     from vpool.sdk.mpi.request import Request
 
-    return Request._of(Schedule(algo))
+    return Request._of(Schedule(algo, h.eng))

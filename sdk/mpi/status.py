@@ -8,6 +8,7 @@ from typing import Any
 from vpool.sdk.mpi import errors
 from vpool.sdk.mpi.constants import ANY_SOURCE, ANY_TAG, UNDEFINED
 from vpool.sdk.mpi.datatypes import BYTE, Datatype
+from vpool.sdk.mpi.derived import wire_size
 
 _LO, _HI, _SRC, _TAG, _ERR = range(5)
 
@@ -105,13 +106,15 @@ class Status:
         self._error = error
 
     def Get_count(self, datatype: Datatype = BYTE) -> int:
-        size = datatype.extent
+        _check_type(datatype)
+        size = wire_size(datatype)
         if size == 0:
             return 0
         count, rest = divmod(self._count, size)
         return UNDEFINED if rest else count
 
     def Get_elements(self, datatype: Datatype) -> int:
+        _check_type(datatype)
         base = datatype._base or datatype
         size = base.extent
         if size == 0:
@@ -120,6 +123,7 @@ class Status:
         return UNDEFINED if rest else count
 
     def Set_elements(self, datatype: Datatype, count: int) -> None:
+        _check_type(datatype)
         self._count = count * (datatype._base or datatype).extent
 
     def Is_cancelled(self) -> bool:
@@ -166,3 +170,8 @@ class Status:
 
     def __repr__(self) -> str:
         return f"<Status source={self._source} tag={self._tag} count={self._count}>"
+
+
+def _check_type(datatype: Datatype) -> None:
+    if not datatype:
+        raise errors.MPIException(errors.ERR_TYPE, "null datatype")
