@@ -286,9 +286,10 @@ class Hub:
         batch.items.append((box, entry, frame))
         batch.nbytes += size
 
-    def commit_inline(self, batch: Batch) -> bool:
+    def commit_inline(self, batch: Batch, *, wake: bool = True) -> bool:
         """Write a small batch right here (a thread hop costs more than such a write) and
-        finish it; False when the batch must go through ``commit`` instead."""
+        finish it; False when the batch must go through ``commit`` instead. With
+        ``wake=False`` the receivers' writers are not woken: the caller pushes itself."""
         if batch.nbytes >= THREAD_WRITE_MIN or self.settings.fsync:
             return False
         items = batch.items
@@ -297,7 +298,7 @@ class Hub:
             logfiles.write_runs([(entry.ref.segment, entry.ref.offset, [frame])], fsync=False)
         else:
             logfiles.write_runs(logfiles.group_runs([(e.ref, f) for _, e, f in items]), fsync=False)
-        self._finish(batch)
+        self._finish(batch, wake)
         return True
 
     async def commit(self, batch: Batch) -> None:
@@ -320,7 +321,7 @@ class Hub:
                 chan.release()
         self._finish(batch)
 
-    def _finish(self, batch: Batch) -> None:
+    def _finish(self, batch: Batch, wake: bool = True) -> None:
         """The batch is in the log files: advance the mailboxes, ack, wake the receivers."""
         items = batch.items
         self.messages_stored += len(items)
@@ -328,20 +329,20 @@ class Hub:
         if len(items) == 1:
             box, entry, _ = items[0]
             entry.written = True
-            self._durable(box, box.mailbox.advance())
+            self._durable(box, box.mailbox.advance(), wake)
             return
         touched: dict[Box, None] = {}
         for box, entry, _ in items:
             entry.written = True
             touched[box] = None
         for box in touched:
-            self._durable(box, box.mailbox.advance())
+            self._durable(box, box.mailbox.advance(), wake)
 
-    def _durable(self, box: Box, fresh: list[Entry[Location]]) -> None:
+    def _durable(self, box: Box, fresh: list[Entry[Location]], wake: bool = True) -> None:
         if not fresh:
             return
         # The receiver first: its push is what the message's latency is made of.
-        if box.receiver is not None:
+        if wake and box.receiver is not None:
             box.receiver.wake()
         job, dst = box.job, box.dst
         if len(fresh) == 1:

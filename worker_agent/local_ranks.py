@@ -7,9 +7,10 @@ rank's runner touches the process; the others ask it to stop through ``request_s
 
 from __future__ import annotations
 
+import os
 import secrets
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 import trio
@@ -34,6 +35,11 @@ class Outbox:
     relay's push window (it waits for our ``Credit``, sent only once the bytes are written), and
     ``Ack``s are cumulative so only the newest per channel is kept. Never blocking here is what
     keeps one slow rank from stalling the relay connection all the agent's ranks share.
+
+    Write-through: once the rank's socket is known (``set_socket``), a pushed frame that finds
+    nothing queued and no write in progress goes straight into the socket with one non-blocking
+    ``writev``; only what the socket does not take waits for the writer task. A task switch per
+    message is a large part of a small message's cost.
     """
 
     def __init__(self) -> None:
@@ -41,8 +47,31 @@ class Outbox:
         self._acks: dict[int, bytes] = {}
         self._wake = trio.Event()
         self._closed = False
+        # The writer task is writing what ``take`` gave it.
+        self.busy = False
+        self._fd = -1
+        # Called with (link, nbytes) for pushed bytes written by write-through.
+        self._on_written: Callable[[RelayLink, int], None] | None = None
+        # Credit written but not yet sent, per link (see RelayLink.credit_batch).
+        self.held: dict[RelayLink, int] = {}
+
+    def set_socket(self, fd: int, on_written: Callable[[RelayLink, int], None]) -> None:
+        """Enable write-through into ``fd`` (non-blocking); ``fd=-1`` disables it."""
+        self._fd = fd
+        self._on_written = on_written
 
     def push_data(self, parts: list[Buffer], size: int, link: RelayLink) -> None:
+        if self._fd >= 0 and not self._frames and not self.busy and not self._closed:
+            try:
+                n = os.writev(self._fd, parts)
+            except OSError:
+                n = 0  # full (or broken: the writer task finds out and says so)
+            if n == size:
+                assert self._on_written is not None
+                self._on_written(link, size)
+                return
+            if n:
+                parts = _after(parts, n)
         self._frames.append((parts, size, link))
         self._wake.set()
 
@@ -82,7 +111,29 @@ class Outbox:
         if self._acks:
             batch.append(list(self._acks.values()))
             self._acks.clear()
+        self.busy = True
         return batch, credits
+
+    def credit_due(self, link: RelayLink, nbytes: int) -> int:
+        """Add written bytes to what is held for ``link``; the total to send now, or 0."""
+        nbytes += self.held.pop(link, 0)
+        if nbytes < link.credit_batch:
+            self.held[link] = nbytes
+            return 0
+        return nbytes
+
+
+def _after(parts: list[Buffer], n: int) -> list[Buffer]:
+    """What is left of ``parts`` once their first ``n`` bytes are written."""
+    out: list[Buffer] = []
+    for part in parts:
+        size = len(part)
+        if n >= size:
+            n -= size
+            continue
+        out.append(memoryview(part)[n:] if n else part)
+        n = 0
+    return out
 
 
 class LocalRank:

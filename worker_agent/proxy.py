@@ -251,19 +251,28 @@ class RankProxy:
     async def _write_loop(self, stream: trio.SocketStream, rank: LocalRank) -> None:
         job, me = rank.lease.job, rank.lease.rank
         outbox = rank.outbox
-        # Credit written but not yet sent, per link (see RelayLink.credit_batch).
-        held: dict[RelayLink, int] = {}
+
+        def written(link: RelayLink, nbytes: int) -> None:
+            due = outbox.credit_due(link, nbytes)
+            if due:
+                link.credit_nowait(job, me, due)
+
+        sock = getattr(stream, "socket", None)
+        if sock is not None:
+            outbox.set_socket(sock.fileno(), written)
         try:
             while True:
                 batch, credits = await outbox.take()
-                await send_parts(stream, batch)
+                try:
+                    await send_parts(stream, batch)
+                finally:
+                    outbox.busy = False
                 for link, nbytes in credits.items():
-                    nbytes += held.pop(link, 0)
-                    if nbytes < link.credit_batch:
-                        held[link] = nbytes
+                    due = outbox.credit_due(link, nbytes)
+                    if not due:
                         continue
                     try:
-                        await link.credit(job, me, nbytes)
+                        await link.credit(job, me, due)
                     except RelayLinkError:
                         pass  # reported by the link
         except trio.EndOfChannel:
@@ -271,6 +280,9 @@ class RankProxy:
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             # The rank went away with frames unwritten: nobody is left to read them.
             pass
+        finally:
+            # The descriptor is closed once this connection ends and may be reused.
+            outbox.set_socket(-1, written)
 
 
 def _unlink(path: Path) -> None:

@@ -4,7 +4,13 @@
 ``Welcome``). Each open link runs two tasks: a reader that routes what the relay sends (pushed
 ``Data`` into the destination rank's outbox, ``Ack`` to the source rank, ``Attached``/``Error``
 to whoever waits for an attach, ``Stop`` to the rank's runner) and a writer that drains one
-bounded channel, gathering small frames into single writes.
+bounded queue, gathering small frames into single writes.
+
+Write-through: a sender that finds the queue empty and no write in progress writes its frame
+itself instead of handing it to the writer task (a task switch per message is a large part of a
+small message's cost). Such writes are shielded from cancellation: a write abandoned half way
+would corrupt the TLS stream every rank of this agent shares. They still end when the link
+closes the stream.
 
 When a link drops, every rank still using it is reported through ``on_problem``: the
 coordinator decides what becomes of the job. A later ``get`` opens a fresh connection.
@@ -15,6 +21,7 @@ from __future__ import annotations
 import logging
 import math
 import ssl
+from collections import deque
 from collections.abc import Callable
 
 import trio
@@ -66,7 +73,15 @@ class RelayLink:
         self.name = info.name or f"{info.host}:{info.port}"
         self.where = f"relay {self.name} ({info.host}:{info.port})"
         self._owner = owner
-        self._send, self._recv = trio.open_memory_channel[list[Buffer]](_QUEUE)
+        # Frames waiting for the writer task, oldest first; ``_busy`` while some task writes.
+        self._out: deque[list[Buffer]] = deque()
+        self._busy = False
+        self._out_wake = trio.Event()
+        self._space = trio.Event()
+        self._stream: trio.SSLStream[trio.SocketStream] | None = None
+        self._scope: trio.CancelScope | None = None
+        self._closed = False
+        self._write_error = ""
         self._session = Session("relay", "client")
         self._lock = trio.Lock()
         self.welcome: Welcome | None = None
@@ -142,6 +157,7 @@ class RelayLink:
         self.credit_batch = max(0, frame.message.push_window // 4)
         if frame.message.max_payload > 0:
             self.max_payload = min(self.max_payload, frame.message.max_payload)
+        self._stream = stream
         self._owner.nursery.start_soon(self._run, stream, reader)
         log.info("connected to %s", self.where)
 
@@ -151,6 +167,7 @@ class RelayLink:
         reason = "closed"
         try:
             async with trio.open_nursery() as nursery:
+                self._scope = nursery.cancel_scope
 
                 async def read() -> None:
                     nonlocal reason
@@ -171,6 +188,8 @@ class RelayLink:
                         await self._write_loop(stream)
                     except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
                         reason = f"{type(exc).__name__}: {exc}"
+                    if self._write_error:
+                        reason = self._write_error
                     nursery.cancel_scope.cancel()
 
                 nursery.start_soon(read)
@@ -221,18 +240,25 @@ class RelayLink:
                 raise RelayLinkError(f"unexpected {type(msg).__name__} from {self.where}")
 
     async def _write_loop(self, stream: trio.SSLStream[trio.SocketStream]) -> None:
-        recv = self._recv
-        async for item in recv:
-            batch = [item]
-            size = sum(map(len, item))
-            while size < _BATCH:
-                try:
-                    item = recv.receive_nowait()
-                except (trio.WouldBlock, trio.EndOfChannel):
-                    break
+        out = self._out
+        while True:
+            while not out or self._busy:
+                if self._closed:
+                    return
+                self._out_wake = trio.Event()
+                await self._out_wake.wait()
+            batch = [out.popleft()]
+            size = sum(map(len, batch[0]))
+            while out and size < _BATCH:
+                item = out.popleft()
                 batch.append(item)
                 size += sum(map(len, item))
-            await send_parts(stream, batch)
+            self._space.set()
+            self._busy = True
+            try:
+                await send_parts(stream, batch)
+            finally:
+                self._busy = False
 
     def _resolve(self, key: RankKey, result: Attached | str) -> None:
         pending = self._pending.pop(key, None)
@@ -243,7 +269,10 @@ class RelayLink:
     def _fail(self, reason: str, *, report: bool = True) -> None:
         if self.broken is None:
             self.broken = reason
-        self._send.close()
+        self._closed = True
+        self._out.clear()
+        self._out_wake.set()
+        self._space.set()
         for key in list(self._pending):
             self._resolve(key, f"connection to {self.where} dropped: {reason}")
         victims = [r for r in self.ranks.values() if not r.ended and not r.finalized]
@@ -262,20 +291,50 @@ class RelayLink:
         await self._enqueue(msg, [encode_small(msg)])
 
     async def _enqueue(self, msg: Message, parts: list[Buffer]) -> None:
-        if self.broken is not None:
+        if self.broken is not None or self._closed:
             raise RelayLinkError(f"connection to {self.where} is broken: {self.broken}")
         self._session.send(msg)
+        stream = self._stream
+        if not self._busy and not self._out and stream is not None:
+            await self._write_through(stream, parts)
+            return
+        while len(self._out) >= _QUEUE:
+            self._space = trio.Event()
+            await self._space.wait()
+            if self._closed:
+                raise RelayLinkError(f"connection to {self.where} dropped")
+        # Not yielding while there is room lets a sender hand over every frame it has
+        # buffered before the writer runs, which then sends them all in one write.
+        self._out.append(parts)
+        self._out_wake.set()
+
+    async def _write_through(
+        self, stream: trio.SSLStream[trio.SocketStream], parts: list[Buffer]
+    ) -> None:
+        self._busy = True
         try:
-            # Not yielding while there is room lets a sender hand over every frame it has
-            # buffered before the writer runs, which then sends them all in one write.
-            self._send.send_nowait(parts)
-        except trio.WouldBlock:
-            try:
-                await self._send.send(parts)
-            except (trio.ClosedResourceError, trio.BrokenResourceError) as exc:
-                raise RelayLinkError(f"connection to {self.where} dropped") from exc
-        except (trio.ClosedResourceError, trio.BrokenResourceError) as exc:
+            with trio.CancelScope(shield=True):
+                await send_parts(stream, [parts])
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
+            if not self._write_error:
+                self._write_error = f"{type(exc).__name__}: {exc}"
+            if self._scope is not None:
+                self._scope.cancel()
             raise RelayLinkError(f"connection to {self.where} dropped") from exc
+        finally:
+            self._busy = False
+            if self._out:
+                self._out_wake.set()
+
+    def credit_nowait(self, job: int, rank: int, nbytes: int) -> None:
+        """Queue a ``Credit`` for the writer task without waiting (credits are few and small,
+        so they may overrun the queue's bound)."""
+        if self.broken is not None or self._closed:
+            return
+        msg = Credit(job=job, rank=rank, nbytes=nbytes)
+        self._session.send(msg)
+        self._out.append([encode_small(msg)])
+        self._out_wake.set()
 
     async def attach(self, rank: LocalRank, *, home: bool) -> Attached:
         """Bind ``rank`` to this connection and wait for the relay's ``Attached``."""
