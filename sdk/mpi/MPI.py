@@ -7,6 +7,7 @@ program set ``mpi4py.rc.initialize = False`` first.
 
 from __future__ import annotations
 
+import operator
 import sys
 from typing import Any
 
@@ -23,7 +24,7 @@ from vpool.sdk.mpi.datatypes import typedict_f as _typedict_f  # noqa: F401
 from vpool.sdk.mpi.derived import address as Get_address  # noqa: F401
 from vpool.sdk.mpi.distgraph import UNWEIGHTED, WEIGHTS_EMPTY, Distgraphcomm  # noqa: F401
 from vpool.sdk.mpi.errors import *  # noqa: F403
-from vpool.sdk.mpi.errors import MPIException as Exception  # noqa: F401
+from vpool.sdk.mpi.errors import MPIException as Exception
 from vpool.sdk.mpi.errors import add_error_class as Add_error_class  # noqa: F401
 from vpool.sdk.mpi.errors import add_error_string as Add_error_string  # noqa: F401
 from vpool.sdk.mpi.errors import error_class as Get_error_class  # noqa: F401
@@ -67,6 +68,8 @@ Wtick = _env.wtick
 Get_processor_name = _env.processor_name
 Attach_buffer = _env.attach_buffer
 Detach_buffer = _env.detach_buffer
+Flush_buffer = _env.flush_buffer
+Iflush_buffer = _env.iflush_buffer
 
 
 def Get_version() -> tuple[int, int]:
@@ -89,19 +92,43 @@ def Get_hw_resource_info() -> Info:
     return Info.Create({"mpi_hw_resource_type": "cpu", "ncpus": str(os.cpu_count() or 1)})
 
 
+def Aint_add(base: int, disp: int) -> int:
+    return operator.index(base) + operator.index(disp)
+
+
+def Aint_diff(addr1: int, addr2: int) -> int:
+    return operator.index(addr1) - operator.index(addr2)
+
+
 def Pcontrol(level: int) -> None:
     pass
 
 
-def Alloc_mem(size: int, info: Any = None) -> memoryview:
-    return memoryview(bytearray(size))
+def Alloc_mem(size: int, info: Any = None) -> Any:
+    """A ``buffer`` of ``size`` zeroed bytes (plain process memory: there is no RDMA to pin)."""
+    from vpool.sdk.mpi.mpibuffer import buffer
+
+    n = operator.index(size)
+    if n < 0:
+        raise Exception(ERR_ARG, f"Alloc_mem: negative size {n}")  # noqa: F405
+    return buffer.allocate(n, clear=True)
 
 
 def Free_mem(mem: Any) -> None:
-    pass
+    from vpool.sdk.mpi.mpibuffer import buffer
+
+    if not isinstance(mem, buffer):
+        raise TypeError(f"Free_mem: expected an MPI.buffer, got {type(mem).__name__}")
+    mem.release()
 
 
-buffer = memory = memoryview
+def __getattr__(name: str) -> Any:
+    # ``buffer`` (alias ``memory``) is a numpy array subclass: numpy loads on first use only.
+    if name in ("buffer", "memory"):
+        from vpool.sdk.mpi.mpibuffer import buffer
+
+        return buffer
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _comm_lock(comm: Comm, key: Any = None) -> Any:

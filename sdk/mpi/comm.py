@@ -43,6 +43,7 @@ from vpool.sdk.mpi.constants import (
 from vpool.sdk.mpi.errhandler import CommErrhandlers
 from vpool.sdk.mpi.group import Group
 from vpool.sdk.mpi.p2p import CommP2P
+from vpool.sdk.mpi.persistcoll import PersistentCollectives, PersistentIntraCollectives
 from vpool.sdk.mpi.request import DoneOp, Request
 from vpool.sdk.mpi.serialization import pickle_
 
@@ -171,7 +172,7 @@ def _predefined_copy(cls: type, name: str) -> Any:
     return cls(_predefined(name))
 
 
-class Comm(CommP2P, CommErrhandlers, CommAttributes, CommCollectives):
+class Comm(CommP2P, CommErrhandlers, CommAttributes, CommCollectives, PersistentCollectives):
     """``MPI.Comm``."""
 
     _h: _Core | None
@@ -405,13 +406,13 @@ class Comm(CommP2P, CommErrhandlers, CommAttributes, CommCollectives):
     # ---- buffered sends (MPI 4.1: a buffer per communicator) -------------------------------
 
     def Attach_buffer(self, buf: Any) -> None:
-        from vpool.sdk.mpi.buffers import BUFFER_AUTOMATIC
+        from vpool.sdk.mpi.buffers import BUFFER_AUTOMATIC, byte_view
 
         h = self._core()
         if h.buf is not None:
             raise errors.MPIException(errors.ERR_BUFFER, "a buffer is already attached")
-        if buf is not BUFFER_AUTOMATIC and buf is not None and memoryview(buf).readonly:
-            raise BufferError("Object is not writable.")
+        if buf is not BUFFER_AUTOMATIC:
+            byte_view(buf, writable=True)  # BufferError if read-only, as in mpi4py
         h.buf = buf
 
     def Detach_buffer(self) -> Any:
@@ -444,7 +445,7 @@ class Comm(CommP2P, CommErrhandlers, CommAttributes, CommCollectives):
     fromint = f2py
 
 
-class Intracomm(IntraCollectives, Comm):
+class Intracomm(IntraCollectives, PersistentIntraCollectives, Comm):
     """``MPI.Intracomm``: adds the prefix reductions and topology constructors."""
 
     @classmethod

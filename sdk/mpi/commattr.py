@@ -66,7 +66,7 @@ class CommAttributes:
 
     @classmethod
     def Free_keyval(cls, keyval: int) -> int:
-        return -1
+        return KEYVAL_INVALID
 
     def Get_errhandler(self) -> Any:
         from vpool.sdk.mpi.handles import ERRORS_RETURN

@@ -29,7 +29,8 @@ class Datatype:
     their base type and multiplicity so reductions still apply."""
 
     __slots__ = (
-        "_base", "_code", "_committed", "_count", "_extent", "_lb", "_name", "_segs", "_size"
+        "_attrs", "_base", "_code", "_committed", "_count", "_extent", "_lb", "_name", "_segs",
+        "_size",
     )
 
     def __init__(
@@ -51,6 +52,7 @@ class Datatype:
             self._lb, self._extent = datatype._lb, datatype._extent
             self._committed = datatype._committed
             self._segs = datatype._segs
+            self._attrs = datatype._attrs
             return
         self._name = name
         self._size = size
@@ -61,6 +63,7 @@ class Datatype:
         self._extent = size if extent is None else extent
         self._committed = True
         self._segs: tuple[tuple[int, int], ...] | None = None  # see ``derived``
+        self._attrs: dict[int, Any] | None = None  # user attributes, by keyval
 
     # ---- properties as in mpi4py ----
     def Get_size(self) -> int:
@@ -167,7 +170,32 @@ class Datatype:
 
         if keyval == KEYVAL_INVALID:
             raise errors.MPIException(errors.ERR_KEYVAL, "invalid keyval")
-        return None
+        return (self._attrs or {}).get(keyval)
+
+    def Set_attr(self, keyval: int, attrval: Any) -> None:
+        self._check()
+        if self._attrs is None:
+            self._attrs = {}
+        self._attrs[keyval] = attrval
+
+    def Delete_attr(self, keyval: int) -> None:
+        self._check()
+        if self._attrs is not None:
+            self._attrs.pop(keyval, None)
+
+    @classmethod
+    def Create_keyval(
+        cls, copy_fn: Any = None, delete_fn: Any = None, nopython: bool = False
+    ) -> int:
+        from vpool.sdk.mpi.commattr import CommAttributes
+
+        return CommAttributes.Create_keyval(copy_fn, delete_fn, nopython)
+
+    @classmethod
+    def Free_keyval(cls, keyval: int) -> int:
+        from vpool.sdk.mpi.constants import KEYVAL_INVALID
+
+        return KEYVAL_INVALID
 
     # ---- constructors of derived datatypes (``derived``) ----
     def Create_contiguous(self, count: int) -> Datatype:
@@ -335,6 +363,20 @@ REAL = _make("MPI_REAL", "f4", 4)
 DOUBLE_PRECISION = _make("MPI_DOUBLE_PRECISION", "f8", 8)
 COMPLEX = _make("MPI_COMPLEX", "c8", 8)
 DOUBLE_COMPLEX = _make("MPI_DOUBLE_COMPLEX", "c16", 16)
+# Sized Fortran types MPICH provides here; the ones it lacks are null handles, as in mpi4py.
+INTEGER1 = _make("MPI_INTEGER1", "i1")
+INTEGER2 = _make("MPI_INTEGER2", "i2")
+INTEGER4 = _make("MPI_INTEGER4", "i4")
+INTEGER8 = _make("MPI_INTEGER8", "i8")
+REAL4 = _make("MPI_REAL4", "f4")
+REAL8 = _make("MPI_REAL8", "f8")
+REAL16 = _make("MPI_REAL16", "g", 16)
+COMPLEX8 = _make("MPI_COMPLEX8", "c8")
+COMPLEX16 = _make("MPI_COMPLEX16", "c16")
+COMPLEX32 = _make("MPI_COMPLEX32", "G", 32)
+FLOAT16_T = _make("MPIX_C_FLOAT16", "f2")
+INTEGER16 = REAL2 = COMPLEX4 = BFLOAT16_T = DATATYPE_NULL
+LOGICAL1 = LOGICAL2 = LOGICAL4 = LOGICAL8 = LOGICAL16 = DATATYPE_NULL
 LB = Datatype(name="MPI_LB", size=0, code=None)
 UB = Datatype(name="MPI_UB", size=0, code=None)
 
@@ -352,6 +394,12 @@ F_DOUBLE = DOUBLE_PRECISION
 F_COMPLEX = COMPLEX
 F_FLOAT_COMPLEX = COMPLEX
 F_DOUBLE_COMPLEX = DOUBLE_COMPLEX
+SINT8_T = INT8_T
+SINT16_T = INT16_T
+SINT32_T = INT32_T
+SINT64_T = INT64_T
+FLOAT32_T = FLOAT
+FLOAT64_T = DOUBLE
 
 # mpi4py's MPI._typedict: numpy/struct type characters -> datatype.
 typedict: dict[str, Datatype] = {

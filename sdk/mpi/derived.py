@@ -64,9 +64,13 @@ def build(blocks: Sequence[tuple[int, int, Datatype]]) -> Datatype:
         if count == 0:
             continue
         osegs = segs_of(old)
-        for k in range(count):
-            d = disp + k * old._extent
-            segs.extend((d + off, n) for off, n in osegs)
+        if len(osegs) == 1 and osegs[0][1] == old._extent:
+            # Dense copies abut: one segment, however large the count (no loop per element).
+            segs.append((disp + osegs[0][0], count * old._extent))
+        else:
+            for k in range(count):
+                d = disp + k * old._extent
+                segs.extend((d + off, n) for off, n in osegs)
         lo = disp + old._lb
         hi = disp + (count - 1) * old._extent + old._lb + old._extent
         lb = lo if lb is None else min(lb, lo)
@@ -169,6 +173,10 @@ def address(obj: Any) -> int:
         return operator.index(obj)
     except TypeError:
         pass
+    from vpool.sdk.mpi.buffers import BOTTOM
+
+    if obj is None or obj is BOTTOM:
+        return 0
     import numpy as np
 
     mv = obj if isinstance(obj, memoryview) else memoryview(obj)

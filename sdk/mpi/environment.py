@@ -20,6 +20,7 @@ from typing import Any
 from vpool.sdk.mpi import errors
 from vpool.sdk.mpi.comm import Intracomm, _Core
 from vpool.sdk.mpi.constants import THREAD_SERIALIZED
+from vpool.sdk.mpi.request import DoneOp, Request
 from vpool.sdk.mpi.runtime import Engine
 
 _NOT_STARTED, _RUNNING, _FINALIZED = 0, 1, 2
@@ -143,7 +144,14 @@ _attached: Any = None
 
 
 def attach_buffer(buf: Any) -> None:
+    """The process-wide buffer for buffered sends; ``detach_buffer`` gives the same object back."""
     global _attached
+    from vpool.sdk.mpi.buffers import BUFFER_AUTOMATIC, byte_view
+
+    if _attached is not None:
+        raise errors.MPIException(errors.ERR_BUFFER, "a buffer is already attached")
+    if buf is not BUFFER_AUTOMATIC:
+        byte_view(buf, writable=True)  # BufferError if read-only, as in mpi4py
     _attached = buf
 
 
@@ -151,3 +159,12 @@ def detach_buffer() -> Any:
     global _attached
     buf, _attached = _attached, None
     return buf
+
+
+def flush_buffer() -> None:
+    # Buffered sends leave at once (every send is eager): nothing is ever pending.
+    pass
+
+
+def iflush_buffer() -> Request:
+    return Request._of(DoneOp())

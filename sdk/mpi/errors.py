@@ -77,6 +77,11 @@ ERR_LASTCODE: Final = 0x3FFFFFFF
 # Classes MPICH 4.0 lacks: mpi4py maps them to MPI_ERR_LASTCODE.
 ERR_ERRHANDLER: Final = ERR_LASTCODE
 ERR_ABI: Final = ERR_LASTCODE
+# Fault-tolerance classes (ULFM), absent from MPICH's standard build: mpi4py maps them to
+# MPI_ERR_UNKNOWN.
+ERR_PROC_FAILED: Final = ERR_UNKNOWN
+ERR_PROC_FAILED_PENDING: Final = ERR_UNKNOWN
+ERR_REVOKED: Final = ERR_UNKNOWN
 
 _STRINGS: Final = {
     SUCCESS: "No MPI error",

@@ -13,13 +13,54 @@ from __future__ import annotations
 from typing import Any, NoReturn
 
 __all__ = [
-    "DISPLACEMENT_CURRENT", "FILE_NULL", "LOCK_EXCLUSIVE", "LOCK_SHARED", "MODE_APPEND",
-    "MODE_CREATE", "MODE_DELETE_ON_CLOSE", "MODE_EXCL", "MODE_NOCHECK", "MODE_NOPRECEDE",
-    "MODE_NOPUT", "MODE_NOSTORE", "MODE_NOSUCCEED", "MODE_RDONLY", "MODE_RDWR",
-    "MODE_SEQUENTIAL", "MODE_UNIQUE_OPEN", "MODE_WRONLY", "ORDER_C", "ORDER_FORTRAN",
-    "SEEK_CUR", "SEEK_END", "SEEK_SET", "SESSION_NULL", "WIN_NULL", "Close_port", "File",
-    "Lookup_name", "Open_port", "Publish_name", "Register_datarep", "Session",
-    "Unpublish_name", "Win",
+    "DISPLACEMENT_CURRENT",
+    "DISP_CUR",
+    "FILE_NULL",
+    "LOCK_EXCLUSIVE",
+    "LOCK_SHARED",
+    "MODE_APPEND",
+    "MODE_CREATE",
+    "MODE_DELETE_ON_CLOSE",
+    "MODE_EXCL",
+    "MODE_NOCHECK",
+    "MODE_NOPRECEDE",
+    "MODE_NOPUT",
+    "MODE_NOSTORE",
+    "MODE_NOSUCCEED",
+    "MODE_RDONLY",
+    "MODE_RDWR",
+    "MODE_SEQUENTIAL",
+    "MODE_UNIQUE_OPEN",
+    "MODE_WRONLY",
+    "ORDER_C",
+    "ORDER_F",
+    "ORDER_FORTRAN",
+    "SEEK_CUR",
+    "SEEK_END",
+    "SEEK_SET",
+    "SESSION_NULL",
+    "WIN_BASE",
+    "WIN_CREATE_FLAVOR",
+    "WIN_DISP_UNIT",
+    "WIN_FLAVOR",
+    "WIN_FLAVOR_ALLOCATE",
+    "WIN_FLAVOR_CREATE",
+    "WIN_FLAVOR_DYNAMIC",
+    "WIN_FLAVOR_SHARED",
+    "WIN_MODEL",
+    "WIN_NULL",
+    "WIN_SEPARATE",
+    "WIN_SIZE",
+    "WIN_UNIFIED",
+    "Close_port",
+    "File",
+    "Lookup_name",
+    "Open_port",
+    "Publish_name",
+    "Register_datarep",
+    "Session",
+    "Unpublish_name",
+    "Win",
 ]
 
 # MPI-IO access modes and seek/ordering constants, MPICH's values.
@@ -38,6 +79,8 @@ SEEK_END = 604
 DISPLACEMENT_CURRENT = -54278278
 ORDER_C = 56
 ORDER_FORTRAN = 57
+DISP_CUR = DISPLACEMENT_CURRENT
+ORDER_F = ORDER_FORTRAN
 
 # RMA assertion and lock constants.
 MODE_NOCHECK = 1024
@@ -47,6 +90,18 @@ MODE_NOPRECEDE = 8192
 MODE_NOSUCCEED = 16384
 LOCK_EXCLUSIVE = 234
 LOCK_SHARED = 235
+WIN_BASE = 0x66000001
+WIN_SIZE = 0x66000003
+WIN_DISP_UNIT = 0x66000005
+WIN_CREATE_FLAVOR = 0x66000007
+WIN_FLAVOR = WIN_CREATE_FLAVOR
+WIN_MODEL = 0x66000009
+WIN_FLAVOR_CREATE = 1
+WIN_FLAVOR_ALLOCATE = 2
+WIN_FLAVOR_DYNAMIC = 3
+WIN_FLAVOR_SHARED = 4
+WIN_SEPARATE = 1
+WIN_UNIFIED = 2
 
 
 def _unsupported(what: str) -> NoReturn:
