@@ -6,10 +6,19 @@ import io
 import zipfile
 
 import trio
+import trio.testing
 from coord_helpers import Pool, decode, make_zip
 
+from vpool.coordinator.service import Signal
 from vpool.protocol import api
 from vpool.protocol.tokens import RankClaims, public_key_from_text, verify_token
+
+
+async def parked(signal: Signal) -> None:
+    """Wait until a long-poll is parked on ``signal`` (so the test exercises the wake-up, not
+    an answer that was ready at once). The caller's fail_after bounds the wait."""
+    while signal.current().statistics().tasks_waiting == 0:
+        await trio.testing.wait_all_tasks_blocked(cushion=0.001)
 
 
 async def test_submit_lease_run_succeed(pool: Pool) -> None:
@@ -102,7 +111,7 @@ async def test_lease_long_poll_wakes_on_submit(pool: Pool) -> None:
     with trio.fail_after(5):
         async with trio.open_nursery() as nursery:
             nursery.start_soon(poll)
-            await trio.sleep(0.05)
+            await parked(pool.core.work)
             await pool.submit(1)
     assert len(got) == 1
 
@@ -197,7 +206,7 @@ async def test_output_idempotent_and_long_poll(pool: Pool) -> None:
     with trio.fail_after(5):
         async with trio.open_nursery() as nursery:
             nursery.start_soon(poll)
-            await trio.sleep(0.05)
+            await parked(pool.core.changes)
             await pool.output(agent, leases[0], "stdout", 0, b"one\n")
     assert [x.data for x in results[0].records] == [b"one\n"]
 
