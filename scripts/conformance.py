@@ -80,6 +80,16 @@ OUT_OF_SCOPE = [
         "grow or join each other",
     ),
     (
+        "Sessions (MPI-4 `MPI.Session`, process sets) (for now)",
+        "vpool provides the World model: every job starts with COMM_WORLD; `Session.Init` and "
+        "communicators made from a session's process sets are not implemented yet",
+    ),
+    (
+        "User-level failure mitigation (ULFM: revoke, shrink, agree)",
+        "vpool makes failures transparent instead: a lost rank restarts and replays its logged "
+        "messages, so a program never sees a failed process",
+    ),
+    (
         "Intercommunicators (for now)",
         "only intracommunicators exist; `Create_intercomm` and the intercommunicator collectives "
         "are not implemented yet",
