@@ -367,11 +367,14 @@ class JobsMixin:
         changed = False
         for item in lost:
             row = self._one(
-                "SELECT incarnation FROM ranks WHERE job = ? AND rank = ?", [item.job, item.rank]
+                "SELECT incarnation, agent FROM ranks WHERE job = ? AND rank = ?",
+                [item.job, item.rank],
             )
             if row is None or row["incarnation"] != item.incarnation:
                 continue
-            reason = f"rank {item.rank} lost: relay {relay} reported: {item.reason}"
+            # The relay knows agents by id only; people know them by name.
+            where = f" (on agent {self._agent_name(row['agent'])})" if row["agent"] else ""
+            reason = f"rank {item.rank}{where} lost: relay {relay} reported: {item.reason}"
             changed = self._lose(item.job, item.rank, reason, now) or changed
         return changed
 

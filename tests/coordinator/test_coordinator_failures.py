@@ -90,7 +90,9 @@ async def test_relay_lost_report_fails_job(pool: Pool) -> None:
     assert r.status_code == 200
     detail = await pool.job(job.id)
     assert detail.job.state == "failed" and detail.job.exit_code is None
-    assert detail.job.reason == "rank 1 lost: relay relay-0 reported: connection dropped"
+    assert detail.job.reason == (
+        "rank 1 (on agent agent-1) lost: relay relay-0 reported: connection dropped"
+    )
 
 
 async def test_stale_relay_lost_report_is_ignored(pool: Pool) -> None:
