@@ -23,6 +23,8 @@ from vpool.sdk.mpi.datatypes import typedict_c as _typedict_c  # noqa: F401
 from vpool.sdk.mpi.datatypes import typedict_f as _typedict_f  # noqa: F401
 from vpool.sdk.mpi.derived import address as Get_address  # noqa: F401
 from vpool.sdk.mpi.distgraph import UNWEIGHTED, WEIGHTS_EMPTY, Distgraphcomm  # noqa: F401
+from vpool.sdk.mpi.envelope import typealign as _typealign  # noqa: F401
+from vpool.sdk.mpi.envelope import typecode as _typecode  # noqa: F401
 from vpool.sdk.mpi.errors import *  # noqa: F403
 from vpool.sdk.mpi.errors import MPIException as Exception
 from vpool.sdk.mpi.errors import add_error_class as Add_error_class  # noqa: F401

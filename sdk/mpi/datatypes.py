@@ -11,7 +11,7 @@ from __future__ import annotations
 import struct
 from typing import Any
 
-from vpool.sdk.mpi import derived, errors
+from vpool.sdk.mpi import derived, envelope, errors, pack, typecodes
 
 # Pair types of MAXLOC/MINLOC, as C lays out ``struct {T value; int index;}``.
 _PAIRS = {
@@ -29,8 +29,8 @@ class Datatype:
     their base type and multiplicity so reductions still apply."""
 
     __slots__ = (
-        "_attrs", "_base", "_code", "_committed", "_count", "_extent", "_lb", "_name", "_segs",
-        "_size",
+        "_attrs", "_base", "_code", "_committed", "_count", "_env", "_extent", "_lb", "_name",
+        "_segs", "_size",
     )
 
     def __init__(
@@ -53,6 +53,7 @@ class Datatype:
             self._committed = datatype._committed
             self._segs = datatype._segs
             self._attrs = datatype._attrs
+            self._env = datatype._env
             return
         self._name = name
         self._size = size
@@ -64,6 +65,7 @@ class Datatype:
         self._committed = True
         self._segs: tuple[tuple[int, int], ...] | None = None  # see ``derived``
         self._attrs: dict[int, Any] | None = None  # user attributes, by keyval
+        self._env: envelope.Env | None = None  # how a derived datatype was built
 
     # ---- properties as in mpi4py ----
     def Get_size(self) -> int:
@@ -124,16 +126,45 @@ class Datatype:
 
     @property
     def is_predefined(self) -> bool:
-        return self._segs is None
+        return self._segs is None and self._env is None
 
     @property
     def is_named(self) -> bool:
         return self.is_predefined
 
+    # ---- type codes (``typecodes``) and packing (``pack``) ----
+    @classmethod
+    def fromcode(cls, code: str) -> Datatype:
+        return typecodes.fromcode(code)
+
     def tocode(self) -> str:
-        if self._code is None:
-            raise ValueError(f"cannot map datatype {self._name or '(derived)'} to a type code")
-        return self._code
+        return typecodes.tocode(self)
+
+    @property
+    def typestr(self) -> str:
+        return typecodes.typestr(self)
+
+    @property
+    def typechar(self) -> str:
+        return typecodes.typechar(self)
+
+    def Pack(self, inbuf: Any, outbuf: Any, position: int, comm: Any) -> int:
+        return pack.pack(self, inbuf, outbuf, position, None)
+
+    def Unpack(self, inbuf: Any, position: int, outbuf: Any, comm: Any) -> int:
+        return pack.unpack(self, inbuf, position, outbuf, None)
+
+    def Pack_size(self, count: int, comm: Any) -> int:
+        return pack.pack_size(self, count, None)
+
+    def Pack_external(self, datarep: str, inbuf: Any, outbuf: Any, position: int) -> int:
+        return pack.pack(self, inbuf, outbuf, position, datarep)
+
+    def Unpack_external(self, datarep: str, inbuf: Any, position: int, outbuf: Any) -> int:
+        return pack.unpack(self, inbuf, position, outbuf, datarep)
+
+    def Pack_external_size(self, datarep: str, count: int) -> int:
+        return pack.pack_size(self, count, datarep)
 
     def _check(self) -> None:
         if not self:
@@ -159,10 +190,11 @@ class Datatype:
         self._name, self._size, self._code = null._name, 0, None
         self._base, self._count, self._lb, self._extent = None, 1, 0, 0
         self._segs = None
+        self._env = None
 
     def Dup(self) -> Datatype:
         self._check()
-        return Datatype(self)
+        return envelope.record(Datatype(self), "DUP", self)
 
     def Get_attr(self, keyval: int) -> Any:
         self._check()
@@ -199,32 +231,54 @@ class Datatype:
 
     # ---- constructors of derived datatypes (``derived``) ----
     def Create_contiguous(self, count: int) -> Datatype:
-        return derived.build([(0, count, self)])
+        return envelope.record(derived.build([(0, count, self)]), "CONTIGUOUS", self, count=count)
 
     def Create_vector(self, count: int, blocklength: int, stride: int) -> Datatype:
         ext = self._extent
         n = derived.count_arg(count)
-        return derived.build([(i * stride * ext, blocklength, self) for i in range(n)])
+        dt = derived.build([(i * stride * ext, blocklength, self) for i in range(n)])
+        return envelope.record(
+            dt, "VECTOR", self, count=count, blocklength=blocklength, stride=stride
+        )
 
     def Create_hvector(self, count: int, blocklength: int, stride: int) -> Datatype:
         n = derived.count_arg(count)
-        return derived.build([(i * stride, blocklength, self) for i in range(n)])
+        dt = derived.build([(i * stride, blocklength, self) for i in range(n)])
+        return envelope.record(
+            dt, "HVECTOR", self, count=count, blocklength=blocklength, stride=stride
+        )
 
     def Create_indexed(self, blocklengths: Any, displacements: Any) -> Datatype:
         ext = self._extent
         pairs = derived.zip_args(blocklengths, displacements)
-        return derived.build([(d * ext, b, self) for b, d in pairs])
+        dt = derived.build([(d * ext, b, self) for b, d in pairs])
+        return envelope.record(
+            dt, "INDEXED", self, blocklengths=[b for b, _ in pairs],
+            displacements=[d for _, d in pairs],
+        )
 
     def Create_hindexed(self, blocklengths: Any, displacements: Any) -> Datatype:
         pairs = derived.zip_args(blocklengths, displacements)
-        return derived.build([(d, b, self) for b, d in pairs])
+        dt = derived.build([(d, b, self) for b, d in pairs])
+        return envelope.record(
+            dt, "HINDEXED", self, blocklengths=[b for b, _ in pairs],
+            displacements=[d for _, d in pairs],
+        )
 
     def Create_indexed_block(self, blocklength: int, displacements: Any) -> Datatype:
         ext = self._extent
-        return derived.build([(int(d) * ext, blocklength, self) for d in displacements])
+        displs = [int(d) for d in displacements]
+        dt = derived.build([(d * ext, blocklength, self) for d in displs])
+        return envelope.record(
+            dt, "INDEXED_BLOCK", self, blocklength=blocklength, displacements=displs
+        )
 
     def Create_hindexed_block(self, blocklength: int, displacements: Any) -> Datatype:
-        return derived.build([(int(d), blocklength, self) for d in displacements])
+        displs = [int(d) for d in displacements]
+        dt = derived.build([(d, blocklength, self) for d in displs])
+        return envelope.record(
+            dt, "HINDEXED_BLOCK", self, blocklength=blocklength, displacements=displs
+        )
 
     @classmethod
     def Create_struct(cls, blocklengths: Any, displacements: Any, datatypes: Any) -> Datatype:
@@ -232,10 +286,58 @@ class Datatype:
         pairs = derived.zip_args(blocklengths, displacements)
         if len(types) != len(pairs):
             raise ValueError("mismatch in blocklengths and datatypes")
-        return derived.build([(d, b, t) for (b, d), t in zip(pairs, types, strict=True)])
+        dt = derived.build([(d, b, t) for (b, d), t in zip(pairs, types, strict=True)])
+        envelope.pad_struct(dt, types)
+        return envelope.record(
+            dt, "STRUCT", types, blocklengths=[b for b, _ in pairs],
+            displacements=[d for _, d in pairs],
+        )
+
+    def Create_subarray(
+        self, sizes: Any, subsizes: Any, starts: Any, order: int = 56
+    ) -> Datatype:
+        dt = envelope.subarray(self, sizes, subsizes, starts, order)
+        return envelope.record(
+            dt, "SUBARRAY", self, sizes=[int(n) for n in sizes],
+            subsizes=[int(n) for n in subsizes], starts=[int(n) for n in starts], order=order,
+        )
+
+    @classmethod
+    def Get_value_index(cls, value: Datatype, index: Datatype) -> Datatype:
+        """The MINLOC/MAXLOC pair type of ``value`` and ``index`` (MPICH has ``T,int``)."""
+        value._check()
+        index._check()
+        if index == INT:
+            for name, values in _PAIR_VALUES.items():
+                if value in values:
+                    return _BY_NAME[f"MPI_{name}"]
+        return DATATYPE_NULL
+
+    # ---- decoding (``envelope``) ----
+    @property
+    def combiner(self) -> int:
+        return envelope.combiner(self)
+
+    def decode(self) -> tuple[Any, str, dict[str, Any]]:
+        return envelope.decode(self)
+
+    def Get_envelope(self) -> tuple[int, int, int, int, int]:
+        return envelope.envelope(self)
+
+    @property
+    def envelope(self) -> tuple[int, int, int, int, int]:
+        return envelope.envelope(self)
+
+    def Get_contents(self) -> tuple[list[int], list[int], list[int], list[Datatype]]:
+        return envelope.contents(self)
+
+    @property
+    def contents(self) -> tuple[list[int], list[int], list[int], list[Datatype]]:
+        return envelope.contents(self)
 
     def Create_resized(self, lb: int, extent: int) -> Datatype:
-        return derived.resized(self, lb, extent)
+        dt = derived.resized(self, lb, extent)
+        return envelope.record(dt, "RESIZED", self, lb=int(lb), extent=int(extent))
 
     def numpy_dtype(self) -> Any:
         """numpy dtype of one element of the base type (for reductions)."""
@@ -279,6 +381,7 @@ class Datatype:
 
 
 _PAIR_NAMES = {f"MPI_{k}": k for k in _PAIRS}
+_PAIR_VALUES: dict[str, tuple[Datatype, ...]] = {}
 _BY_NAME: dict[str, Datatype] = {}
 
 
@@ -380,6 +483,9 @@ LOGICAL1 = LOGICAL2 = LOGICAL4 = LOGICAL8 = LOGICAL16 = DATATYPE_NULL
 LB = Datatype(name="MPI_LB", size=0, code=None)
 UB = Datatype(name="MPI_UB", size=0, code=None)
 
+_PAIR_VALUES |= {"FLOAT_INT": (FLOAT,), "DOUBLE_INT": (DOUBLE,), "LONG_INT": (LONG,)}
+_PAIR_VALUES |= {"2INT": (INT,), "SHORT_INT": (SHORT,), "LONG_DOUBLE_INT": (LONG_DOUBLE,)}
+
 SIGNED_SHORT = SHORT
 SIGNED_INT = INT
 SIGNED_LONG = LONG
@@ -451,6 +557,19 @@ typedict_f: dict[str, Datatype] = {
 # Buffer-protocol format strings -> datatype, for buffers passed without a datatype.
 _FORMATS: dict[str, Datatype] = {**typedict, "B": BYTE, "Zf": C_FLOAT_COMPLEX}
 _FORMATS |= {"Zd": C_DOUBLE_COMPLEX, "Zg": C_LONG_DOUBLE_COMPLEX}
+
+# The rest of mpi4py's ``_typedict`` keys (``Datatype.fromcode``); after ``_FORMATS`` so that
+# buffer formats keep their meaning (a ``'u'`` array holds wchar_t, not uint16).
+typedict |= {"e": FLOAT16_T, "f2": FLOAT16_T, "f16": LONG_DOUBLE, "c32": C_LONG_DOUBLE_COMPLEX}
+typedict |= {"Zf": C_FLOAT_COMPLEX, "Zd": C_DOUBLE_COMPLEX, "Zg": C_LONG_DOUBLE_COMPLEX}
+typedict |= {"n": COUNT, "N": UNSIGNED_LONG, "P": UNSIGNED_LONG}
+typedict |= dict.fromkeys(("a", "S", "S1", "s", "1s"), CHAR)
+typedict |= dict.fromkeys(("U1", "w", "1w"), WCHAR) | {"u": UINT16_T, "1u": UINT16_T}
+typedict |= dict.fromkeys(("M", "M8", "m", "m8"), INT64_T)
+typedict_c |= {"f2": FLOAT16_T, "f16": LONG_DOUBLE, "c32": C_LONG_DOUBLE_COMPLEX}
+typedict_f |= {"i1": INTEGER1, "i2": INTEGER2, "i4": INTEGER4, "i8": INTEGER8}
+typedict_f |= {"r4": REAL4, "r8": REAL8, "r16": REAL16}
+typedict_f |= {"c8": COMPLEX8, "c16": COMPLEX16, "c32": COMPLEX32}
 
 
 def from_format(fmt: str) -> Datatype:

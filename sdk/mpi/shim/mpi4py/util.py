@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import sys
 import types
-from typing import Any
 
 from mpi4py import MPI
+from vpool.sdk.mpi import npdtype as _npdtype
 
 __all__ = ["dtlib", "pkl5"]
 
@@ -37,24 +37,8 @@ pkl5.Message = MPI.Message  # type: ignore[attr-defined]
 pkl5.pickle = MPI.pickle  # type: ignore[attr-defined]
 
 
-def _from_numpy_dtype(dtype: Any) -> Any:
-    import numpy as np
-
-    dt = np.dtype(dtype)
-    found = MPI._typedict.get(dt.char)
-    if found is None:
-        return MPI.BYTE.Create_contiguous(dt.itemsize).Commit()
-    return found
-
-
-def _to_numpy_dtype(datatype: Any) -> Any:
-    return datatype.numpy_dtype()
-
-
-dtlib = types.ModuleType("mpi4py.util.dtlib", "Conversion between MPI datatypes and numpy.")
-dtlib.from_numpy_dtype = _from_numpy_dtype  # type: ignore[attr-defined]
-dtlib.to_numpy_dtype = _to_numpy_dtype  # type: ignore[attr-defined]
+dtlib = _npdtype
 
 # ``import mpi4py.util.pkl5`` finds these once this module is imported.
 sys.modules[pkl5.__name__] = pkl5
-sys.modules[dtlib.__name__] = dtlib
+sys.modules["mpi4py.util.dtlib"] = dtlib
