@@ -75,6 +75,18 @@ async def serve(ctx: ssl.SSLContext, task_status=trio.TASK_STATUS_IGNORED) -> No
     await trio.serve_listeners(handle, listeners)
 
 
+def recv_exact(sock: socket.socket, n: int) -> bytes:
+    """Exactly ``n`` bytes from a blocking socket (the benchmark clients' one reader)."""
+    view = bytearray(n)
+    got = 0
+    while got < n:
+        k = sock.recv_into(memoryview(view)[got:])
+        if not k:
+            raise ConnectionError("relay closed")
+        got += k
+    return bytes(view)
+
+
 class _Client:
     def __init__(self, port: int, ca: Path, me: int) -> None:
         raw = socket.create_connection(("127.0.0.1", port))
@@ -94,14 +106,7 @@ class _Client:
         return self._exact(PREFIX.unpack(head)[0])
 
     def _exact(self, n: int) -> bytes:
-        view = bytearray(n)
-        got = 0
-        while got < n:
-            k = self.sock.recv_into(memoryview(view)[got:])
-            if not k:
-                raise ConnectionError("relay closed")
-            got += k
-        return bytes(view)
+        return recv_exact(self.sock, n)
 
 
 def pair_figures(c, me: int, plan: dict[str, list[tuple[int, int]]]) -> dict[str, dict[str, float]]:  # type: ignore[no-untyped-def]

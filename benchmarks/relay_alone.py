@@ -95,14 +95,7 @@ class Agent:
                 return payload
 
     def _exact(self, n: int) -> bytes:
-        view = bytearray(n)
-        got = 0
-        while got < n:
-            k = self.sock.recv_into(memoryview(view)[got:])
-            if not k:
-                raise ConnectionError("relay closed")
-            got += k
-        return bytes(view)
+        return bare_relay.recv_exact(self.sock, n)
 
 
 class _DataOnly:
