@@ -193,6 +193,7 @@ class RankState(msgspec.Struct, frozen=True):
     rank: int
     incarnation: int
     state: str  # starting | running
+    replay_dets: int = 0  # determinants this incarnation was given to replay (0: fresh start)
 
 
 class AgentHeartbeat(msgspec.Struct, frozen=True):
@@ -229,7 +230,10 @@ class OutputBatch(msgspec.Struct, frozen=True):
 
 
 class RankExit(msgspec.Struct, frozen=True):
-    """A rank process ended. ``aborted`` when it called ``MPI.Abort(code)``."""
+    """A rank process ended. ``aborted`` when it called ``MPI.Abort(code)``. ``lost`` when it
+    died of something that is not the program's doing (a signal the agent did not send, e.g.
+    SIGKILL from the OOM killer or a volunteer): the coordinator restarts it instead of failing
+    the job."""
 
     job: int
     rank: int
@@ -237,6 +241,7 @@ class RankExit(msgspec.Struct, frozen=True):
     code: int
     aborted: bool = False
     message: str = ""
+    lost: bool = False
 
 
 class RankProblem(msgspec.Struct, frozen=True):
@@ -286,3 +291,14 @@ class RelayHeartbeatResponse(msgspec.Struct, frozen=True):
 class RelayLost(msgspec.Struct, frozen=True):
     name: str
     lost: list[RankLost]
+
+
+class RelayDiverged(msgspec.Struct, frozen=True):
+    """A relay found a re-sent message whose digest differs from the logged one: the program
+    is not deterministic. The coordinator fails the job with ``message``."""
+
+    name: str
+    job: int
+    rank: int  # the sender whose re-sent message differs
+    incarnation: int
+    message: str

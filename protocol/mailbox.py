@@ -50,13 +50,14 @@ class Entry(Generic[R]):
     """One message in the log. ``size`` is the whole frame (prefix, header, payload); ``ref`` is
     whatever the I/O shell needs to find the bytes (memory, file offset)."""
 
-    __slots__ = ("ref", "seq", "size", "src", "written")
+    __slots__ = ("digest", "ref", "seq", "size", "src", "written")
 
-    def __init__(self, src: int, seq: int, size: int, ref: R) -> None:
+    def __init__(self, src: int, seq: int, size: int, ref: R, digest: bytes = b"") -> None:
         self.src = src
         self.seq = seq
         self.size = size
         self.ref = ref
+        self.digest = digest
         self.written = False
 
     def __repr__(self) -> str:
@@ -109,13 +110,14 @@ class Mailbox(Generic[R]):
             code="seq_gap",
         )
 
-    def append(self, src: int, seq: int, size: int, ref: R) -> Entry[R]:
+    def append(self, src: int, seq: int, size: int, ref: R, digest: bytes = b"") -> Entry[R]:
         """Append a message ``offer`` called NEW. Starting a channel above seq 1 is allowed only
-        for the first entry of a source (a log that was truncated after a checkpoint)."""
+        for the first entry of a source (a log that was truncated after a checkpoint).
+        ``digest`` identifies the frame's content, to check re-sent copies (``entry``)."""
         stored = self._stored.get(src)
         if stored is not None and seq != stored + 1:
             raise LocalProtocolError(f"append of seq {seq} from {src} after {stored}")
-        entry = Entry(src, seq, size, ref)
+        entry = Entry(src, seq, size, ref, digest)
         index = len(self._log)
         self._log.append(entry)
         self._stored[src] = seq
@@ -127,6 +129,16 @@ class Mailbox(Generic[R]):
             positions.append(index)
         self._bytes += size
         return entry
+
+    def entry(self, src: int, seq: int) -> Entry[R] | None:
+        """The logged message (src, seq), or None when it is not (or no longer) in the log."""
+        positions = self._by_src.get(src)
+        if not positions:
+            return None
+        k = seq - self._first_seq[src]
+        if not 0 <= k < len(positions):
+            return None
+        return self._log[positions[k]]
 
     def written(self, entry: Entry[R]) -> None:
         entry.written = True

@@ -10,10 +10,14 @@ store whole frames in their logs and push them back out as they were deposited.
 
 Hops and who sends what::
 
-    rank -> agent:   RankHello, Data, Abort, Finalize
-    agent -> rank:   RankWelcome, Data, Ack, Error, Stop
-    agent -> relay:  Hello, Attach, Data, Credit, Detach
-    relay -> agent:  Welcome, Attached, Data, Ack, Error, Stop
+    rank -> agent:   RankHello, Data, Det, Abort, Finalize
+    agent -> rank:   RankWelcome, Data, Det, Ack, DetAck, Error, Stop
+    agent -> relay:  Hello, Attach, Data, Det, Credit, Detach
+    relay -> agent:  Welcome, Attached, Data, Det, Ack, DetAck, Error, Stop
+
+Fault tolerance (docs/internals.md, "Fault tolerance"): ``Det`` carries one determinant (a
+non-deterministic outcome of a rank) to the rank's home relay, which logs it and answers
+``DetAck``; on a restart the relay pushes the logged ``Det``s back, before any ``Data``.
 """
 
 from __future__ import annotations
@@ -70,24 +74,29 @@ class Attach(_Msg, frozen=True, tag="attach"):
     """Agent -> relay: bind rank (named by its signed rank token) to this connection.
 
     With ``home`` the relay pushes the rank's incoming messages on this connection, resuming
-    after ``received``: for every source rank, the highest seq the rank already has. Without
-    ``home`` the rank only deposits messages through this connection.
+    after ``received``: for every source rank, the highest seq the rank already has; before them
+    it pushes the rank's logged determinants with ``index >= dets_from``. Without ``home`` the
+    rank only deposits messages through this connection.
     """
 
     token: str
     home: bool = False
     received: dict[int, int] = {}
+    dets_from: int = 0
 
 
 class Attached(_Msg, frozen=True, tag="attached"):
     """Relay -> agent: the rank is attached. ``stored`` gives, per destination rank homed at
     this relay, the highest seq from this rank already in the log (so a reconnecting sender
-    knows what it need not resend)."""
+    knows what it need not resend). ``dets`` (home attachments only): how many determinants of
+    this rank the log holds; those with index >= ``Attach.dets_from`` follow as ``Det`` frames,
+    before any pushed ``Data``."""
 
     job: int
     rank: int
     incarnation: int
     stored: dict[int, int] = {}
+    dets: int = 0
 
 
 class Detach(_Msg, frozen=True, tag="detach"):
@@ -125,6 +134,28 @@ class Ack(_Msg, frozen=True, tag="ack"):
     seq: int
 
 
+class Det(_Msg, frozen=True, tag="det"):
+    """One determinant of (job, rank): the ``index``-th (0, 1, 2, ...) non-deterministic outcome
+    the rank's runtime logged. ``data`` is opaque to agents and relays (the runtime's own
+    encoding, ``vpool.sdk.mpi.ft``). Rank -> agent -> home relay to log it; home relay ->
+    agent -> rank to replay it after a restart. Header only, never a payload."""
+
+    job: int
+    rank: int
+    index: int
+    data: bytes
+
+
+class DetAck(_Msg, frozen=True, tag="det_ack"):
+    """Home relay -> agent -> rank: determinants ``0 .. count-1`` of (job, rank) are durable in
+    the log (cumulative). Sent as soon as they are, never delayed like ``Ack``: the rank's
+    next deposit waits for it (the pessimistic rule)."""
+
+    job: int
+    rank: int
+    count: int
+
+
 class Credit(_Msg, frozen=True, tag="credit"):
     """Agent -> relay: ``nbytes`` of frames pushed for (job, rank) have been handed to the rank;
     the relay may push that much more (flow control)."""
@@ -159,6 +190,7 @@ class RankWelcome(_Msg, frozen=True, tag="rank_welcome"):
     size: int
     incarnation: int
     processor: str = ""
+    replay_dets: int = 0  # determinants that follow as Det frames before anything else
 
 
 class Abort(_Msg, frozen=True, tag="abort"):
@@ -180,6 +212,8 @@ Message = (
     | Attached
     | Detach
     | Data
+    | Det
+    | DetAck
     | Ack
     | Credit
     | Stop

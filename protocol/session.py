@@ -23,6 +23,8 @@ from vpool.protocol.messages import (
     Attached,
     Credit,
     Data,
+    Det,
+    DetAck,
     Detach,
     Error,
     Finalize,
@@ -51,12 +53,12 @@ _S, _O = State.OPENING, State.OPEN
 TRANSITIONS: dict[tuple[Kind, Side, State, type], State] = {
     ("relay", "client", _S, Hello): State.HELLO_SENT,
     ("relay", "server", State.HELLO_SENT, Welcome): _O,
-    **{("relay", "client", _O, t): _O for t in (Attach, Data, Credit, Detach)},
-    **{("relay", "server", _O, t): _O for t in (Attached, Data, Ack, Stop)},
+    **{("relay", "client", _O, t): _O for t in (Attach, Data, Det, Credit, Detach)},
+    **{("relay", "server", _O, t): _O for t in (Attached, Data, Det, Ack, DetAck, Stop)},
     ("rank", "client", _S, RankHello): State.HELLO_SENT,
     ("rank", "server", State.HELLO_SENT, RankWelcome): _O,
-    **{("rank", "client", _O, t): _O for t in (Data, Abort, Finalize)},
-    **{("rank", "server", _O, t): _O for t in (Data, Ack, Stop)},
+    **{("rank", "client", _O, t): _O for t in (Data, Det, Abort, Finalize)},
+    **{("rank", "server", _O, t): _O for t in (Data, Det, Ack, DetAck, Stop)},
 }
 
 
