@@ -108,7 +108,20 @@ def _m1_initial(db: sqlite_utils.Database) -> None:
         db.execute(sql)
 
 
-MIGRATIONS: list[Callable[[sqlite_utils.Database], None]] = [_m1_initial]
+def _m2_fault_tolerance(db: sqlite_utils.Database) -> None:
+    """Replacement incarnations: restarts per job, the agent a replacement should avoid, why an
+    incarnation was lost, the determinants it replays (reported once)."""
+    for sql in (
+        "ALTER TABLE jobs ADD COLUMN restarts INTEGER NOT NULL DEFAULT 0",
+        "ALTER TABLE ranks ADD COLUMN avoid TEXT",
+        "ALTER TABLE incarnations ADD COLUMN lost TEXT",
+        "ALTER TABLE incarnations ADD COLUMN replay_dets INTEGER",
+        "CREATE INDEX ranks_state ON ranks(state, job)",
+    ):
+        db.execute(sql)
+
+
+MIGRATIONS: list[Callable[[sqlite_utils.Database], None]] = [_m1_initial, _m2_fault_tolerance]
 
 
 def current_version(db: sqlite_utils.Database) -> int:

@@ -7,8 +7,12 @@ free of I/O lets them be read, and tested, on their own.
   once. Ranks go round-robin over agents, the agent with most free slots first.
 - Home relays: up to ``ranks`` live relays, rotated by job id so jobs spread over relays;
   ``homes[r] = r % len(relays)``.
-- Job end: a non-zero exit (or ``MPI.Abort``) fails the job with that code; all ranks exiting 0
-  make it succeed; a lost rank or relay fails it with no exit code.
+- Replacements: a lost rank's next incarnation goes to the live agent with most free slots,
+  another one than the lost incarnation's when that agent itself is suspect (if there is one).
+  Replacements are placed before any queued job.
+- Job end: a non-zero exit (or ``MPI.Abort``) fails the job with that code; every rank's
+  current incarnation exiting 0 makes it succeed; too many restarts, a relay down for too long
+  or a divergence report fail it with no exit code.
 """
 
 from __future__ import annotations
@@ -50,6 +54,15 @@ def plan_gang(ranks: int, agents: Sequence[tuple[str, int]]) -> list[str] | None
             remaining[agent] -= 1
         i += 1
     return placement
+
+
+def pick_agent(free: dict[str, int], avoid: str | None) -> str | None:
+    """The agent for one replacement incarnation: most free slots first, ``avoid`` only if no
+    other agent has a free slot."""
+    candidates = [(agent, n) for agent, n in free.items() if n > 0]
+    if not candidates:
+        return None
+    return min(candidates, key=lambda a: (a[0] == avoid, -a[1], a[0]))[0]
 
 
 def pick_relays(live: Sequence[str], ranks: int, job_id: int) -> list[str]:

@@ -9,6 +9,7 @@ from vpool import paths
 from vpool.config import load_settings, setting
 
 PREFIX = "VPOOL_COORDINATOR"
+MAX_AGENT_TIMEOUT = 15.0
 
 
 @dataclass(frozen=True)
@@ -33,9 +34,21 @@ class CoordinatorSettings:
         2.0, "Seconds between heartbeats, told to agents and relays."
     )
     agent_timeout: float = setting(
-        10.0, "Seconds without an agent heartbeat before its ranks are lost."
+        10.0,
+        "Seconds without an agent heartbeat before its ranks are lost and restarted elsewhere "
+        f"(at most {MAX_AGENT_TIMEOUT:g}).",
     )
-    relay_timeout: float = setting(10.0, "Seconds without a relay heartbeat before its jobs fail.")
+    relay_timeout: float = setting(
+        10.0, "Seconds without a relay heartbeat before it counts as down (no new jobs on it)."
+    )
+    relay_down_timeout: float = setting(
+        300.0,
+        "Seconds a running job waits for a down relay to come back before it fails "
+        "(relays keep their logs on disk, so a restarted relay loses nothing).",
+    )
+    max_restarts: int = setting(
+        50, "Lost ranks a job may have restarted in all before it fails."
+    )
     pool_name: str = setting("vpool", "Name of the pool, shown to users and volunteers.")
     max_blob_bytes: int = setting(1 << 30, "Largest blob (bundle, stdin, results) accepted.")
     max_ranks: int = setting(256, "Largest number of ranks a job may ask for.")
@@ -46,6 +59,15 @@ class CoordinatorSettings:
         64 << 20, "Largest JSON request body (e.g. an agent's output batch)."
     )
     max_wait: float = setting(60.0, "Longest a long-poll (lease, output) may wait, in seconds.")
+
+    def __post_init__(self) -> None:
+        if not 0 < self.agent_timeout <= MAX_AGENT_TIMEOUT:
+            raise ValueError(
+                f"agent_timeout must be more than 0 and at most {MAX_AGENT_TIMEOUT:g} s, "
+                f"not {self.agent_timeout:g}"
+            )
+        if self.max_restarts < 0:
+            raise ValueError(f"max_restarts must be >= 0, not {self.max_restarts}")
 
     def state_path(self) -> Path:
         return Path(self.state_dir) if self.state_dir else paths.state_dir() / "coordinator"

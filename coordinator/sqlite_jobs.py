@@ -114,9 +114,19 @@ class JobsMixin:
     def schedule(
         self, now: float, agent_deadline: float, relay_deadline: float, sign: Signer
     ) -> list[int]:
-        """Start every queued job whose ranks all fit now, oldest first; return their ids."""
-        started: list[int] = []
+        """Place pending replacement incarnations, then start every queued job whose ranks all
+        fit now, oldest first; return the jobs that got placements."""
         with self.db.atomic():
+            free = {
+                str(a["id"]): scheduler.free_slots(a["slots"], a["free_slots"], a["active"])
+                for a in self.db.query(
+                    "SELECT a.id, a.slots, a.free_slots, (SELECT COUNT(*) FROM ranks r WHERE "
+                    "r.agent = a.id AND r.state IN ('leased', 'running')) AS active "
+                    "FROM agents a WHERE a.state = 'alive' AND a.last_seen >= ?",
+                    [agent_deadline],
+                )
+            }
+            started = self.place_replacements(free, now, sign)
             queued = list(self.db.query("SELECT * FROM jobs WHERE state = 'queued' ORDER BY id"))
             if not queued:
                 return started
@@ -129,15 +139,6 @@ class JobsMixin:
             ]
             if not relays:
                 return started
-            free = {
-                str(a["id"]): scheduler.free_slots(a["slots"], a["free_slots"], a["active"])
-                for a in self.db.query(
-                    "SELECT a.id, a.slots, a.free_slots, (SELECT COUNT(*) FROM ranks r WHERE "
-                    "r.agent = a.id AND r.state IN ('leased', 'running')) AS active "
-                    "FROM agents a WHERE a.state = 'alive' AND a.last_seen >= ?",
-                    [agent_deadline],
-                )
-            }
             for job in queued:
                 placement = scheduler.plan_gang(job["ranks"], list(free.items()))
                 if placement is None:
@@ -349,84 +350,6 @@ class JobsMixin:
                 self._end(ex.job, "succeeded", 0, "every rank exited with code 0", now)
             return True
 
-    def rank_problem(self, agent_id: str, pr: api.RankProblem, now: float) -> bool:
-        with self.db.atomic():
-            if self._current(agent_id, pr.job, pr.rank, pr.incarnation) is None:
-                return False
-            name = self._agent_name(agent_id)
-            reason = f"rank {pr.rank} lost: agent {name} reported: {pr.message}"
-            return self._lose(pr.job, pr.rank, reason, now)
-
-    def relay_lost(self, relay: str, lost: list[api.RankLost], now: float) -> bool:
-        changed = False
-        with self.db.atomic():
-            changed = self._relay_lost(relay, lost, now)
-        return changed
-
-    def _relay_lost(self, relay: str, lost: list[api.RankLost], now: float) -> bool:
-        changed = False
-        for item in lost:
-            row = self._one(
-                "SELECT incarnation, agent FROM ranks WHERE job = ? AND rank = ?",
-                [item.job, item.rank],
-            )
-            if row is None or row["incarnation"] != item.incarnation:
-                continue
-            # The relay knows agents by id only; people know them by name.
-            where = f" (on agent {self._agent_name(row['agent'])})" if row["agent"] else ""
-            reason = f"rank {item.rank}{where} lost: relay {relay} reported: {item.reason}"
-            changed = self._lose(item.job, item.rank, reason, now) or changed
-        return changed
-
-    # -- failure detection --------------------------------------------------------------------
-
-    def expire_agents(self, deadline: float, now: float) -> bool:
-        changed = False
-        with self.db.atomic():
-            silent = list(
-                self.db.query(
-                    "SELECT id, name FROM agents WHERE state = 'alive' AND last_seen < ?",
-                    [deadline],
-                )
-            )
-            for agent in silent:
-                self.db.execute("UPDATE agents SET state = 'lost' WHERE id = ?", [agent["id"]])
-                for r in list(
-                    self.db.query(
-                        "SELECT job, rank FROM ranks WHERE agent = ? AND state IN "
-                        "('leased', 'running') ORDER BY job, rank",
-                        [agent["id"]],
-                    )
-                ):
-                    reason = f"rank {r['rank']} lost: agent {agent['name']} stopped heartbeating"
-                    changed = self._lose(r["job"], r["rank"], reason, now) or changed
-        return changed
-
-    def expire_relays(self, deadline: float, now: float) -> bool:
-        changed = False
-        with self.db.atomic():
-            silent = [
-                str(r["name"])
-                for r in self.db.query(
-                    "SELECT name FROM relays WHERE state = 'alive' AND last_seen < ?", [deadline]
-                )
-            ]
-            for name in silent:
-                self.db.execute("UPDATE relays SET state = 'lost' WHERE name = ?", [name])
-                jobs = list(
-                    self.db.query(
-                        "SELECT DISTINCT j.id FROM jobs j, json_each(j.relays) r "
-                        "WHERE j.state = 'running' AND r.value = ?",
-                        [name],
-                    )
-                )
-                for job in jobs:
-                    reason = f"relay {name} stopped heartbeating"
-                    self._event(job["id"], now, "relay_lost", reason)
-                    self._end(job["id"], "failed", None, reason, now)
-                    changed = True
-        return changed
-
     # -- helpers ------------------------------------------------------------------------------
 
     def _current(
@@ -447,18 +370,6 @@ class JobsMixin:
         if row is None or row["incarnation"] != incarnation:
             return None
         return row
-
-    def _lose(self, job: int, rank: int, reason: str, now: float) -> bool:
-        with self.db.atomic():
-            row = self._one("SELECT state FROM ranks WHERE job = ? AND rank = ?", [job, rank])
-            if row is None or row["state"] not in scheduler.ACTIVE_RANK_STATES:
-                return False
-            self.db.execute(
-                "UPDATE ranks SET state = 'lost' WHERE job = ? AND rank = ?", [job, rank]
-            )
-            self._event(job, now, "rank_lost", reason, rank)
-            self._end(job, "failed", None, reason, now)
-        return True
 
     def _end(self, job: int, state: str, exit_code: int | None, reason: str, now: float) -> None:
         """Move a job to a terminal state (no-op if it is already in one)."""

@@ -133,6 +133,25 @@ def down(settings: Settings, timeout: float) -> None:
 
 
 @local.command()
+@click.argument("name")
+@click.option(
+    "--timeout",
+    type=float,
+    default=localpool.READY_TIMEOUT,
+    show_default=True,
+    help="Seconds to wait for it to be ready.",
+)
+@pass_settings
+def restart(settings: Settings, name: str, timeout: float) -> None:
+    """Start component NAME (e.g. relay-0, agent-1, coordinator) again after it died.
+
+    It gets its old command line, config and data directory: a relay keeps its message logs and
+    the coordinator its database."""
+    rec = localpool.restart(name, timeout=timeout, progress=lambda m: note(settings, m))
+    click.echo(f"{name} running again (pid {rec.pid})")
+
+
+@local.command()
 @json_option
 @pass_settings
 def status(settings: Settings, as_json: bool) -> None:

@@ -65,8 +65,6 @@ DEFAULT_RELAYS = 1
 _SETTING_PREFIXES = ("VPOOL_COORDINATOR_", "VPOOL_RELAY_", "VPOOL_AGENT_")
 
 
-
-
 @dataclass(frozen=True)
 class Recorded:
     """One process started by ``up``, as kept in pids.json."""
@@ -420,6 +418,36 @@ def down(*, timeout: float = STOP_TIMEOUT, progress: Progress = _quiet) -> tuple
     warnings = stop(recs, timeout=timeout, progress=progress)
     lay.pids_file.unlink(missing_ok=True)
     return alive, warnings
+
+
+def restart(name: str, *, timeout: float = READY_TIMEOUT, progress: Progress = _quiet) -> Recorded:
+    """Start the recorded component ``name`` again, with the same command line, config and
+    data directory, if its process is gone (killed, crashed). Waits until it is ready.
+
+    A relay keeps its logs and a coordinator its database across this: it is how a local pool
+    shows that they are durable."""
+    lay = layout()
+    recs = read_pids(lay)
+    rec = next((r for r in recs if r.name == name), None)
+    if rec is None:
+        known = ", ".join(r.name for r in recs) or "none"
+        raise LocalPoolError(f"no component {name!r} in the local pool (components: {known})")
+    state = status_of(rec)
+    if state == "running":
+        raise LocalPoolError(f"{name} is still running (pid {rec.pid}); nothing to restart")
+    _reap(rec.pid)
+    starter = _Starter(lay, progress)
+    progress(f"restarting {name}")
+    starter.start(name, rec.cmdline)
+    try:
+        starter.wait_ready([name], timeout)
+        (fresh,) = starter.recorded()
+    except (VsdkError, KeyboardInterrupt):
+        starter.abort()
+        raise
+    # Re-read: another restart may have updated the file meanwhile.
+    write_pids(lay, [fresh if r.name == name else r for r in read_pids(lay)])
+    return fresh
 
 
 def status() -> dict[str, Any]:

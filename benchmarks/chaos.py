@@ -1,0 +1,320 @@
+"""Chaos runner: a job on a local pool while rank processes and agents are SIGKILLed.
+
+    .venv/bin/python benchmarks/chaos.py [options] [PROGRAM [-- ARGS...]]
+
+1. starts a local pool (``vsdk local up``) in a temporary VPOOL_HOME;
+2. runs PROGRAM once without faults and keeps its output and wall time;
+3. runs it again while killing things: a random rank process every ``--kill-rank-every`` seconds
+   on average, a whole agent every ``--kill-agent-every`` seconds (restarted after
+   ``--agent-down`` seconds so the pool keeps its capacity), optionally the relays
+   (``--relay-restarts``) and the coordinator (``--coordinator-restarts``), SIGKILLed and started
+   again on the same disk at random moments;
+4. checks the output is byte-identical to the fault-free run and prints completion time over
+   fault-free time, the faults injected, and the job's fault events.
+
+Everything is bounded: the chaos run is cancelled after ``--limit`` seconds (default: 10 x the
+fault-free time + 60 s), the pool is always stopped at the end, and only processes this runner
+started (the pool's recorded pids and their rank children) are signalled. Exit code 0 when the
+output is identical, 1 otherwise.
+
+Example (issue 4's target: one rank every 10 s, one agent every 30 s, 8 ranks on 4 agents x 2):
+
+    .venv/bin/python benchmarks/chaos.py examples/heat.py -- 200000
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+BIN = Path(sys.executable).parent
+VSDK = str(BIN / "vsdk")
+POLL = 0.2
+
+
+@dataclass
+class Fault:
+    at: float  # seconds since the chaos run started
+    what: str  # rank | agent | relay | coordinator
+    target: str
+    pid: int
+
+
+@dataclass
+class Run:
+    output: bytes
+    seconds: float
+    state: str
+    detail: dict = field(default_factory=dict)
+
+
+class Pool:
+    """The local pool this runner started, known by its recorded pids."""
+
+    def __init__(self, home: str, env: dict[str, str]) -> None:
+        self.home = home
+        self.env = env
+
+    def vsdk(self, *args: str, timeout: float = 300, check: bool = True) -> str:
+        out = subprocess.run(
+            [VSDK, *args], env=self.env, capture_output=True, timeout=timeout, check=False
+        )
+        if check and out.returncode != 0:
+            raise RuntimeError(
+                f"vsdk {' '.join(args)} failed ({out.returncode}): {out.stderr.decode()[-2000:]}"
+            )
+        return out.stdout.decode()
+
+    def processes(self) -> dict[str, int]:
+        status = json.loads(self.vsdk("local", "status", "--json"))
+        return {p["name"]: p["pid"] for p in status["processes"] if p["state"] == "running"}
+
+    def rank_pids(self, program: str) -> list[tuple[str, int]]:
+        """(agent name, pid) of every rank process the pool's agents run for ``program``."""
+        found = []
+        for name, pid in self.processes().items():
+            if not name.startswith("agent-"):
+                continue
+            for child in _children(pid):
+                if any(Path(a).name == Path(program).name for a in _cmdline(child)):
+                    found.append((name, child))
+        return found
+
+
+def _children(pid: int) -> list[int]:
+    out: list[int] = []
+    try:
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                out += [int(c) for c in f.read().split()]
+    except OSError:
+        pass
+    return out
+
+
+def _cmdline(pid: int) -> list[str]:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
+    except OSError:
+        return []
+
+
+def _kill(pid: int) -> bool:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def submit(pool: Pool, program: str, ranks: int, args: list[str]) -> int:
+    out = pool.vsdk("submit", program, "--ranks", str(ranks), "--json", "--", *args)
+    return int(json.loads(out)["id"])
+
+
+def job_state(pool: Pool, job: int) -> dict | None:
+    """The job's detail, or None while the coordinator does not answer (it may be restarting)."""
+    try:
+        return json.loads(pool.vsdk("status", str(job), "--json", timeout=30))
+    except (RuntimeError, subprocess.TimeoutExpired, ValueError):
+        return None
+
+
+def _state_of(detail: dict) -> str:
+    job = detail.get("job", detail)
+    return str(job.get("state", "?"))
+
+
+TERMINAL = {"succeeded", "failed", "cancelled"}
+
+
+def wait_job(pool: Pool, job: int, limit: float, tick=None) -> tuple[str, dict]:
+    deadline = time.monotonic() + limit
+    detail: dict = {}
+    while time.monotonic() < deadline:
+        got = job_state(pool, job)
+        if got is not None:
+            detail = got
+            if _state_of(detail) in TERMINAL:
+                return _state_of(detail), detail
+        if tick is not None:
+            tick()
+        time.sleep(POLL)
+    pool.vsdk("cancel", str(job), check=False)
+    return "timed out", detail
+
+
+def fault_free(pool: Pool, program: str, ranks: int, args: list[str], limit: float) -> Run:
+    t0 = time.monotonic()
+    job = submit(pool, program, ranks, args)
+    state, detail = wait_job(pool, job, limit)
+    seconds = time.monotonic() - t0
+    return Run(pool.vsdk("logs", str(job)).encode(), seconds, state, detail)
+
+
+class Chaos:
+    def __init__(self, pool: Pool, opts: argparse.Namespace, rng: random.Random) -> None:
+        self.pool = pool
+        self.opts = opts
+        self.rng = rng
+        self.faults: list[Fault] = []
+        self.t0 = time.monotonic()
+        self.next_rank = self._after(opts.kill_rank_every)
+        self.next_agent = self._after(opts.kill_agent_every)
+        self.agent_back: dict[str, float] = {}  # agent name -> when to restart it
+        self.restarts: list[tuple[float, str]] = []  # (at, component) relay/coordinator kills
+        span = opts.expected
+        for what, count in (
+            ("relay", opts.relay_restarts),
+            ("coordinator", opts.coordinator_restarts),
+        ):
+            for _ in range(count):
+                self.restarts.append((rng.uniform(0.2 * span, 0.7 * span), what))
+        self.restarts.sort()
+
+    def _after(self, mean: float) -> float:
+        if mean <= 0:
+            return float("inf")
+        return self.now() + self.rng.expovariate(1.0 / mean)
+
+    def now(self) -> float:
+        return time.monotonic() - self.t0
+
+    def tick(self) -> None:
+        now = self.now()
+        for name, when in list(self.agent_back.items()):
+            if now >= when:
+                del self.agent_back[name]
+                self.pool.vsdk("local", "restart", name, check=False)
+        if now >= self.next_rank:
+            self.next_rank = self._after(self.opts.kill_rank_every)
+            ranks = self.pool.rank_pids(self.opts.program)
+            if ranks:
+                agent, pid = self.rng.choice(ranks)
+                if _kill(pid):
+                    self.faults.append(Fault(now, "rank", f"rank process on {agent}", pid))
+        if now >= self.next_agent:
+            self.next_agent = self._after(self.opts.kill_agent_every)
+            agents = {n: p for n, p in self.pool.processes().items() if n.startswith("agent-")}
+            if agents:
+                name = self.rng.choice(sorted(agents))
+                if _kill(agents[name]):
+                    self.faults.append(Fault(now, "agent", name, agents[name]))
+                    self.agent_back[name] = now + self.opts.agent_down
+        while self.restarts and now >= self.restarts[0][0]:
+            _, what = self.restarts.pop(0)
+            procs = self.pool.processes()
+            names = sorted(n for n in procs if n == what or n.startswith(f"{what}-"))
+            if not names:
+                continue
+            name = self.rng.choice(names)
+            if _kill(procs[name]):
+                self.faults.append(Fault(now, what, name, procs[name]))
+                self.pool.vsdk("local", "restart", name, check=False)
+
+    def finish(self) -> None:
+        """Bring back agents still down, so the pool is whole for the next run."""
+        for name in list(self.agent_back):
+            self.pool.vsdk("local", "restart", name, check=False)
+        self.agent_back.clear()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("program", nargs="?", default="examples/heat.py")
+    ap.add_argument("args", nargs="*")
+    ap.add_argument("--ranks", type=int, default=8)
+    ap.add_argument("--agents", type=int, default=4)
+    ap.add_argument("--slots", type=int, default=2)
+    ap.add_argument("--relays", type=int, default=2)
+    ap.add_argument("--kill-rank-every", type=float, default=10.0, help="mean s (0: never)")
+    ap.add_argument("--kill-agent-every", type=float, default=30.0, help="mean s (0: never)")
+    ap.add_argument("--agent-down", type=float, default=2.0, help="s before a killed agent returns")
+    ap.add_argument("--relay-restarts", type=int, default=0)
+    ap.add_argument("--coordinator-restarts", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--limit", type=float, default=0.0, help="s before the chaos run is cancelled")
+    ap.add_argument("--json", default="", help="also write the figures to this file")
+    opts = ap.parse_args()
+    rng = random.Random(opts.seed)
+    with tempfile.TemporaryDirectory(prefix="vpool-chaos-") as home:
+        env = {**os.environ, "VPOOL_HOME": home}
+        pool = Pool(home, env)
+        pool.vsdk(
+            "local",
+            "up",
+            "--agents",
+            str(opts.agents),
+            "--relays",
+            str(opts.relays),
+            "--slots",
+            str(opts.slots),
+            timeout=180,
+        )
+        try:
+            base = fault_free(pool, opts.program, opts.ranks, opts.args, limit=3600)
+            if base.state != "succeeded":
+                print(f"chaos: the fault-free run {base.state}: {base.detail}", file=sys.stderr)
+                return 1
+            opts.expected = base.seconds
+            limit = opts.limit or 10 * base.seconds + 60
+            chaos = Chaos(pool, opts, rng)
+            job = submit(pool, opts.program, opts.ranks, opts.args)
+            state, detail = wait_job(pool, job, limit, tick=chaos.tick)
+            seconds = chaos.now()
+            chaos.finish()
+            out = pool.vsdk("logs", str(job), check=False).encode()
+        finally:
+            pool.vsdk("local", "down", check=False, timeout=120)
+    identical = state == "succeeded" and out == base.output
+    events = detail.get("events", []) if detail else []
+    kinds: dict[str, int] = {}
+    for e in events:
+        kinds[e.get("kind", "?")] = kinds.get(e.get("kind", "?"), 0) + 1
+    print(f"program         {opts.program} {' '.join(opts.args)} on {opts.ranks} ranks")
+    print(f"pool            {opts.agents} agents x {opts.slots} slots, {opts.relays} relays")
+    print(f"fault-free      {base.seconds:.1f} s")
+    print(f"with faults     {seconds:.1f} s ({state})")
+    print(f"slowdown        {seconds / base.seconds:.2f}x")
+    print(
+        f"faults injected {len(chaos.faults)}: "
+        + ", ".join(f"{f.what} {f.target} at {f.at:.1f} s" for f in chaos.faults)
+    )
+    print(f"job events      {kinds}")
+    print(f"output          {'identical' if identical else 'DIFFERENT'} ({len(out)} bytes)")
+    if opts.json:
+        Path(opts.json).write_text(
+            json.dumps(
+                {
+                    "program": opts.program,
+                    "args": opts.args,
+                    "ranks": opts.ranks,
+                    "fault_free_s": base.seconds,
+                    "chaos_s": seconds,
+                    "state": state,
+                    "slowdown": seconds / base.seconds,
+                    "identical": identical,
+                    "faults": [f.__dict__ for f in chaos.faults],
+                    "events": events,
+                },
+                indent=1,
+            )
+        )
+    if not identical and state == "succeeded":
+        sys.stderr.write("--- fault-free output\n" + base.output.decode()[-2000:])
+        sys.stderr.write("--- output with faults\n" + out.decode()[-2000:])
+    return 0 if identical else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

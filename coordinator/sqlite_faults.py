@@ -1,0 +1,336 @@
+"""Faults in SQLite: lost incarnations and their replacements, stale incarnations, relays that
+go down (and come back), divergence reports, and the grace given after a coordinator restart.
+
+A lost incarnation i of a running job's rank is ended (``incarnations.lost`` says why) and the
+rank becomes ``pending`` with incarnation i+1 and no agent; ``place_replacements`` (called by
+``schedule`` before any queued job is considered) gives it a slot, a fresh signed token and the
+same home relay. From then on every report of incarnation i is stale: its exit is recorded as
+``rank_fenced``, its output and results are dropped and its agent gets a stop order.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+import sqlite_utils
+
+from vpool.coordinator import scheduler
+from vpool.coordinator.errors import BadRequest, Forbidden
+from vpool.protocol import api
+from vpool.protocol.tokens import RankClaims
+
+Signer = Callable[[RankClaims], str]
+MAX_MESSAGE = 2000
+
+
+class FaultsMixin:
+    db: sqlite_utils.Database
+    max_restarts: int
+
+    # Provided by JobsMixin / SqliteStore.
+    def _one(self, sql: str, params: Any = ()) -> dict[str, Any] | None:
+        raise NotImplementedError
+
+    def job_row(self, job_id: int) -> dict[str, Any] | None:
+        raise NotImplementedError
+
+    def _current(
+        self, agent_id: str, job: int, rank: int, incarnation: int
+    ) -> dict[str, Any] | None:
+        raise NotImplementedError
+
+    def _end(self, job: int, state: str, exit_code: int | None, reason: str, now: float) -> None:
+        raise NotImplementedError
+
+    def _event(
+        self, job: int, now: float, kind: str, message: str, rank: int | None = None
+    ) -> None:
+        raise NotImplementedError
+
+    def _agent_name(self, agent_id: str) -> str:
+        raise NotImplementedError
+
+    # -- start-up -----------------------------------------------------------------------------
+
+    def startup(self, now: float) -> None:
+        """The coordinator (re)starts: every agent and relay counts as seen now, so nothing is
+        declared lost because the coordinator itself was down; running jobs continue."""
+        with self.db.atomic():
+            self.db.execute("UPDATE agents SET last_seen = MAX(last_seen, ?)", [now])
+            self.db.execute("UPDATE relays SET last_seen = MAX(last_seen, ?)", [now])
+
+    # -- reports of lost ranks ----------------------------------------------------------------
+
+    def rank_problem(self, agent_id: str, pr: api.RankProblem, now: float) -> bool:
+        with self.db.atomic():
+            if self._current(agent_id, pr.job, pr.rank, pr.incarnation) is None:
+                return False
+            name = self._agent_name(agent_id)
+            reason = f"rank {pr.rank} lost: agent {name} reported: {pr.message}"
+            return self._lose(pr.job, pr.rank, reason, now, suspect=True)
+
+    def relay_lost(self, relay: str, lost: list[api.RankLost], now: float) -> bool:
+        changed = False
+        with self.db.atomic():
+            for item in lost:
+                row = self._one(
+                    "SELECT incarnation, agent FROM ranks WHERE job = ? AND rank = ?",
+                    [item.job, item.rank],
+                )
+                if row is None or row["incarnation"] != item.incarnation:
+                    continue
+                # The relay knows agents by id only; people know them by name.
+                where = f" (on agent {self._agent_name(row['agent'])})" if row["agent"] else ""
+                reason = f"rank {item.rank}{where} lost: relay {relay} reported: {item.reason}"
+                changed = self._lose(item.job, item.rank, reason, now, suspect=True) or changed
+        return changed
+
+    def relay_diverged(self, report: api.RelayDiverged, now: float) -> bool:
+        """A relay found a re-sent message that differs from the logged one: fail the job."""
+        with self.db.atomic():
+            row = self.job_row(report.job)
+            if row is None:
+                return False
+            if report.name not in json.loads(row["relays"]):
+                raise Forbidden(
+                    f"relay {report.name} does not serve job {report.job}", code="not_your_job"
+                )
+            if not 0 <= report.rank < row["ranks"]:
+                raise BadRequest(f"job {report.job} has no rank {report.rank}")
+            if row["state"] != "running":
+                return False
+            message = report.message[:MAX_MESSAGE] or (
+                f"program is not deterministic: rank {report.rank} re-sent a message "
+                "with different content"
+            )
+            self._event(
+                report.job,
+                now,
+                "job_failed",
+                f"relay {report.name}, rank {report.rank} incarnation {report.incarnation}: "
+                f"{message}",
+                report.rank,
+            )
+            self._end(report.job, "failed", None, message, now)
+        return True
+
+    # -- failure detection --------------------------------------------------------------------
+
+    def expire_agents(self, deadline: float, now: float) -> bool:
+        changed = False
+        with self.db.atomic():
+            silent = list(
+                self.db.query(
+                    "SELECT id, name FROM agents WHERE state = 'alive' AND last_seen < ?",
+                    [deadline],
+                )
+            )
+            for agent in silent:
+                self.db.execute("UPDATE agents SET state = 'lost' WHERE id = ?", [agent["id"]])
+                for r in list(
+                    self.db.query(
+                        "SELECT job, rank FROM ranks WHERE agent = ? AND state IN "
+                        "('leased', 'running') ORDER BY job, rank",
+                        [agent["id"]],
+                    )
+                ):
+                    reason = f"rank {r['rank']} lost: agent {agent['name']} stopped heartbeating"
+                    changed = self._lose(r["job"], r["rank"], reason, now, suspect=True) or changed
+        return changed
+
+    def expire_relays(self, deadline: float, down_deadline: float, now: float) -> bool:
+        """Relays silent since ``deadline`` are down: no new jobs go to them, and their running
+        jobs wait. Jobs of a relay down since before ``down_deadline`` fail."""
+        changed = False
+        with self.db.atomic():
+            silent = [
+                str(r["name"])
+                for r in self.db.query(
+                    "SELECT name FROM relays WHERE state = 'alive' AND last_seen < ?", [deadline]
+                )
+            ]
+            wait = max(0.0, now - down_deadline)
+            for name in silent:
+                self.db.execute("UPDATE relays SET state = 'lost' WHERE name = ?", [name])
+                for job in self._running_jobs_of(name):
+                    self._event(
+                        job,
+                        now,
+                        "relay_down",
+                        f"relay {name} stopped heartbeating; the job waits up to {wait:g} s "
+                        "for it to come back",
+                    )
+                    changed = True
+            gone = [
+                str(r["name"])
+                for r in self.db.query(
+                    "SELECT name FROM relays WHERE state = 'lost' AND last_seen < ?",
+                    [down_deadline],
+                )
+            ]
+            for name in gone:
+                for job in self._running_jobs_of(name):
+                    reason = (
+                        f"relay {name} stopped heartbeating and did not come back "
+                        f"within {wait:g} s"
+                    )
+                    self._end(job, "failed", None, reason, now)
+                    changed = True
+        return changed
+
+    def _running_jobs_of(self, relay: str) -> list[int]:
+        return [
+            int(r["id"])
+            for r in self.db.query(
+                "SELECT DISTINCT j.id FROM jobs j, json_each(j.relays) r "
+                "WHERE j.state = 'running' AND r.value = ? ORDER BY j.id",
+                [relay],
+            )
+        ]
+
+    def _relay_back(self, relay: str, now: float) -> None:
+        """A down relay heartbeats again (called inside the heartbeat's transaction)."""
+        for job in self._running_jobs_of(relay):
+            self._event(job, now, "relay_up", f"relay {relay} is back")
+
+    # -- losing and replacing -----------------------------------------------------------------
+
+    def _lose(
+        self,
+        job: int,
+        rank: int,
+        reason: str,
+        now: float,
+        *,
+        suspect: bool,
+        exit_code: int | None = None,
+    ) -> bool:
+        """End the rank's current incarnation as lost. In a running job, the rank gets a new
+        incarnation waiting for a slot (avoiding the old agent if it is ``suspect``), unless
+        the job has had ``max_restarts`` restarts already: then the job fails."""
+        with self.db.atomic():
+            row = self._one(
+                "SELECT r.state, r.incarnation, r.agent, j.state AS job_state, j.restarts "
+                "FROM ranks r JOIN jobs j ON j.id = r.job WHERE r.job = ? AND r.rank = ?",
+                [job, rank],
+            )
+            if row is None or row["state"] not in scheduler.ACTIVE_RANK_STATES:
+                return False
+            incarnation = int(row["incarnation"])
+            self.db.execute(
+                "UPDATE incarnations SET ended = COALESCE(ended, ?), lost = ?, "
+                "exit_code = COALESCE(exit_code, ?) WHERE job = ? AND rank = ? "
+                "AND incarnation = ?",
+                [now, reason, exit_code, job, rank, incarnation],
+            )
+            self._event(job, now, "rank_lost", reason, rank)
+            if row["job_state"] != "running" or row["restarts"] >= self.max_restarts:
+                self.db.execute(
+                    "UPDATE ranks SET state = 'lost' WHERE job = ? AND rank = ?", [job, rank]
+                )
+                self._end(
+                    job,
+                    "failed",
+                    None,
+                    f"{reason} (not restarted: the job had {row['restarts']} restarts, "
+                    f"max_restarts is {self.max_restarts})",
+                    now,
+                )
+                return True
+            self.db.execute("UPDATE jobs SET restarts = restarts + 1 WHERE id = ?", [job])
+            self.db.execute(
+                "UPDATE ranks SET incarnation = ?, state = 'pending', agent = NULL, "
+                "exit_code = NULL, avoid = ? WHERE job = ? AND rank = ?",
+                [incarnation + 1, row["agent"] if suspect else None, job, rank],
+            )
+        return True
+
+    def place_replacements(self, free: dict[str, int], now: float, sign: Signer) -> list[int]:
+        """Give pending replacement incarnations a slot from ``free`` (agent id -> free slots,
+        updated in place); return the jobs that got one. Runs inside ``schedule``'s
+        transaction, before queued jobs, so new jobs never starve a running one."""
+        placed: list[int] = []
+        pending = list(
+            self.db.query(
+                "SELECT r.job, r.rank, r.incarnation, r.relay, r.avoid, j.ranks AS size "
+                "FROM ranks r JOIN jobs j ON j.id = r.job "
+                "WHERE r.state = 'pending' AND j.state = 'running' ORDER BY r.job, r.rank"
+            )
+        )
+        for p in pending:
+            agent = scheduler.pick_agent(free, p["avoid"])
+            if agent is None:
+                break
+            free[agent] -= 1
+            job, rank, incarnation = int(p["job"]), int(p["rank"]), int(p["incarnation"])
+            claims = RankClaims(
+                job=job,
+                rank=rank,
+                incarnation=incarnation,
+                size=int(p["size"]),
+                agent=agent,
+                expires=now + scheduler.RANK_TOKEN_LIFETIME,
+            )
+            self.db.execute(
+                "UPDATE ranks SET agent = ?, state = 'leased', avoid = NULL "
+                "WHERE job = ? AND rank = ?",
+                [agent, job, rank],
+            )
+            self.db.execute(
+                "INSERT INTO incarnations (job, rank, incarnation, agent, relay, token, created) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?)",
+                [job, rank, incarnation, agent, p["relay"], sign(claims), now],
+            )
+            self._event(
+                job,
+                now,
+                "rank_restarted",
+                f"rank {rank} incarnation {incarnation} on agent {self._agent_name(agent)}",
+                rank,
+            )
+            placed.append(job)
+        return placed
+
+    # -- stale incarnations -------------------------------------------------------------------
+
+    def _fenced_exit(self, agent_id: str, ex: api.RankExit, current: int, now: float) -> bool:
+        """A replaced incarnation reports its exit: record it, change nothing else."""
+        cursor = self.db.execute(
+            "UPDATE incarnations SET exit_code = ?, ended = COALESCE(ended, ?) "
+            "WHERE job = ? AND rank = ? AND incarnation = ? AND exit_code IS NULL",
+            [ex.code, now, ex.job, ex.rank, ex.incarnation],
+        )
+        if not cursor.rowcount:
+            return False
+        self._event(
+            ex.job,
+            now,
+            "rank_fenced",
+            f"rank {ex.rank} incarnation {ex.incarnation} on agent {self._agent_name(agent_id)} "
+            f"exited with code {ex.code} after it was replaced by incarnation {current}; "
+            "ignored",
+            ex.rank,
+        )
+        return True
+
+    def _replaying(self, rs: api.RankState, now: float) -> bool:
+        """The first heartbeat that reports an incarnation replaying determinants."""
+        if rs.replay_dets <= 0:
+            return False
+        cursor = self.db.execute(
+            "UPDATE incarnations SET replay_dets = ? WHERE job = ? AND rank = ? "
+            "AND incarnation = ? AND replay_dets IS NULL",
+            [rs.replay_dets, rs.job, rs.rank, rs.incarnation],
+        )
+        if not cursor.rowcount:
+            return False
+        self._event(
+            rs.job,
+            now,
+            "rank_replaying",
+            f"rank {rs.rank} incarnation {rs.incarnation} replays {rs.replay_dets} determinants",
+            rs.rank,
+        )
+        return True
