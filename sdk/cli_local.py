@@ -146,7 +146,11 @@ def restart(settings: Settings, name: str, timeout: float) -> None:
     """Start component NAME (e.g. relay-0, agent-1, coordinator) again after it died.
 
     It gets its old command line, config and data directory: a relay keeps its message logs and
-    the coordinator its database."""
+    the coordinator its database.
+
+    Example:
+      vsdk local restart relay-0
+    """
     rec = localpool.restart(name, timeout=timeout, progress=lambda m: note(settings, m))
     click.echo(f"{name} running again (pid {rec.pid})")
 
