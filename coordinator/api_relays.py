@@ -1,4 +1,4 @@
-"""Relay endpoints: register, heartbeat (answers with finished jobs) and lost ranks."""
+"""Relay endpoints: register, heartbeat (answers with finished jobs), lost ranks, divergence."""
 
 from __future__ import annotations
 
@@ -33,4 +33,12 @@ async def lost(request: Request) -> Response:
     _relay(request)
     report = await decode(request, api.RelayLost)
     await coordinator(request).relay_lost(report)
+    return empty()
+
+
+@router.post("/diverged")
+async def diverged(request: Request) -> Response:
+    _relay(request)
+    report = await decode(request, api.RelayDiverged)
+    await coordinator(request).relay_diverged(report)
     return empty()

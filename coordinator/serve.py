@@ -72,7 +72,6 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-
 async def _until_signal() -> None:
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
         async for _ in signals:

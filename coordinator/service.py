@@ -1,7 +1,8 @@
 """The coordinator's behaviour behind the HTTP routers: authentication, jobs, agents, relays.
 
 One ``Coordinator`` per process. It owns the store, the blob files, the signing key and three
-wake-up signals: ``work`` (new placements, for lease long-polls), ``changes`` (job states and
+wake-up signals: ``work`` (new placements, including replacement incarnations of lost ranks,
+for lease long-polls), ``changes`` (job states and
 output, for output long-polls) and ``ended`` (a job or rank ended, so some rank may have to stop:
 for held heartbeats, which carry stop orders). Time comes from the injected ``clock`` so tests
 can move it.
@@ -70,7 +71,13 @@ class Coordinator:
         state.mkdir(parents=True, exist_ok=True)
         self.key = keys.load_or_create_signing_key(state / "signing.key")
         self.signing_key = public_key_text(self.key.public_key())
-        self.store: Store = store if store is not None else SqliteStore(state / "vpool.db")
+        self.store: Store = (
+            store
+            if store is not None
+            else SqliteStore(state / "vpool.db", max_restarts=settings.max_restarts)
+        )
+        # Agents and relays count as seen now: nothing is lost because we were down.
+        self.store.startup(clock())
         self.db = Database(self.store)
         self.blobs = BlobFiles(state / "blobs")
         self.work = Signal()
@@ -365,6 +372,11 @@ class Coordinator:
             self._states_changed()
             await self.schedule()
 
+    async def relay_diverged(self, report: api.RelayDiverged) -> None:
+        if await self.db.call(self.store.relay_diverged, report, self.clock()):
+            self._states_changed()
+            await self.schedule()
+
     # -- time-driven --------------------------------------------------------------------------
 
     async def schedule(self) -> None:
@@ -386,10 +398,14 @@ class Coordinator:
             self.store.expire_agents, now - self.settings.agent_timeout, now
         )
         relays = await self.db.call(
-            self.store.expire_relays, now - self.settings.relay_timeout, now
+            self.store.expire_relays,
+            now - self.settings.relay_timeout,
+            now - self.settings.relay_down_timeout,
+            now,
         )
         if agents or relays:
             self._states_changed()
+            await self.schedule()
 
     def _states_changed(self) -> None:
         """Job or rank states changed: wake output long-polls and held heartbeats."""

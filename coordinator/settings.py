@@ -46,9 +46,7 @@ class CoordinatorSettings:
         "Seconds a running job waits for a down relay to come back before it fails "
         "(relays keep their logs on disk, so a restarted relay loses nothing).",
     )
-    max_restarts: int = setting(
-        50, "Lost ranks a job may have restarted in all before it fails."
-    )
+    max_restarts: int = setting(50, "Lost ranks a job may have restarted in all before it fails.")
     pool_name: str = setting("vpool", "Name of the pool, shown to users and volunteers.")
     max_blob_bytes: int = setting(1 << 30, "Largest blob (bundle, stdin, results) accepted.")
     max_ranks: int = setting(256, "Largest number of ranks a job may ask for.")

@@ -173,8 +173,7 @@ class FaultsMixin:
             for name in gone:
                 for job in self._running_jobs_of(name):
                     reason = (
-                        f"relay {name} stopped heartbeating and did not come back "
-                        f"within {wait:g} s"
+                        f"relay {name} stopped heartbeating and did not come back within {wait:g} s"
                     )
                     self._end(job, "failed", None, reason, now)
                     changed = True

@@ -1,7 +1,8 @@
-"""Job life cycles in SQLite: submission, gang placement, leases, heartbeats, exits, losses.
+"""Job life cycles in SQLite: submission, gang placement, leases, heartbeats, exits.
 
 The rules come from ``scheduler``; this module applies them, one transaction per call, and writes
-an event row for every transition and fault.
+an event row for every transition and fault. Losses, replacements and relay faults are in
+``sqlite_faults``.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import sqlite_utils
 
 from vpool.coordinator import scheduler
 from vpool.coordinator.errors import Forbidden, NotFound
+from vpool.coordinator.sqlite_faults import FaultsMixin
 from vpool.protocol import api
 from vpool.protocol.tokens import RankClaims
 
@@ -21,7 +23,7 @@ Signer = Callable[[RankClaims], str]
 TERMINAL_SQL = "('succeeded', 'failed', 'cancelled')"
 
 
-class JobsMixin:
+class JobsMixin(FaultsMixin):
     db: sqlite_utils.Database
 
     def _one(self, sql: str, params: Any = ()) -> dict[str, Any] | None:
@@ -271,13 +273,16 @@ class JobsMixin:
                 reason = _stop_reason(row, agent_id, rs.incarnation)
                 if reason:
                     stops.append(_stop_order(rs, reason))
-                elif rs.state == "running" and row is not None and row["state"] == "leased":
+                    continue
+                assert row is not None
+                if rs.state == "running" and row["state"] == "leased":
                     self.db.execute(
                         "UPDATE ranks SET state = 'running' WHERE job = ? AND rank = ?",
                         [rs.job, rs.rank],
                     )
                     self._event(rs.job, now, "rank_running", f"rank {rs.rank} is running", rs.rank)
                     changed = True
+                changed = self._replaying(rs, now) or changed
             reported = {(rs.job, rs.rank, rs.incarnation) for rs in hb.ranks}
             missing = [
                 r
@@ -294,7 +299,8 @@ class JobsMixin:
                 name = self._agent_name(agent_id)
                 for r in missing:
                     reason = f"rank {r['rank']} lost: agent {name} no longer runs it"
-                    changed = self._lose(r["job"], r["rank"], reason, now) or changed
+                    lost = self._lose(r["job"], r["rank"], reason, now, suspect=False)
+                    changed = lost or changed
         return stops, changed
 
     def stop_orders(self, agent_id: str, ranks: list[api.RankState]) -> list[api.StopOrder]:
@@ -314,11 +320,26 @@ class JobsMixin:
         )
 
     def rank_exit(self, agent_id: str, ex: api.RankExit, now: float) -> bool:
-        """Apply a rank's exit; True if the job changed."""
+        """Apply a rank's exit; True if the job changed. The exit of a replaced incarnation
+        changes nothing (event ``rank_fenced``); a ``lost`` exit of a running job's current
+        incarnation gets it replaced."""
         with self.db.atomic():
             row = self._current(agent_id, ex.job, ex.rank, ex.incarnation)
-            if row is None or row["state"] in ("exited", "lost"):
+            if row is None:
+                now_row = self._one(
+                    "SELECT incarnation FROM ranks WHERE job = ? AND rank = ?", [ex.job, ex.rank]
+                )
+                current = int(now_row["incarnation"]) if now_row else 0
+                return self._fenced_exit(agent_id, ex, current, now)
+            if row["state"] in ("exited", "lost"):
                 return False
+            if ex.lost and row["state"] in scheduler.ACTIVE_RANK_STATES:
+                why = ex.message or (
+                    f"killed by signal {-ex.code}" if ex.code < 0 else f"exit code {ex.code}"
+                )
+                name = self._agent_name(agent_id)
+                reason = f"rank {ex.rank} lost: its process on agent {name} died ({why})"
+                return self._lose(ex.job, ex.rank, reason, now, suspect=False, exit_code=ex.code)
             self.db.execute(
                 "UPDATE incarnations SET ended = ?, exit_code = ? WHERE job = ? AND rank = ? "
                 "AND incarnation = ?",
@@ -411,8 +432,10 @@ def _stop_reason(row: dict[str, Any] | None, agent_id: str, incarnation: int) ->
         return "unknown job or rank"
     if row["job_state"] in api.TERMINAL_STATES:
         return scheduler.stop_reason(row["job_state"], row["reason"])
-    if row["incarnation"] != incarnation or row["agent"] != agent_id:
-        return f"incarnation {incarnation} was replaced"
+    if row["incarnation"] != incarnation:
+        return f"incarnation {incarnation} was replaced by incarnation {row['incarnation']}"
+    if row["agent"] != agent_id:
+        return "the rank is not leased to this agent"
     if row["state"] not in scheduler.ACTIVE_RANK_STATES:
         return f"rank is {row['state']}"
     return ""

@@ -21,7 +21,8 @@ from vpool.protocol import api
 
 
 class SqliteStore(JobsMixin):
-    def __init__(self, path: Path | str) -> None:
+    def __init__(self, path: Path | str, *, max_restarts: int = 50) -> None:
+        self.max_restarts = max_restarts
         # check_same_thread=False: calls come from trio's worker threads, serialized by the
         # Database limiter. isolation_level=None: transactions are explicit (db.atomic()).
         conn = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
@@ -128,6 +129,13 @@ class SqliteStore(JobsMixin):
     # -- relays -------------------------------------------------------------------------------
 
     def register_relay(self, reg: api.RelayRegister, now: float) -> None:
+        with self.db.atomic():
+            row = self._one("SELECT state FROM relays WHERE name = ?", [reg.name])
+            if row is not None and row["state"] != "alive":
+                self._relay_back(reg.name, now)
+            self._upsert_relay(reg, now)
+
+    def _upsert_relay(self, reg: api.RelayRegister, now: float) -> None:
         self.db.execute(
             "INSERT INTO relays (name, host, port, software, registered, last_seen, state) "
             "VALUES (?, ?, ?, ?, ?, ?, 'alive') ON CONFLICT(name) DO UPDATE SET "
@@ -142,8 +150,11 @@ class SqliteStore(JobsMixin):
         """Record the heartbeat; return the jobs finished since ``since`` that used the relay,
         or None if the relay is unknown."""
         with self.db.atomic():
-            if not self._one("SELECT name FROM relays WHERE name = ?", [name]):
+            row = self._one("SELECT state FROM relays WHERE name = ?", [name])
+            if row is None:
                 return None
+            if row["state"] != "alive":
+                self._relay_back(name, now)
             self.db.execute(
                 "UPDATE relays SET last_seen = ?, state = 'alive', load = ? WHERE name = ?",
                 [now, json.dumps(_load_dict(load)), name],
@@ -165,17 +176,31 @@ class SqliteStore(JobsMixin):
     # -- output and results -------------------------------------------------------------------
 
     def add_output(self, agent_id: str, chunks: list[api.OutputChunk]) -> set[int]:
-        """Store each chunk once; return the jobs that got new output."""
+        """Store the new bytes of each chunk; return the jobs that got new output.
+
+        Only the rank's current incarnation is heard, and per (job, rank, stream) only bytes
+        beyond the end of what is stored: a re-sent chunk, a restarted incarnation re-emitting
+        its output from offset 0 and a replaced incarnation's late output add nothing."""
         changed: set[int] = set()
         with self.db.atomic():
             for chunk in chunks:
                 self._check_runs(agent_id, chunk.job, chunk.rank, chunk.incarnation)
-                if not chunk.data:
+                if not chunk.data or not self._is_current(chunk.job, chunk.rank, chunk.incarnation):
                     continue
+                last = self._one(
+                    "SELECT offset, length(data) AS n FROM output WHERE job = ? AND rank = ? "
+                    "AND stream = ? ORDER BY offset DESC LIMIT 1",
+                    [chunk.job, chunk.rank, chunk.stream],
+                )
+                end = int(last["offset"]) + int(last["n"]) if last else 0
+                skip = end - chunk.offset
+                if skip >= len(chunk.data):
+                    continue
+                offset, data = (end, chunk.data[skip:]) if skip > 0 else (chunk.offset, chunk.data)
                 cursor = self.db.execute(
                     "INSERT OR IGNORE INTO output (job, rank, stream, offset, data) "
                     "VALUES (?, ?, ?, ?, ?)",
-                    [chunk.job, chunk.rank, chunk.stream, chunk.offset, chunk.data],
+                    [chunk.job, chunk.rank, chunk.stream, offset, data],
                 )
                 if cursor.rowcount:
                     changed.add(chunk.job)
@@ -215,6 +240,8 @@ class SqliteStore(JobsMixin):
     def add_result(self, agent_id: str, job: int, rank: int, incarnation: int, blob: str) -> None:
         with self.db.atomic():
             self._check_runs(agent_id, job, rank, incarnation)
+            if not self._is_current(job, rank, incarnation):
+                return  # a replaced incarnation's results are not the job's
             self.db.execute(
                 "INSERT OR REPLACE INTO results (job, rank, incarnation, blob) VALUES (?, ?, ?, ?)",
                 [job, rank, incarnation, blob],
@@ -228,6 +255,14 @@ class SqliteStore(JobsMixin):
             [job],
         )
         return {int(r["rank"]): str(r["blob"]) for r in rows}
+
+    def _is_current(self, job: int, rank: int, incarnation: int) -> bool:
+        return bool(
+            self._one(
+                "SELECT 1 FROM ranks WHERE job = ? AND rank = ? AND incarnation = ?",
+                [job, rank, incarnation],
+            )
+        )
 
     def _check_runs(self, agent_id: str, job: int, rank: int, incarnation: int) -> None:
         if not self._one(

@@ -31,6 +31,7 @@ Every error is ``ErrorBody`` with a 4xx/5xx status. Endpoints::
     POST /api/v1/relays/register  RelayRegister -> RelayRegistered   (relay secret)
     POST /api/v1/relays/heartbeat RelayHeartbeat -> RelayHeartbeatResponse (relay secret)
     POST /api/v1/relays/lost      RelayLost   -> {}                  (relay secret)
+    POST /api/v1/relays/diverged  RelayDiverged -> {}                (relay secret)
 """
 
 from __future__ import annotations

@@ -179,6 +179,21 @@ def _rank_table(detail: JobDetail) -> str:
     return _table(rows)
 
 
+def _event_table(detail: JobDetail) -> str:
+    """Time, kind, rank and message of each event; the message is the last column, so a long
+    one (a failure reason) runs on without widening the others."""
+    rows = [("TIME", "EVENT", "RANK", "MESSAGE")]
+    for ev in detail.events:
+        rank = "-" if ev.rank is None else str(ev.rank)
+        rows.append((_clock(ev.time), ev.kind, rank, " ".join(ev.message.split()) or "-"))
+    return _table(rows)
+
+
+def _clock(t: float) -> str:
+    """An event's local time to the millisecond: restarts come in quick succession."""
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t)) + f".{int(t * 1000) % 1000:03d}"
+
+
 def _table(rows: list[tuple[str, ...]]) -> str:
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     return "\n".join(
@@ -221,9 +236,7 @@ def status(settings: Settings, job: int, as_json: bool) -> None:
         click.echo(_rank_table(detail))
     if detail.events:
         click.echo("\nevents:")
-        for ev in detail.events:
-            who = f" rank {ev.rank}" if ev.rank is not None else ""
-            click.echo(f"  {_when(ev.time)}  {ev.kind}{who}: {ev.message}")
+        click.echo(_event_table(detail))
 
 
 @click.command()

@@ -1,4 +1,5 @@
-"""Lost agents and relays fail their jobs with a reason naming the rank, machine and cause."""
+"""Lost agents, relays and ranks: lost incarnations are replaced (events name the rank, machine
+and cause); relays that stay down too long fail their jobs."""
 
 from __future__ import annotations
 
@@ -10,38 +11,57 @@ from coord_helpers import RELAY_SECRET, Agent, Pool
 
 from vpool.coordinator import scheduler
 from vpool.protocol import api
+from vpool.protocol.tokens import RankClaims, verify_token
 
 
-async def _running(pool: Pool, ranks: int = 2) -> tuple[api.JobInfo, Agent, list[api.Lease]]:
+async def _running(
+    pool: Pool, ranks: int = 2, slots: int | None = None
+) -> tuple[api.JobInfo, Agent, list[api.Lease]]:
     await pool.register_relay("relay-0")
     job = await pool.submit(ranks)
-    agent = await pool.enroll("agent-1", slots=ranks)
+    agent = await pool.enroll("agent-1", slots=slots or ranks)
     leases = await pool.lease(agent)
     await pool.heartbeat(agent, leases)
     return job, agent, leases
 
 
-async def test_agent_heartbeat_timeout_fails_job(pool: Pool) -> None:
+async def test_agent_heartbeat_timeout_replaces_its_ranks_elsewhere(pool: Pool) -> None:
     job, agent, leases = await _running(pool)
+    other = await pool.enroll("agent-2", slots=2)
     pool.clock.advance(5)
     await pool.relay_heartbeat("relay-0")
+    await pool.heartbeat(other, [])
     await pool.core.check_timeouts()
     assert (await pool.job(job.id)).job.state == "running"
 
-    pool.clock.advance(6)  # 11 s since the agent's last call, 6 since the relay's
+    pool.clock.advance(6)  # 11 s since agent-1's last call, 6 since the others'
     await pool.core.check_timeouts()
     detail = await pool.job(job.id)
-    assert detail.job.state == "failed" and detail.job.exit_code is None
-    assert detail.job.reason == "rank 0 lost: agent agent-1 stopped heartbeating"
-    assert [x.state for x in detail.ranks] == ["lost", "killed"]
-    assert any(e.kind == "rank_lost" and e.rank == 0 for e in detail.events)
+    assert detail.job.state == "running"
+    assert [(x.incarnation, x.state) for x in detail.ranks] == [(2, "leased"), (2, "leased")]
+    lost = [e for e in detail.events if e.kind == "rank_lost"]
+    assert [e.message for e in lost] == [
+        "rank 0 lost: agent agent-1 stopped heartbeating",
+        "rank 1 lost: agent agent-1 stopped heartbeating",
+    ]
+    restarted = [e.message for e in detail.events if e.kind == "rank_restarted"]
+    assert restarted == [
+        "rank 0 incarnation 2 on agent agent-2",
+        "rank 1 incarnation 2 on agent agent-2",
+    ]
+    fresh = await pool.lease(other)
+    assert [(x.rank, x.incarnation) for x in fresh] == [(0, 2), (1, 2)]
+    assert [x.homes for x in fresh] == [leases[0].homes, leases[1].homes]
+    claims = verify_token(
+        fresh[1].token, pool.core.key.public_key(), now=pool.clock(), kind=RankClaims
+    )
+    assert (claims.rank, claims.incarnation, claims.agent) == (1, 2, other.id)
 
-    # The agent comes back: it is told to stop what it still runs, and is alive again.
+    # agent-1 comes back: it is told to stop the replaced incarnations, and is alive again.
     hb = await pool.heartbeat(agent, leases)
-    assert len(hb.stop) == 2
-    assert all(s.reason.startswith("job failed: rank 0 lost") for s in hb.stop)
-    agents = pool.core.store.list_agents()
-    assert agents[0]["state"] == "alive"
+    assert [s.reason for s in hb.stop] == ["incarnation 1 was replaced by incarnation 2"] * 2
+    assert pool.core.store.list_agents()[0]["state"] == "alive"
+    assert (await pool.job(job.id)).job.state == "running"
 
 
 async def test_lost_agent_gets_no_new_work(pool: Pool) -> None:
@@ -56,30 +76,51 @@ async def test_lost_agent_gets_no_new_work(pool: Pool) -> None:
     assert len(await pool.lease(agent)) == 1
 
 
-async def test_relay_heartbeat_timeout_fails_job(pool: Pool) -> None:
-    job, agent, leases = await _running(pool)
+async def test_relay_heartbeat_timeout_is_not_a_job_failure(pool: Pool) -> None:
+    job, agent, leases = await _running(pool, slots=3)
     pool.clock.advance(11)
     await pool.heartbeat(agent, leases)
     await pool.core.check_timeouts()
     detail = await pool.job(job.id)
-    assert detail.job.state == "failed"
-    assert detail.job.reason == "relay relay-0 stopped heartbeating"
+    assert detail.job.state == "running"
+    assert [e.message for e in detail.events if e.kind == "relay_down"] == [
+        "relay relay-0 stopped heartbeating; the job waits up to 300 s for it to come back"
+    ]
     # No live relay: new jobs wait.
     job2 = await pool.submit(1)
     assert await pool.lease(agent) == []
     assert (await pool.job(job2.id)).job.state == "queued"
+    # The relay comes back (restarted on its disk: it registers again): the job goes on, new
+    # jobs are placed.
+    await pool.register_relay("relay-0")
     await pool.relay_heartbeat("relay-0")
+    ups = [e.message for e in (await pool.job(job.id)).events if e.kind == "relay_up"]
+    assert ups == ["relay relay-0 is back"]
     assert len(await pool.lease(agent, free=2)) == 1
 
 
-async def test_relay_lost_report_fails_job(pool: Pool) -> None:
-    job, _, leases = await _running(pool)
+async def test_relay_down_for_too_long_fails_its_jobs(pool: Pool) -> None:
+    job, agent, leases = await _running(pool)
+    for _ in range(30):  # 300 s of agent heartbeats, no relay heartbeat
+        pool.clock.advance(10)
+        await pool.heartbeat(agent, leases)
+        await pool.core.check_timeouts()
+    assert (await pool.job(job.id)).job.state == "running"
+    pool.clock.advance(1)
+    await pool.heartbeat(agent, leases)
+    await pool.core.check_timeouts()
+    detail = await pool.job(job.id)
+    assert detail.job.state == "failed" and detail.job.exit_code is None
+    assert detail.job.reason == (
+        "relay relay-0 stopped heartbeating and did not come back within 300 s"
+    )
+
+
+async def _relay_lost(pool: Pool, job: int, rank: int, incarnation: int) -> None:
     report = api.RelayLost(
         name="relay-0",
         lost=[
-            api.RankLost(
-                job=job.id, rank=1, incarnation=leases[1].incarnation, reason="connection dropped"
-            )
+            api.RankLost(job=job, rank=rank, incarnation=incarnation, reason="connection dropped")
         ],
     )
     r = await pool.client.post(
@@ -87,12 +128,34 @@ async def test_relay_lost_report_fails_job(pool: Pool) -> None:
         content=msgspec.json.encode(report),
         headers={"Authorization": f"Bearer {RELAY_SECRET}"},
     )
-    assert r.status_code == 200
+    assert r.status_code == 200, r.text
+
+
+async def test_relay_lost_report_replaces_the_rank_on_another_agent(pool: Pool) -> None:
+    job, agent, leases = await _running(pool)
+    other = await pool.enroll("agent-2", slots=1)
+    await _relay_lost(pool, job.id, 1, leases[1].incarnation)
     detail = await pool.job(job.id)
-    assert detail.job.state == "failed" and detail.job.exit_code is None
-    assert detail.job.reason == (
-        "rank 1 (on agent agent-1) lost: relay relay-0 reported: connection dropped"
-    )
+    assert detail.job.state == "running"
+    lost = [e for e in detail.events if e.kind == "rank_lost"]
+    assert [(e.rank, e.message) for e in lost] == [
+        (1, "rank 1 (on agent agent-1) lost: relay relay-0 reported: connection dropped")
+    ]
+    # agent-1 has a free slot again (per its report), but it is suspect: agent-2 gets it.
+    assert await pool.lease(agent, free=1) == []
+    assert [(x.rank, x.incarnation) for x in await pool.lease(other)] == [(1, 2)]
+    assert detail.ranks[1].incarnation == 2
+
+
+async def test_relay_lost_report_may_reuse_the_same_agent_if_alone(pool: Pool) -> None:
+    await pool.register_relay("relay-0")
+    job = await pool.submit(2)
+    agent = await pool.enroll("agent-1", slots=3)
+    leases = await pool.lease(agent)
+    await pool.heartbeat(agent, leases)
+    await _relay_lost(pool, job.id, 0, 1)
+    again = await pool.lease(agent)
+    assert [(x.rank, x.incarnation) for x in again] == [(0, 2)]
 
 
 async def test_stale_relay_lost_report_is_ignored(pool: Pool) -> None:
@@ -108,7 +171,7 @@ async def test_stale_relay_lost_report_is_ignored(pool: Pool) -> None:
     assert (await pool.job(job.id)).job.state == "running"
 
 
-async def test_rank_problem_fails_job(pool: Pool) -> None:
+async def test_rank_problem_replaces_the_rank(pool: Pool) -> None:
     job, agent, _ = await _running(pool)
     problem = api.RankProblem(job=job.id, rank=0, incarnation=1, message="relay unreachable")
     r = await pool.client.post(
@@ -116,7 +179,13 @@ async def test_rank_problem_fails_job(pool: Pool) -> None:
     )
     assert r.status_code == 200
     detail = await pool.job(job.id)
-    assert detail.job.reason == "rank 0 lost: agent agent-1 reported: relay unreachable"
+    assert detail.job.state == "running"
+    lost = [e.message for e in detail.events if e.kind == "rank_lost"]
+    assert lost == ["rank 0 lost: agent agent-1 reported: relay unreachable"]
+    # The only agent with a free slot is the suspect one: better there than nowhere.
+    assert (detail.ranks[0].incarnation, detail.ranks[0].state) == (2, "leased")
+    restarted = [e.message for e in detail.events if e.kind == "rank_restarted"]
+    assert restarted == ["rank 0 incarnation 2 on agent agent-1"]
 
 
 async def test_expired_agent_token_is_refused(pool: Pool) -> None:
@@ -128,16 +197,19 @@ async def test_expired_agent_token_is_refused(pool: Pool) -> None:
     assert r.status_code == 401 and r.json()["error"]["code"] == "expired_token"
 
 
-async def test_rank_missing_from_heartbeats_is_lost(pool: Pool) -> None:
+async def test_rank_missing_from_heartbeats_is_replaced(pool: Pool) -> None:
     job, agent, leases = await _running(pool)
     pool.clock.advance(5)
     hb = await pool.heartbeat(agent, leases[:1])  # within grace: a report may lag the lease
     assert hb.stop == [] and (await pool.job(job.id)).job.state == "running"
     pool.clock.advance(6)
-    await pool.heartbeat(agent, leases[:1])
+    await pool.heartbeat(agent, leases[:1], free=1)
     detail = await pool.job(job.id)
-    assert detail.job.state == "failed"
-    assert detail.job.reason == "rank 1 lost: agent agent-1 no longer runs it"
+    assert detail.job.state == "running"
+    lost = [e.message for e in detail.events if e.kind == "rank_lost"]
+    assert lost == ["rank 1 lost: agent agent-1 no longer runs it"]
+    # Only the process is gone, not the agent: the same agent may run the next incarnation.
+    assert [(x.rank, x.incarnation) for x in await pool.lease(agent, free=1)] == [(1, 2)]
 
 
 async def test_monitor_loop_runs_the_checks(pool: Pool) -> None:
@@ -149,4 +221,6 @@ async def test_monitor_loop_runs_the_checks(pool: Pool) -> None:
             nursery.start_soon(partial(scheduler.monitor, pool.core, period=0.01))
             await changed.wait()
             nursery.cancel_scope.cancel()
-    assert (await pool.job(job.id)).job.state == "failed"
+    detail = await pool.job(job.id)
+    assert [x.state for x in detail.ranks] == ["pending", "pending"]
+    assert sum(e.kind == "rank_lost" for e in detail.events) == 2

@@ -104,3 +104,49 @@ def test_output_overlap_is_reassembled(tmp_path: Path) -> None:
     assert more and [r.data for r in records] == [b"abcd", b"defg"]
     assert isinstance(records[0], api.OutputRecord)
     store.close()
+
+
+def _store_with_running_job(tmp_path: Path) -> tuple[SqliteStore, str]:
+    """A store with job 1 (2 ranks) running on one agent, through the store's own calls."""
+    store = SqliteStore(tmp_path / "vpool.db", max_restarts=5)
+    store.register_relay(api.RelayRegister(name="relay-0", host="127.0.0.1", port=1), 100.0)
+    agent = store.enroll_agent("key-1", "agent-1", 4, "", 100.0)
+    sub = api.JobSubmit(ranks=2, bundle="b" * 64, entry="app.py")
+    store.create_job("alice", sub, 100.0)
+    assert store.schedule(100.0, 90.0, 90.0, lambda claims: f"token-{claims.incarnation}") == [1]
+    assert len(store.take_leases(agent, 100.0)) == 2
+    return store, agent
+
+
+def test_store_dedups_output_by_end_offset_and_incarnation(tmp_path: Path) -> None:
+    store, agent = _store_with_running_job(tmp_path)
+
+    def chunk(incarnation: int, offset: int, data: bytes) -> api.OutputChunk:
+        return api.OutputChunk(
+            job=1, rank=0, incarnation=incarnation, stream="stdout", offset=offset, data=data
+        )
+
+    assert store.add_output(agent, [chunk(1, 0, b"abc"), chunk(1, 3, b"def")]) == {1}
+    assert store.add_output(agent, [chunk(1, 0, b"abcdef")]) == set()
+    ex = api.RankExit(job=1, rank=0, incarnation=1, code=-9, lost=True)
+    assert store.rank_exit(agent, ex, 101.0)
+    store.schedule(101.0, 90.0, 90.0, lambda claims: "t")
+    assert store.take_leases(agent, 101.0)[0].incarnation == 2
+    assert store.add_output(agent, [chunk(1, 6, b"late")]) == set()  # replaced incarnation
+    assert store.add_output(agent, [chunk(2, 0, b"abcdefgh")]) == {1}
+    rows = list(store.db.query("SELECT offset, data FROM output ORDER BY id"))
+    assert [(r["offset"], r["data"]) for r in rows] == [(0, b"abc"), (3, b"def"), (6, b"gh")]
+    assert store.output_streams(1) == {(0, "stdout"): b"abcdefgh"}
+    store.close()
+
+
+def test_store_startup_counts_everyone_as_seen(tmp_path: Path) -> None:
+    store, _agent = _store_with_running_job(tmp_path)
+    store.startup(500.0)
+    assert store.count_live(490.0, 490.0) == (1, 1)
+    assert not store.expire_agents(490.0, 500.0)
+    assert not store.expire_relays(490.0, 200.0, 500.0)
+    assert store.job_info(1).state == "running"  # type: ignore[union-attr]
+    store.startup(400.0)  # never moves last_seen back
+    assert store.count_live(495.0, 495.0) == (1, 1)
+    store.close()

@@ -41,6 +41,7 @@ class Script:
     exit_code: int | None = 0
     reason: str = ""
     chunks: list[tuple[int, str, bytes]] = field(default_factory=list)
+    events: list[JobEvent] = field(default_factory=list)  # between "submitted" and the end
 
 
 @dataclass
@@ -170,6 +171,7 @@ class FakeCoordinator:
         ]
         events = [
             JobEvent(time=1000.0, kind="submitted", message="by alice"),
+            *job.script.events,
             JobEvent(time=1003.5, kind=job.info.state, message=job.info.reason, rank=None),
         ]
         return self._json(JobDetail(job=job.info, ranks=ranks, events=events))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -10,6 +11,7 @@ import click
 import pytest
 from click.testing import CliRunner
 
+from vpool.protocol.api import JobEvent
 from vpool.sdk.cli import cli
 
 
@@ -132,6 +134,46 @@ def test_status_human_and_json(coord: Any, app: Path) -> None:
     assert "agent-1" in res.stdout and "RANK" in res.stdout and "events:" in res.stdout
     detail = json.loads(run("status", "1", "--json").stdout)
     assert detail["job"]["exit_code"] == 2 and len(detail["ranks"]) == 2
+
+
+def test_status_shows_fault_events_as_a_table(coord: Any, app: Path) -> None:
+    events = [
+        JobEvent(time=1001.25, kind="rank_lost", rank=1, message="rank 1 lost: agent a-1 died"),
+        JobEvent(
+            time=1001.5, kind="rank_restarted", rank=1, message="rank 1 incarnation 2 on agent a-2"
+        ),
+        JobEvent(
+            time=1002.0,
+            kind="rank_replaying",
+            rank=1,
+            message="rank 1 incarnation 2 replays 4 determinants",
+        ),
+        JobEvent(time=1002.0, kind="relay_down", message="relay relay-0 stopped\nheartbeating"),
+    ]
+    coord.script(events=events)
+    run("submit", str(app), "-n", "2")
+    res = run("status", "1")
+    assert res.exit_code == 0, res.output
+    lines = res.stdout.splitlines()
+    table = lines[lines.index("events:") + 1 :]
+    assert table[0].split() == ["TIME", "EVENT", "RANK", "MESSAGE"]
+    assert len(table) == 1 + 2 + len(events)  # header, submitted, ours, the end
+    column = table[0].index("MESSAGE")
+    lost = table[2]
+    assert lost.startswith(time.strftime("%Y-%m-%d %H:%M:%S.250", time.localtime(1001.25)))
+    assert lost.split()[2:5] == ["rank_lost", "1", "rank"]
+    assert lost[column:] == "rank 1 lost: agent a-1 died"
+    assert table[3][column:] == "rank 1 incarnation 2 on agent a-2"
+    assert table[5].split()[3] == "-" and table[5].endswith("relay relay-0 stopped heartbeating")
+    detail = json.loads(run("status", "1", "--json").stdout)
+    kinds = [e["kind"] for e in detail["events"]]
+    assert kinds[1:5] == ["rank_lost", "rank_restarted", "rank_replaying", "relay_down"]
+    assert detail["events"][1] == {
+        "time": 1001.25,
+        "kind": "rank_lost",
+        "message": "rank 1 lost: agent a-1 died",
+        "rank": 1,
+    }
 
 
 def test_logs_with_rank_filter(coord: Any, app: Path) -> None:
