@@ -232,7 +232,6 @@ class Chaos:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("program", nargs="?", default="examples/heat.py")
-    ap.add_argument("args", nargs="*")
     ap.add_argument("--ranks", type=int, default=8)
     ap.add_argument("--agents", type=int, default=4)
     ap.add_argument("--slots", type=int, default=2)
@@ -245,7 +244,13 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--limit", type=float, default=0.0, help="s before the chaos run is cancelled")
     ap.add_argument("--json", default="", help="also write the figures to this file")
-    opts = ap.parse_args()
+    argv = sys.argv[1:]
+    extra: list[str] = []
+    if "--" in argv:
+        cut = argv.index("--")
+        argv, extra = argv[:cut], argv[cut + 1 :]
+    opts = ap.parse_args(argv)
+    opts.args = extra
     rng = random.Random(opts.seed)
     with tempfile.TemporaryDirectory(prefix="vpool-chaos-") as home:
         env = {**os.environ, "VPOOL_HOME": home}

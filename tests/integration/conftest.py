@@ -23,8 +23,12 @@ class Pool:
 
     def vsdk(self, *args: str, timeout: float = 180, stdin: bytes | None = None):
         return subprocess.run(
-            [str(BIN / "vsdk"), *args], env=self.env, capture_output=True, timeout=timeout,
-            input=stdin, check=False,
+            [str(BIN / "vsdk"), *args],
+            env=self.env,
+            capture_output=True,
+            timeout=timeout,
+            input=stdin,
+            check=False,
         )
 
     def pids(self) -> list[dict]:

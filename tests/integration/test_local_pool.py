@@ -2,7 +2,7 @@
 
 Each example's output through vpool equals real `mpiexec -n 8 python examples/X.py` (Debian's
 MPICH with a real mpi4py built against it, installed by scripts/test), with the ranks spread over 3
-agents and 2 relays. Killing an agent or a relay mid-job fails the job with a clear reason, fast.
+agents and 2 relays. What happens when components die mid-job is in test_fault_tolerance.py.
 """
 
 from __future__ import annotations
@@ -10,10 +10,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -34,8 +32,12 @@ def mpiexec_output(program: str, n: int) -> bytes:
     assert mpiexec, "scripts/test installs Debian's mpich: mpiexec is missing"
     env = {k: v for k, v in os.environ.items() if not k.startswith("VPOOL")}
     res = subprocess.run(
-        [mpiexec, "-n", str(n), sys.executable, program], capture_output=True, timeout=180,
-        env=env, check=False, cwd=REPO,
+        [mpiexec, "-n", str(n), sys.executable, program],
+        capture_output=True,
+        timeout=180,
+        env=env,
+        check=False,
+        cwd=REPO,
     )
     assert res.returncode == 0, res.stderr.decode()
     return res.stdout
@@ -76,8 +78,9 @@ def test_ranks_import_vpool_runtime_not_the_installed_mpi4py(pool: Pool) -> None
     import mpi4py  # the real one, installed in this environment by scripts/test
 
     assert "vpool" not in mpi4py.__file__
-    res = pool.vsdk("submit", str(REPO / "tests/integration/programs/whoami.py"), "--ranks", "3",
-                    "--wait")
+    res = pool.vsdk(
+        "submit", str(REPO / "tests/integration/programs/whoami.py"), "--ranks", "3", "--wait"
+    )
     assert res.returncode == 0, res.stderr.decode()
     lines = res.stdout.decode().splitlines()
     assert len(lines) == 3
@@ -98,42 +101,6 @@ def test_nonzero_exit_fails_the_job_with_that_code(pool: Pool, tmp_path) -> None
     res = pool.vsdk("submit", str(prog), "--ranks", "4", "--wait", timeout=60)
     assert res.returncode == 7, res.stderr.decode()
     assert b"rank 2" in res.stderr
-
-
-def _wait_ready(pool: Pool, job: int, ranks: int, deadline: float) -> None:
-    seen: set[str] = set()
-    while len(seen) < ranks:
-        assert time.monotonic() < deadline, f"ranks not ready: {seen}\n{pool.logs()}"
-        res = pool.vsdk("logs", str(job))
-        seen = {ln for ln in res.stdout.decode().splitlines() if ln.startswith("ready ")}
-
-
-def _run_and_kill(pool: Pool, victim_prefix: str) -> tuple[int, str, float]:
-    res = pool.vsdk("submit", str(REPO / "tests/integration/programs/spin.py"), "--ranks", "8")
-    assert res.returncode == 0, res.stderr.decode()
-    job = submitted_job_id(res.stdout + res.stderr)
-    _wait_ready(pool, job, 8, time.monotonic() + 60)
-    os.kill(pool.pid_of(victim_prefix), signal.SIGKILL)
-    killed = time.monotonic()
-    wait = pool.vsdk("wait", str(job), timeout=60)
-    elapsed = time.monotonic() - killed
-    detail = job_detail(pool, job)
-    assert detail["job"]["state"] == "failed", detail
-    return wait.returncode, detail["job"]["reason"], elapsed
-
-
-def test_killed_agent_fails_the_job_with_a_clear_reason(fresh_pool: Pool) -> None:
-    code, reason, elapsed = _run_and_kill(fresh_pool, "agent")
-    assert code == 3
-    assert "lost" in reason and ("agent" in reason or "relay" in reason), reason
-    assert elapsed < 30
-
-
-def test_killed_relay_fails_the_job_with_a_clear_reason(fresh_pool: Pool) -> None:
-    code, reason, elapsed = _run_and_kill(fresh_pool, "relay")
-    assert code == 3
-    assert "relay" in reason, reason
-    assert elapsed < 30
 
 
 def _listening_tcp_inodes() -> set[str]:

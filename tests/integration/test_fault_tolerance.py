@@ -1,0 +1,216 @@
+"""Transparent fault tolerance on a real local pool: kill things mid-job, get the same output.
+
+Each test starts its own pool (`vsdk local up`, real coordinator, relays and agents as separate
+processes), runs an example once without faults for the reference output, then again while
+SIGKILLing (or SIGSTOPping) one component by its recorded pid, and checks the job succeeds with
+byte-identical output and that the job's events tell what happened.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import pytest
+from conftest import start_pool
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
+
+    from conftest import Pool
+
+REPO = Path(__file__).resolve().parents[2]
+
+pytestmark = pytest.mark.slow
+
+HEAT = str(REPO / "examples" / "heat.py")
+FARM = str(REPO / "examples" / "farm.py")
+
+
+@pytest.fixture
+def pool4(tmp_path: Path) -> Iterator[Pool]:
+    p = start_pool(tmp_path / "home", agents=4, relays=2)
+    try:
+        yield p
+    finally:
+        p.vsdk("local", "down", timeout=60)
+
+
+def submit(pool: Pool, program: str, ranks: int, *args: str) -> int:
+    res = pool.vsdk("submit", program, "--ranks", str(ranks), "--json", "--", *args)
+    assert res.returncode == 0, res.stderr.decode()
+    return int(json.loads(res.stdout)["id"])
+
+
+def detail(pool: Pool, job: int) -> dict | None:
+    res = pool.vsdk("status", str(job), "--json", timeout=30)
+    if res.returncode != 0:
+        return None  # the coordinator may be restarting
+    return json.loads(res.stdout)
+
+
+def wait_until(pool: Pool, job: int, cond, what: str, timeout: float = 120) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        got = detail(pool, job)
+        if got is not None and cond(got):
+            return got
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not after {timeout} s; last {got}\n{pool.logs()}")
+        time.sleep(0.05)
+
+
+def all_running(d: dict) -> bool:
+    return d["job"]["state"] == "running" and all(r["state"] == "running" for r in d["ranks"])
+
+
+def ended(d: dict) -> bool:
+    return d["job"]["state"] in ("succeeded", "failed", "cancelled")
+
+
+def output(pool: Pool, job: int) -> bytes:
+    res = pool.vsdk("logs", str(job))
+    assert res.returncode == 0, res.stderr.decode()
+    return res.stdout
+
+
+def reference(pool: Pool, program: str, ranks: int, *args: str) -> bytes:
+    job = submit(pool, program, ranks, *args)
+    d = wait_until(pool, job, ended, "fault-free run")
+    assert d["job"]["state"] == "succeeded", d
+    return output(pool, job)
+
+
+def rank_pid(pool: Pool, rank: int, job: int) -> int:
+    """The pid of a rank process of ``job``, found under the pool's agents (by VPOOL_RANK)."""
+    for p in pool.pids():
+        if not p["name"].startswith("agent"):
+            continue
+        for task in os.listdir(f"/proc/{p['pid']}/task"):
+            with open(f"/proc/{p['pid']}/task/{task}/children") as f:
+                for child in map(int, f.read().split()):
+                    try:
+                        with open(f"/proc/{child}/environ", "rb") as e:
+                            env = dict(
+                                kv.split(b"=", 1) for kv in e.read().split(b"\0") if b"=" in kv
+                            )
+                    except OSError:
+                        continue
+                    if (
+                        env.get(b"VPOOL_JOB") == str(job).encode()
+                        and env.get(b"VPOOL_RANK") == str(rank).encode()
+                    ):
+                        return child
+    raise AssertionError(f"no process for rank {rank} of job {job}")
+
+
+def kinds(d: dict) -> list[str]:
+    return [e["kind"] for e in d["events"]]
+
+
+def test_killed_rank_is_replaced_and_output_is_identical(pool4: Pool) -> None:
+    ref = reference(pool4, HEAT, 8, "3000")
+    job = submit(pool4, HEAT, 8, "3000")
+    wait_until(pool4, job, all_running, "all ranks running")
+    # Let the ranks exchange messages first: the replacement must replay them.
+    wait_until(pool4, job, lambda d: ended(d) or b"step " in output(pool4, job), "first steps")
+    os.kill(rank_pid(pool4, 3, job), signal.SIGKILL)
+    killed = time.monotonic()
+    d = wait_until(
+        pool4,
+        job,
+        lambda d: (
+            ended(d)
+            or any(
+                r["rank"] == 3 and r["incarnation"] >= 2 and r["state"] == "running"
+                for r in d["ranks"]
+            )
+        ),
+        "replacement of rank 3 running",
+    )
+    replaced_after = time.monotonic() - killed
+    d = wait_until(pool4, job, ended, "job end")
+    assert d["job"]["state"] == "succeeded", (d, pool4.logs())
+    assert output(pool4, job) == ref
+    assert "rank_lost" in kinds(d) and "rank_restarted" in kinds(d), d["events"]
+    print(f"rank 3 replaced {replaced_after:.2f} s after its SIGKILL")
+    assert replaced_after < 10
+
+
+def test_killed_agent_ranks_move_and_output_is_identical(pool4: Pool) -> None:
+    ref = reference(pool4, FARM, 8, "300")
+    job = submit(pool4, FARM, 8, "300")
+    d = wait_until(pool4, job, all_running, "all ranks running")
+    victim = d["ranks"][2]["agent"]
+    name = next(
+        p["name"] for p in pool4.pids() if p["name"] == victim or victim.endswith(p["name"])
+    )
+    os.kill(pool4.pid_of(name), signal.SIGKILL)
+    d = wait_until(pool4, job, ended, "job end", timeout=180)
+    assert d["job"]["state"] == "succeeded", (d, pool4.logs())
+    assert output(pool4, job) == ref
+    assert "rank_restarted" in kinds(d)
+
+
+@pytest.mark.parametrize("component", ["relay-0", "coordinator"])
+def test_restarted_relay_or_coordinator_loses_nothing(pool4: Pool, component: str) -> None:
+    ref = reference(pool4, HEAT, 8, "3000")
+    job = submit(pool4, HEAT, 8, "3000")
+    wait_until(pool4, job, all_running, "all ranks running")
+    wait_until(pool4, job, lambda d: ended(d) or b"step " in output(pool4, job), "first steps")
+    os.kill(pool4.pid_of(component), signal.SIGKILL)
+    res = pool4.vsdk("local", "restart", component)
+    assert res.returncode == 0, res.stderr.decode()
+    d = wait_until(pool4, job, ended, "job end", timeout=180)
+    assert d["job"]["state"] == "succeeded", (d, pool4.logs())
+    assert output(pool4, job) == ref
+
+
+def test_frozen_agent_is_replaced_and_fenced_when_it_wakes(pool4: Pool) -> None:
+    ref = reference(pool4, HEAT, 8, "3000")
+    job = submit(pool4, HEAT, 8, "3000")
+    d = wait_until(pool4, job, all_running, "all ranks running")
+    victim = d["ranks"][1]["agent"]
+    name = next(
+        p["name"] for p in pool4.pids() if p["name"] == victim or victim.endswith(p["name"])
+    )
+    pid = pool4.pid_of(name)
+    stale = [rank_pid(pool4, r["rank"], job) for r in d["ranks"] if r["agent"] == victim]
+    for p in [pid, *stale]:
+        os.kill(p, signal.SIGSTOP)
+    try:
+        wait_until(
+            pool4,
+            job,
+            lambda d: (
+                ended(d)
+                or all(r["agent"] != victim and r["state"] == "running" for r in d["ranks"])
+            ),
+            "ranks of the frozen agent moved",
+            timeout=60,
+        )
+    finally:
+        for p in [pid, *stale]:
+            os.kill(p, signal.SIGCONT)
+    d = wait_until(pool4, job, ended, "job end", timeout=180)
+    assert d["job"]["state"] == "succeeded", (d, pool4.logs())
+    assert output(pool4, job) == ref
+
+
+def test_nondeterministic_program_that_loses_a_rank_fails_clearly(pool4: Pool) -> None:
+    program = str(REPO / "tests" / "integration" / "programs" / "random_sender.py")
+    job = submit(pool4, program, 4)
+    wait_until(pool4, job, all_running, "all ranks running")
+    wait_until(pool4, job, lambda d: ended(d) or _said_ready(pool4, job), "first exchange")
+    os.kill(rank_pid(pool4, 1, job), signal.SIGKILL)
+    d = wait_until(pool4, job, ended, "job end", timeout=120)
+    assert d["job"]["state"] == "failed", d
+    assert "not deterministic" in d["job"]["reason"], d["job"]["reason"]
+
+
+def _said_ready(pool: Pool, job: int) -> bool:
+    return b"exchanged" in output(pool, job)
