@@ -7,7 +7,8 @@ Two kinds of connection, each seen from either end:
 
 ``Session.send(msg)`` checks a message we are about to send (``LocalProtocolError`` if illegal);
 ``Session.receive(msg)`` checks one that arrived (``RemoteProtocolError`` if illegal). An
-``Error`` from either side, or ``close()``, ends the session.
+``Error`` from either side, or ``close()``, ends the session, except an open session's ``Error``
+about one rank (``rank`` >= 0), after which the connection may go on.
 """
 
 from __future__ import annotations
@@ -24,8 +25,8 @@ from vpool.protocol.messages import (
     Credit,
     Data,
     Det,
-    DetAck,
     Detach,
+    DetAck,
     Error,
     Finalize,
     Hello,
@@ -75,7 +76,10 @@ class Session:
         if self.state is State.CLOSED:
             raise exc(f"{type(msg).__name__} on a closed {self.kind} session")
         if isinstance(msg, Error):
-            self.state = State.CLOSED
+            # An error about one rank of a multiplexed connection (``rank`` >= 0) leaves the
+            # session open: the peer may keep the connection (e.g. "fenced", "not_deterministic").
+            if not (self.state is State.OPEN and msg.rank >= 0):
+                self.state = State.CLOSED
             return
         nxt = TRANSITIONS.get((self.kind, sender, self.state, type(msg)))
         if nxt is None:

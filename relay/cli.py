@@ -30,7 +30,6 @@ Exit codes: 0 stopped by SIGTERM/SIGINT, 1 bad settings or unusable data directo
 """
 
 
-
 def _raise_fd_limit() -> None:
     # Every destination rank's log keeps its segment files open.
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)

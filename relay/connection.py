@@ -1,11 +1,15 @@
 """One agent connection: handshake, deposits, credits and attachments in; acks and pushes out.
 
 Two tasks per connection. The reader parses every frame that arrived in one read, checks it
-against the session table and the rank's attachment, stages the Data frames and commits them
-to the log in one group write (``Hub.commit``) before reading more, which is the connection's
-back-pressure. The writer owns the stream's send side: each round it sends the queued control
-messages (``Welcome``, ``Attached``, ``Stop``), the coalesced ``Ack``s, then frames pushed from
-the home mailboxes of this connection's ranks, round robin, within their windows.
+against the session table and the rank's attachment, stages the Data and Det frames and commits
+them to the logs in one group write (``Hub.commit``) before reading more, which is the
+connection's back-pressure. The writer owns the stream's send side: each round it sends the
+queued control messages (``Welcome``, ``Attached`` and the replayed ``Det``s, ``DetAck``,
+``Stop``, per-rank ``Error``), the coalesced ``Ack``s, then frames pushed from the home mailboxes
+of this connection's ranks, round robin, within their windows.
+
+Re-sent messages (a reconnecting agent, a restarted rank replaying) are dropped, after their
+content was compared with the logged copy (``determinism``).
 
 Write-through: when a small batch is written inline and its receivers' writers are idle, the
 depositing reader pushes the new frames itself (``push_now``), saving the writer's task switch,
@@ -23,6 +27,7 @@ import logging
 
 import trio
 
+from vpool.protocol.detlog import DetOffer
 from vpool.protocol.errors import RemoteProtocolError, TokenError
 from vpool.protocol.framing import DEFAULT_MAX_HEADER, PREFIX_SIZE, encode_frame
 from vpool.protocol.mailbox import Offer
@@ -33,7 +38,9 @@ from vpool.protocol.messages import (
     Attached,
     Credit,
     Data,
+    Det,
     Detach,
+    DetAck,
     Error,
     Hello,
     Message,
@@ -258,21 +265,43 @@ class Connection:
                     self._deposit(msg, frame, batch)
                 elif type(msg) is Credit:
                     self._credit(msg)
+                elif type(msg) is Det:
+                    self._det(msg, frame, batch)
                 elif type(msg) is Attach:
-                    self._attach(msg)
+                    claims = self._claims(msg)
+                    if claims is None:
+                        continue
+                    box = self.hub.boxes.get((claims.job, claims.rank)) if msg.home else None
+                    if box is not None and box.dets.durable < len(box.dets):
+                        # Determinants of the rank are being written: the new attachment may
+                        # be told (and obey) only durable ones, so wait for them, writing
+                        # what this read staged first.
+                        await self._flush(batch)
+                        batch = Batch()
+                        await self.hub.dets_settled(box)
+                        claims = self._claims(msg)  # the job may have ended meanwhile
+                        if claims is None:
+                            continue
+                    self._attach(msg, claims)
                 elif type(msg) is Detach:
                     self.hub.detach(self, msg.job, msg.rank)
         finally:
             # Frames staged before a bad one still have their place reserved in the log: they
             # must be written, or the log would keep a hole.
-            if batch:
-                if self.hub.commit_inline(batch, wake=False):
-                    await self._push_through(batch)
-                else:
-                    with trio.CancelScope(shield=True):
-                        await self._write_slots.acquire()
+            await self._flush(batch)
+
+    async def _flush(self, batch: Batch) -> None:
+        if batch:
+            if self.hub.commit_inline(batch, wake=False):
+                await self._push_through(batch)
+                if batch.undigested:
                     assert self._nursery is not None
-                    self._nursery.start_soon(self._commit, batch)
+                    self._nursery.start_soon(self.hub.digest_later, batch.undigested)
+            else:
+                with trio.CancelScope(shield=True):
+                    await self._write_slots.acquire()
+                assert self._nursery is not None
+                self._nursery.start_soon(self._commit, batch)
 
     async def _push_through(self, batch: Batch) -> None:
         receivers: dict[Connection, None] = {}
@@ -288,6 +317,8 @@ class Connection:
             await self.hub.commit(batch)
         finally:
             self._write_slots.release()
+        if batch.undigested:
+            await self.hub.digest_later(batch.undigested)
 
     # -- inbound messages -------------------------------------------------------------------
 
@@ -304,6 +335,8 @@ class Connection:
                 job=job,
                 rank=src,
             )
+        if att.diverged:
+            return
         if not 0 <= dst < att.claims.size:
             raise Rejected(
                 "bad_dst",
@@ -322,8 +355,50 @@ class Connection:
             offered[dst] = seq
         if offer is Offer.NEW:
             hub.stage(batch, box, src, seq, frame)
-        elif offer is Offer.DUPLICATE:
+            return
+        # A copy of a logged message: dropped, if it has the logged content.
+        entry = mailbox.entry(src, seq)
+        if entry is not None and not hub.determinism.check(att, entry, dst, frame):
+            return
+        if offer is Offer.DUPLICATE:
             self.queue_ack(job, src, dst, min(mailbox.acked(src), offered[dst]))
+
+    def _det(self, msg: Det, frame: bytes | bytearray, batch: Batch) -> None:
+        hub = self.hub
+        job, rank = key = (msg.job, msg.rank)
+        att = self.attached.get(key)
+        if att is None:
+            if key in self.fenced or job in hub.finished:
+                return
+            raise Rejected(
+                "not_attached",
+                f"determinant of rank {rank} of job {job}, which is not attached on this "
+                "connection",
+                job=job,
+                rank=rank,
+            )
+        if att.diverged:
+            return
+        if not att.home:
+            raise Rejected(
+                "not_home",
+                f"determinant of rank {rank} of job {job} on an attachment without home: "
+                "determinants go to the rank's home relay",
+                job=job,
+                rank=rank,
+            )
+        box = hub.boxes.get(key) or hub.box(job, rank)
+        dets = box.dets
+        try:
+            offer = dets.offer(msg.index)
+        except RemoteProtocolError as exc:
+            raise rejection(exc, job=job, rank=rank) from exc
+        if offer is DetOffer.NEW:
+            hub.stage_det(batch, box, msg, frame)
+        elif dets.durable:
+            # Already logged: drop it and say again what is durable (if it is not yet, its
+            # DetAck follows when it is).
+            self.send(DetAck(job=job, rank=rank, count=dets.durable))
 
     def _credit(self, msg: Credit) -> None:
         key = (msg.job, msg.rank)
@@ -339,7 +414,8 @@ class Connection:
             if box.mailbox.can_push():
                 self._wake.set()
 
-    def _attach(self, msg: Attach) -> None:
+    def _claims(self, msg: Attach) -> RankClaims | None:
+        """The checked claims of an Attach's token; None when the job is over."""
         hub = self.hub
         assert hub.signing_key is not None
         try:
@@ -364,16 +440,42 @@ class Connection:
             self.send(
                 Stop(job=job, rank=rank, incarnation=claims.incarnation, reason="job finished")
             )
+            return None
+        return claims
+
+    def _attach(self, msg: Attach, claims: RankClaims) -> None:
+        hub = self.hub
+        job, rank = claims.job, claims.rank
+        try:
+            hub.attach(self, claims, msg.home, dict(msg.received))
+        except Rejected as rej:
+            if rej.code != "fenced":
+                raise
+            # A stale incarnation: refused, but the agent's other ranks go on on this
+            # connection; late frames of this one are dropped.
+            logger.info("%r: %s", self, rej.message)
+            self.fenced.add((job, rank))
+            self.send(Error(code=rej.code, message=rej.message, job=job, rank=rank))
             return
-        hub.attach(self, claims, msg.home, dict(msg.received))
+        replay: list[Det] = []
+        count = 0
+        if msg.home:
+            dets = hub.boxes[(job, rank)].dets
+            count = len(dets)
+            if msg.dets_from < count:
+                replay = dets.replay(max(msg.dets_from, dets.first))
         self.send(
             Attached(
                 job=job,
                 rank=rank,
                 incarnation=claims.incarnation,
                 stored=hub.stored_from(job, rank),
+                dets=count,
             )
         )
+        # Before any push: the writer sends queued control frames first.
+        for det in replay:
+            self.send(det)
 
     # -- outbound ---------------------------------------------------------------------------
 

@@ -25,12 +25,14 @@ import trio
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from vpool.protocol.api import RankLost, RelayLoad
+from vpool.protocol.detlog import DetLog
 from vpool.protocol.mailbox import Entry, Mailbox
-from vpool.protocol.messages import Stop
+from vpool.protocol.messages import Det, DetAck, Stop
 from vpool.protocol.tokens import RankClaims
 from vpool.relay import log as logfiles
+from vpool.relay.determinism import Determinism
 from vpool.relay.errors import Rejected
-from vpool.relay.log import Buffer, ChannelLog, Location
+from vpool.relay.log import Buffer, ChannelLog, Location, digest
 from vpool.relay.settings import RelaySettings
 
 if TYPE_CHECKING:
@@ -41,20 +43,27 @@ logger = logging.getLogger(__name__)
 # Batches smaller than this are written inline: a thread hop costs more than the write.
 THREAD_WRITE_MIN = 256 * 1024
 THREAD_READ_MIN = 256 * 1024
+# Frames up to this size get their digest at once; bigger ones in a worker thread once they are
+# written and pushed, off the message's path.
+DIGEST_INLINE_MAX = 32 * 1024
 
 Key = tuple[int, int]  # (job, rank)
 
 
 class Box:
-    """Log and delivery state of one destination rank of one job."""
+    """Log and delivery state of one destination rank of one job, and the rank's determinant
+    log (its entries are the ``Det`` messages themselves: they are small)."""
 
-    __slots__ = ("dead", "dst", "job", "log", "mailbox", "receiver")
+    __slots__ = ("dead", "dets", "dst", "job", "log", "mailbox", "receiver", "settled")
 
     def __init__(self, job: int, dst: int, mailbox: Mailbox[Location], chan: ChannelLog):
         self.job = job
         self.dst = dst
         self.mailbox = mailbox
         self.log = chan
+        self.dets: DetLog[Det] = DetLog()
+        # Set once every logged determinant is durable, for a home Attach waiting for that.
+        self.settled: trio.Event | None = None
         self.receiver: Connection | None = None
         self.dead = False
 
@@ -62,28 +71,40 @@ class Box:
 class Attachment:
     """A rank attached on one connection. ``offered[dst]`` is the highest seq this attachment
     deposited (or re-sent) to ``dst``: acks never claim more than that, so a replaying
-    incarnation is not told about messages it has not re-sent yet."""
+    incarnation is not told about messages it has not re-sent yet. ``diverged``: the rank
+    re-sent a message that differs from the logged one; its deposits are dropped."""
 
-    __slots__ = ("claims", "conn", "home", "offered")
+    __slots__ = ("claims", "conn", "diverged", "home", "offered")
 
     def __init__(self, claims: RankClaims, home: bool, conn: Connection) -> None:
         self.claims = claims
         self.home = home
         self.conn = conn
         self.offered: dict[int, int] = {}
+        self.diverged = False
 
 
 class Batch:
-    """New frames of one read, in arrival order, waiting to be written."""
+    """New frames of one read, in arrival order, waiting to be written: messages (``items``)
+    and determinants (``dets``: box, index, place in the determinant log, frame).
+    ``undigested``: big messages whose digest is computed after the write."""
 
-    __slots__ = ("items", "nbytes")
+    __slots__ = ("dets", "items", "nbytes", "undigested")
 
     def __init__(self) -> None:
         self.items: list[tuple[Box, Entry[Location], Buffer]] = []
+        self.dets: list[tuple[Box, int, Location, Buffer]] = []
+        self.undigested: list[tuple[Entry[Location], Buffer]] = []
         self.nbytes = 0
 
     def __bool__(self) -> bool:
-        return bool(self.items)
+        return bool(self.items or self.dets)
+
+    def runs(self) -> list[logfiles.Run]:
+        """The writes of the batch, merged into contiguous runs."""
+        places = [(e.ref, frame) for _, e, frame in self.items]
+        places.extend((loc, frame) for _, _, loc, frame in self.dets)
+        return logfiles.group_runs(places)
 
 
 class Hub:
@@ -117,6 +138,8 @@ class Hub:
         self.messages_stored = 0
         self.bytes_stored = 0
         self.io_limiter = trio.CapacityLimiter(max(1, settings.write_threads))
+        self.hash_limiter = trio.CapacityLimiter(max(1, settings.write_threads))
+        self.determinism = Determinism(name)
 
     def set_signing_key(self, key: Ed25519PublicKey) -> None:
         self.signing_key = key
@@ -134,13 +157,24 @@ class Hub:
             )
             mailbox: Mailbox[Location] = Mailbox(window=s.push_window)
             for rec in records:
-                entry = mailbox.append(rec.src, rec.seq, rec.size, rec.location)
+                entry = mailbox.append(rec.src, rec.seq, rec.size, rec.location, rec.digest)
                 mailbox.written(entry)
             mailbox.advance()
-            self._add_box(Box(job, dst, mailbox, chan))
+            box = Box(job, dst, mailbox, chan)
+            for det in logfiles.open_dets(chan, job, dst):
+                box.dets.append(det.index, det)
+                box.dets.written(det.index)
+            box.dets.advance()
+            self._add_box(box)
             self.messages_stored += len(records)
             self.bytes_stored += mailbox.nbytes
-            logger.info("job %d rank %d: %d messages in the log", job, dst, len(records))
+            logger.info(
+                "job %d rank %d: %d messages and %d determinants in the log",
+                job,
+                dst,
+                len(records),
+                len(box.dets),
+            )
 
     def _add_box(self, box: Box) -> None:
         self.boxes[(box.job, box.dst)] = box
@@ -282,9 +316,32 @@ class Hub:
         if keep:
             self.memory_used += size
         loc = box.log.reserve(size, frame if keep else None)
-        entry = box.mailbox.append(src, seq, size, loc)
+        if size <= DIGEST_INLINE_MAX:
+            entry = box.mailbox.append(src, seq, size, loc, digest(frame))
+        else:
+            entry = box.mailbox.append(src, seq, size, loc)
+            batch.undigested.append((entry, frame))
         batch.items.append((box, entry, frame))
         batch.nbytes += size
+
+    def stage_det(self, batch: Batch, box: Box, det: Det, frame: Buffer) -> None:
+        """Append a NEW determinant to the rank's log and reserve its place in the file."""
+        box.dets.append(det.index, det)
+        batch.dets.append((box, det.index, box.log.reserve_det(len(frame)), frame))
+        batch.nbytes += len(frame)
+
+    async def digest_later(self, pending: list[tuple[Entry[Location], Buffer]]) -> None:
+        """Compute the digests of big frames in a worker thread (see ``DIGEST_INLINE_MAX``).
+        Shielded: a re-sent copy may be waiting for them."""
+        with trio.CancelScope(shield=True):
+            digests = await trio.to_thread.run_sync(
+                lambda: [digest(frame) for _, frame in pending], limiter=self.hash_limiter
+            )
+        determinism = self.determinism
+        for (entry, _), d in zip(pending, digests, strict=True):
+            entry.digest = d
+            if determinism.waiting:
+                determinism.digested(entry)
 
     def commit_inline(self, batch: Batch, *, wake: bool = True) -> bool:
         """Write a small batch right here (a thread hop costs more than such a write) and
@@ -293,11 +350,11 @@ class Hub:
         if batch.nbytes >= THREAD_WRITE_MIN or self.settings.fsync:
             return False
         items = batch.items
-        if len(items) == 1:
+        if len(items) == 1 and not batch.dets:
             _, entry, frame = items[0]
             logfiles.write_runs([(entry.ref.segment, entry.ref.offset, [frame])], fsync=False)
         else:
-            logfiles.write_runs(logfiles.group_runs([(e.ref, f) for _, e, f in items]), fsync=False)
+            logfiles.write_runs(batch.runs(), fsync=False)
         self._finish(batch, wake)
         return True
 
@@ -305,10 +362,10 @@ class Hub:
         """Write a batch in a worker thread, then finish it. Shielded: a write that never
         happens would leave a hole in the log that no later write fills, and the mailbox
         would stop advancing."""
-        items = batch.items
-        runs = logfiles.group_runs([(e.ref, frame) for _, e, frame in items])
+        runs = batch.runs()
         fsync = self.settings.fsync
-        logs = {box.log: None for box, _, _ in items}
+        logs = {box.log: None for box, _, _ in batch.items}
+        logs.update((box.log, None) for box, _, _, _ in batch.dets)
         for chan in logs:
             chan.acquire()
         try:
@@ -323,6 +380,8 @@ class Hub:
 
     def _finish(self, batch: Batch, wake: bool = True) -> None:
         """The batch is in the log files: advance the mailboxes, ack, wake the receivers."""
+        if batch.dets:
+            self._dets_durable(batch)
         items = batch.items
         self.messages_stored += len(items)
         self.bytes_stored += batch.nbytes
@@ -337,6 +396,29 @@ class Hub:
             touched[box] = None
         for box in touched:
             self._durable(box, box.mailbox.advance(), wake)
+
+    def _dets_durable(self, batch: Batch) -> None:
+        """Determinants are written: tell their ranks at once (``DetAck`` is not delayed like
+        acks, the rank's next deposit waits for it)."""
+        touched: dict[Box, None] = {}
+        for box, index, _, _ in batch.dets:
+            box.dets.written(index)
+            touched[box] = None
+        for box in touched:
+            count = box.dets.advance()
+            if box.settled is not None and count == len(box.dets):
+                box.settled.set()
+                box.settled = None
+            att = self.attachments.get((box.job, box.dst))
+            if att is not None and att.home and not box.dead:
+                att.conn.send(DetAck(job=box.job, rank=box.dst, count=count))
+
+    async def dets_settled(self, box: Box) -> None:
+        """Wait until every determinant logged for ``box``'s rank is durable."""
+        while box.dets.durable < len(box.dets) and not box.dead:
+            if box.settled is None:
+                box.settled = trio.Event()
+            await box.settled.wait()
 
     def _durable(self, box: Box, fresh: list[Entry[Location]], wake: bool = True) -> None:
         if not fresh:
@@ -407,9 +489,12 @@ class Hub:
                 )
             for key in [k for k in self.lost_pending if k[0] == job]:
                 del self.lost_pending[key]
+            self.determinism.forget_job(job)
             for box in self.jobs.pop(job, {}).values():
                 del self.boxes[(job, box.dst)]
                 box.dead = True
+                if box.settled is not None:
+                    box.settled.set()
                 for e in box.mailbox.entries():
                     self.pushed(e)
                 self.messages_stored -= box.mailbox.durable_count

@@ -2,7 +2,8 @@
 
 Layout: ``data_dir/jobs/<job>/<dst>/<00000000>.seg``. A segment holds whole frames exactly as
 they were deposited (prefix, header, payload), so a pushed frame is the stored bytes and a
-restarted relay rebuilds its index by scanning them.
+restarted relay rebuilds its index (and the frames' digests) by scanning them. Beside them,
+``dets.log`` holds the rank's determinants, as the ``Det`` frames it sent, in index order.
 
 Writers reserve a frame's place (segment, offset) synchronously, when the message is appended
 to the mailbox, and write it later with ``pwritev`` at that offset, possibly from a worker
@@ -17,6 +18,7 @@ Everything here is blocking file I/O; the caller decides what runs in a thread.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import mmap
 import os
@@ -27,12 +29,13 @@ from pathlib import Path
 
 from vpool.protocol.errors import RemoteProtocolError
 from vpool.protocol.framing import DEFAULT_MAX_HEADER, PREFIX, PREFIX_SIZE
-from vpool.protocol.messages import Data, decode
+from vpool.protocol.messages import Data, Det, decode
 from vpool.relay.errors import StorageError
 
 log = logging.getLogger(__name__)
 
 SUFFIX = ".seg"
+DETS = "dets.log"
 Buffer = bytes | bytearray | memoryview
 # Linux's IOV_MAX; pwritev refuses more buffers per call.
 IOV_MAX = 1024
@@ -67,6 +70,30 @@ class Record:
     seq: int
     size: int
     location: Location
+    digest: bytes
+
+
+def _openssl_blake2b() -> bool:
+    try:
+        hashlib.new("blake2b512", b"")
+    except ValueError:
+        return False
+    return True
+
+
+if _openssl_blake2b():
+
+    def digest(frame: Buffer) -> bytes:
+        """A logged frame's digest, to tell whether a re-sent copy has the same content: 128
+        bits of BLAKE2b. OpenSSL's BLAKE2b-512 cut to 16 bytes: Python 3.11's own ``blake2b``
+        is 4-5 times slower, which would show on the message path. Kept in memory only."""
+        return hashlib.new("blake2b512", frame).digest()[:16]
+
+else:  # pragma: no cover - an OpenSSL without BLAKE2
+
+    def digest(frame: Buffer) -> bytes:
+        """BLAKE2b-128 of a logged frame (see above)."""
+        return hashlib.blake2b(frame, digest_size=16).digest()
 
 
 class ChannelLog:
@@ -77,6 +104,8 @@ class ChannelLog:
         self.segment_size = segment_size
         self.fsync = fsync
         self.segments: list[Segment] = []
+        # The determinant log of the same rank (``dets.log``), created with its first entry.
+        self.dets: Segment | None = None
         self.closed = False
         # Worker threads using the segments' descriptors; closing waits for them, since a
         # descriptor closed under a write could be reused by another file.
@@ -101,6 +130,22 @@ class ChannelLog:
         if seg.end >= self.segment_size:
             seg = self._new_segment()
         loc = Location(seg, seg.end, frame)
+        seg.end += size
+        return loc
+
+    def reserve_det(self, size: int) -> Location:
+        """Place for a ``Det`` frame at the end of the determinant log."""
+        seg = self.dets
+        if seg is None:
+            path = self.directory / DETS
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+                if self.fsync:
+                    _fsync_dir(self.directory)
+            except OSError as exc:
+                raise StorageError(f"cannot create the determinant log {path}: {exc}") from exc
+            seg = self.dets = Segment(-1, path, fd, 0)
+        loc = Location(seg, seg.end, None)
         seg.end += size
         return loc
 
@@ -132,6 +177,9 @@ class ChannelLog:
         for seg in self.segments:
             os.close(seg.fd)
         self.segments.clear()
+        if self.dets is not None:
+            os.close(self.dets.fd)
+            self.dets = None
 
 
 def _fsync_dir(directory: Path) -> None:
@@ -270,9 +318,47 @@ def _scan(
             if (last is not None and msg.seq != last + 1) or msg.seq < 1:
                 return pos, False
             stored[msg.src] = msg.seq
-            out.append(Record(msg.src, msg.seq, end - pos, Location(seg, pos, None)))
+            loc = Location(seg, pos, None)
+            out.append(Record(msg.src, msg.seq, end - pos, loc, digest(mm[pos:end])))
             pos = end
     return pos, True
+
+
+def open_dets(chan: ChannelLog, job: int, rank: int) -> list[Det]:
+    """Reopen the determinant log of ``chan``'s rank, if it has one, returning its entries in
+    index order; a torn or corrupt tail is cut off like a segment's."""
+    path = chan.directory / DETS
+    if not path.exists():
+        return []
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+        data = os.pread(fd, os.fstat(fd).st_size, 0)
+    except OSError as exc:
+        raise StorageError(f"cannot open the determinant log {path}: {exc}") from exc
+    seg = chan.dets = Segment(-1, path, fd, 0)
+    dets: list[Det] = []
+    pos, size = 0, len(data)
+    while size - pos >= PREFIX_SIZE:
+        header_len, payload_len = PREFIX.unpack_from(data, pos)
+        end = pos + PREFIX_SIZE + header_len
+        if payload_len or not 0 < header_len <= DEFAULT_MAX_HEADER or end > size:
+            break
+        try:
+            msg = decode(data[pos + PREFIX_SIZE : end])
+        except RemoteProtocolError:
+            break
+        if not isinstance(msg, Det) or (msg.job, msg.rank, msg.index) != (job, rank, len(dets)):
+            break
+        dets.append(msg)
+        pos = end
+    if pos != size:
+        log.warning("truncating determinant log %s from %d to %d bytes", path, size, pos)
+        try:
+            os.ftruncate(fd, pos)
+        except OSError as exc:
+            raise StorageError(f"cannot truncate {path}: {exc}") from exc
+    seg.end = pos
+    return dets
 
 
 def record_incarnation(data_dir: Path, job: int, rank: int, incarnation: int) -> None:

@@ -4,8 +4,8 @@
 place. ``run_registry`` keeps the relay registered: it retries registration with backoff until
 the coordinator answers (it may start after the relay), hands the coordinator's signing key to
 the hub, heartbeats with the relay's load, deletes the logs of jobs the coordinator says are
-finished, and posts lost ranks. A coordinator that is briefly unreachable only delays these;
-the relay keeps serving agents meanwhile.
+finished, and posts lost ranks and divergences (``determinism``). A coordinator that is briefly
+unreachable only delays these; the relay keeps serving agents meanwhile.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import trio
 from vpool import __version__, tls
 from vpool.protocol.api import (
     ErrorBody,
+    RelayDiverged,
     RelayHeartbeat,
     RelayHeartbeatResponse,
     RelayLost,
@@ -92,6 +93,9 @@ class CoordinatorClient:
     async def report_lost(self, req: RelayLost) -> None:
         await self._post("/relays/lost", req, dict)
 
+    async def report_diverged(self, req: RelayDiverged) -> None:
+        await self._post("/relays/diverged", req, dict)
+
 
 async def _register(hub: Hub, client: CoordinatorClient, req: RelayRegister) -> float:
     """Register until the coordinator accepts; return its heartbeat interval."""
@@ -126,12 +130,29 @@ async def _report_lost(hub: Hub, client: CoordinatorClient) -> None:
                 delay = min(delay * 2, BACKOFF_MAX)
 
 
+async def _report_diverged(hub: Hub, client: CoordinatorClient) -> None:
+    determinism = hub.determinism
+    while True:
+        await determinism.ready.wait()
+        for report in determinism.take():
+            delay = BACKOFF_FIRST
+            while True:
+                try:
+                    await client.report_diverged(report)
+                    break
+                except CoordinatorError as exc:
+                    logger.warning("cannot report a divergence, retrying: %s", exc.message)
+                    await trio.sleep(delay)
+                    delay = min(delay * 2, BACKOFF_MAX)
+
+
 async def run_registry(hub: Hub, client: CoordinatorClient, req: RelayRegister) -> None:
     """Register, then heartbeat and report for as long as the relay runs."""
     try:
         interval = await _register(hub, client, req)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(_report_lost, hub, client)
+            nursery.start_soon(_report_diverged, hub, client)
             while True:
                 await trio.sleep(interval)
                 try:

@@ -25,9 +25,12 @@ from vpool.protocol.messages import (
     Attached,
     Credit,
     Data,
+    Det,
+    DetAck,
     Error,
     Hello,
     Message,
+    Stop,
     Welcome,
 )
 from vpool.protocol.tokens import AgentClaims, RankClaims, public_key_text, sign_token
@@ -168,7 +171,7 @@ class FakeAgent:
             msg, _ = await self.recv()
             if isinstance(msg, Error):
                 break
-            assert isinstance(msg, Ack | Data), msg
+            assert isinstance(msg, Ack | Data | DetAck), msg
         err = msg
         assert err.code == code, err
         with trio.fail_after(DEADLINE):
@@ -178,6 +181,17 @@ class FakeAgent:
             except EOFError:
                 pass
         return err
+
+    async def expect_rank_error(self, code: str) -> Error:
+        """Skip acks, pushes and stops up to an Error with ``code`` about one rank; the
+        connection stays up."""
+        while True:
+            msg, _ = await self.recv()
+            if isinstance(msg, Error):
+                assert msg.code == code, msg
+                assert msg.rank >= 0, msg
+                return msg
+            assert isinstance(msg, Ack | Data | DetAck | Stop), msg
 
     async def attach(
         self,
@@ -189,10 +203,33 @@ class FakeAgent:
         home: bool = False,
         received: dict[int, int] | None = None,
         incarnation: int = 1,
+        dets_from: int = 0,
     ) -> Attached:
         token = pool.rank_token(job, rank, agent=self.agent, size=size, incarnation=incarnation)
-        await self.send(Attach(token=token, home=home, received=received or {}))
+        await self.send(
+            Attach(token=token, home=home, received=received or {}, dets_from=dets_from)
+        )
         return await self.expect(Attached)
+
+    async def attach_home(
+        self, pool: Pool, job: int, rank: int, *, size: int, **kw: Any
+    ) -> tuple[Attached, list[Det]]:
+        """A home attachment and the determinants replayed right after ``Attached``."""
+        att = await self.attach(pool, job, rank, size=size, home=True, **kw)
+        dets_from = kw.get("dets_from", 0)
+        dets = [await self.expect(Det) for _ in range(max(0, att.dets - dets_from))]
+        return att, dets
+
+    async def det(self, job: int, rank: int, index: int, data: bytes) -> None:
+        await self.send(Det(job=job, rank=rank, index=index, data=data))
+
+    async def det_ack(self) -> DetAck:
+        """The next DetAck (skipping acks)."""
+        while True:
+            msg, _ = await self.recv()
+            if isinstance(msg, DetAck):
+                return msg
+            assert isinstance(msg, Ack), msg
 
     async def deposit(
         self, job: int, src: int, dst: int, seq: int, payload: bytes, tag: int = 0
@@ -269,6 +306,7 @@ class FakeCoordinator:
         self.registered: list[api.RelayRegister] = []
         self.heartbeats: list[api.RelayHeartbeat] = []
         self.lost: list[api.RankLost] = []
+        self.diverged: list[api.RelayDiverged] = []
         self.finished_jobs: list[int] = []
         self.changed = trio.Event()
         self.transport = httpx.MockTransport(self.handle)
@@ -299,6 +337,9 @@ class FakeCoordinator:
                     msgspec.json.decode(request.content, type=api.RelayHeartbeat)
                 )
                 return self._json(api.RelayHeartbeatResponse(finished_jobs=self.finished_jobs))
+            if path == "/api/v1/relays/diverged":
+                self.diverged.append(msgspec.json.decode(request.content, type=api.RelayDiverged))
+                return self._json({})
             if path == "/api/v1/relays/lost":
                 self.lost.extend(msgspec.json.decode(request.content, type=api.RelayLost).lost)
                 return self._json({})

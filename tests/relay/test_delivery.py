@@ -184,14 +184,23 @@ async def test_fencing_by_incarnation(pool: Pool, relay: RunningRelay) -> None:
     assert (stop.job, stop.rank, stop.incarnation) == (1, 0, 1)
     # The old clone's late deposits are dropped without hurting its connection...
     await old.deposit(1, 0, 1, 1, b"stale")
-    # ...and it cannot come back.
+    # ...and it cannot come back: refused, its frames dropped, but the connection (which may
+    # carry the agent's other ranks) stays up.
     token = pool.rank_token(1, 0, agent="agent-old", size=2, incarnation=1)
     await old.send(Attach(token=token, home=True))
-    err = await old.expect_error("fenced")
+    err = await old.expect_rank_error("fenced")
     assert (err.job, err.rank) == (1, 0)
+    await old.deposit(1, 0, 1, 1, b"stale")
+    await old.det(1, 0, 0, b"stale")
+    att1 = await old.attach(pool, 1, 1, size=2)
+    assert att1.stored == {}
     # The new incarnation works.
     await new.deposit(1, 0, 1, 1, b"fresh")
     await new.acks_until(1, 0, 1, 1)
+    r = await FakeAgent.connect(pool, relay.addr, "agent-r")
+    await r.attach(pool, 1, 1, size=2, home=True)
+    msg, payload = await r.next_data()
+    assert (msg.src, msg.seq, payload) == (0, 1, b"fresh")
 
 
 async def test_detach_is_not_a_loss(

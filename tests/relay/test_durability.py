@@ -214,7 +214,7 @@ async def test_fencing_survives_a_restart(
     old = await FakeAgent.connect(pool, relay2.addr, "agent-old")
     token = pool.rank_token(1, 0, agent="agent-old", size=2, incarnation=2)
     await old.send(Attach(token=token, home=True))
-    err = await old.expect_error("fenced")
+    err = await old.expect_rank_error("fenced")
     assert "incarnation 3" in err.message
     new = await FakeAgent.connect(pool, relay2.addr, "agent-new")
     await new.attach(pool, 1, 0, size=2, home=True, incarnation=3)
