@@ -28,7 +28,7 @@ from vpool.worker_agent.errors import CoordinatorRejected, CoordinatorUnreachabl
 from vpool.worker_agent.local_ranks import LocalRank, LocalRanks
 from vpool.worker_agent.proxy import RankProxy, choose_socket_path
 from vpool.worker_agent.ranks import RankServices, run_rank
-from vpool.worker_agent.relay_link import RelayLinks
+from vpool.worker_agent.relay_links import RelayLinks
 from vpool.worker_agent.settings import AgentSettings
 
 log = logging.getLogger("vpool.agent")
@@ -36,6 +36,7 @@ log = logging.getLogger("vpool.agent")
 SOCKET_NAME = "agent.sock"
 _MIN_EMPTY_POLL = 0.25  # s between two lease calls that both came back empty
 _MIN_HEARTBEAT = 0.05  # s; guards against a heartbeat interval of 0
+_FIRST_RETRY = 0.2  # s before the first retry of a heartbeat that found no coordinator
 
 
 @dataclass(frozen=True)
@@ -71,6 +72,7 @@ class Agent:
             token=lambda: client.token,
             on_problem=self._problem_soon,
             max_payload=settings.max_payload,
+            reconnect=settings.relay_reconnect,
         )
         self.services = RankServices(
             settings=settings,
@@ -189,11 +191,16 @@ class Agent:
             self._slot_freed.set()
 
     async def heartbeat_loop(self) -> None:
+        """Heartbeat every interval. While the coordinator is unreachable (restarting), retry
+        sooner, with backoff up to ``retry_max_delay``: a restarted coordinator counts this agent
+        as seen at its start and must hear from it again before its agent timeout. The ranks
+        keep running meanwhile; nothing is reported lost for it."""
+        retry = _FIRST_RETRY
         while True:
             token = self.client.token
             interval = max(self.enrolled.heartbeat_interval, _MIN_HEARTBEAT)
             sent = trio.current_time()
-            resp, refused = None, None
+            resp, refused, unreachable = None, None, False
             with trio.CancelScope() as self._beat:
                 try:
                     # The coordinator holds the answer for up to one interval unless it has
@@ -204,9 +211,16 @@ class Agent:
                         )
                     )
                 except CoordinatorUnreachable as exc:
-                    log.warning("heartbeat: %s", exc)
+                    log.warning("heartbeat: %s; retrying in %.1f s", exc, retry)
+                    unreachable = True
                 except CoordinatorRejected as exc:
                     refused = exc
+            if unreachable and not self._beat.cancelled_caught:
+                with trio.CancelScope() as self._beat:
+                    await trio.sleep(retry * (0.75 + random.random() / 2))
+                retry = min(retry * 2, max(self.settings.retry_max_delay, _MIN_HEARTBEAT))
+                continue
+            retry = _FIRST_RETRY
             if refused is not None and refused.status == 401:
                 log.warning("heartbeat refused (%s); enrolling again", refused)
                 await self.reenroll(token)

@@ -35,7 +35,6 @@ Every setting can also come from the environment as VPOOL_AGENT_<NAME>.
 """
 
 
-
 async def _watch_signals(cancel_scope: trio.CancelScope) -> None:
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
         async for signum in signals:

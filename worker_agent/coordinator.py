@@ -1,8 +1,9 @@
 """HTTP client of the coordinator's agent API (``/api/v1/agents/...``, see ``protocol/api.py``).
 
 One ``httpx.AsyncClient`` (it runs under trio through anyio) verifying the pool CA. Calls that
-must eventually land (output, exit reports, problems) are retried with exponential backoff while
-the coordinator is unreachable or answers 5xx; a 4xx answer is final (``CoordinatorRejected``).
+must eventually land (output, exit reports, problems) are retried with exponential backoff, at
+most ``retry_max_delay`` apart, while the coordinator is unreachable (refused, reset, timed out:
+typically restarting) or answers 5xx; a 4xx answer is final (``CoordinatorRejected``).
 The agent token is replaced whenever a heartbeat hands out a fresh one.
 """
 
@@ -41,7 +42,7 @@ class CoordinatorClient:
         *,
         ca: Path | None = None,
         transport: httpx.AsyncBaseTransport | None = None,
-        retry_max_delay: float = 30.0,
+        retry_max_delay: float = 2.0,
     ) -> None:
         self.url = url.rstrip("/")
         self.token = ""
@@ -93,7 +94,8 @@ class CoordinatorClient:
                 headers=headers,
                 timeout=httpx.USE_CLIENT_DEFAULT if http_timeout is None else http_timeout,
             )
-        except httpx.HTTPError as exc:
+        except (httpx.HTTPError, OSError) as exc:
+            # OSError: whatever the transport let through of a connection that broke.
             raise CoordinatorUnreachable(
                 f"{method} {self.url}{path} failed: {exc or type(exc).__name__}"
             ) from exc
@@ -195,7 +197,7 @@ class CoordinatorClient:
                     async for chunk in resp.aiter_bytes(1024 * 1024):
                         digest.update(chunk)
                         await f.write(chunk)
-        except httpx.HTTPError as exc:
+        except (httpx.HTTPError, OSError) as exc:
             raise CoordinatorUnreachable(f"GET {self.url}{path} failed: {exc}") from exc
         return digest.hexdigest()
 

@@ -20,7 +20,7 @@ from vpool.protocol.messages import Abort
 from vpool.worker_agent.wire import Buffer
 
 if TYPE_CHECKING:
-    from vpool.worker_agent.relay_link import RelayLink
+    from vpool.worker_agent.relay_link import Connection, RelayLink
 
 # One write to a rank's socket gathers frames up to about this many bytes.
 _BATCH = 256 * 1024
@@ -32,8 +32,9 @@ class Outbox:
     """Frames waiting to be written to one rank's socket.
 
     Unbounded on purpose, and still bounded in practice: pushed ``Data`` is limited by the home
-    relay's push window (it waits for our ``Credit``, sent only once the bytes are written), and
-    ``Ack``s are cumulative so only the newest per channel is kept. Never blocking here is what
+    relay's push window (it waits for our ``Credit``, sent only once the bytes are written),
+    ``Ack``s are cumulative so only the newest per channel is kept, and ``Det``/``DetAck`` come
+    one per determinant the rank logged (``Det`` only when replaying). Never blocking here is what
     keeps one slow rank from stalling the relay connection all the agent's ranks share.
 
     Write-through: once the rank's socket is known (``set_socket``), a pushed frame that finds
@@ -43,32 +44,35 @@ class Outbox:
     """
 
     def __init__(self) -> None:
-        self._frames: deque[tuple[list[Buffer], int, RelayLink | None]] = deque()
+        self._frames: deque[tuple[list[Buffer], int, Connection | None]] = deque()
         self._acks: dict[int, bytes] = {}
         self._wake = trio.Event()
         self._closed = False
         # The writer task is writing what ``take`` gave it.
         self.busy = False
         self._fd = -1
-        # Called with (link, nbytes) for pushed bytes written by write-through.
-        self._on_written: Callable[[RelayLink, int], None] | None = None
-        # Credit written but not yet sent, per link (see RelayLink.credit_batch).
-        self.held: dict[RelayLink, int] = {}
+        # Called with (connection, nbytes) for pushed bytes written by write-through.
+        self._on_written: Callable[[Connection, int], None] | None = None
+        # Credit written but not yet sent, per relay connection (see Connection.credit_batch).
+        self.held: dict[Connection, int] = {}
 
-    def set_socket(self, fd: int, on_written: Callable[[RelayLink, int], None]) -> None:
+    def set_socket(self, fd: int, on_written: Callable[[Connection, int], None]) -> None:
         """Enable write-through into ``fd`` (non-blocking); ``fd=-1`` disables it."""
         self._fd = fd
         self._on_written = on_written
 
-    def push_data(self, parts: list[Buffer], size: int, link: RelayLink) -> None:
+    def push_data(self, parts: list[Buffer], size: int, link: Connection | None) -> None:
+        """Queue a frame from a relay, in arrival order: pushed ``Data`` (credited back to
+        ``link`` once written) or, with ``link`` None, a ``Det``/``DetAck`` (not credited)."""
         if self._fd >= 0 and not self._frames and not self.busy and not self._closed:
             try:
                 n = os.writev(self._fd, parts)
             except OSError:
                 n = 0  # full (or broken: the writer task finds out and says so)
             if n == size:
-                assert self._on_written is not None
-                self._on_written(link, size)
+                if link is not None:
+                    assert self._on_written is not None
+                    self._on_written(link, size)
                 return
             if n:
                 parts = _after(parts, n)
@@ -87,7 +91,7 @@ class Outbox:
         self._closed = True
         self._wake.set()
 
-    async def take(self) -> tuple[list[list[Buffer]], dict[RelayLink, int]]:
+    async def take(self) -> tuple[list[list[Buffer]], dict[Connection, int]]:
         """Wait for frames; return a batch and the bytes to credit back per relay link.
 
         Raises ``trio.EndOfChannel`` once closed and drained."""
@@ -97,7 +101,7 @@ class Outbox:
             self._wake = trio.Event()
             await self._wake.wait()
         batch: list[list[Buffer]] = []
-        credits: dict[RelayLink, int] = {}
+        credits: dict[Connection, int] = {}
         total = 0
         frames = self._frames
         while frames and total < _BATCH:
@@ -107,14 +111,14 @@ class Outbox:
                 total += size
                 credits[link] = credits.get(link, 0) + size
             else:
-                total += len(parts[0])
+                total += size or len(parts[0])
         if self._acks:
             batch.append(list(self._acks.values()))
             self._acks.clear()
         self.busy = True
         return batch, credits
 
-    def credit_due(self, link: RelayLink, nbytes: int) -> int:
+    def credit_due(self, link: Connection, nbytes: int) -> int:
         """Add written bytes to what is held for ``link``; the total to send now, or 0."""
         nbytes += self.held.pop(link, 0)
         if nbytes < link.credit_batch:
@@ -149,6 +153,12 @@ class LocalRank:
         # route[dst] = link to the home relay of dst, filled once every relay is attached.
         self.route: list[RelayLink] = []
         self.links: list[RelayLink] = []
+        # What the home relay gave this rank so far, for resuming after a reconnection: per
+        # source the highest Data seq put into the outbox, and Det frames (count).
+        self.received: dict[int, int] = {}
+        self.dets_in = 0
+        # Determinants the home relay held when this incarnation attached (RankWelcome).
+        self.replay_dets = 0
         self.abort: Abort | None = None
         self.finalized = False
         self.hello_seen = False
@@ -201,7 +211,11 @@ class LocalRanks:
     def states(self) -> list[RankState]:
         return [
             RankState(
-                job=r.lease.job, rank=r.lease.rank, incarnation=r.lease.incarnation, state=r.state
+                job=r.lease.job,
+                rank=r.lease.rank,
+                incarnation=r.lease.incarnation,
+                state=r.state,
+                replay_dets=r.replay_dets,
             )
             for r in self
         ]

@@ -3,8 +3,9 @@
 One listening socket (``work_dir/agent.sock``, mode 0600). A rank opens with ``RankHello``
 carrying the secret the agent put in its environment; the agent answers ``RankWelcome`` or an
 ``Error`` and closes. Then, per connection, a reader forwards the rank's ``Data`` frames,
-unchanged, to the home relay of each destination, and a writer drains the rank's outbox (pushed
-``Data``, ``Ack``s, ``Stop``) into the socket and credits the relays for what was written.
+unchanged, to the home relay of each destination, and its ``Det`` frames to its own home relay;
+a writer drains the rank's outbox (pushed ``Data``, ``Det``, ``Ack``, ``DetAck``, ``Stop``) into
+the socket and credits the relays for what was written.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from vpool.protocol.messages import (
     PROTOCOL_VERSION,
     Abort,
     Data,
+    Det,
     Error,
     Finalize,
     RankHello,
@@ -33,7 +35,7 @@ from vpool.protocol.messages import (
 from vpool.protocol.session import Session
 from vpool.worker_agent.errors import RankSocketError, RelayLinkError
 from vpool.worker_agent.local_ranks import LocalRank, LocalRanks
-from vpool.worker_agent.relay_link import RelayLink
+from vpool.worker_agent.relay_link import Connection
 from vpool.worker_agent.wire import FrameReader, encode_small, send_parts
 
 log = logging.getLogger("vpool.agent")
@@ -197,6 +199,7 @@ class RankProxy:
             size=lease.size,
             incarnation=lease.incarnation,
             processor=self.processor,
+            replay_dets=rank.replay_dets,
         )
         session.send(welcome)
         await stream.send_all(encode_small(welcome))
@@ -230,12 +233,27 @@ class RankProxy:
                             f"{link.max_payload} bytes {link.where} accepts",
                             code="frame_too_large",
                         )
+                    if rank.stop_reason is not None:
+                        continue  # being stopped (maybe replaced): it must deposit no more
                     try:
                         await link.send_data(msg, frame.parts)
                     except RelayLinkError:
                         # Already reported as a RankProblem by the link; the coordinator will
                         # stop this rank. Dropping here keeps the socket drained meanwhile.
                         pass
+                elif isinstance(msg, Det):
+                    if msg.job != job or msg.rank != me or not route:
+                        raise ProtocolError(
+                            f"Det of job {msg.job} rank {msg.rank} on the connection of "
+                            f"{rank.label}" + ("" if route else ", which has no relays"),
+                            code="not_yours",
+                        )
+                    if rank.stop_reason is not None:
+                        continue
+                    try:
+                        await route[me].send_det(msg, frame.parts)
+                    except RelayLinkError:
+                        pass  # as for Data
                 elif isinstance(msg, Abort):
                     rank.abort = msg
                 elif isinstance(msg, Finalize):
@@ -252,7 +270,7 @@ class RankProxy:
         job, me = rank.lease.job, rank.lease.rank
         outbox = rank.outbox
 
-        def written(link: RelayLink, nbytes: int) -> None:
+        def written(link: Connection, nbytes: int) -> None:
             due = outbox.credit_due(link, nbytes)
             if due:
                 link.credit_nowait(job, me, due)

@@ -5,12 +5,14 @@
 1. fetch the bundle (and rank 0's stdin) into the verified blob cache and extract the bundle
    into a fresh work directory;
 2. attach the rank to every relay of its job (home on ``relays[homes[rank]]``), so that what
-   the rank sends can be deposited the moment it starts;
+   the rank sends can be deposited the moment it starts; the home relay's ``Attached.dets``
+   (determinants logged by earlier incarnations) becomes ``RankWelcome.replay_dets``;
 3. spawn ``[python, entry, *args]`` in its own session with the environment of
    docs/internals.md, pump its output, and stop it when asked (``Stop`` to the rank, SIGTERM,
    then SIGKILL after ``stop_grace``);
 4. once it is gone: post the remaining output, upload the files it created or changed, report
-   ``RankExit``, detach from the relays and delete the work directory.
+   ``RankExit`` (``lost`` when a signal the agent did not send killed it: the coordinator then
+   restarts it), detach from the relays and delete the work directory.
 
 A rank that cannot be prepared (bad bundle, relay refusing it) is reported as a ``RankProblem``
 and never started.
@@ -38,7 +40,7 @@ from vpool.worker_agent.coordinator import CoordinatorClient
 from vpool.worker_agent.errors import BundleError, CoordinatorRejected, RelayLinkError
 from vpool.worker_agent.local_ranks import LocalRank, LocalRanks
 from vpool.worker_agent.output import OutputPump
-from vpool.worker_agent.relay_link import RelayLinks
+from vpool.worker_agent.relay_links import RelayLinks
 from vpool.worker_agent.settings import AgentSettings
 from vpool.worker_agent.wire import encode_small
 
@@ -50,6 +52,12 @@ _PASSED_ENV = ("PATH", "LANG", "LANGUAGE", "LC_ALL", "LC_CTYPE", "TZ", "SYSTEMRO
 # How long the rank's pipes may stay open after it exited (a child it left behind).
 _PIPE_GRACE = 5.0
 _SHIELDED_CLEANUP = 5.0
+# Signals a process gets for its own faults: its exit is the program's error, not a loss.
+_CRASH_SIGNALS = frozenset(
+    int(getattr(signal, name))
+    for name in ("SIGSEGV", "SIGBUS", "SIGILL", "SIGFPE", "SIGABRT", "SIGSYS", "SIGTRAP")
+    if hasattr(signal, name)
+)
 
 
 def shim_dir() -> Path:
@@ -148,7 +156,9 @@ async def attach(svc: RankServices, rank: LocalRank) -> None:
         link = await svc.links.get(info)
         links.append(link)
         rank.links.append(link)
-        await link.attach(rank, home=i == home)
+        attached = await link.attach(rank, home=i == home)
+        if i == home:
+            rank.replay_dets = attached.dets
     rank.route = [links[h] for h in lease.homes]
 
 
@@ -163,8 +173,8 @@ async def run_rank(svc: RankServices, rank: LocalRank) -> None:
             log.error("%s cannot start: %s", rank.label, exc)
             await svc.report_problem(rank, f"{rank.label} cannot start: {exc}")
             return
-        code, message = await execute(svc, rank, prepared)
-        await _upload_results(svc, rank, prepared, code, message)
+        code, message, lost = await execute(svc, rank, prepared)
+        await _upload_results(svc, rank, prepared, code, message, lost)
     except BaseException as exc:
         # Cancelled (possibly inside exception groups) means the agent is shutting down; the
         # coordinator hears it now rather than after a heartbeat timeout.
@@ -204,11 +214,12 @@ def _problem(rank: LocalRank, message: str) -> RankProblem:
     )
 
 
-async def execute(svc: RankServices, rank: LocalRank, prepared: Prepared) -> tuple[int, str]:
-    """Run the rank's process to its end; return its exit code and a note about how it ended."""
+async def execute(svc: RankServices, rank: LocalRank, prepared: Prepared) -> tuple[int, str, bool]:
+    """Run the rank's process to its end; return its exit code, a note about how it ended
+    and whether it was lost (see ``_describe_exit``)."""
     lease, settings = rank.lease, svc.settings
     if rank.stop_requested.is_set():
-        return 128 + signal.SIGTERM, f"stopped before it started: {rank.stop_reason}"
+        return 128 + signal.SIGTERM, f"stopped before it started: {rank.stop_reason}", False
     env = rank_env(
         lease,
         secret=rank.secret,
@@ -231,7 +242,7 @@ async def execute(svc: RankServices, rank: LocalRank, prepared: Prepared) -> tup
         )
     except OSError as exc:
         stdin.close()
-        return 127, f"cannot start {settings.python_path}: {exc}"
+        return 127, f"cannot start {settings.python_path}: {exc}", False
     stdin.close()
     rank.state = "running"
     rank.pid = process.pid
@@ -269,19 +280,25 @@ async def _post_output(client: CoordinatorClient, rank: LocalRank, batch: Output
         log.warning("output of %s refused, dropped: %s", rank.label, exc)
 
 
-def _describe_exit(rank: LocalRank, returncode: int) -> tuple[int, str]:
-    if returncode < 0:
-        sig = -returncode
-        try:
-            name = signal.Signals(sig).name
-        except ValueError:
-            name = f"signal {sig}"
-        code, message = 128 + sig, f"killed by {name}"
-    else:
-        code, message = returncode, ""
+def _describe_exit(rank: LocalRank, returncode: int) -> tuple[int, str, bool]:
+    """(code, message, lost). A rank killed by a signal the agent did not send (it signals
+    only ranks it was told to stop) is lost, code -signal: the OOM killer, a volunteer's kill,
+    not the program's doing, so the coordinator restarts it. Except the signals a program
+    brings on itself (a crash: SIGSEGV, SIGABRT, ...): a replay would crash again, so they
+    fail the job like any error exit, code 128 + signal as a shell reports it."""
     if rank.stop_reason is not None:
-        message = f"stopped: {rank.stop_reason}"
-    return code, message
+        code = 128 - returncode if returncode < 0 else returncode
+        return code, f"stopped: {rank.stop_reason}", False
+    if returncode >= 0:
+        return returncode, "", False
+    sig = -returncode
+    try:
+        name = signal.Signals(sig).name
+    except ValueError:
+        name = f"signal {sig}"
+    if sig in _CRASH_SIGNALS:
+        return 128 + sig, f"crashed: {name}", False
+    return returncode, f"killed by {name}, not by the agent", True
 
 
 async def _stop_when_asked(rank: LocalRank, process: trio.Process, grace: float) -> None:
@@ -315,7 +332,7 @@ def _signal_group(process: trio.Process, sig: int) -> None:
 
 
 async def _upload_results(
-    svc: RankServices, rank: LocalRank, prepared: Prepared, code: int, message: str
+    svc: RankServices, rank: LocalRank, prepared: Prepared, code: int, message: str, lost: bool
 ) -> None:
     lease, settings, client = rank.lease, svc.settings, svc.client
     data, skipped = await trio.to_thread.run_sync(
@@ -342,12 +359,19 @@ async def _upload_results(
         code=abort.code if abort is not None else code,
         aborted=abort is not None,
         message=(abort.message if abort is not None else message),
+        lost=lost and abort is None,
     )
     try:
         await client.post_exit(report)
     except CoordinatorRejected as exc:
         log.warning("exit report of %s refused: %s", rank.label, exc)
-    log.info("%s exited with code %d%s", rank.label, report.code, " (aborted)" * report.aborted)
+    log.info(
+        "%s exited with code %d%s%s",
+        rank.label,
+        report.code,
+        " (aborted)" * report.aborted,
+        " (lost)" * report.lost,
+    )
 
 
 async def _remove(path: Path) -> None:

@@ -1,44 +1,41 @@
-"""Connections from this agent to relays: one TLS connection per relay, shared by all ranks.
+"""Connections from this agent to relays: one TLS link per relay, shared by all ranks.
 
-``RelayLinks.get`` opens a relay's connection the first time a rank needs it (``Hello`` ->
-``Welcome``). Each open link runs two tasks: a reader that routes what the relay sends (pushed
-``Data`` into the destination rank's outbox, ``Ack`` to the source rank, ``Attached``/``Error``
-to whoever waits for an attach, ``Stop`` to the rank's runner) and a writer that drains one
-bounded queue, gathering small frames into single writes.
+``relay_links.RelayLinks.get`` opens a relay's link the first time a rank needs it (``Hello`` ->
+``Welcome``). Each connection runs two tasks: a reader that routes what the relay sends (pushed
+``Data`` and ``Det`` into the destination rank's outbox, ``Ack``/``DetAck`` to the depositing
+rank, ``Attached``/``Error`` to whoever waits for an attach, ``Stop`` to the rank's runner) and a
+writer (``relay_writer.FrameWriter``) that drains one bounded queue.
 
-Write-through: a sender that finds the queue empty and no write in progress writes its frame
-itself instead of handing it to the writer task (a task switch per message is a large part of a
-small message's cost). Such writes are shielded from cancellation: a write abandoned half way
-would corrupt the TLS stream every rank of this agent shares. They still end when the link
-closes the stream.
-
-When a link drops, every rank still using it is reported through ``on_problem``: the
-coordinator decides what becomes of the job. A later ``get`` opens a fresh connection.
+Reconnection (docs/internals.md, "Fault tolerance"): every ``Data`` and ``Det`` deposited is kept
+(``unacked.Unacked``) until the relay acknowledges it. When the connection drops while ranks are
+attached, the link reconnects with backoff for up to ``relay_reconnect`` seconds, re-attaches
+each rank (a home attachment resuming after what the rank already has) and resends what the
+relay's ``Attached`` says it lacks, before any new frame: senders wait meanwhile (back-pressure,
+the ranks keep running). Only when the window passes is every rank still attached reported
+through ``on_problem``, and the coordinator decides what becomes of the job.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-import ssl
-from collections import deque
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import trio
 
-from vpool import __version__
 from vpool.protocol.api import RelayInfo
 from vpool.protocol.errors import ProtocolError
 from vpool.protocol.messages import (
-    PROTOCOL_VERSION,
     Ack,
     Attach,
     Attached,
     Credit,
     Data,
+    Det,
     Detach,
+    DetAck,
     Error,
-    Hello,
     Message,
     Stop,
     Welcome,
@@ -46,15 +43,22 @@ from vpool.protocol.messages import (
 from vpool.protocol.session import Session
 from vpool.worker_agent.errors import RelayLinkError
 from vpool.worker_agent.local_ranks import LocalRank, RankKey
-from vpool.worker_agent.wire import Buffer, FrameReader, encode_small, send_parts
+from vpool.worker_agent.relay_handshake import handshake
+from vpool.worker_agent.relay_writer import Dropped, FrameWriter
+from vpool.worker_agent.unacked import Unacked
+from vpool.worker_agent.wire import Buffer, FrameReader, encode_small
+
+if TYPE_CHECKING:
+    from vpool.worker_agent.relay_links import RelayLinks
 
 log = logging.getLogger("vpool.agent")
 
-# Frames queued for one relay before senders wait: back-pressure from a slow relay.
-_QUEUE = 512
-_BATCH = 256 * 1024
 CONNECT_TIMEOUT = 15.0
 ATTACH_TIMEOUT = 30.0
+_RECONNECT_FIRST = 0.1  # s before the first reconnection attempt, doubled up to _RECONNECT_MAX
+_RECONNECT_MAX = 2.0
+# Error codes about one rank (Error.rank >= 0) that leave the shared connection up.
+_RANK_ONLY_ERRORS = frozenset({"fenced", "not_deterministic"})
 
 ProblemCallback = Callable[[LocalRank, str], None]
 
@@ -63,35 +67,62 @@ class _PendingAttach:
     def __init__(self) -> None:
         self.done = trio.Event()
         self.result: Attached | str = "no answer"
+        self.dropped = False  # the connection dropped before the answer: try again
+        self.code = ""  # the relay's Error code, or "stopped"
+
+
+class Connection:
+    """One connection of a link, as the outbox of a rank sees it: pushed frames are credited
+    on the connection that pushed them. Credit for an earlier connection of the link is dropped
+    (the relay's push window starts afresh with each attachment)."""
+
+    __slots__ = ("credit_batch", "link")
+
+    def __init__(self, link: RelayLink, credit_batch: int) -> None:
+        self.link = link
+        # Bytes of Credit an agent may hold back per rank (0: credit every write).
+        self.credit_batch = credit_batch
+
+    def credit_nowait(self, job: int, rank: int, nbytes: int) -> None:
+        if self.link.current is self:
+            self.link.credit_nowait(job, rank, nbytes)
+
+    async def credit(self, job: int, rank: int, nbytes: int) -> None:
+        link = self.link
+        if link.current is self:
+            msg = Credit(job=job, rank=rank, nbytes=nbytes)
+            try:
+                await link._enqueue(msg, [encode_small(msg)], gated=False)
+            except Dropped:
+                pass  # a new connection brings a new window
 
 
 class RelayLink:
-    """One agent -> relay connection."""
+    """The agent's link to one relay, across reconnections."""
 
     def __init__(self, info: RelayInfo, *, owner: RelayLinks) -> None:
         self.info = info
         self.name = info.name or f"{info.host}:{info.port}"
         self.where = f"relay {self.name} ({info.host}:{info.port})"
         self._owner = owner
-        # Frames waiting for the writer task, oldest first; ``_busy`` while some task writes.
-        self._out: deque[list[Buffer]] = deque()
-        self._busy = False
-        self._out_wake = trio.Event()
-        self._space = trio.Event()
-        self._stream: trio.SSLStream[trio.SocketStream] | None = None
-        self._scope: trio.CancelScope | None = None
-        self._closed = False
-        self._write_error = ""
+        # The current connection's sending half (None while there is no connection).
+        self._writer: FrameWriter | None = None
         self._session = Session("relay", "client")
         self._lock = trio.Lock()
+        # Ready: connected and every attached rank re-attached, so ranks may send.
+        self._ready = False
+        self._ready_event = trio.Event()
+        self.current: Connection | None = None
         self.welcome: Welcome | None = None
         # Largest payload the relay takes: a bigger one is refused to its rank alone, before
         # the relay would close the connection every rank here shares.
         self.max_payload = owner.max_payload
-        # Bytes of Credit an agent may hold back per rank (0: credit every write).
-        self.credit_batch = 0
         self.broken: str | None = None
+        # Ranks whose frames this link routes; ``attached``: those the relay has attached
+        # (value: home), re-attached after a reconnection.
         self.ranks: dict[RankKey, LocalRank] = {}
+        self.attached: dict[RankKey, bool] = {}
+        self._unacked: dict[RankKey, Unacked] = {}
         self._pending: dict[RankKey, _PendingAttach] = {}
 
     def __repr__(self) -> str:
@@ -104,70 +135,93 @@ class RelayLink:
             if self.broken is not None:
                 raise RelayLinkError(f"connection to {self.where} is broken: {self.broken}")
             if self.welcome is None:
-                await self._open()
-
-    async def _open(self) -> None:
-        info = self.info
-        try:
-            with trio.fail_after(CONNECT_TIMEOUT):
-                tcp = await trio.open_tcp_stream(info.host, info.port)
-                stream = trio.SSLStream(tcp, self._owner.ssl_context, server_hostname=info.host)
                 try:
-                    await stream.do_handshake()
-                    reader = FrameReader(stream, max_payload=self._owner.max_payload)
-                    hello = Hello(
-                        version=PROTOCOL_VERSION,
-                        role="agent",
-                        token=self._owner.token(),
-                        software=f"vpool-agent {__version__}",
-                    )
-                    self._session.send(hello)
-                    await stream.send_all(encode_small(hello))
-                    frame = await reader.receive()
-                    if frame is None:
-                        raise RelayLinkError(f"{self.where} closed the connection after Hello")
-                    self._session.receive(frame.message)
-                    if isinstance(frame.message, Error):
-                        raise RelayLinkError(
-                            f"{self.where} refused this agent: "
-                            f"{frame.message.code}: {frame.message.message}"
-                        )
-                    assert isinstance(frame.message, Welcome)
-                    if frame.message.version != PROTOCOL_VERSION:
-                        raise RelayLinkError(
-                            f"{self.where} speaks protocol {frame.message.version}, "
-                            f"this agent {PROTOCOL_VERSION}"
-                        )
-                except BaseException:
-                    await trio.aclose_forcefully(stream)
+                    stream, reader, session, welcome = await self._connect(CONNECT_TIMEOUT)
+                except RelayLinkError as exc:
+                    self.broken = str(exc)
                     raise
-        except trio.TooSlowError as exc:
-            self.broken = "timed out while connecting"
-            raise RelayLinkError(f"{self.where} did not answer within {CONNECT_TIMEOUT} s") from exc
-        except (OSError, trio.BrokenResourceError, ssl.SSLError, ProtocolError) as exc:
-            self.broken = str(exc)
-            raise RelayLinkError(f"cannot connect to {self.where}: {exc}") from exc
-        except RelayLinkError as exc:
-            self.broken = str(exc)
-            raise
-        self.welcome = frame.message
+                self._adopt(stream, session, welcome)
+                self._owner.nursery.start_soon(self._run, stream, reader)
+                log.info("connected to %s", self.where)
+
+    async def _connect(
+        self, seconds: float
+    ) -> tuple[trio.SSLStream[trio.SocketStream], FrameReader, Session, Welcome]:
+        owner = self._owner
+        return await handshake(
+            self.info,
+            self.where,
+            ssl_context=owner.ssl_context,
+            token=owner.token(),
+            max_payload=owner.max_payload,
+            seconds=seconds,
+        )
+
+    def _adopt(
+        self, stream: trio.SSLStream[trio.SocketStream], session: Session, welcome: Welcome
+    ) -> None:
+        """Make a fresh connection the link's current one (not yet ready)."""
+        self._session = session
+        self._writer = FrameWriter(stream, self.where)
+        self.welcome = welcome
         # Credit is gathered up to a quarter of the relay's push window: the relay still has
         # three quarters to push into meanwhile, so this never stalls delivery, and one Credit
         # frame then covers many pushed frames instead of one each.
-        self.credit_batch = max(0, frame.message.push_window // 4)
-        if frame.message.max_payload > 0:
-            self.max_payload = min(self.max_payload, frame.message.max_payload)
-        self._stream = stream
-        self._owner.nursery.start_soon(self._run, stream, reader)
-        log.info("connected to %s", self.where)
+        self.current = Connection(self, max(0, welcome.push_window // 4))
+        self.max_payload = self._owner.max_payload
+        if welcome.max_payload > 0:
+            self.max_payload = min(self.max_payload, welcome.max_payload)
 
     # -- running ----------------------------------------------------------------------------
 
     async def _run(self, stream: trio.SSLStream[trio.SocketStream], reader: FrameReader) -> None:
+        """Serve the connection; reconnect when it drops, within the window; fail for good
+        when the window passes (or at once when no rank needs the link)."""
         reason = "closed"
+        resync = False
+        deadline: float | None = None
+        try:
+            while True:
+                reason = await self._serve(stream, reader, resync=resync)
+                if self._ready:
+                    deadline = None  # it was fully back: a new drop gets a whole new window
+                keep = bool(self.attached) or bool(self._pending)
+                self._drop(reason)
+                if not keep:
+                    self._fail(reason)
+                    return
+                if deadline is None:
+                    deadline = trio.current_time() + self._owner.reconnect
+                    log.warning(
+                        "lost %s with %d ranks attached (%s); reconnecting for up to %g s",
+                        self.where,
+                        len(self.attached),
+                        reason,
+                        self._owner.reconnect,
+                    )
+                got = await self._reconnect(deadline)
+                if got is None:
+                    self._fail(f"{reason}; not back within {self._owner.reconnect:g} s")
+                    return
+                stream, reader, session, welcome = got
+                self._adopt(stream, session, welcome)
+                resync = True
+        finally:
+            if self.broken is None:
+                # Cancelled means the agent itself is stopping: each rank's runner tells the
+                # coordinator why, so this link must not blame the relay for it.
+                shutting_down = trio.current_effective_deadline() == -math.inf
+                self._fail(reason, report=not shutting_down)
+
+    async def _serve(
+        self, stream: trio.SSLStream[trio.SocketStream], reader: FrameReader, *, resync: bool
+    ) -> str:
+        reason = "closed"
+        writer = self._writer
+        assert writer is not None
         try:
             async with trio.open_nursery() as nursery:
-                self._scope = nursery.cancel_scope
+                writer.scope = nursery.cancel_scope
 
                 async def read() -> None:
                     nonlocal reason
@@ -185,98 +239,219 @@ class RelayLink:
                 async def write() -> None:
                     nonlocal reason
                     try:
-                        await self._write_loop(stream)
+                        await writer.run()
                     except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
                         reason = f"{type(exc).__name__}: {exc}"
-                    if self._write_error:
-                        reason = self._write_error
+                    if writer.error:
+                        reason = writer.error
                     nursery.cancel_scope.cancel()
+
+                async def resync_ranks() -> None:
+                    nonlocal reason
+                    try:
+                        await self._resync()
+                    except RelayLinkError as exc:
+                        reason = str(exc)
+                        nursery.cancel_scope.cancel()
+                        return
+                    log.info("reconnected to %s", self.where)
+                    self._set_ready()
 
                 nursery.start_soon(read)
                 nursery.start_soon(write)
+                if resync:
+                    nursery.start_soon(resync_ranks)
+                else:
+                    self._set_ready()
         finally:
-            # Cancelled means the agent itself is stopping: each rank's runner tells the
-            # coordinator why, so this link must not blame the relay for it.
-            shutting_down = trio.current_effective_deadline() == -math.inf
-            self._fail(reason, report=not shutting_down)
             # No TLS goodbye: the relay treats any end as a drop, and a broken peer could
             # make a graceful close raise or hang.
             await trio.aclose_forcefully(stream)
+        return reason
+
+    async def _reconnect(
+        self, deadline: float
+    ) -> tuple[trio.SSLStream[trio.SocketStream], FrameReader, Session, Welcome] | None:
+        delay = _RECONNECT_FIRST
+        while True:
+            left = deadline - trio.current_time()
+            if left <= 0:
+                return None
+            await trio.sleep(min(delay, left))
+            left = deadline - trio.current_time()
+            if left <= 0:
+                return None
+            try:
+                return await self._connect(min(CONNECT_TIMEOUT, left))
+            except RelayLinkError as exc:
+                log.info("reconnecting to %s: %s", self.where, exc)
+            delay = min(delay * 2, _RECONNECT_MAX)
+
+    async def _resync(self) -> None:
+        """Re-attach every rank attached before the drop, then resend what the relay lacks."""
+        for key, home in list(self.attached.items()):
+            rank = self.ranks.get(key)
+            if rank is None or rank.ended or rank.stop_reason is not None:
+                self.attached.pop(key, None)
+                continue
+            pending = await self._attach_once(
+                rank,
+                home=home,
+                received=dict(rank.received) if home else {},
+                dets_from=rank.dets_in if home else 0,
+                gated=False,
+            )
+            result = pending.result
+            if pending.dropped:
+                raise Dropped(f"connection to {self.where} dropped while re-attaching")
+            if not isinstance(result, Attached):
+                self._forget(key)
+                self._refused(rank, pending)
+                continue
+            store = self._unacked.get(key)
+            if store is None:
+                continue
+            frames = store.to_resend(result.stored, result.dets if home else None)
+            if frames:
+                log.info("resending %d frames of %s to %s", len(frames), rank.label, self.where)
+            for parts in frames:
+                await self._enqueue(None, parts, gated=False)
+
+    def _refused(self, rank: LocalRank, pending: _PendingAttach) -> None:
+        """A re-attachment the relay answered with an Error or a Stop."""
+        if pending.code == "stopped":
+            return  # the rank's runner is stopping it
+        self._owner.on_problem(rank, str(pending.result))
+        if pending.code == "fenced":
+            rank.request_stop(str(pending.result))
 
     async def _read_loop(self, reader: FrameReader) -> str:
         session = self._session
         ranks = self.ranks
+        unacked = self._unacked
+        conn = self.current
+        assert conn is not None
         while True:
             frame = await reader.receive()
             if frame is None:
                 return "the relay closed the connection"
             msg = frame.message
+            if type(msg) is Error and msg.code in _RANK_ONLY_ERRORS and msg.rank >= 0:
+                self._rank_error(msg)  # the connection, and every other rank here, goes on
+                continue
             session.receive(msg)
             if isinstance(msg, Data):
                 rank = ranks.get((msg.job, msg.dst))
                 if rank is not None:
-                    rank.outbox.push_data(frame.parts, frame.size, self)
+                    rank.received[msg.src] = msg.seq
+                    rank.outbox.push_data(frame.parts, frame.size, conn)
             elif isinstance(msg, Ack):
-                rank = ranks.get((msg.job, msg.src))
+                key = (msg.job, msg.src)
+                store = unacked.get(key)
+                if store is not None:
+                    store.ack(msg.dst, msg.seq)
+                rank = ranks.get(key)
                 if rank is not None:
                     rank.outbox.push_ack(msg.dst, bytes(frame.parts[0]))
+            elif isinstance(msg, Det):
+                rank = ranks.get((msg.job, msg.rank))
+                # One the rank has is not given again (a resumed home attachment).
+                if rank is not None and msg.index >= rank.dets_in:
+                    rank.dets_in = msg.index + 1
+                    rank.outbox.push_data(frame.parts, frame.size, None)
+            elif isinstance(msg, DetAck):
+                key = (msg.job, msg.rank)
+                store = unacked.get(key)
+                if store is not None:
+                    store.det_ack(msg.count)
+                rank = ranks.get(key)
+                if rank is not None:
+                    rank.outbox.push_data(frame.parts, frame.size, None)
             elif isinstance(msg, Attached):
                 self._resolve((msg.job, msg.rank), msg)
             elif isinstance(msg, Stop):
-                rank = ranks.get((msg.job, msg.rank))
-                if rank is not None and rank.lease.incarnation == msg.incarnation:
-                    rank.request_stop(f"{self.where} stopped it: {msg.reason}")
+                self._stop(msg)
             elif isinstance(msg, Error):
-                # Every Error ends the connection (the relay closes it); one naming a rank
-                # says why that rank in particular was refused.
                 key = (msg.job, msg.rank)
                 text = f"{self.where} refused {_label(key)}: {msg.code}: {msg.message}"
+                # Every other Error ends the connection (the relay closes it); one naming a
+                # rank says why that rank in particular was refused.
                 if key in self._pending:
-                    self._resolve(key, text)
-                elif (rank := ranks.pop(key, None)) is not None:
+                    self._resolve(key, text, code=msg.code)
+                elif (rank := ranks.get(key)) is not None:
+                    self._forget(key)
                     self._owner.on_problem(rank, text)
                 return f"{self.where} sent {msg.code}: {msg.message}"
             else:
                 raise RelayLinkError(f"unexpected {type(msg).__name__} from {self.where}")
 
-    async def _write_loop(self, stream: trio.SSLStream[trio.SocketStream]) -> None:
-        out = self._out
-        while True:
-            while not out or self._busy:
-                if self._closed:
-                    return
-                self._out_wake = trio.Event()
-                await self._out_wake.wait()
-            batch = [out.popleft()]
-            size = sum(map(len, batch[0]))
-            while out and size < _BATCH:
-                item = out.popleft()
-                batch.append(item)
-                size += sum(map(len, item))
-            self._space.set()
-            self._busy = True
-            try:
-                await send_parts(stream, batch)
-            finally:
-                self._busy = False
+    def _rank_error(self, msg: Error) -> None:
+        """An Error about one rank that leaves the connection up: ``fenced`` (a newer
+        incarnation holds the rank) or ``not_deterministic`` (the relay drops the rank's
+        further deposits and tells the coordinator, which ends the job)."""
+        key = (msg.job, msg.rank)
+        text = f"{self.where} refused {_label(key)}: {msg.code}: {msg.message}"
+        if key in self._pending:
+            self._resolve(key, text, code=msg.code)
+            return
+        log.warning("%s", text)
+        if msg.code == "fenced" and (rank := self.ranks.get(key)) is not None:
+            self._forget(key)
+            rank.request_stop(text)
 
-    def _resolve(self, key: RankKey, result: Attached | str) -> None:
+    def _forget(self, key: RankKey) -> None:
+        """The relay refused the rank: route nothing more for it, send nothing more of it."""
+        self.ranks.pop(key, None)
+        self.attached.pop(key, None)
+        self._unacked.pop(key, None)
+
+    def _stop(self, msg: Stop) -> None:
+        key = (msg.job, msg.rank)
+        rank = self.ranks.get(key)
+        if rank is None or rank.lease.incarnation != msg.incarnation:
+            return  # an older incarnation, replaced here already
+        self.attached.pop(key, None)
+        text = f"{self.where} stopped it: {msg.reason}"
+        if key in self._pending:
+            self._resolve(key, text, code="stopped")
+        rank.request_stop(text)
+
+    def _resolve(
+        self, key: RankKey, result: Attached | str, *, dropped: bool = False, code: str = ""
+    ) -> None:
         pending = self._pending.pop(key, None)
         if pending is not None:
             pending.result = result
+            pending.dropped = dropped
+            pending.code = code
             pending.done.set()
 
+    def _set_ready(self) -> None:
+        self._ready = True
+        self._ready_event.set()
+
+    def _drop(self, reason: str) -> None:
+        """The current connection is gone: wake everyone who waits on it."""
+        self.current = None
+        if self._writer is not None:
+            self._writer.close()  # Data and Det are kept in ``_unacked``; the rest is moot now
+            self._writer = None
+        if self._ready:
+            self._ready = False
+            self._ready_event = trio.Event()
+        for key in list(self._pending):
+            self._resolve(key, f"connection to {self.where} dropped: {reason}", dropped=True)
+
     def _fail(self, reason: str, *, report: bool = True) -> None:
+        """The link is gone for good."""
         if self.broken is None:
             self.broken = reason
-        self._closed = True
-        self._out.clear()
-        self._out_wake.set()
-        self._space.set()
-        for key in list(self._pending):
-            self._resolve(key, f"connection to {self.where} dropped: {reason}")
+        self._drop(reason)
+        self._ready_event.set()  # senders waiting for a reconnection find the link broken
         victims = [r for r in self.ranks.values() if not r.ended and not r.finalized]
         self.ranks.clear()
+        self.attached.clear()
+        self._unacked.clear()
         self._owner.forget(self)
         if not report:
             return
@@ -287,131 +462,136 @@ class RelayLink:
 
     # -- used by ranks ----------------------------------------------------------------------
 
-    async def _send_msg(self, msg: Message) -> None:
-        await self._enqueue(msg, [encode_small(msg)])
+    async def _wait_ready(self) -> None:
+        while not self._ready:
+            if self.broken is not None:
+                raise RelayLinkError(f"connection to {self.where} is broken: {self.broken}")
+            await self._ready_event.wait()
 
-    async def _enqueue(self, msg: Message, parts: list[Buffer]) -> None:
-        if self.broken is not None or self._closed:
+    async def _send_msg(self, msg: Message, *, gated: bool = True) -> None:
+        await self._enqueue(msg, [encode_small(msg)], gated=gated)
+
+    async def _enqueue(self, msg: Message | None, parts: list[Buffer], *, gated: bool) -> None:
+        """Write or queue one frame on the current connection. ``gated``: wait until the link
+        is ready (after a reconnection: once the resend is out). ``msg`` None: a resent frame,
+        checked by the session when it was first sent."""
+        if gated and not self._ready:
+            await self._wait_ready()
+        if self.broken is not None:
             raise RelayLinkError(f"connection to {self.where} is broken: {self.broken}")
-        self._session.send(msg)
-        stream = self._stream
-        if not self._busy and not self._out and stream is not None:
-            await self._write_through(stream, parts)
-            return
-        while len(self._out) >= _QUEUE:
-            self._space = trio.Event()
-            await self._space.wait()
-            if self._closed:
-                raise RelayLinkError(f"connection to {self.where} dropped")
-        # Not yielding while there is room lets a sender hand over every frame it has
-        # buffered before the writer runs, which then sends them all in one write.
-        self._out.append(parts)
-        self._out_wake.set()
-
-    async def _write_through(
-        self, stream: trio.SSLStream[trio.SocketStream], parts: list[Buffer]
-    ) -> None:
-        self._busy = True
-        try:
-            with trio.CancelScope(shield=True):
-                await send_parts(stream, [parts])
-        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
-            if not self._write_error:
-                self._write_error = f"{type(exc).__name__}: {exc}"
-            if self._scope is not None:
-                self._scope.cancel()
-            raise RelayLinkError(f"connection to {self.where} dropped") from exc
-        finally:
-            self._busy = False
-            if self._out:
-                self._out_wake.set()
+        writer = self._writer
+        if writer is None or writer.closed:
+            raise Dropped(f"connection to {self.where} dropped")
+        if msg is not None:
+            self._session.send(msg)
+        await writer.put(parts)
 
     def credit_nowait(self, job: int, rank: int, nbytes: int) -> None:
         """Queue a ``Credit`` for the writer task without waiting (credits are few and small,
         so they may overrun the queue's bound)."""
-        if self.broken is not None or self._closed:
+        writer = self._writer
+        if self.broken is not None or writer is None or writer.closed:
             return
         msg = Credit(job=job, rank=rank, nbytes=nbytes)
         self._session.send(msg)
-        self._out.append([encode_small(msg)])
-        self._out_wake.set()
+        writer.put_nowait([encode_small(msg)])
 
-    async def attach(self, rank: LocalRank, *, home: bool) -> Attached:
-        """Bind ``rank`` to this connection and wait for the relay's ``Attached``."""
+    async def _attach_once(
+        self,
+        rank: LocalRank,
+        *,
+        home: bool,
+        received: dict[int, int],
+        dets_from: int,
+        gated: bool,
+    ) -> _PendingAttach:
         key = rank.key
         pending = self._pending[key] = _PendingAttach()
-        self.ranks[key] = rank
         try:
-            await self._send_msg(Attach(token=rank.lease.token, home=home))
+            msg = Attach(token=rank.lease.token, home=home, received=received, dets_from=dets_from)
+            await self._send_msg(msg, gated=gated)
             with trio.move_on_after(ATTACH_TIMEOUT):
                 await pending.done.wait()
+        except Dropped as exc:
+            pending.result, pending.dropped = str(exc), True
         finally:
-            self._pending.pop(key, None)
-        result = pending.result
-        if not isinstance(result, Attached):
-            self.ranks.pop(key, None)
+            if self._pending.get(key) is pending:
+                del self._pending[key]
+        return pending
+
+    async def attach(self, rank: LocalRank, *, home: bool) -> Attached:
+        """Bind ``rank`` (a fresh incarnation: nothing received yet) to this link and wait for
+        the relay's ``Attached``; retried on the next connection if this one drops meanwhile."""
+        key = rank.key
+        if self.ranks.get(key) is not rank:
+            self._unacked[key] = Unacked()  # an older incarnation's frames are not ours
+        self.ranks[key] = rank
+        while True:
+            try:
+                pending = await self._attach_once(
+                    rank, home=home, received={}, dets_from=0, gated=True
+                )
+            except RelayLinkError:
+                pending = _PendingAttach()
+                pending.result = f"connection to {self.where} is broken: {self.broken}"
+            result = pending.result
+            if isinstance(result, Attached):
+                self.attached[key] = home
+                return result
+            if pending.dropped and self.broken is None:
+                continue  # reconnecting: attach on the next connection
+            if self.ranks.get(key) is rank:
+                del self.ranks[key]
+                self._unacked.pop(key, None)
             raise RelayLinkError(
                 f"cannot attach {rank.label} to {self.where}: {result}"
-                if isinstance(result, str) and result != "no answer"
+                if result != "no answer"
                 else f"{self.where} did not answer Attach for {rank.label} in {ATTACH_TIMEOUT} s"
             )
-        return result
 
     async def send_data(self, msg: Data, parts: list[Buffer]) -> None:
-        """Forward one of a rank's ``Data`` frames, bytes unchanged."""
-        await self._enqueue(msg, parts)
+        """Forward one of a rank's ``Data`` frames, bytes unchanged, keeping it until acked."""
+        if not self._ready:
+            await self._wait_ready()
+        store = self._unacked.get((msg.job, msg.src))
+        if store is None:
+            raise RelayLinkError(f"rank {msg.src} of job {msg.job} is not attached to {self.where}")
+        store.add_data(msg.dst, msg.seq, parts)
+        try:
+            await self._enqueue(msg, parts, gated=False)
+        except Dropped:
+            if self.broken is not None:
+                raise
+            # Kept above: resent once the link is back.
 
-    async def credit(self, job: int, rank: int, nbytes: int) -> None:
-        await self._send_msg(Credit(job=job, rank=rank, nbytes=nbytes))
+    async def send_det(self, msg: Det, parts: list[Buffer]) -> None:
+        """Forward one of a rank's determinants to its home relay, keeping it until acked."""
+        if not self._ready:
+            await self._wait_ready()
+        store = self._unacked.get((msg.job, msg.rank))
+        if store is None:
+            raise RelayLinkError(f"{_label((msg.job, msg.rank))} is not attached to {self.where}")
+        store.add_det(msg.index, parts)
+        try:
+            await self._enqueue(msg, parts, gated=False)
+        except Dropped:
+            if self.broken is not None:
+                raise
 
     async def detach(self, rank: LocalRank) -> None:
-        if self.ranks.pop(rank.key, None) is None or self.broken is not None:
+        key = rank.key
+        if self.ranks.get(key) is not rank:
+            return  # never attached, or a newer incarnation took its place (the relay knows)
+        del self.ranks[key]
+        self.attached.pop(key, None)
+        self._unacked.pop(key, None)
+        if self.broken is not None or not self._ready:
             return
         try:
-            await self._send_msg(Detach(job=rank.lease.job, rank=rank.lease.rank))
+            await self._send_msg(Detach(job=rank.lease.job, rank=rank.lease.rank), gated=False)
         except RelayLinkError:
-            pass  # the drop is reported by the link itself
+            pass  # the drop is handled by the link itself
 
 
 def _label(key: RankKey) -> str:
     return f"rank {key[1]} of job {key[0]}" if key[0] >= 0 else "this agent"
-
-
-class RelayLinks:
-    """The agent's relay connections, keyed by address and opened on first use."""
-
-    def __init__(
-        self,
-        nursery: trio.Nursery,
-        *,
-        ssl_context: ssl.SSLContext,
-        token: Callable[[], str],
-        on_problem: ProblemCallback,
-        max_payload: int,
-    ) -> None:
-        self.nursery = nursery
-        self.ssl_context = ssl_context
-        self.token = token
-        self.on_problem = on_problem
-        self.max_payload = max_payload
-        self._links: dict[tuple[str, int], RelayLink] = {}
-
-    async def get(self, info: RelayInfo) -> RelayLink:
-        key = (info.host, info.port)
-        link = self._links.get(key)
-        if link is None or link.broken is not None:
-            link = self._links[key] = RelayLink(info, owner=self)
-        try:
-            await link.ensure_open()
-        except RelayLinkError:
-            self.forget(link)
-            raise
-        return link
-
-    def forget(self, link: RelayLink) -> None:
-        key = (link.info.host, link.info.port)
-        if self._links.get(key) is link:
-            del self._links[key]
-
-    def __len__(self) -> int:
-        return len(self._links)

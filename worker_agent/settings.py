@@ -38,7 +38,14 @@ class AgentSettings:
     keep_workdirs: bool = setting(False, "Keep each rank's work directory after it ends.")
     lease_wait: float = setting(20.0, "Seconds a lease request waits on the coordinator for work.")
     retry_max_delay: float = setting(
-        30.0, "Longest pause (s) between retries while the coordinator is unreachable."
+        2.0,
+        "Longest pause (s) between retries while the coordinator is unreachable (kept short: "
+        "a restarted coordinator must hear from the agent before its agent_timeout).",
+    )
+    relay_reconnect: float = setting(
+        30.0,
+        "Seconds a dropped relay connection is retried (ranks keep running, their messages "
+        "wait) before its ranks are reported lost.",
     )
     stop_grace: float = setting(
         3.0, "Seconds a rank told to stop gets after SIGTERM before SIGKILL."

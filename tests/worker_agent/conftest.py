@@ -59,6 +59,8 @@ class FakeCoordinator:
     pending_stops: list[api.StopOrder] = field(default_factory=list)
     token_to_hand_out: str = ""
     fail_next: int = 0  # that many requests fail as if the coordinator were down
+    down: bool = False  # every request fails as if the coordinator were down (restarting)
+    refused_while_down: list[str] = field(default_factory=list)  # paths tried meanwhile
     corrupt_blobs: bool = False
     refuse_output: bool = False  # answer output posts with 409, as for a job that is over
     # With a key, tokens are really signed (for tests against the real relay).
@@ -111,9 +113,16 @@ class FakeCoordinator:
         self.pending_stops.append(api.StopOrder(job, rank, incarnation, reason))
         self._touch()
 
-    def output_of(self, job: int, rank: int, stream: str = "stdout") -> bytes:
+    def output_of(
+        self, job: int, rank: int, stream: str = "stdout", incarnation: int | None = None
+    ) -> bytes:
         chunks = sorted(
-            (c for c in self.outputs if (c.job, c.rank, c.stream) == (job, rank, stream)),
+            (
+                c
+                for c in self.outputs
+                if (c.job, c.rank, c.stream) == (job, rank, stream)
+                and incarnation in (None, c.incarnation)
+            ),
             key=lambda c: c.offset,
         )
         out = bytearray()
@@ -132,6 +141,9 @@ class FakeCoordinator:
             self._touch()
 
     async def _handle(self, request: httpx.Request) -> httpx.Response:
+        if self.down:
+            self.refused_while_down.append(request.url.path)
+            raise httpx.ConnectError("fake coordinator is restarting", request=request)
         if self.fail_next > 0:
             self.fail_next -= 1
             raise httpx.ConnectError("fake coordinator is down", request=request)
@@ -473,6 +485,7 @@ def settings(tmp_path: Path, pool_pki: Pki) -> AgentSettings:
         slots=4,
         stop_grace=0.5,
         retry_max_delay=0.2,
+        relay_reconnect=1.0,  # tests of reconnection set their own
     )
 
 

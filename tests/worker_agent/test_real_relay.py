@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import logging
 from pathlib import Path
 
 import msgspec
@@ -13,6 +15,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from vpool.protocol import api
 
 from .conftest import FakeCoordinator, Pki, RunningAgent, lease_for, lines
+from .ft_programs import FT_PROGRAM
 
 serve_relay = pytest.importorskip("vpool.relay.server").serve_relay
 RelaySettings = pytest.importorskip("vpool.relay.settings").RelaySettings
@@ -119,3 +122,154 @@ async def test_real_mpi4py_program(
     assert "rank 0 got 10" in out0
     assert "rank 0 of 2 on " in out0 and "total 3" in out0
     assert "rank 1 of 2 on " in coordinator.output_of(7, 1).decode()
+
+
+# Rank 0 sends 2K numbered messages to rank 1 in two halves; between them both wait for the
+# file named by argv[1] (the test restarts the relay meanwhile). Rank 1 checks it got each
+# message once, in order, then answers; each waits for its last deposit's Ack.
+RESTART_PROGRAM = """
+import json, os, socket, sys, time
+from vpool.protocol import framing, messages as m
+
+K = 20
+sock = socket.socket(socket.AF_UNIX)
+sock.connect(os.environ["VPOOL_AGENT_SOCKET"])
+dec = framing.FrameDecoder()
+
+def recv():
+    while (f := dec.next_frame()) is None:
+        data = sock.recv(1 << 20)
+        if not data:
+            sys.exit("agent closed the socket")
+        dec.receive_data(data)
+    return f
+
+def send(msg, payload=b""):
+    sock.sendall(framing.encode_frame(msg, payload))
+
+def wait_for_go():
+    while not os.path.exists(sys.argv[1]):
+        time.sleep(0.02)
+
+send(m.RankHello(version=m.PROTOCOL_VERSION, secret=os.environ["VPOOL_RANK_SECRET"]))
+w = recv().message
+if w.rank == 0:
+    def deposit(seq):
+        send(m.Data(job=w.job, src=0, dst=1, seq=seq, ctx=0, tag=0), b"m%d" % seq)
+    for seq in range(1, K + 1):
+        deposit(seq)
+    print("sent", flush=True)
+    wait_for_go()
+    for seq in range(K + 1, 2 * K + 1):
+        deposit(seq)
+    answer = acked = None
+    while answer is None or acked != 2 * K:
+        msg = recv()
+        if isinstance(msg.message, m.Data):
+            answer = msg.payload.decode()
+        elif isinstance(msg.message, m.Ack):
+            acked = msg.message.seq
+    print(json.dumps({"answer": answer, "acked": acked}), flush=True)
+else:
+    got = []
+    def take(n):
+        while len(got) < n:
+            f = recv()
+            if isinstance(f.message, m.Data):
+                got.append((f.message.seq, f.payload.decode()))
+    take(K)
+    print("half", flush=True)
+    wait_for_go()
+    take(2 * K)
+    ok = got == [(s, "m%d" % s) for s in range(1, 2 * K + 1)]
+    send(m.Data(job=w.job, src=1, dst=0, seq=1, ctx=0, tag=0), b"ok" if ok else repr(got).encode())
+    while not isinstance(recv().message, m.Ack):
+        pass
+send(m.Finalize())
+"""
+
+
+async def test_relay_restart_on_the_same_disk(
+    nursery: trio.Nursery,
+    agent: RunningAgent,
+    coordinator: FakeCoordinator,
+    pool_pki: Pki,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO, "vpool.agent")
+    assert coordinator.signing_key is not None
+    key = coordinator.signing_key.public_key()
+    settings = RelaySettings(
+        name="relay-a",
+        host="127.0.0.1",
+        port=0,
+        data_dir=str(tmp_path / "relay"),
+        tls_cert=str(pool_pki.cert),
+        tls_key=str(pool_pki.key),
+    )
+
+    async def run_relay(
+        scope: trio.CancelScope, ended: trio.Event, task_status: trio.TaskStatus[int]
+    ) -> None:
+        try:
+            with scope:
+                await serve_relay(settings, signing_key=key, task_status=task_status)
+        finally:
+            ended.set()
+
+    first, first_ended = trio.CancelScope(), trio.Event()
+    host, port = await nursery.start(run_relay, first, first_ended)
+    info = api.RelayInfo(name="relay-a", host=host, port=port)
+    go = tmp_path / "go"
+    for rank in (0, 1):
+        lease = lease_for(coordinator, None, program=RESTART_PROGRAM, args=[str(go)], rank=rank)
+        coordinator.add_lease(msgspec.structs.replace(lease, relays=[info], homes=[0, 0]))
+    await coordinator.wait_for(
+        lambda: b"sent" in coordinator.output_of(7, 0) and b"half" in coordinator.output_of(7, 1)
+    )
+
+    first.cancel()  # the relay goes away with both ranks attached...
+    with trio.fail_after(10):
+        await first_ended.wait()
+    settings = dataclasses.replace(settings, port=port)
+    # ...and comes back on the same disk and port
+    await nursery.start(run_relay, trio.CancelScope(), trio.Event())
+    go.touch()
+
+    await coordinator.wait_for(lambda: len(coordinator.exits) == 2, seconds=30)
+    errors = [coordinator.output_of(7, r, "stderr").decode() for r in (0, 1)]
+    assert [(e.code, e.lost) for e in coordinator.exits] == [(0, False), (0, False)], errors
+    assert lines(coordinator.output_of(7, 0)) == [{"answer": "ok", "acked": 40}]
+    assert coordinator.problems == []
+    assert "reconnected to relay relay-a" in caplog.text
+
+
+async def test_determinants_are_logged_and_replayed_to_the_next_incarnation(
+    agent: RunningAgent, coordinator: FakeCoordinator, real_relay: api.RelayInfo
+) -> None:
+    lease = lease_for(coordinator, None, program=FT_PROGRAM, args=["det"])
+    first = msgspec.structs.replace(lease, relays=[real_relay], homes=[0, 0])
+    coordinator.add_lease(first)
+    await coordinator.wait_for(lambda: coordinator.exit_of(7, 0))
+    second = msgspec.structs.replace(
+        first, incarnation=2, token=coordinator.rank_token(7, 0, 2, incarnation=2)
+    )
+    coordinator.add_lease(second)
+    await coordinator.wait_for(lambda: len(coordinator.exits) == 2)
+    assert [(e.incarnation, e.code) for e in coordinator.exits] == [(1, 0), (2, 0)]
+    out1, out2 = (lines(coordinator.output_of(7, 0, incarnation=i)) for i in (1, 2))
+    assert out1[:3] == [
+        {"welcome": [1, 0]},
+        {"got": ["DetAck", 7, 0, 1]},
+        {"got": ["Ack", 7, 0, 1, 1]},
+    ]
+    # The second incarnation is told of the logged determinant and gets it first; its own
+    # next one is index 1, and its re-sent message (same bytes) is acknowledged again.
+    assert out2[:4] == [
+        {"welcome": [2, 1]},
+        {"got": ["Det", 7, 0, 0, "live"]},
+        {"got": ["DetAck", 7, 0, 2]},
+        {"got": ["Ack", 7, 0, 1, 1]},
+    ]
+    assert coordinator.problems == []

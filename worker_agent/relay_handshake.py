@@ -1,0 +1,68 @@
+"""Opening one agent -> relay connection: TCP, TLS 1.3, ``Hello`` -> ``Welcome``
+(docs/internals.md, "Agent <-> relay", step 1)."""
+
+from __future__ import annotations
+
+import ssl
+
+import trio
+
+from vpool import __version__
+from vpool.protocol.api import RelayInfo
+from vpool.protocol.errors import ProtocolError
+from vpool.protocol.messages import PROTOCOL_VERSION, Error, Hello, Welcome
+from vpool.protocol.session import Session
+from vpool.worker_agent.errors import RelayLinkError
+from vpool.worker_agent.wire import FrameReader, encode_small
+
+
+async def handshake(
+    info: RelayInfo,
+    where: str,
+    *,
+    ssl_context: ssl.SSLContext,
+    token: str,
+    max_payload: int,
+    seconds: float,
+) -> tuple[trio.SSLStream[trio.SocketStream], FrameReader, Session, Welcome]:
+    """Connect to the relay ``info`` (``where`` names it in errors) within ``seconds``; the
+    open stream, its frame reader, the session (open) and the relay's ``Welcome``. Raises
+    ``RelayLinkError`` saying why not."""
+    session = Session("relay", "client")
+    try:
+        with trio.fail_after(seconds):
+            tcp = await trio.open_tcp_stream(info.host, info.port)
+            stream = trio.SSLStream(tcp, ssl_context, server_hostname=info.host)
+            try:
+                await stream.do_handshake()
+                reader = FrameReader(stream, max_payload=max_payload)
+                hello = Hello(
+                    version=PROTOCOL_VERSION,
+                    role="agent",
+                    token=token,
+                    software=f"vpool-agent {__version__}",
+                )
+                session.send(hello)
+                await stream.send_all(encode_small(hello))
+                frame = await reader.receive()
+                if frame is None:
+                    raise RelayLinkError(f"{where} closed the connection after Hello")
+                session.receive(frame.message)
+                if isinstance(frame.message, Error):
+                    raise RelayLinkError(
+                        f"{where} refused this agent: {frame.message.code}: {frame.message.message}"
+                    )
+                assert isinstance(frame.message, Welcome)
+                if frame.message.version != PROTOCOL_VERSION:
+                    raise RelayLinkError(
+                        f"{where} speaks protocol {frame.message.version}, "
+                        f"this agent {PROTOCOL_VERSION}"
+                    )
+            except BaseException:
+                await trio.aclose_forcefully(stream)
+                raise
+    except trio.TooSlowError as exc:
+        raise RelayLinkError(f"{where} did not answer within {seconds:g} s") from exc
+    except (OSError, trio.BrokenResourceError, ssl.SSLError, ProtocolError) as exc:
+        raise RelayLinkError(f"cannot connect to {where}: {exc}") from exc
+    return stream, reader, session, frame.message

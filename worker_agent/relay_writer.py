@@ -1,0 +1,112 @@
+"""The sending half of one agent -> relay connection: a bounded queue of frames and the task
+that drains it, gathering small frames into single writes.
+
+Write-through: a sender that finds the queue empty and no write in progress writes its frame
+itself instead of handing it to the writer task (a task switch per message is a large part of a
+small message's cost). Such writes are shielded from cancellation: a write abandoned half way
+would corrupt the TLS stream every rank of this agent shares. They still end when the
+connection closes the stream.
+
+A writer lives as long as its connection: once ``close``d (the connection dropped) every sender
+waiting on it gets ``Dropped``, and a reconnected link starts a new writer.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import trio
+
+from vpool.worker_agent.errors import RelayLinkError
+from vpool.worker_agent.wire import Buffer, send_parts
+
+# Frames queued for one relay before senders wait: back-pressure from a slow relay.
+QUEUE = 512
+_BATCH = 256 * 1024
+
+
+class Dropped(RelayLinkError):
+    """The connection under a send dropped; its link may be reconnecting."""
+
+
+class FrameWriter:
+    def __init__(self, stream: trio.abc.SendStream, where: str) -> None:
+        self._stream = stream
+        self.where = where
+        # Frames waiting for the writer task, oldest first; ``_busy`` while some task writes.
+        self._out: deque[list[Buffer]] = deque()
+        self._busy = False
+        self._wake = trio.Event()
+        self._space = trio.Event()
+        self.closed = False
+        # Why a write-through failed; ``scope`` (the connection's) is cancelled then.
+        self.error = ""
+        self.scope: trio.CancelScope | None = None
+
+    def close(self) -> None:
+        """The connection is gone: drop what is queued and wake every waiting sender."""
+        self.closed = True
+        self._out.clear()
+        self._wake.set()
+        self._space.set()
+
+    async def run(self) -> None:
+        """Drain the queue until closed (raises what a failed write raises)."""
+        out = self._out
+        while True:
+            while not out or self._busy:
+                if self.closed:
+                    return
+                self._wake = trio.Event()
+                await self._wake.wait()
+            batch = [out.popleft()]
+            size = sum(map(len, batch[0]))
+            while out and size < _BATCH:
+                item = out.popleft()
+                batch.append(item)
+                size += sum(map(len, item))
+            self._space.set()
+            self._busy = True
+            try:
+                await send_parts(self._stream, batch)
+            finally:
+                self._busy = False
+
+    async def put(self, parts: list[Buffer]) -> None:
+        """Write one frame now if idle, else queue it, waiting while the queue is full."""
+        if self.closed:
+            raise Dropped(f"connection to {self.where} dropped")
+        if not self._busy and not self._out:
+            await self._write_through(parts)
+            return
+        while len(self._out) >= QUEUE:
+            self._space = trio.Event()
+            await self._space.wait()
+            if self.closed:
+                raise Dropped(f"connection to {self.where} dropped")
+        # Not yielding while there is room lets a sender hand over every frame it has
+        # buffered before the writer runs, which then sends them all in one write.
+        self._out.append(parts)
+        self._wake.set()
+
+    def put_nowait(self, parts: list[Buffer]) -> None:
+        """Queue a small frame without waiting (may overrun the bound; for credits)."""
+        if not self.closed:
+            self._out.append(parts)
+            self._wake.set()
+
+    async def _write_through(self, parts: list[Buffer]) -> None:
+        self._busy = True
+        try:
+            with trio.CancelScope(shield=True):
+                await send_parts(self._stream, [parts])
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
+            if not self.error:
+                self.error = f"{type(exc).__name__}: {exc}"
+            if self.scope is not None:
+                self.scope.cancel()
+            raise Dropped(f"connection to {self.where} dropped") from exc
+        finally:
+            self._busy = False
+            if self._out:
+                self._wake.set()
