@@ -154,7 +154,9 @@ class LocalRank:
         self.route: list[RelayLink] = []
         self.links: list[RelayLink] = []
         # What the home relay gave this rank so far, for resuming after a reconnection: per
-        # source the highest Data seq put into the outbox, and Det frames (count).
+        # source the highest Data seq put into the outbox; and the determinants the rank has
+        # (count): those replayed to it and those it created, so a re-attach never gets the
+        # rank's own determinants pushed back (``Attach.dets_from``).
         self.received: dict[int, int] = {}
         self.dets_in = 0
         # Determinants the home relay held when this incarnation attached (RankWelcome).

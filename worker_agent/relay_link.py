@@ -572,6 +572,9 @@ class RelayLink:
         if store is None:
             raise RelayLinkError(f"{_label((msg.job, msg.rank))} is not attached to {self.where}")
         store.add_det(msg.index, parts)
+        rank = self.ranks.get((msg.job, msg.rank))
+        if rank is not None and msg.index >= rank.dets_in:
+            rank.dets_in = msg.index + 1
         try:
             await self._enqueue(msg, parts, gated=False)
         except Dropped:

@@ -1,10 +1,10 @@
 """What one rank deposited through one relay link that the relay has not acknowledged yet.
 
-Kept so that a dropped relay connection loses nothing: after reconnecting and re-attaching,
-the link resends the frames the relay's ``Attached`` says it does not have. Entries are
-references to the very buffers that were forwarded (no copy), dropped as ``Ack``s (cumulative per
-channel) and ``DetAck``s (cumulative count) come in, so the fault-free path pays one append and
-one pop per frame.
+Kept so that a dropped relay connection loses nothing: after reconnecting and re-attaching, the
+link resends every unacknowledged frame (the relay drops copies it holds after comparing
+digests). Entries are references to the very buffers that were forwarded (no copy), dropped as
+``Ack``s (cumulative per channel) and ``DetAck``s (cumulative count) come in, so the fault-free
+path pays one append and one pop per frame.
 """
 
 from __future__ import annotations
@@ -48,12 +48,15 @@ class Unacked:
             dets.popleft()
 
     def to_resend(self, stored: dict[int, int], dets_logged: int | None) -> list[list[Buffer]]:
-        """Forget what a re-attachment's ``Attached`` says the relay has (``stored[dst]``: the
-        highest seq of each channel in its log; ``dets_logged``: determinants in its log, None
-        when this is not the rank's home link); return the rest in deposit order, the
-        determinants first."""
-        for dst in self.data:
-            self.ack(dst, stored.get(dst, 0))
+        """What to send again after a re-attachment, in deposit order, the determinants first.
+
+        Every unacknowledged ``Data`` goes again, even those ``stored`` says the relay holds:
+        the relay compares a re-sent message with its logged copy (digest), and that check is
+        what catches a replaying incarnation that diverged under a seq its predecessor logged
+        (found by tests/protocol/test_ft_model.py). Determinants the relay has
+        (``dets_logged``, None when this is not the rank's home link) are dropped: an index
+        identifies one."""
+        del stored  # see above: kept in the signature for the callers' symmetry
         if dets_logged is not None:
             self.det_ack(dets_logged)
         frames = [parts for _, parts in self.dets]

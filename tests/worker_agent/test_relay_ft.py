@@ -108,7 +108,8 @@ async def test_relay_connection_drop_reattaches_and_resends(
     conn = await _open(relay)
     attach, _, _ = await conn.receive()
     assert isinstance(attach, Attach)
-    assert (attach.home, attach.received, attach.dets_from) == (True, {1: 2}, 0)
+    # dets_from counts the rank's own determinant too: the relay must not push it back.
+    assert (attach.home, attach.received, attach.dets_from) == (True, {1: 2}, 1)
     await conn.send(Attached(job=7, rank=0, incarnation=1, stored={1: 1}, dets=0))
     resent = [await conn.receive() for _ in range(3)]
     assert [raw for _, _, raw in resent[:2]] == [sent[2][2], sent[1][2]]  # Det, then seq 2

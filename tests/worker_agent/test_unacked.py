@@ -5,7 +5,7 @@ from __future__ import annotations
 from vpool.worker_agent.unacked import Unacked
 
 
-def test_acks_release_frames_and_resend_takes_what_the_relay_lacks() -> None:
+def test_acks_release_frames_and_resend_takes_every_unacked_message() -> None:
     store = Unacked()
     frames = {(dst, seq): [b"d%d-%d" % (dst, seq)] for dst in (1, 2) for seq in (1, 2, 3)}
     for (dst, seq), parts in frames.items():
@@ -19,13 +19,17 @@ def test_acks_release_frames_and_resend_takes_what_the_relay_lacks() -> None:
     store.ack(1, 1)  # an older ack changes nothing
     assert len(store) == 6
 
-    # The relay came back with channel 0->2 logged up to seq 1 and two determinants.
+    # The relay came back with channel 0->2 logged up to seq 1 and two determinants: every
+    # unacked message goes again (the relay digest-checks what it holds), determinants only
+    # from the third.
     resend = store.to_resend({2: 1}, dets_logged=2)
-    assert resend == [[b"det2"], frames[(1, 3)], frames[(2, 2)], frames[(2, 3)]]
-    assert len(store) == 4  # what the relay has is forgotten too
+    assert resend == [[b"det2"], frames[(1, 3)], frames[(2, 1)], frames[(2, 2)], frames[(2, 3)]]
+    assert len(store) == 5
     # Not the home link: the determinants stay as they are.
-    assert store.to_resend({1: 3, 2: 3}, dets_logged=None) == [[b"det2"]]
+    assert store.to_resend({1: 3, 2: 3}, dets_logged=None)[0] == [b"det2"]
     store.det_ack(3)
+    store.ack(1, 3)
+    store.ack(2, 3)
     assert len(store) == 0
 
 
