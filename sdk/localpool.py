@@ -25,12 +25,13 @@ import shutil
 import signal
 import subprocess
 import time
+import tomllib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from vpool.sdk import clientconfig
+from vpool.sdk import clientconfig, toml
 from vpool.sdk.errors import LocalPoolError, VsdkError
 from vpool.sdk.localpool_files import (  # noqa: F401  re-exported for callers
     DEFAULT_SLOTS,
@@ -436,6 +437,7 @@ def restart(name: str, *, timeout: float = READY_TIMEOUT, progress: Progress = _
     if state == "running":
         raise LocalPoolError(f"{name} is still running (pid {rec.pid}); nothing to restart")
     _reap(rec.pid)
+    _pin_port(lay, name)
     starter = _Starter(lay, progress)
     progress(f"restarting {name}")
     starter.start(name, rec.cmdline)
@@ -448,6 +450,22 @@ def restart(name: str, *, timeout: float = READY_TIMEOUT, progress: Progress = _
     # Re-read: another restart may have updated the file meanwhile.
     write_pids(lay, [fresh if r.name == name else r for r in read_pids(lay)])
     return fresh
+
+
+def _pin_port(lay: Layout, name: str) -> None:
+    """Make a server component listen where it did before (its config says port 0 on the first
+    start): agents reconnect to the relay address in their leases, and clients to the
+    coordinator URL in their config."""
+    try:
+        port = int(json.loads(lay.ready_file(name).read_text())["port"])
+        config = lay.config(name)
+        with open(config, "rb") as f:
+            settings = tomllib.load(f)
+    except (OSError, ValueError, KeyError, TypeError, tomllib.TOMLDecodeError):
+        return  # no port to keep (an agent), or nothing readable: start as configured
+    if settings.get("port") == 0 and port > 0:
+        settings["port"] = port
+        toml.write(config, settings, private=True)
 
 
 def status() -> dict[str, Any]:

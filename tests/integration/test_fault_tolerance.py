@@ -108,6 +108,15 @@ def rank_pid(pool: Pool, rank: int, job: int) -> int:
     raise AssertionError(f"no process for rank {rank} of job {job}")
 
 
+def agent_name(pool: Pool, agent_id: str) -> str:
+    """The pool's process name (agent-N) of the agent the coordinator knows as ``agent_id``."""
+    for ready in (pool.home / "state" / "local-pool" / "run").glob("agent-*.ready.json"):
+        info = json.loads(ready.read_text())
+        if info.get("agent_id") == agent_id:
+            return str(info["name"])
+    raise AssertionError(f"no agent of the pool has id {agent_id}")
+
+
 def kinds(d: dict) -> list[str]:
     return [e["kind"] for e in d["events"]]
 
@@ -142,14 +151,10 @@ def test_killed_rank_is_replaced_and_output_is_identical(pool4: Pool) -> None:
 
 
 def test_killed_agent_ranks_move_and_output_is_identical(pool4: Pool) -> None:
-    ref = reference(pool4, FARM, 8, "300")
-    job = submit(pool4, FARM, 8, "300")
+    ref = reference(pool4, FARM, 8, "3000")
+    job = submit(pool4, FARM, 8, "3000")
     d = wait_until(pool4, job, all_running, "all ranks running")
-    victim = d["ranks"][2]["agent"]
-    name = next(
-        p["name"] for p in pool4.pids() if p["name"] == victim or victim.endswith(p["name"])
-    )
-    os.kill(pool4.pid_of(name), signal.SIGKILL)
+    os.kill(pool4.pid_of(agent_name(pool4, d["ranks"][2]["agent"])), signal.SIGKILL)
     d = wait_until(pool4, job, ended, "job end", timeout=180)
     assert d["job"]["state"] == "succeeded", (d, pool4.logs())
     assert output(pool4, job) == ref
@@ -175,10 +180,7 @@ def test_frozen_agent_is_replaced_and_fenced_when_it_wakes(pool4: Pool) -> None:
     job = submit(pool4, HEAT, 8, "3000")
     d = wait_until(pool4, job, all_running, "all ranks running")
     victim = d["ranks"][1]["agent"]
-    name = next(
-        p["name"] for p in pool4.pids() if p["name"] == victim or victim.endswith(p["name"])
-    )
-    pid = pool4.pid_of(name)
+    pid = pool4.pid_of(agent_name(pool4, victim))
     stale = [rank_pid(pool4, r["rank"], job) for r in d["ranks"] if r["agent"] == victim]
     for p in [pid, *stale]:
         os.kill(p, signal.SIGSTOP)
