@@ -71,3 +71,13 @@ def fresh_pool(tmp_path: Path) -> Iterator[Pool]:
         yield p
     finally:
         p.vsdk("local", "down", timeout=60)
+
+
+@pytest.fixture
+def pool4(tmp_path: Path) -> Iterator[Pool]:
+    """A fresh pool of 4 agents and 2 relays (the fault-tolerance tests kill parts of it)."""
+    p = start_pool(tmp_path / "home", agents=4, relays=2)
+    try:
+        yield p
+    finally:
+        p.vsdk("local", "down", timeout=60)

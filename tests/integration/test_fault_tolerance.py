@@ -16,11 +16,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
-from conftest import start_pool
 
 if TYPE_CHECKING:
-    from collections.abc import Iterator
-
     from conftest import Pool
 
 REPO = Path(__file__).resolve().parents[2]
@@ -29,15 +26,6 @@ pytestmark = pytest.mark.slow
 
 HEAT = str(REPO / "examples" / "heat.py")
 FARM = str(REPO / "examples" / "farm.py")
-
-
-@pytest.fixture
-def pool4(tmp_path: Path) -> Iterator[Pool]:
-    p = start_pool(tmp_path / "home", agents=4, relays=2)
-    try:
-        yield p
-    finally:
-        p.vsdk("local", "down", timeout=60)
 
 
 def submit(pool: Pool, program: str, ranks: int, *args: str) -> int:
