@@ -191,6 +191,10 @@ class RankWelcome(_Msg, frozen=True, tag="rank_welcome"):
     incarnation: int
     processor: str = ""
     replay_dets: int = 0  # determinants that follow as Det frames before anything else
+    # A replaying rank: per destination, the highest seq from this rank the relays already hold
+    # (``Attached.stored``). Until it has re-sent that much, the runtime performs asynchronous
+    # sends only as its determinants say (``vpool.sdk.mpi.ft``).
+    replay_sent: dict[int, int] = {}
 
 
 class Abort(_Msg, frozen=True, tag="abort"):

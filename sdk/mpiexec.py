@@ -37,6 +37,8 @@ from vpool.protocol.messages import (
     Abort,
     Ack,
     Data,
+    Det,
+    DetAck,
     Error,
     Finalize,
     Message,
@@ -111,6 +113,7 @@ class _Rank:
         self.hung_up = trio.Event()  # its connection ended (or never began: process gone)
         self.exited = False
         self.finalized = False
+        self.dets: list[bytes] = []  # its determinants (Det.data by index), acked at once
 
 
 class _Router:
@@ -159,7 +162,7 @@ class _Router:
                 await rank.hung_up.wait()
         if code != 0 and self.exit_code is None:
             if code < 0:
-                name = signal.Signals(-code).name if -code in signal.Signals else str(-code)
+                name = _signal_name(-code)
                 self.fail(128 - code, f"rank {rank.index} was killed by signal {name}")
             else:
                 self.fail(code, f"rank {rank.index} exited with code {code}")
@@ -274,6 +277,10 @@ class _Router:
                     run_end = fend
                 elif plen:
                     raise RemoteProtocolError(f"{type(msg).__name__} frame with a payload")
+                elif type(msg) is Det:
+                    await self._flush_run(run_dst, view[run_start:run_end])
+                    run_dst = -1
+                    await self.on_det(rank, sock, msg)
                 else:
                     await self._flush_run(run_dst, view[run_start:run_end])
                     run_dst = -1
@@ -299,6 +306,22 @@ class _Router:
             if n == 0:
                 return
             end += n
+
+    async def on_det(self, rank: _Rank, sock: socket.socket, msg: Det) -> None:
+        """Log a determinant (in memory: nothing here outlives the job) and ack it at once."""
+        if msg.job != JOB or msg.rank != rank.index:
+            raise RemoteProtocolError(f"rank {rank.index} sent a determinant as {msg.rank}")
+        if msg.index == len(rank.dets):
+            rank.dets.append(msg.data)
+        elif msg.index > len(rank.dets):
+            raise RemoteProtocolError(f"determinant {msg.index} after {len(rank.dets) - 1}")
+        await _acquire(rank.lock)
+        try:
+            await _write(sock, _frame(DetAck(JOB, rank.index, len(rank.dets))))
+        except _GONE:
+            pass
+        finally:
+            rank.lock.release()
 
     def _check(self, rank: _Rank, msg: Data) -> None:
         if msg.job != JOB or msg.src != rank.index:
@@ -437,6 +460,13 @@ def _take_acks(rank: _Rank) -> bytes:
     return frames
 
 
+def _signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return str(signum)
+
+
 def _exit_status(code: int) -> int:
     """A process exit status for an MPI error code: nonzero codes never become 0."""
     status = code & 0xFF
@@ -460,6 +490,19 @@ async def run_async(
     """
     if n < 1:
         raise ValueError("need at least one rank")
+    kill = (env or {}).get("VPOOL_MPIEXEC_KILL") or os.environ.get("VPOOL_MPIEXEC_KILL")
+    if kill:
+        # Test bench: kill a rank and restart it with replay (``mpiexec_replay``).
+        from vpool.sdk import mpiexec_replay
+
+        return await mpiexec_replay.run_async(
+            n,
+            argv,
+            kill=mpiexec_replay.parse_kill(kill),
+            env=env,
+            stdout=stdout if isinstance(stdout, int) else (stdout.fileno() if stdout else 1),
+            stderr=stderr if isinstance(stderr, int) else (stderr.fileno() if stderr else 2),
+        )
     command = rank_command(argv)
     err_fd = stderr if isinstance(stderr, int) else (stderr.fileno() if stderr else 2)
     router = _Router(n, err_fd)

@@ -159,8 +159,10 @@ class LocalRank:
         # rank's own determinants pushed back (``Attach.dets_from``).
         self.received: dict[int, int] = {}
         self.dets_in = 0
-        # Determinants the home relay held when this incarnation attached (RankWelcome).
+        # Determinants the home relay held when this incarnation attached, and per destination
+        # the highest seq the relays held from this rank (RankWelcome.replay_dets/replay_sent).
         self.replay_dets = 0
+        self.replay_sent: dict[int, int] = {}
         self.abort: Abort | None = None
         self.finalized = False
         self.hello_seen = False

@@ -200,6 +200,7 @@ class RankProxy:
             incarnation=lease.incarnation,
             processor=self.processor,
             replay_dets=rank.replay_dets,
+            replay_sent=rank.replay_sent,
         )
         session.send(welcome)
         await stream.send_all(encode_small(welcome))

@@ -159,6 +159,11 @@ async def attach(svc: RankServices, rank: LocalRank) -> None:
         attached = await link.attach(rank, home=i == home)
         if i == home:
             rank.replay_dets = attached.dets
+        # What the relays hold from an earlier incarnation of this rank: a replaying runtime
+        # sends asynchronously only as its determinants say until it has re-sent that much.
+        for dst, seq in attached.stored.items():
+            if seq > rank.replay_sent.get(dst, 0):
+                rank.replay_sent[dst] = seq
     rank.route = [links[h] for h in lease.homes]
 
 

@@ -20,6 +20,7 @@ from typing import Any
 from vpool.sdk.mpi import errors
 from vpool.sdk.mpi.comm import Intracomm, _Core
 from vpool.sdk.mpi.constants import THREAD_SERIALIZED
+from vpool.sdk.mpi.ft import K_NAME, K_WTIME
 from vpool.sdk.mpi.request import DoneOp, Request
 from vpool.sdk.mpi.runtime import Engine
 
@@ -52,6 +53,8 @@ def init() -> None:
         eng.job, eng.rank, eng.size = transport.job, transport.rank, transport.size
         eng.transport = transport
         _processor = transport.processor or socket.gethostname()
+        # A restarted rank reads its determinants here, before the program runs.
+        eng.ft.attach(transport, transport.replay_dets, transport.replay_sent)
     else:
         eng = Engine(0, 0, 1)
         _processor = socket.gethostname()
@@ -115,8 +118,14 @@ def abort(code: int = 0, message: str = "") -> None:
 
 
 def wtime() -> float:
-    # One place to read the clock: a message-logging layer records the values it returns.
-    return time.perf_counter()
+    # One place to read the clock: its values are determinants (logged, replayed).
+    eng = _engine
+    if eng is None or eng.transport is None:
+        return time.perf_counter()
+    value = eng.ft.decide(K_WTIME, time.perf_counter)
+    if value is None:
+        eng.ft.missing("Wtime")
+    return float(value)
 
 
 def wtick() -> float:
@@ -124,7 +133,14 @@ def wtick() -> float:
 
 
 def processor_name() -> str:
-    return _processor or socket.gethostname()
+    name = _processor or socket.gethostname()
+    eng = _engine
+    if eng is None or eng.transport is None:
+        return name
+    value = eng.ft.decide(K_NAME, lambda: name)
+    if value is None:
+        eng.ft.missing("Get_processor_name")
+    return str(value)
 
 
 def init_thread(required: int) -> int:

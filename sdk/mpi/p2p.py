@@ -16,6 +16,7 @@ from vpool.protocol.messages import KIND_BUFFER, KIND_PICKLE
 from vpool.sdk.mpi import errors
 from vpool.sdk.mpi.buffers import view_of
 from vpool.sdk.mpi.constants import ANY_SOURCE, ANY_TAG, PROC_NULL, TAG_UB_VALUE
+from vpool.sdk.mpi.ft import K_PROBE
 from vpool.sdk.mpi.request import PROC_NULL_RECV, DoneOp, Prequest, RecvOp, Request
 from vpool.sdk.mpi.serialization import pickle_
 from vpool.sdk.mpi.status import Status
@@ -275,15 +276,35 @@ class CommP2P:
         _recv_tag(tag)
         if w == PROC_NULL:
             return PROC_NULL
-        matcher = h.eng.matcher
-        entry = matcher.probe(h.ctx, w, tag)
-        if entry is None:
-            h.eng.poke()
-            entry = matcher.probe(h.ctx, w, tag)
-            while entry is None and block:
-                h.eng.block()
-                entry = matcher.probe(h.ctx, w, tag)
-        return entry
+        eng = h.eng
+        matcher = eng.matcher
+        ctx = h.ctx
+        if block and w != ANY_SOURCE:
+            # Deterministic: the earliest matching message of one channel (FIFO).
+            entry = matcher.probe(ctx, w, tag)
+            if entry is None:
+                eng.poke()
+                entry = matcher.probe(ctx, w, tag)
+                while entry is None:
+                    eng.block()
+                    entry = matcher.probe(ctx, w, tag)
+            return entry
+
+        def live() -> int | None:
+            entry = matcher.probe(ctx, w, tag)
+            if entry is None:
+                eng.poke()
+                entry = matcher.probe(ctx, w, tag)
+                while entry is None and block:
+                    eng.block()
+                    entry = matcher.probe(ctx, w, tag)
+            return None if entry is None else int(entry[0].src)
+
+        # Whether (and from whom) a message is there is a determinant (``ft``).
+        src = eng.ft.decide(K_PROBE, live, lambda s: matcher.probe(ctx, s, tag) is not None)
+        if src is None:
+            return None
+        return matcher.probe(ctx, src, tag)
 
     def _probe_status(self, entry: Any, status: Status | None) -> None:
         if status is None:

@@ -8,6 +8,8 @@ MPI error, fills the status and returns the received object for lower-case recei
 
 Completion order is decided in one place per call (``Waitany``/``Testany``/``Waitsome``): the
 lowest index among completed requests, so the choice depends only on which messages arrived.
+Which had arrived is a matter of timing: every such outcome (and every test of a request that
+is not trivially complete) is a determinant (``ft.FT.decide``): logged live, obeyed on replay.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import Any
 from vpool.protocol.messages import Data
 from vpool.sdk.mpi import errors
 from vpool.sdk.mpi.constants import ANY_SOURCE, ANY_TAG, PROC_NULL, UNDEFINED
+from vpool.sdk.mpi.ft import K_ANY, K_SOME, K_TEST
 from vpool.sdk.mpi.serialization import pickle_
 from vpool.sdk.mpi.status import Status
 
@@ -153,9 +156,7 @@ class Request:
         if request is not None and not isinstance(request, Request):
             raise TypeError(f"expected a Request, got {type(request).__name__}")
         self._op: Any = request._op if request is not None else None
-        self._start: Callable[[], Any] | None = (
-            request._start if request is not None else None
-        )
+        self._start: Callable[[], Any] | None = request._start if request is not None else None
 
     @classmethod
     def _of(cls, op: Any) -> Request:
@@ -230,10 +231,17 @@ class Request:
 
     def _test(self) -> bool:
         op = self._op
-        if op is None or op.done:
+        if op is None or type(op) is DoneOp:
             return True
-        _engine().poke()
-        return bool(op.done)
+        eng = _engine()
+
+        def live() -> bool | None:
+            if op.done:
+                return True
+            eng.poke()
+            return True if op.done else None
+
+        return eng.ft.decide(K_TEST, live, lambda _: op.done) is not None
 
     def Wait(self, status: Status | None = None) -> bool:
         self._complete(status)
@@ -370,10 +378,7 @@ class Request:
     def Get_status_any(
         cls, requests: Sequence[Request], status: Status | None = None
     ) -> tuple[int, bool]:
-        index, found = _first_done(requests)
-        if not found:
-            _engine().poke()
-            index, found = _first_done(requests)
+        index, found = _any(requests, block=False)
         if found and status is not None:
             if index == UNDEFINED:
                 status._fill(ANY_SOURCE, ANY_TAG, 0)
@@ -394,13 +399,10 @@ class Request:
     get_status_all = Get_status_all
 
     @classmethod
-    def Get_status_some(
-        cls, requests: Sequence[Request], statuses: Any = None
-    ) -> list[int] | None:
+    def Get_status_some(cls, requests: Sequence[Request], statuses: Any = None) -> list[int] | None:
         if not any(r._op is not None for r in requests):
             return None
-        _engine().poke()
-        done = [i for i, r in enumerate(requests) if r._op is not None and r._op.done]
+        done = _done_some(requests, block=False)
         for i, st in zip(done, _statuses(statuses, len(done)), strict=True):
             requests[i].Get_status(st)
         return done
@@ -437,15 +439,21 @@ def _waitall(requests: Sequence[Request], statuses: list[Status] | None) -> list
 def _testall(
     requests: Sequence[Request], statuses: list[Status] | None
 ) -> tuple[bool, list[Any] | None]:
-    eng = None
-    for req in requests:
-        op = req._op
-        if op is not None and not op.done:
-            if eng is None:
-                eng = _engine()
-                eng.poke()
-            if not op.done:
-                return (False, None)
+    active = [r._op for r in requests if r._op is not None and type(r._op) is not DoneOp]
+    if active:
+        eng = _engine()
+
+        def all_done() -> bool:
+            return all(op.done for op in active)
+
+        def live() -> bool | None:
+            if all_done():
+                return True
+            eng.poke()
+            return True if all_done() else None
+
+        if eng.ft.decide(K_TEST, live, lambda _: all_done()) is None:
+            return (False, None)
     return (True, _waitall(requests, statuses))
 
 
@@ -461,15 +469,58 @@ def _first_done(requests: Sequence[Request]) -> tuple[int, bool]:
     return UNDEFINED, not active
 
 
-def _waitany(requests: Sequence[Request], status: Status | None) -> tuple[int, Any]:
-    index, found = _first_done(requests)
-    if not found:
-        eng = _engine()
-        eng.poke()
+def _any(requests: Sequence[Request], block: bool) -> tuple[int, bool]:
+    """Which request completes first (a determinant): (index, True), (UNDEFINED, True) when all
+    are null, (UNDEFINED, False) when none is complete and ``block`` is false."""
+    if all(r._op is None for r in requests):
+        return UNDEFINED, True
+    eng = _engine()
+
+    def live() -> int | None:
         index, found = _first_done(requests)
-        while not found:
-            eng.block()
+        if not found:
+            eng.poke()
             index, found = _first_done(requests)
+            while block and not found:
+                eng.block()
+                index, found = _first_done(requests)
+        return index if found else None
+
+    def ready(index: int) -> bool:
+        op = requests[index]._op
+        return op is None or bool(op.done)
+
+    index = eng.ft.decide(K_ANY, live, ready)
+    if index is None:
+        return UNDEFINED, False
+    return int(index), True
+
+
+def _done_some(requests: Sequence[Request], block: bool) -> list[int]:
+    """Indices of the complete requests (a determinant); some are active."""
+    eng = _engine()
+
+    def done_now() -> list[int]:
+        return [i for i, r in enumerate(requests) if r._op is not None and r._op.done]
+
+    def live() -> list[int] | None:
+        done = done_now()
+        if not done:
+            eng.poke()
+            done = done_now()
+            while block and not done:
+                eng.block()
+                done = done_now()
+        return done or None
+
+    def ready(done: list[int]) -> bool:
+        return all(requests[i]._op is None or requests[i]._op.done for i in done)
+
+    return list(eng.ft.decide(K_SOME, live, ready) or [])
+
+
+def _waitany(requests: Sequence[Request], status: Status | None) -> tuple[int, Any]:
+    index, _ = _any(requests, block=True)
     if index == UNDEFINED:
         if status is not None:
             status._fill(ANY_SOURCE, ANY_TAG, 0)
@@ -478,10 +529,7 @@ def _waitany(requests: Sequence[Request], status: Status | None) -> tuple[int, A
 
 
 def _testany(requests: Sequence[Request], status: Status | None) -> tuple[int, bool, Any]:
-    index, found = _first_done(requests)
-    if not found:
-        _engine().poke()
-        index, found = _first_done(requests)
+    index, found = _any(requests, block=False)
     if not found:
         return UNDEFINED, False, None
     if index == UNDEFINED:
@@ -494,20 +542,9 @@ def _testany(requests: Sequence[Request], status: Status | None) -> tuple[int, b
 def _some(
     requests: Sequence[Request], statuses: list[Status] | None, block: bool
 ) -> tuple[list[int] | None, list[Any] | None]:
-    def ready() -> tuple[list[int], bool]:
-        done = [i for i, r in enumerate(requests) if r._op is not None and r._op.done]
-        return done, any(r._op is not None for r in requests)
-
-    done, active = ready()
-    if not active:
+    if not any(r._op is not None for r in requests):
         return None, None
-    if not done:
-        eng = _engine()
-        eng.poke()
-        done, _ = ready()
-        while block and not done:
-            eng.block()
-            done, _ = ready()
+    done = _done_some(requests, block)
     sts = _statuses(statuses, len(done))
     results = [requests[i]._complete(st) for i, st in zip(done, sts, strict=True)]
     return done, results

@@ -22,6 +22,8 @@ from typing import Any
 
 from vpool.protocol.messages import KIND_BUFFER, Data
 from vpool.sdk.mpi import errors
+from vpool.sdk.mpi.constants import ANY_SOURCE
+from vpool.sdk.mpi.ft import BATCH, FT
 from vpool.sdk.mpi.matching import Matcher
 from vpool.sdk.mpi.transport import Transport
 
@@ -44,8 +46,21 @@ class SyncSendOp:
 
 
 class Engine:
-    __slots__ = ("advancing", "job", "local_seq", "matcher", "next_ctx", "notices", "rank",
-                 "schedules", "size", "syncs", "transport")
+    __slots__ = (
+        "advancing",
+        "early",
+        "ft",
+        "job",
+        "local_seq",
+        "matcher",
+        "next_ctx",
+        "notices",
+        "rank",
+        "schedules",
+        "size",
+        "syncs",
+        "transport",
+    )
 
     def __init__(self, job: int, rank: int, size: int) -> None:
         self.job = job
@@ -59,11 +74,13 @@ class Engine:
         # Synchronous sends waiting for their notice, by (destination world rank, seq).
         self.syncs: dict[tuple[int, int], SyncSendOp] = {}
         self.notices: list[tuple[int, int]] = []  # (source, seq) of matched synchronous messages
+        self.early: set[tuple[int, int]] = set()  # notices that came before their send
         self.local_seq = 0  # seq numbers of messages to self (they never reach the transport)
         # Open non-blocking collectives (``sched.Schedule``): every blocking wait advances them,
         # so a rank blocked in, say, Recv still sends the rounds its peers' collectives need.
         self.schedules: list[Any] = []
         self.advancing = False
+        self.ft = FT(self)  # determinants: logging live, obeying them on replay
 
     # ---- sending -------------------------------------------------------------------------
 
@@ -90,7 +107,12 @@ class Engine:
             self._send_local(ctx, tag, kind, parts, bufs, self.local_seq)
         elif self.transport is not None:
             self.transport.send_data(dst, ctx, tag, kind, parts, bufs, n)
-            self.syncs[(dst, self.transport.sent[dst])] = op
+            key = (dst, self.transport.sent[dst])
+            if key in self.early:
+                self.early.discard(key)
+                op.done = True
+            else:
+                self.syncs[key] = op
         else:
             raise errors.MPIException(errors.ERR_OTHER, "MPI is not initialized or finalized")
         return op
@@ -103,6 +125,8 @@ class Engine:
         msg = Data(self.job, self.rank, self.rank, seq, ctx, tag, kind, parts)
         op = self.matcher.arrive(msg)
         if op is not None:
+            if op.src == ANY_SOURCE:
+                self.ft.matched(op, msg.src)
             self._matched(msg)
             op.complete(msg, payload)
         else:
@@ -121,16 +145,21 @@ class Engine:
                 self.notices.append((msg.src, msg.seq))
 
     def _flush_notices(self) -> None:
-        notices = self.notices
-        transport = self.transport
-        while notices and transport is not None:
-            src, seq = notices.pop(0)
-            transport.send_data(src, CTX_MATCHED, seq, KIND_BUFFER, [], [], 0)
+        # Asynchronous sends: logged, or on replay made where the log says (``ft``).
+        self.ft.send_notices()
+
+    def _send_notice(self, src: int, seq: int) -> None:
+        if self.transport is not None:
+            self.transport.send_data(src, CTX_MATCHED, seq, KIND_BUFFER, [], [], 0)
 
     def _on_notice(self, msg: Data) -> None:
         op = self.syncs.pop((msg.src, msg.tag), None)
         if op is not None:
             op.done = True
+        else:
+            # Before its send registered: while a large send was still being written, or on
+            # replay, where notices of logged messages come again before they are re-sent.
+            self.early.add((msg.src, msg.tag))
 
     def claim(self, entry: Any) -> None:
         """A matched probe took ``entry`` out of the unexpected queue."""
@@ -142,8 +171,12 @@ class Engine:
 
     def post(self, op: Any) -> None:
         """Post a receive: it takes a queued message now or waits in the posted queue."""
+        if op.src == ANY_SOURCE:
+            self.ft.any_post(op)  # replay: the logged source; live: log the match
         entry = self.matcher.post(op)
         if entry is not None:
+            if op.src == ANY_SOURCE:
+                self.ft.matched(op, entry[0].src)
             self._matched(entry[0])
             op.complete(entry[0], entry[1])
             self._flush_notices()
@@ -151,12 +184,17 @@ class Engine:
     def wait(self, op: Any) -> None:
         """Make progress until ``op.done``."""
         transport = self.transport
+        ft = self.ft
         while not op.done:
             if transport is None:
                 raise _no_peers()
             self.advance_schedules()
             if op.done:
                 break
+            if ft.replaying and ft.pump():
+                continue
+            if ft.pending:
+                ft.flush()  # records go out before blocking: acked while we wait
             transport.progress(True)
             if self.notices:
                 self._flush_notices()
@@ -166,6 +204,11 @@ class Engine:
         if self.transport is None:
             raise _no_peers()
         self.advance_schedules()
+        ft = self.ft
+        if ft.replaying and ft.pump():
+            return
+        if ft.pending:
+            ft.flush()
         self.transport.progress(True)
         if self.notices:
             self._flush_notices()
@@ -176,6 +219,8 @@ class Engine:
             self.transport.progress(False)
             if self.notices:
                 self._flush_notices()
+            if len(self.ft.pending) >= BATCH:
+                self.ft.flush()
         self.advance_schedules()
 
     def advance_schedules(self) -> None:
@@ -198,6 +243,8 @@ class Engine:
             return
         op = self.matcher.arrive(msg)
         if op is not None:
+            if op.src == ANY_SOURCE:
+                self.ft.matched(op, msg.src)
             self._matched(msg)
             op.complete_view(msg, view)
         else:
@@ -206,6 +253,8 @@ class Engine:
     def on_header(self, msg: Data, nbytes: int) -> tuple[memoryview, Any]:
         op = self.matcher.arrive(msg)
         if op is not None:
+            if op.src == ANY_SOURCE:
+                self.ft.matched(op, msg.src)
             self._matched(msg)
             target = op.direct(nbytes)
             if target is not None:
@@ -223,6 +272,8 @@ class Engine:
             if op is None:
                 self.matcher.stash(msg, view.obj)
                 return
+            if op.src == ANY_SOURCE:
+                self.ft.matched(op, msg.src)
             self._matched(msg)
         op.complete(msg, view)
 

@@ -89,7 +89,7 @@ def run(h: Any, algo: Algo) -> Any:
 class Schedule:
     """The operation of a non-blocking collective's request (see the module docstring)."""
 
-    __slots__ = ("_algo", "_busy", "_done", "_eng", "_error", "_pending", "result")
+    __slots__ = ("_algo", "_busy", "_done", "_eng", "_error", "_ft", "_pending", "_sid", "result")
 
     source = ANY_SOURCE
 
@@ -100,6 +100,9 @@ class Schedule:
         self._busy = False
         self._error: BaseException | None = None
         self._eng = eng
+        # Every step after the first is an asynchronous send (``ft``): logged, or replayed.
+        self._ft = eng.ft if eng is not None else None
+        self._sid = self._ft.new_schedule() if self._ft is not None else 0
         self.result: Any = None
         self._advance(first=True)
         if not self._done and eng is not None:
@@ -132,9 +135,12 @@ class Schedule:
         try:
             if first:
                 self._pending = next(algo)
+            ft = self._ft
             while all(op.done for op in self._pending):
                 for op in self._pending:
                     check(op)
+                if ft is not None and not ft.may_step(self):
+                    break
                 self._pending = algo.send(None)
         except StopIteration as stop:
             self.result = stop.value

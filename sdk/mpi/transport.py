@@ -34,6 +34,8 @@ from vpool.protocol.messages import (
     Abort,
     Ack,
     Data,
+    Det,
+    DetAck,
     Error,
     Finalize,
     Message,
@@ -105,6 +107,14 @@ class Transport:
         self._fd = sock.fileno()
         self._poll.register(self._fd, select.POLLIN)
         self.closed = False
+        # Determinants (``ft``): written, acknowledged, and the ack count a deposit may go out
+        # at (``det_need == det_acked``: the one comparison of the fast path).
+        self.ft: Any = None
+        self.det_sent = 0
+        self.det_acked = 0
+        self.det_need = 0
+        self.replay_dets = welcome.replay_dets
+        self.replay_sent = welcome.replay_sent
 
     # ---- opening -------------------------------------------------------------------------
 
@@ -131,6 +141,8 @@ class Transport:
         self, dst: int, ctx: int, tag: int, kind: int, parts: list[int], bufs: list[Any], n: int
     ) -> None:
         """Deposit one message; returns once every byte is handed to the socket."""
+        if self.det_need != self.det_acked:
+            self.ft.before_data()  # pessimistic rule: every determinant acked first
         seq = self.sent[dst] + 1
         self.sent[dst] = seq
         header = encode(Data(self.job, self.rank, dst, seq, ctx, tag, kind, parts))
@@ -141,6 +153,20 @@ class Transport:
             self._write([head, bufs[0]], len(head) + n)
         else:
             self._write([head, *bufs], len(head) + n)
+
+    def send_det(self, index: int, data: bytes) -> None:
+        self.send_message(Det(self.job, self.rank, index, data))
+        self.det_sent += 1
+
+    def wait_det_acks(self) -> None:
+        """Wait until every determinant written is acknowledged, handling what arrives."""
+        while self.det_acked < self.det_sent:
+            self._read(0)
+
+    def wait_dets(self, n: int) -> None:
+        """Read until the ``n`` determinants of a replay are in (``Data`` goes to the engine)."""
+        while self.ft.loaded < n:
+            self._read(0)
 
     def send_message(self, msg: Message) -> None:
         header = encode(msg)
@@ -303,6 +329,13 @@ class Transport:
         if type(msg) is Ack:
             if msg.src == self.rank and 0 <= msg.dst < self.size and msg.seq > self.acked[msg.dst]:
                 self.acked[msg.dst] = msg.seq
+        elif type(msg) is DetAck:
+            if msg.count > self.det_acked:
+                self.det_acked = msg.count
+        elif type(msg) is Det:
+            if self.ft is None or msg.index < self.ft.loaded:
+                return  # a determinant this rank already has
+            self.ft.load(msg.index, msg.data)
         elif type(msg) is Stop:
             die(f"stopped: {msg.reason}")
         elif type(msg) is Error:

@@ -35,7 +35,7 @@ FT_PROGRAM = textwrap.dedent(
     send(m.RankHello(version=m.PROTOCOL_VERSION, secret=os.environ["VPOOL_RANK_SECRET"]))
     w = recv()
     job, me = w.job, w.rank
-    say(welcome=[w.incarnation, w.replay_dets])
+    say(welcome=[w.incarnation, w.replay_dets], replay_sent=w.replay_sent)
     mode = sys.argv[1]
     if mode == "det":
         for _ in range(w.replay_dets):

@@ -51,7 +51,7 @@ async def test_determinants_both_ways_and_replay_count(
     assert (attach.home, attach.received, attach.dets_from) == (True, {}, 0)
     # An earlier incarnation logged two determinants: they follow Attached, before the rank
     # even runs, and reach it right after its welcome, which announces them.
-    await conn.send(Attached(job=7, rank=0, incarnation=1, dets=2))
+    await conn.send(Attached(job=7, rank=0, incarnation=1, stored={1: 4}, dets=2))
     await conn.send(Det(job=7, rank=0, index=0, data=b"d0"))
     await conn.send(Det(job=7, rank=0, index=1, data=b"d1"))
 
@@ -67,7 +67,7 @@ async def test_determinants_both_ways_and_replay_count(
     assert done.code == 0
     out = lines(coordinator.output_of(7, 0))
     assert out[:5] == [
-        {"welcome": [1, 2]},
+        {"welcome": [1, 2], "replay_sent": {"1": 4}},
         {"got": ["Det", 7, 0, 0, "d0"]},
         {"got": ["Det", 7, 0, 1, "d1"]},
         {"got": ["DetAck", 7, 0, 3]},

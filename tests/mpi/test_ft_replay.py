@@ -1,0 +1,68 @@
+"""Restart with replay through the router (``VPOOL_MPIEXEC_KILL``, ``sdk/mpiexec_replay.py``):
+each program is killed at some point on some rank and restarted; it must end as an unkilled run
+does, without the router seeing a re-sent message that differs from the logged one."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.mpi.test_mpi import mpiexec
+
+CASES = [
+    ("farm.py", 4, "farm ok 300\n", ["0:1", "0:150", "2:10", "3:1"]),
+    ("ft_poll.py", 3, "poll ok 1305\n", ["0:10", "1:7", "2:25"]),
+    ("ft_halo.py", 4, "halo ok 384.000000\n", ["0:30", "3:100"]),
+    ("ft_nbc.py", 3, "nbc ok 975.0\n", ["0:10", "1:40", "2:77"]),
+    ("ft_issend.py", 3, "issend ok 1395\n", ["0:10", "1:7", "2:59"]),
+]
+
+
+@pytest.mark.parametrize(
+    ("program", "n", "expected", "kill"),
+    [(p, n, e, k) for p, n, e, kills in CASES for k in kills],
+)
+async def test_killed_rank_replays(program: str, n: int, expected: str, kill: str) -> None:
+    res = await mpiexec(n, program, env={"VPOOL_MPIEXEC_KILL": kill}, deadline=90)
+    assert res.returncode == 0, res
+    assert res.stdout == expected, res
+    rank = kill.split(":")[0]
+    assert f"restarting rank {rank} (incarnation 2) with replay" in res.stderr, res
+    assert "not deterministic" not in res.stderr, res
+
+
+@pytest.mark.parametrize(("program", "n", "expected"), [(p, n, e) for p, n, e, _ in CASES])
+async def test_unkilled_runs_agree(program: str, n: int, expected: str) -> None:
+    res = await mpiexec(n, program)
+    assert res.returncode == 0, res
+    assert res.stdout == expected, res
+
+
+async def test_replay_router_without_kill_is_transparent() -> None:
+    # "RANK:0" never fires: the logging router alone, determinants acked, nothing restarted.
+    res = await mpiexec(3, "ft_poll.py", env={"VPOOL_MPIEXEC_KILL": "0:0"})
+    assert res.returncode == 0, res
+    assert res.stdout == "poll ok 1305\n", res
+    assert "restarting" not in res.stderr, res
+
+
+async def test_nondeterministic_program_fails_clearly() -> None:
+    res = await mpiexec(2, "ft_random.py", env={"VPOOL_MPIEXEC_KILL": "0:20"})
+    assert res.returncode != 0, res
+    assert (
+        "program is not deterministic: rank 0 re-sent message 1 to rank 1 (channel 0->1) "
+        "with different content" in res.stderr
+    ), res
+
+
+async def test_output_shown_once() -> None:
+    # Rank 0 prints one line per task handed out; the restarted rank prints them again, the
+    # router shows only what is new.
+    res = await mpiexec(3, "ft_print.py", env={"VPOOL_MPIEXEC_KILL": "0:20"})
+    assert res.returncode == 0, res
+    assert res.stdout == "".join(f"line {i}\n" for i in range(40)) + "print ok\n", res
+
+
+async def test_bad_kill_spec_is_refused() -> None:
+    res = await mpiexec(2, "ft_print.py", env={"VPOOL_MPIEXEC_KILL": "x"})
+    assert res.returncode != 0
+    assert "expected RANK:MESSAGES" in res.stderr, res
