@@ -82,6 +82,7 @@ class Agent:
             ranks=self.ranks,
             socket_path=self.socket_path,
             report_problem=self.report_problem,
+            release_slot=self._release_slot,
         )
         self.proxy = RankProxy(
             self.ranks, processor=socket.gethostname(), max_payload=settings.max_payload
@@ -187,8 +188,14 @@ class Agent:
             # rank's runner already reported it as a problem.
             log.exception("running %s failed", rank.label)
         finally:
-            self.busy -= 1
-            self._slot_freed.set()
+            self._release_slot(rank)
+
+    def _release_slot(self, rank: LocalRank) -> None:
+        if rank.slot_released:
+            return
+        rank.slot_released = True
+        self.busy -= 1
+        self._slot_freed.set()
 
     async def heartbeat_loop(self) -> None:
         """Heartbeat every interval. While the coordinator is unreachable (restarting), retry

@@ -166,6 +166,7 @@ class LocalRank:
         self.abort: Abort | None = None
         self.finalized = False
         self.hello_seen = False
+        self.slot_released = False
         self.conn_done = trio.Event()
         self.stop_reason: str | None = None
         self.stop_requested = trio.Event()

@@ -78,6 +78,9 @@ class RankServices:
     ranks: LocalRanks
     socket_path: Path
     report_problem: Callable[[LocalRank, str], Awaitable[None]]
+    # Called once the rank's process is gone and its exit is reported: its slot is free for the
+    # next lease (a replacement of a lost rank, often) while the clean-up goes on.
+    release_slot: Callable[[LocalRank], None] = lambda rank: None
 
 
 @dataclass
@@ -180,6 +183,7 @@ async def run_rank(svc: RankServices, rank: LocalRank) -> None:
             return
         code, message, lost = await execute(svc, rank, prepared)
         await _upload_results(svc, rank, prepared, code, message, lost)
+        svc.release_slot(rank)
     except BaseException as exc:
         # Cancelled (possibly inside exception groups) means the agent is shutting down; the
         # coordinator hears it now rather than after a heartbeat timeout.
@@ -340,9 +344,15 @@ async def _upload_results(
     svc: RankServices, rank: LocalRank, prepared: Prepared, code: int, message: str, lost: bool
 ) -> None:
     lease, settings, client = rank.lease, svc.settings, svc.client
-    data, skipped = await trio.to_thread.run_sync(
-        lambda: bundle.results_zip(
-            prepared.work, prepared.before, max_bytes=settings.max_results_bytes
+    # A lost rank's files are nobody's results (its replacement makes them again): its exit
+    # report goes at once, so the replacement starts sooner.
+    data, skipped = (
+        (None, [])
+        if lost
+        else await trio.to_thread.run_sync(
+            lambda: bundle.results_zip(
+                prepared.work, prepared.before, max_bytes=settings.max_results_bytes
+            )
         )
     )
     if skipped:

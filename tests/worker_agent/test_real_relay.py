@@ -260,14 +260,15 @@ async def test_determinants_are_logged_and_replayed_to_the_next_incarnation(
     assert [(e.incarnation, e.code) for e in coordinator.exits] == [(1, 0), (2, 0)]
     out1, out2 = (lines(coordinator.output_of(7, 0, incarnation=i)) for i in (1, 2))
     assert out1[:3] == [
-        {"welcome": [1, 0]},
+        {"welcome": [1, 0], "replay_sent": {}},
         {"got": ["DetAck", 7, 0, 1]},
         {"got": ["Ack", 7, 0, 1, 1]},
     ]
     # The second incarnation is told of the logged determinant and gets it first; its own
-    # next one is index 1, and its re-sent message (same bytes) is acknowledged again.
+    # next one is index 1, and its re-sent message (same bytes) is acknowledged again; the
+    # relay's log holds its predecessor's message to rank 1 (replay_sent).
     assert out2[:4] == [
-        {"welcome": [2, 1]},
+        {"welcome": [2, 1], "replay_sent": {"1": 1}},
         {"got": ["Det", 7, 0, 0, "live"]},
         {"got": ["DetAck", 7, 0, 2]},
         {"got": ["Ack", 7, 0, 1, 1]},
