@@ -83,6 +83,7 @@ class Agent:
             socket_path=self.socket_path,
             report_problem=self.report_problem,
             release_slot=self._release_slot,
+            state_changed=self._beat_now,
         )
         self.proxy = RankProxy(
             self.ranks, processor=socket.gethostname(), max_payload=settings.max_payload
@@ -189,6 +190,10 @@ class Agent:
             log.exception("running %s failed", rank.label)
         finally:
             self._release_slot(rank)
+
+    def _beat_now(self) -> None:
+        """Send a heartbeat now (the held one, or the pause after it, ends)."""
+        self._beat.cancel()
 
     def _release_slot(self, rank: LocalRank) -> None:
         if rank.slot_released:

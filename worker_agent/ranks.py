@@ -81,6 +81,9 @@ class RankServices:
     # Called once the rank's process is gone and its exit is reported: its slot is free for the
     # next lease (a replacement of a lost rank, often) while the clean-up goes on.
     release_slot: Callable[[LocalRank], None] = lambda rank: None
+    # Called when a rank's state changes (it started running): the coordinator hears it at once
+    # (a replacement counts as running from then on), not at the next heartbeat.
+    state_changed: Callable[[], None] = lambda: None
 
 
 @dataclass
@@ -255,6 +258,7 @@ async def execute(svc: RankServices, rank: LocalRank, prepared: Prepared) -> tup
     stdin.close()
     rank.state = "running"
     rank.pid = process.pid
+    svc.state_changed()
     log.info("started %s (pid %d)", rank.label, process.pid)
     pump = OutputPump(lease, functools.partial(_post_output, svc.client, rank))
     try:
