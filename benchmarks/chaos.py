@@ -47,6 +47,8 @@ class Fault:
     what: str  # rank | agent | relay | coordinator
     target: str
     pid: int
+    wall: float = 0.0  # time.time() of the kill (the coordinator's event clock)
+    rank: int | None = None  # the MPI rank of a killed rank process
 
 
 @dataclass
@@ -107,6 +109,17 @@ def _cmdline(pid: int) -> list[str]:
             return [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
     except OSError:
         return []
+
+
+def _rank_of(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            for item in f.read().split(b"\0"):
+                if item.startswith(b"VPOOL_RANK="):
+                    return int(item.split(b"=", 1)[1])
+    except (OSError, ValueError):
+        pass
+    return None
 
 
 def _kill(pid: int) -> bool:
@@ -201,8 +214,13 @@ class Chaos:
             ranks = self.pool.rank_pids(self.opts.program)
             if ranks:
                 agent, pid = self.rng.choice(ranks)
+                mpi_rank = _rank_of(pid)
                 if _kill(pid):
-                    self.faults.append(Fault(now, "rank", f"rank process on {agent}", pid))
+                    self.faults.append(
+                        Fault(
+                            now, "rank", f"rank {mpi_rank} on {agent}", pid, time.time(), mpi_rank
+                        )
+                    )
         if now >= self.next_agent:
             self.next_agent = self._after(self.opts.kill_agent_every)
             agents = {n: p for n, p in self.pool.processes().items() if n.startswith("agent-")}
@@ -227,6 +245,20 @@ class Chaos:
         for name in list(self.agent_back):
             self.pool.vsdk("local", "restart", name, check=False)
         self.agent_back.clear()
+
+
+def replacement_times(faults: list[Fault], events: list[dict]) -> list[float]:
+    """For each killed rank process: seconds from the kill to the coordinator's event saying the
+    rank's next incarnation runs (both clocks are this machine's)."""
+    out = []
+    for f in faults:
+        if f.what != "rank" or f.rank is None:
+            continue
+        for e in events:
+            if e.get("kind") == "rank_running" and e.get("rank") == f.rank and e["time"] > f.wall:
+                out.append(e["time"] - f.wall)
+                break
+    return out
 
 
 def main() -> int:
@@ -296,6 +328,13 @@ def main() -> int:
         + ", ".join(f"{f.what} {f.target} at {f.at:.1f} s" for f in chaos.faults)
     )
     print(f"job events      {kinds}")
+    waits = replacement_times(chaos.faults, events)
+    if waits:
+        waits.sort()
+        print(
+            f"rank kill -> replacement running: median {waits[len(waits) // 2]:.2f} s, "
+            f"max {waits[-1]:.2f} s over {len(waits)} kills"
+        )
     print(f"output          {'identical' if identical else 'DIFFERENT'} ({len(out)} bytes)")
     if opts.json:
         Path(opts.json).write_text(
