@@ -121,7 +121,17 @@ def _m2_fault_tolerance(db: sqlite_utils.Database) -> None:
         db.execute(sql)
 
 
-MIGRATIONS: list[Callable[[sqlite_utils.Database], None]] = [_m1_initial, _m2_fault_tolerance]
+def _m3_fault_tolerance_switch(db: sqlite_utils.Database) -> None:
+    """Jobs submitted with fault tolerance off (``JobSubmit.fault_tolerance``): no logging, a
+    lost rank fails the job. Jobs from before were all fault tolerant."""
+    db.execute("ALTER TABLE jobs ADD COLUMN fault_tolerance INTEGER NOT NULL DEFAULT 1")
+
+
+MIGRATIONS: list[Callable[[sqlite_utils.Database], None]] = [
+    _m1_initial,
+    _m2_fault_tolerance,
+    _m3_fault_tolerance_switch,
+]
 
 
 def current_version(db: sqlite_utils.Database) -> int:

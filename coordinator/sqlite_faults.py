@@ -208,11 +208,13 @@ class FaultsMixin:
     ) -> bool:
         """End the rank's current incarnation as lost. In a running job, the rank gets a new
         incarnation waiting for a slot (avoiding the old agent if it is ``suspect``), unless
-        the job has had ``max_restarts`` restarts already: then the job fails."""
+        the job has had ``max_restarts`` restarts already or runs with fault tolerance off: then
+        the job fails."""
         with self.db.atomic():
             row = self._one(
-                "SELECT r.state, r.incarnation, r.agent, j.state AS job_state, j.restarts "
-                "FROM ranks r JOIN jobs j ON j.id = r.job WHERE r.job = ? AND r.rank = ?",
+                "SELECT r.state, r.incarnation, r.agent, j.state AS job_state, j.restarts, "
+                "j.fault_tolerance FROM ranks r JOIN jobs j ON j.id = r.job "
+                "WHERE r.job = ? AND r.rank = ?",
                 [job, rank],
             )
             if row is None or row["state"] not in scheduler.ACTIVE_RANK_STATES:
@@ -225,18 +227,20 @@ class FaultsMixin:
                 [now, reason, exit_code, job, rank, incarnation],
             )
             self._event(job, now, "rank_lost", reason, rank)
-            if row["job_state"] != "running" or row["restarts"] >= self.max_restarts:
+            if not row["fault_tolerance"]:
+                why = f"{reason} (fault tolerance is off for this job)"
+            elif row["restarts"] >= self.max_restarts:
+                why = (
+                    f"{reason} (not restarted: the job had {row['restarts']} restarts, "
+                    f"max_restarts is {self.max_restarts})"
+                )
+            else:
+                why = ""
+            if row["job_state"] != "running" or why:
                 self.db.execute(
                     "UPDATE ranks SET state = 'lost' WHERE job = ? AND rank = ?", [job, rank]
                 )
-                self._end(
-                    job,
-                    "failed",
-                    None,
-                    f"{reason} (not restarted: the job had {row['restarts']} restarts, "
-                    f"max_restarts is {self.max_restarts})",
-                    now,
-                )
+                self._end(job, "failed", None, why or reason, now)
                 return True
             self.db.execute("UPDATE jobs SET restarts = restarts + 1 WHERE id = ?", [job])
             self.db.execute(

@@ -78,7 +78,7 @@ class JobsMixin(FaultsMixin):
         with self.db.atomic():
             cursor = self.db.execute(
                 "INSERT INTO jobs (user, name, state, ranks, bundle, entry, args, stdin, "
-                "created) VALUES (?, ?, 'queued', ?, ?, ?, ?, ?, ?)",
+                "created, fault_tolerance) VALUES (?, ?, 'queued', ?, ?, ?, ?, ?, ?, ?)",
                 [
                     user,
                     sub.name,
@@ -88,6 +88,7 @@ class JobsMixin(FaultsMixin):
                     json.dumps(sub.args),
                     sub.stdin,
                     now,
+                    int(sub.fault_tolerance),
                 ],
             )
             job_id = int(cursor.lastrowid or 0)
@@ -96,7 +97,8 @@ class JobsMixin(FaultsMixin):
                     "INSERT INTO ranks (job, rank, state) VALUES (?, ?, 'pending')",
                     [job_id, rank],
                 )
-            self._event(job_id, now, "queued", f"submitted by {user}: {sub.ranks} ranks")
+            off = "" if sub.fault_tolerance else ", fault tolerance off"
+            self._event(job_id, now, "queued", f"submitted by {user}: {sub.ranks} ranks{off}")
         info = self.job_info(job_id)
         assert info is not None
         return info
@@ -226,6 +228,7 @@ class JobsMixin(FaultsMixin):
                         stdin=job["stdin"],
                         relays=job["relays"],
                         homes=job["homes"],
+                        env=job["env"],
                     )
                 )
                 self.db.execute(
@@ -255,6 +258,8 @@ class JobsMixin(FaultsMixin):
             "stdin": job["stdin"],
             "relays": [info[n] for n in names],
             "homes": [homes[r] for r in range(job["ranks"])],
+            # The rank runtime reads it once at Init: no determinants, no waiting for DetAck.
+            "env": {} if job["fault_tolerance"] else {"VPOOL_FT": "0"},
         }
 
     # -- agent reports ------------------------------------------------------------------------
@@ -453,4 +458,5 @@ def _info(row: dict[str, Any]) -> api.JobInfo:
         created=row["created"],
         started=row["started"],
         finished=row["finished"],
+        fault_tolerance=bool(row["fault_tolerance"]),
     )

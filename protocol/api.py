@@ -85,6 +85,8 @@ class JobSubmit(msgspec.Struct, frozen=True):
     args: list[str] = []
     stdin: str | None = None
     name: str = ""
+    # False: no determinant logging (ranks get VPOOL_FT=0) and a lost rank fails the job.
+    fault_tolerance: bool = True
 
 
 class JobInfo(msgspec.Struct, frozen=True):
@@ -98,6 +100,7 @@ class JobInfo(msgspec.Struct, frozen=True):
     created: float
     started: float | None
     finished: float | None
+    fault_tolerance: bool = True
 
 
 class RankInfo(msgspec.Struct, frozen=True):

@@ -141,7 +141,9 @@ def info(settings: Settings, as_json: bool) -> None:
 def mpiexec(ranks: int, stdin: Path | None, argv: tuple[str, ...]) -> None:
     """Run a program like `mpiexec -n N`, on this machine, without any MPI installed.
 
-    ARGV is the program and its arguments (a leading `python` is optional).
+    ARGV is the program and its arguments (a leading `python` is optional). The ranks log
+    their determinants as on a pool; VPOOL_FT=0 in the environment turns that off, like
+    `vsdk submit --no-fault-tolerance`.
 
     \b
     Example:

@@ -104,6 +104,13 @@ def stream_output(
 @click.option("--name", help="A name for the job (default: the program's file name).")
 @click.option("--entry", help="The program inside a .zip (default: __main__.py).")
 @click.option(
+    "--fault-tolerance/--no-fault-tolerance",
+    default=True,
+    show_default=True,
+    help="--no-fault-tolerance: no message logging (a little faster), but a lost rank "
+    "(its machine gone, its process killed) fails the job instead of being restarted.",
+)
+@click.option(
     "-w", "--wait", is_flag=True, help="Stream the output and exit with the job's exit code."
 )
 @LABEL
@@ -118,6 +125,7 @@ def submit(
     stdin: Path | None,
     name: str | None,
     entry: str | None,
+    fault_tolerance: bool,
     wait: bool,
     label: bool,
     as_json: bool,
@@ -134,6 +142,10 @@ def submit(
     merged as mpiexec does), progress goes to stderr, and vsdk exits with the job's exit
     code: 3 if a rank was lost, 4 if the job was cancelled. --wait --json prints the ended
     job as JSON instead of its output.
+
+    Ranks are fault tolerant by default: a rank whose machine or process is lost is restarted
+    and replays its logged messages. --no-fault-tolerance skips the logging (the benchmark
+    benchmarks/ft_overhead.py measures what it costs) and fails the job on the first loss.
     """
     with settings.client() as client:
         job = client.submit(
@@ -144,8 +156,11 @@ def submit(
             args=list(args),
             name=name,
             entry=entry,
+            fault_tolerance=fault_tolerance,
         )
         what = f"{ranks} rank{'s' if ranks != 1 else ''}"
+        if not fault_tolerance:
+            what += ", fault tolerance off"
         if not wait:
             if as_json:
                 print_json(job)
@@ -220,7 +235,8 @@ def status(settings: Settings, job: int, as_json: bool) -> None:
         print_json(detail)
         return
     j = detail.job
-    click.echo(f"job {j.id}  {j.name!r}  user {j.user}  {j.ranks} ranks")
+    off = "" if j.fault_tolerance else "  (fault tolerance off)"
+    click.echo(f"job {j.id}  {j.name!r}  user {j.user}  {j.ranks} ranks{off}")
     line = f"state: {j.state}"
     if j.exit_code is not None:
         line += f"  exit code: {j.exit_code}"

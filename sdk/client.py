@@ -184,10 +184,12 @@ class Client:
         args: Sequence[str] = (),
         name: str | None = None,
         entry: str | None = None,
+        fault_tolerance: bool = True,
     ) -> JobInfo:
         """Bundle ``program_path`` (``.py`` or ``.zip``) with ``inputs``, upload and submit it
         to run on ``ranks`` ranks as ``python entry *args``; ``stdin`` (a file or bytes) is fed
-        to rank 0."""
+        to rank 0. With ``fault_tolerance=False`` nothing is logged and a lost rank fails the
+        job instead of being restarted."""
         if ranks < 1:
             raise VsdkError("a job needs at least one rank")
         program = Path(program_path)
@@ -210,6 +212,7 @@ class Client:
             args=list(args),
             stdin=stdin_sha,
             name=name if name is not None else program.name,
+            fault_tolerance=fault_tolerance,
         )
         return _decode(self._request("POST", "/jobs", json_body=body), JobInfo)
 

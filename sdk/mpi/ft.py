@@ -57,10 +57,16 @@ not fit the event ends the rank: "program is not deterministic: ...".
 Pessimistic rule: no ``Data`` leaves before every record made so far is acknowledged
 (``DetAck``); ``Transport.send_data`` checks ``det_need != det_acked`` (one integer comparison)
 and only then calls ``before_data``.
+
+Fault tolerance off (``VPOOL_FT=0``, read once by ``attach`` inside ``MPI.Init``; set by the
+coordinator in the leases of a job submitted with ``--no-fault-tolerance``): no record is made,
+so no ``Det`` is written and no deposit waits for a ``DetAck``. Events are still numbered and
+asynchronous sends still made at once; a replay handed to such a rank is still obeyed.
 """
 
 from __future__ import annotations
 
+import os
 from collections import deque
 from collections.abc import Callable
 from typing import Any
@@ -76,6 +82,11 @@ _decode = msgspec.msgpack.decode
 
 BATCH = 512  # records per Det at most (a Det is header only: at most 64 KiB)
 MAX_DATA = 48 * 1024
+
+
+def fault_tolerant() -> bool:
+    """Whether this rank logs determinants: unless ``VPOOL_FT`` is ``0`` (or off/false/no)."""
+    return os.environ.get("VPOOL_FT", "1").strip().lower() not in ("0", "off", "false", "no")
 
 
 def _die(text: str) -> None:
@@ -99,6 +110,7 @@ class FT:
         "lazy_ev",
         "loaded",
         "logged_ev",
+        "logging",
         "outcomes",
         "pending",
         "replay_sent",
@@ -110,6 +122,7 @@ class FT:
     def __init__(self, eng: Any) -> None:
         self.eng = eng
         self.transport: Any = None
+        self.logging = False  # records are made (a transport, fault tolerance on)
         self.ev = 0  # the next event's number
         self.index = 0  # the next record's Det index
         self.pending: list[list[Any]] = []  # records made, not yet written
@@ -131,6 +144,7 @@ class FT:
     def attach(self, transport: Any, replay_dets: int, replay_sent: dict[int, int]) -> None:
         self.transport = transport
         transport.ft = self
+        self.logging = fault_tolerant()
         self.index = transport.det_sent = transport.det_acked = replay_dets
         self.replay_sent = dict(replay_sent)
         if replay_dets:
@@ -177,7 +191,7 @@ class FT:
             t.det_need = t.det_sent
 
     def _record(self, rec: list[Any]) -> None:
-        if self.transport is None:
+        if not self.logging:
             return
         self.pending.append(rec)
         self.transport.det_need = -1
@@ -231,7 +245,7 @@ class FT:
                 self.until(lambda: ready(value))
             return value
         value = live()
-        if self.transport is not None:
+        if self.logging:
             if value is None:
                 self.lazy_ev = ev
                 self.transport.det_need = -1
@@ -278,7 +292,7 @@ class FT:
                 return
             # No record: it did not match in the logged run before its end. Deciding it live
             # is safe: every message it could take was left untaken by every logged decision.
-        if self.transport is not None:
+        if self.logging:
             self.any_ops[op] = ev
 
     def matched(self, op: Any, src: int) -> None:
@@ -304,7 +318,8 @@ class FT:
         if self.transport is None:
             return True
         if self.async_live:
-            self._record([R_STEP, self._position(), sched._sid])
+            if self.logging:
+                self._record([R_STEP, self._position(), sched._sid])
             return True
         head = self._head()
         if head is None or head[0] != R_STEP or head[2] != sched._sid:
@@ -326,7 +341,8 @@ class FT:
         if self.async_live:
             while notices:
                 src, seq = notices.pop(0)
-                self._record([R_NOTICE, self._position(), src, seq])
+                if self.logging:
+                    self._record([R_NOTICE, self._position(), src, seq])
                 eng._send_notice(src, seq)
             return
         while notices:
