@@ -77,7 +77,8 @@ class Pool:
         return out.stdout.decode()
 
     def processes(self) -> dict[str, int]:
-        status = json.loads(self.vsdk("local", "status", "--json"))
+        # Exits 1 while some component is down (an agent the runner killed): still JSON.
+        status = json.loads(self.vsdk("local", "status", "--json", check=False))
         return {p["name"]: p["pid"] for p in status["processes"] if p["state"] == "running"}
 
     def rank_pids(self, program: str) -> list[tuple[str, int]]:

@@ -80,7 +80,10 @@ class FrameWriter:
             await self._write_through(parts)
             return
         while len(self._out) >= QUEUE:
-            self._space = trio.Event()
+            # Several senders (ranks) may wait: they share one event, renewed only once it
+            # fired. A sender that replaced it would strand the others on the old one forever.
+            if self._space.is_set():
+                self._space = trio.Event()
             await self._space.wait()
             if self.closed:
                 raise Dropped(f"connection to {self.where} dropped")
