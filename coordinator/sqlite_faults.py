@@ -319,8 +319,9 @@ class FaultsMixin:
         return True
 
     def _replaying(self, rs: api.RankState, now: float) -> bool:
-        """The first heartbeat that reports an incarnation replaying determinants."""
-        if rs.replay_dets <= 0:
+        """The first heartbeat of a restarted incarnation: it re-runs from the beginning and
+        replays its logged messages, and its determinants if it has any."""
+        if rs.incarnation <= 1 and rs.replay_dets <= 0:
             return False
         cursor = self.db.execute(
             "UPDATE incarnations SET replay_dets = ? WHERE job = ? AND rank = ? "
@@ -333,7 +334,8 @@ class FaultsMixin:
             rs.job,
             now,
             "rank_replaying",
-            f"rank {rs.rank} incarnation {rs.incarnation} replays {rs.replay_dets} determinants",
+            f"rank {rs.rank} incarnation {rs.incarnation} replays its logged messages and "
+            f"{rs.replay_dets} determinant frame{'s' * (rs.replay_dets != 1)}",
             rs.rank,
         )
         return True

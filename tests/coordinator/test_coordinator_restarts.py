@@ -229,7 +229,9 @@ async def test_replaying_incarnation_is_an_event_once(pool: Pool) -> None:
     for _ in range(2):
         assert (await pool.post("/api/v1/agents/heartbeat", hb, agent.headers)).status_code == 200
     detail = await pool.job(fresh.job)
-    assert _events(detail, "rank_replaying") == ["rank 1 incarnation 2 replays 7 determinants"]
+    assert _events(detail, "rank_replaying") == [
+        "rank 1 incarnation 2 replays its logged messages and 7 determinant frames"
+    ]
     assert detail.ranks[1].state == "running"
 
 
