@@ -171,7 +171,8 @@ def test_frozen_agent_is_replaced_and_fenced_when_it_wakes(pool4: Pool) -> None:
     pid = pool4.pid_of(agent_name(pool4, victim))
     stale = [rank_pid(pool4, r["rank"], job) for r in d["ranks"] if r["agent"] == victim]
     for p in [pid, *stale]:
-        os.kill(p, signal.SIGSTOP)
+        os.kill(p, signal.SIGSTOP)  # a suspended laptop: its TCP connections stay up
+    frozen = time.monotonic()
     try:
         wait_until(
             pool4,
@@ -183,9 +184,15 @@ def test_frozen_agent_is_replaced_and_fenced_when_it_wakes(pool4: Pool) -> None:
             "ranks of the frozen agent moved",
             timeout=60,
         )
+        moved_after = time.monotonic() - frozen
     finally:
         for p in [pid, *stale]:
             os.kill(p, signal.SIGCONT)
+    print(f"ranks of the frozen agent running elsewhere {moved_after:.1f} s after SIGSTOP")
+    # agent_timeout is 10 s: the replacements run within it (plus scheduling and start-up).
+    assert moved_after < 15
+    # Awake again, its stale incarnations are told to stop and are recorded as fenced.
+    d = wait_until(pool4, job, lambda d: "rank_fenced" in kinds(d), "stale ranks fenced")
     d = wait_until(pool4, job, ended, "job end", timeout=180)
     assert d["job"]["state"] == "succeeded", (d, pool4.logs())
     assert output(pool4, job) == ref
