@@ -109,13 +109,40 @@ def kinds(d: dict) -> list[str]:
     return [e["kind"] for e in d["events"]]
 
 
-def test_killed_rank_is_replaced_and_output_is_identical(pool4: Pool) -> None:
-    ref = reference(pool4, HEAT, 8, "3000")
-    job = submit(pool4, HEAT, 8, "3000")
+def logged_bytes(pool: Pool, job: int, rank: int) -> int:
+    """Bytes of messages for ``rank`` in its home relay's log: how far the job has got."""
+    total = 0
+    for seg in (pool.home / "state" / "local-pool").glob(f"relay-*/data/jobs/{job}/{rank}/*.seg"):
+        try:
+            total += seg.stat().st_size
+        except FileNotFoundError:
+            pass
+    return total
+
+
+POLL = str(REPO / "examples" / "poll.py")
+
+
+@pytest.mark.parametrize(
+    ("program", "args", "victim"),
+    [
+        (HEAT, ["3000"], 3),  # Sendrecv halos
+        (FARM, ["4000"], 0),  # the master: ANY_SOURCE receives, replayed from determinants
+        (POLL, ["400"], 0),  # Waitany and Iprobe polling, replayed from determinants
+    ],
+    ids=["heat-rank3", "farm-master", "poll-master"],
+)
+def test_killed_rank_is_replaced_and_output_is_identical(
+    pool4: Pool, program: str, args: list[str], victim: int
+) -> None:
+    ref = reference(pool4, program, 8, *args)
+    job = submit(pool4, program, 8, *args)
     wait_until(pool4, job, all_running, "all ranks running")
-    # Let the ranks exchange messages first: the replacement must replay them.
-    wait_until(pool4, job, lambda d: ended(d) or b"step " in output(pool4, job), "first steps")
-    os.kill(rank_pid(pool4, 3, job), signal.SIGKILL)
+    # Let the victim receive messages first: its replacement must replay them.
+    wait_until(
+        pool4, job, lambda d: ended(d) or logged_bytes(pool4, job, victim) > 20_000, "progress"
+    )
+    os.kill(rank_pid(pool4, victim, job), signal.SIGKILL)
     killed = time.monotonic()
     d = wait_until(
         pool4,
@@ -123,18 +150,19 @@ def test_killed_rank_is_replaced_and_output_is_identical(pool4: Pool) -> None:
         lambda d: (
             ended(d)
             or any(
-                r["rank"] == 3 and r["incarnation"] >= 2 and r["state"] == "running"
+                r["rank"] == victim and r["incarnation"] >= 2 and r["state"] == "running"
                 for r in d["ranks"]
             )
         ),
-        "replacement of rank 3 running",
+        f"replacement of rank {victim} running",
     )
     replaced_after = time.monotonic() - killed
     d = wait_until(pool4, job, ended, "job end")
     assert d["job"]["state"] == "succeeded", (d, pool4.logs())
     assert output(pool4, job) == ref
     assert "rank_lost" in kinds(d) and "rank_restarted" in kinds(d), d["events"]
-    print(f"rank 3 replaced {replaced_after:.2f} s after its SIGKILL")
+    assert "rank_replaying" in kinds(d), d["events"]
+    print(f"rank {victim} replaced {replaced_after:.2f} s after its SIGKILL")
     assert replaced_after < 10
 
 
