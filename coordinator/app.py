@@ -17,6 +17,7 @@ import trio
 from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from vpool import __version__
 from vpool.coordinator import api_agents, api_jobs, api_relays, scheduler
@@ -101,6 +102,13 @@ def _install_error_handlers(app: FastAPI) -> None:
     async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
         code = _STATUS_CODES.get(exc.status_code, "error")
         return error(exc.status_code, code, str(exc.detail))
+
+    @app.exception_handler(ClientDisconnect)
+    async def client_gone(request: Request, exc: ClientDisconnect) -> Response:
+        # The client (an agent that died mid-upload, say) is gone: nothing was stored, and
+        # nobody reads this answer; not an internal error.
+        log.info("%s %s: the client disconnected mid-request", request.method, request.url.path)
+        return error(400, "client_disconnected", "the client disconnected before the body ended")
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, exc: Exception) -> Response:

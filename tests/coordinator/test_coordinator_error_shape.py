@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 
 import httpx
+import pytest
 from coord_helpers import RELAY_SECRET, Pool, make_zip, sha
 
 from vpool.protocol import api
@@ -240,3 +241,47 @@ async def test_internal_error_leaks_nothing(pool: Pool) -> None:
     assert r.json() == {
         "error": {"code": "internal", "message": "internal error; see the coordinator's log"}
     }
+
+
+async def test_client_gone_mid_upload_is_a_4xx_not_an_internal_error(
+    pool: Pool, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An uploader that dies mid-body (an agent killed during a results upload): the request
+    ends with a 4xx, nothing is stored, and no traceback lands in the log."""
+    from vpool.coordinator.app import create_app
+
+    app = create_app(pool.core.settings, coordinator=pool.core)
+    headers = pool.add_user("alice")
+    sha256 = hashlib.sha256(b"x" * 100).hexdigest()
+    body = [
+        {"type": "http.request", "body": b"x" * 10, "more_body": True},
+        {"type": "http.disconnect"},
+    ]
+    sent: list[dict] = []
+
+    async def receive() -> dict:
+        return body.pop(0) if body else {"type": "http.disconnect"}
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "PUT",
+        "scheme": "http",
+        "path": f"/api/v1/blobs/{sha256}",
+        "raw_path": f"/api/v1/blobs/{sha256}".encode(),
+        "query_string": b"",
+        "root_path": "",
+        "headers": [(k.lower().encode(), v.encode()) for k, v in headers.items()]
+        + [(b"content-length", b"100")],
+        "server": ("coordinator", 80),
+        "client": ("127.0.0.1", 1),
+    }
+    await app(scope, receive, send)
+    start = next(m for m in sent if m["type"] == "http.response.start")
+    assert 400 <= start["status"] < 500
+    assert not await pool.core.has_blob(sha256)
+    assert "internal error" not in caplog.text
