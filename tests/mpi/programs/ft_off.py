@@ -2,6 +2,8 @@
 non-blocking collective (asynchronous rounds) and an Issend (match notices). Prints how many
 determinant frames this rank wrote, from the runtime's own count."""
 
+import sys
+
 import numpy as np
 from mpi4py import MPI
 
@@ -36,4 +38,7 @@ assert elapsed >= 0
 expected = sum(r * 10 + i for r in range(1, size) for i in range(3)) + 1000
 if rank == 0:
     assert total == expected, (total, expected)
-print(f"rank {rank} sum {value} dets {environment.engine().transport.det_sent}")
+# One write per line: the ranks share the test's output file, and print() writes the text and
+# the newline separately (unbuffered), so lines of different ranks could interleave.
+sys.stdout.write(f"rank {rank} sum {value} dets {environment.engine().transport.det_sent}\n")
+sys.stdout.flush()
