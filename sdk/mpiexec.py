@@ -220,6 +220,15 @@ class _Router:
             trio.lowlevel.notify_closing(sock)
             sock.close()
 
+    def _welcome(self, rank: _Rank) -> bytes:
+        """What a rank gets right after its hello (the replay router adds its determinants)."""
+        return _frame(RankWelcome(JOB, rank.index, self.size, 1, socket.gethostname()))
+
+    def _connected(self, rank: _Rank, sock: socket.socket) -> None:
+        """Start serving a rank that just said hello."""
+        assert self.nursery is not None
+        self.nursery.start_soon(self.send_acks, rank)
+
     async def _hello(self, sock: socket.socket) -> _Rank | None:
         prefix = await _read_exact(sock, 8)
         hlen, plen = _unpack_prefix(prefix, 0)
@@ -232,12 +241,10 @@ class _Router:
         if msg.version != PROTOCOL_VERSION or rank is None or rank.sock is not None:
             await _write(sock, _frame(Error("bad_hello", "unknown secret or version")))
             return None
-        welcome = RankWelcome(JOB, rank.index, self.size, 1, socket.gethostname())
-        await _write(sock, _frame(welcome))
+        await _write(sock, self._welcome(rank))
         rank.sock, rank.open = sock, True
         rank.ready.set()
-        assert self.nursery is not None
-        self.nursery.start_soon(self.send_acks, rank)
+        self._connected(rank, sock)
         return rank
 
     async def _pump(self, rank: _Rank, sock: socket.socket) -> None:

@@ -27,18 +27,16 @@ import trio
 
 from vpool.protocol.errors import RemoteProtocolError
 from vpool.protocol.framing import DEFAULT_MAX_HEADER, DEFAULT_MAX_PAYLOAD
-from vpool.protocol.messages import Ack, Data, Det, Error, Message, RankHello, RankWelcome, decode
+from vpool.protocol.messages import Ack, Data, Det, Message, RankWelcome, decode
 from vpool.sdk.mpiexec import (
     _GONE,
     JOB,
     KILL_GRACE,
-    PROTOCOL_VERSION,
     READ_BUFFER,
     _acquire,
     _frame,
     _Rank,
     _read,
-    _read_exact,
     _Router,
     _signal_name,
     _unpack_prefix,
@@ -155,18 +153,7 @@ class ReplayRouter(_Router):
 
     # ---- connections -------------------------------------------------------------------------
 
-    async def _hello(self, sock: socket.socket) -> _Rank | None:
-        prefix = await _read_exact(sock, 8)
-        hlen, plen = _unpack_prefix(prefix, 0)
-        if hlen == 0 or hlen > DEFAULT_MAX_HEADER or plen:
-            raise RemoteProtocolError("malformed hello")
-        msg = decode(await _read_exact(sock, hlen))
-        if not isinstance(msg, RankHello):
-            raise RemoteProtocolError(f"expected RankHello, got {type(msg).__name__}")
-        rank = self.by_secret.get(msg.secret)
-        if msg.version != PROTOCOL_VERSION or rank is None or rank.sock is not None:
-            await _write(sock, _frame(Error("bad_hello", "unknown secret or version")))
-            return None
+    def _welcome(self, rank: _Rank) -> bytes:
         assert isinstance(rank, _RRank)
         welcome = RankWelcome(
             JOB,
@@ -177,15 +164,13 @@ class ReplayRouter(_Router):
             replay_dets=len(rank.dets),
             replay_sent={d: len(frames) for d, frames in rank.sent.items() if frames},
         )
-        head = _frame(welcome) + b"".join(
+        return _frame(welcome) + b"".join(
             _frame(Det(JOB, rank.index, i, data)) for i, data in enumerate(rank.dets)
         )
-        await _write(sock, head)
-        rank.sock, rank.open = sock, True
-        rank.ready.set()
-        assert self.nursery is not None
+
+    def _connected(self, rank: _Rank, sock: socket.socket) -> None:
+        assert isinstance(rank, _RRank) and self.nursery is not None
         self.nursery.start_soon(self._deliver, rank, sock)
-        return rank
 
     async def _deliver(self, rank: _RRank, sock: socket.socket) -> None:
         """Push the rank's log to this connection, from the start (a new incarnation replays)."""
