@@ -17,6 +17,7 @@ Every error is ``ErrorBody`` with a 4xx/5xx status. Endpoints::
     GET  /api/v1/jobs/{id}                    -> JobDetail           (user)
     GET  /api/v1/jobs/{id}/output?after=&rank=&wait= -> OutputPage   (user; long-poll)
     POST /api/v1/jobs/{id}/cancel             -> JobInfo             (user)
+    POST /api/v1/jobs/{id}/checkpoint CheckpointAsk -> CheckpointAsked (202) (user)
     GET  /api/v1/jobs/{id}/results            -> application/zip     (user)
 
     POST /api/v1/agents/enroll    EnrollRequest -> EnrollResponse    (proof of key possession)
@@ -27,11 +28,14 @@ Every error is ``ErrorBody`` with a 4xx/5xx status. Endpoints::
     POST /api/v1/agents/exit      RankExit    -> {}                  (agent)
     POST /api/v1/agents/problem   RankProblem -> {}                  (agent)
     PUT  /api/v1/agents/results/{job}/{rank}/{incarnation}  zip      (agent)
+    POST /api/v1/agents/checkpoint-failed CheckpointFailed -> {}      (agent)
+    POST /api/v1/agents/restored  RestoreReport -> {}                (agent)
 
     POST /api/v1/relays/register  RelayRegister -> RelayRegistered   (relay secret)
     POST /api/v1/relays/heartbeat RelayHeartbeat -> RelayHeartbeatResponse (relay secret)
     POST /api/v1/relays/lost      RelayLost   -> {}                  (relay secret)
     POST /api/v1/relays/diverged  RelayDiverged -> {}                (relay secret)
+    POST /api/v1/relays/checkpoint RelayCheckpoint -> {}             (relay secret)
 """
 
 from __future__ import annotations
@@ -87,6 +91,9 @@ class JobSubmit(msgspec.Struct, frozen=True):
     name: str = ""
     # False: no determinant logging (ranks get VPOOL_FT=0) and a lost rank fails the job.
     fault_tolerance: bool = True
+    # Seconds between periodic checkpoints of every rank (0: none; ``vsdk checkpoint`` still
+    # works). Needs fault tolerance.
+    checkpoint_every: float = 0.0
 
 
 class JobInfo(msgspec.Struct, frozen=True):
@@ -101,6 +108,7 @@ class JobInfo(msgspec.Struct, frozen=True):
     started: float | None
     finished: float | None
     fault_tolerance: bool = True
+    checkpoint_every: float = 0.0
 
 
 class RankInfo(msgspec.Struct, frozen=True):
@@ -142,6 +150,17 @@ class OutputPage(msgspec.Struct, frozen=True):
     state: JobState
 
 
+class CheckpointAsk(msgspec.Struct, frozen=True):
+    """``vsdk checkpoint JOB [--rank R]``: checkpoint one rank, or every rank (None)."""
+
+    rank: int | None = None
+
+
+class CheckpointAsked(msgspec.Struct, frozen=True):
+    job: int
+    ranks: list[int]  # the ranks whose agents were asked
+
+
 class EnrollRequest(msgspec.Struct, frozen=True):
     public_key: str
     timestamp: float
@@ -165,6 +184,22 @@ class RelayInfo(msgspec.Struct, frozen=True):
     port: int
 
 
+class CheckpointRef(msgspec.Struct, frozen=True):
+    """A committed checkpoint image of a rank, as the coordinator knows it (``RelayCheckpoint``).
+    The image lives in the store of ``relay`` (an index into ``Lease.relays``: the rank's home
+    relay)."""
+
+    ckpt: int
+    incarnation: int  # the incarnation that made it
+    relay: int
+    size: int
+    sha256: str  # hex
+    fingerprint: str
+    received: dict[int, int] = {}
+    dets: int = 0
+    meta: bytes = b""
+
+
 class Lease(msgspec.Struct, frozen=True):
     """One incarnation of one rank to run. ``homes[r]`` is the index in ``relays`` of rank r's
     home relay. ``token`` is the signed ``RankClaims`` for relays."""
@@ -181,6 +216,16 @@ class Lease(msgspec.Struct, frozen=True):
     relays: list[RelayInfo]
     homes: list[int]
     env: dict[str, str] = {}
+    # Checkpoints. ``job_uid``: random, fixed for the job (names the rank's directory, which an
+    # image restores to). ``ckpt_key``: the job's AES-256-GCM key (base64url). ``restore``: the
+    # images this incarnation should try, newest first; ``from_start``: whether starting the
+    # program from the beginning (and replaying) is still possible when none works (false once
+    # the home relay dropped log entries behind a checkpoint).
+    job_uid: str = ""
+    ckpt_key: str = ""
+    checkpoint_every: float = 0.0
+    restore: list[CheckpointRef] = []
+    from_start: bool = True
 
 
 class LeaseRequest(msgspec.Struct, frozen=True):
@@ -198,11 +243,16 @@ class RankState(msgspec.Struct, frozen=True):
     incarnation: int
     state: str  # starting | running
     replay_dets: int = 0  # determinants this incarnation was given to replay (0: fresh start)
+    restored_from: int = -1  # the checkpoint this incarnation was restored from (-1: none)
 
 
 class AgentHeartbeat(msgspec.Struct, frozen=True):
     ranks: list[RankState]
     free_slots: int
+    # Checkpoint capability: CRIU's version when ``criu check`` passed at start ("" = none),
+    # and the environment fingerprint an image made here needs where it is restored.
+    criu: str = ""
+    fingerprint: str = ""
     # Seconds the coordinator may hold the answer while none of ``ranks`` has to stop (at most
     # its heartbeat interval), so that a stop order reaches the agent the moment it exists.
     wait: float = 0.0
@@ -215,9 +265,16 @@ class StopOrder(msgspec.Struct, frozen=True):
     reason: str
 
 
+class CheckpointOrder(msgspec.Struct, frozen=True):
+    job: int
+    rank: int
+    incarnation: int
+
+
 class AgentHeartbeatResponse(msgspec.Struct, frozen=True):
     stop: list[StopOrder]
     agent_token: str = ""
+    checkpoint: list[CheckpointOrder] = []  # ranks to checkpoint now (``vsdk checkpoint``)
 
 
 class OutputChunk(msgspec.Struct, frozen=True):
@@ -246,6 +303,34 @@ class RankExit(msgspec.Struct, frozen=True):
     aborted: bool = False
     message: str = ""
     lost: bool = False
+
+
+class CheckpointFailed(msgspec.Struct, frozen=True):
+    """An agent could not make or store checkpoint ``ckpt`` of a rank (event
+    ``checkpoint_failed``); the rank runs on."""
+
+    job: int
+    rank: int
+    incarnation: int
+    ckpt: int
+    message: str
+
+
+class RestoreAttempt(msgspec.Struct, frozen=True):
+    ckpt: int
+    reason: str  # why this image was not used
+
+
+class RestoreReport(msgspec.Struct, frozen=True):
+    """How an incarnation started: from image ``ckpt``, or (-1) from the beginning with replay.
+    ``tried``: the images given in the lease that were not used, and why."""
+
+    job: int
+    rank: int
+    incarnation: int
+    ckpt: int
+    tried: list[RestoreAttempt] = []
+    message: str = ""
 
 
 class RankProblem(msgspec.Struct, frozen=True):
@@ -306,3 +391,25 @@ class RelayDiverged(msgspec.Struct, frozen=True):
     rank: int  # the sender whose re-sent message differs
     incarnation: int
     message: str
+
+
+class RelayCheckpoint(msgspec.Struct, frozen=True):
+    """A relay's store committed image ``ckpt`` of (job, rank). ``retained``: the images of this
+    rank it keeps, newest first (older ones are deleted). The relay drops the rank's log entries
+    behind the oldest retained image only after this report is accepted (``trimmed`` then says
+    the log no longer starts at the beginning). A 409 answer (stale incarnation, job over)
+    tells the relay to delete the image instead."""
+
+    name: str
+    job: int
+    rank: int
+    incarnation: int
+    ckpt: int
+    size: int
+    sha256: str  # hex
+    fingerprint: str
+    received: dict[int, int]
+    dets: int
+    meta: bytes
+    retained: list[int]
+    trimmed: bool = False

@@ -11,9 +11,17 @@ store whole frames in their logs and push them back out as they were deposited.
 Hops and who sends what::
 
     rank -> agent:   RankHello, Data, Det, Abort, Finalize
-    agent -> rank:   RankWelcome, Data, Det, Ack, DetAck, Error, Stop
+    agent -> rank:   RankWelcome, Data, Det, Ack, DetAck, Error, Stop, CheckpointRequest
     agent -> relay:  Hello, Attach, Data, Det, Credit, Detach
     relay -> agent:  Welcome, Attached, Data, Det, Ack, DetAck, Error, Stop
+
+Checkpoints (docs/internals.md, "Checkpoints"): a rank's second unix connection, opened with
+``RankHello(control=True)``, carries ``CkptReady`` (rank -> agent), ``CkptGo``/``CkptSkip``
+(agent -> rank) and ``CkptForked`` (rank -> agent). A relay's checkpoint store is reached on its
+own connection (``Hello(role="store")``)::
+
+    agent -> store:  CkptPut, CkptChunk (payload), CkptEnd, CkptGet
+    store -> agent:  CkptStored, CkptInfo, CkptChunk (payload), CkptEnd, Error
 
 Fault tolerance (docs/internals.md, "Fault tolerance"): ``Det`` carries one determinant (a
 non-deterministic outcome of a rank) to the rank's home relay, which logs it and answers
@@ -176,10 +184,14 @@ class Stop(_Msg, frozen=True, tag="stop"):
 
 class RankHello(_Msg, frozen=True, tag="rank_hello"):
     """Rank -> agent, first frame on the unix socket. ``secret`` is the per-lease secret the
-    agent put in the rank's environment."""
+    agent put in the rank's environment. ``control``: this is the rank's checkpoint control
+    connection, not its data connection. ``checkpoint``: the id of the image this process was
+    restored from (-1: a process started from the beginning)."""
 
     version: int
     secret: str
+    control: bool = False
+    checkpoint: int = -1
 
 
 class RankWelcome(_Msg, frozen=True, tag="rank_welcome"):
@@ -195,6 +207,105 @@ class RankWelcome(_Msg, frozen=True, tag="rank_welcome"):
     # (``Attached.stored``). Until it has re-sent that much, the runtime performs asynchronous
     # sends only as its determinants say (``vpool.sdk.mpi.ft``).
     replay_sent: dict[int, int] = {}
+
+
+class CheckpointRequest(_Msg, frozen=True, tag="ckpt_request"):
+    """Agent -> rank (data connection): take a checkpoint at the next MPI call boundary. The
+    agent also sends the rank the checkpoint signal (``VPOOL_CKPT_SIGNAL``) for a rank that
+    computes without calling MPI."""
+
+    request: int
+
+
+class CkptReady(_Msg, frozen=True, tag="ckpt_ready"):
+    """Rank -> agent (control connection): the rank is at a safe point, its stdio flushed, and
+    waits for ``CkptGo``/``CkptSkip`` without writing anything. Its counters: ``received[s]``
+    the highest seq from source s it has taken off the socket, ``sent[d]`` the highest seq it
+    sent to d, ``dets`` the Det frames it wrote (all of them written: nothing pending)."""
+
+    request: int
+    received: list[int]
+    sent: list[int]
+    dets: int
+
+
+class CkptGo(_Msg, frozen=True, tag="ckpt_go"):
+    """Agent -> rank: fork the clone now; the image will be checkpoint ``ckpt``."""
+
+    request: int
+    ckpt: int
+
+
+class CkptSkip(_Msg, frozen=True, tag="ckpt_skip"):
+    """Agent -> rank: no checkpoint now (a stale or duplicate request): carry on."""
+
+    request: int
+    reason: str = ""
+
+
+class CkptForked(_Msg, frozen=True, tag="ckpt_forked"):
+    """Rank -> agent: the clone of checkpoint ``ckpt`` is process ``pid`` (-1: fork failed,
+    ``message`` says why)."""
+
+    ckpt: int
+    pid: int
+    message: str = ""
+
+
+class CkptPut(_Msg, frozen=True, tag="ckpt_put"):
+    """Agent -> store: an image of (job, rank) follows as ``CkptChunk`` frames, then ``CkptEnd``.
+    ``token`` is the rank token of the incarnation that made it. ``received``/``dets`` are its
+    counters (what the home relay may drop once it is committed); ``fingerprint`` the agent's
+    environment fingerprint; ``meta`` the agent's manifest (opaque to the store)."""
+
+    token: str
+    ckpt: int
+    received: dict[int, int]
+    dets: int
+    fingerprint: str
+    meta: bytes = b""
+
+
+class CkptChunk(_Msg, frozen=True, tag="ckpt_chunk"):
+    """Either way: the next bytes of image ``ckpt`` (ciphertext) as the frame's payload."""
+
+    ckpt: int
+
+
+class CkptEnd(_Msg, frozen=True, tag="ckpt_end"):
+    """Either way: image ``ckpt`` is complete: ``size`` bytes whose SHA-256 is ``sha256``."""
+
+    ckpt: int
+    size: int
+    sha256: bytes
+
+
+class CkptStored(_Msg, frozen=True, tag="ckpt_stored"):
+    """Store -> agent: image ``ckpt`` is durable and committed; ``retained`` lists the images of
+    this rank the store keeps (newest first)."""
+
+    ckpt: int
+    retained: list[int]
+
+
+class CkptGet(_Msg, frozen=True, tag="ckpt_get"):
+    """Agent -> store: send image ``ckpt`` of the rank named by ``token`` (the restoring
+    incarnation's rank token)."""
+
+    token: str
+    ckpt: int
+
+
+class CkptInfo(_Msg, frozen=True, tag="ckpt_info"):
+    """Store -> agent: image ``ckpt`` follows (``CkptChunk``s, then ``CkptEnd``)."""
+
+    ckpt: int
+    size: int
+    sha256: bytes
+    received: dict[int, int]
+    dets: int
+    fingerprint: str
+    meta: bytes = b""
 
 
 class Abort(_Msg, frozen=True, tag="abort"):
@@ -225,6 +336,17 @@ Message = (
     | RankWelcome
     | Abort
     | Finalize
+    | CheckpointRequest
+    | CkptReady
+    | CkptGo
+    | CkptSkip
+    | CkptForked
+    | CkptPut
+    | CkptChunk
+    | CkptEnd
+    | CkptStored
+    | CkptGet
+    | CkptInfo
 )
 
 _encoder = msgspec.msgpack.Encoder()
