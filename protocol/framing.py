@@ -1,8 +1,9 @@
 """Length-prefixed frames: ``[u32 header_len][u32 payload_len][header][payload]``.
 
-The header is one MessagePack-encoded ``Message``; the payload is raw bytes (only ``Data`` has
-one). Both lengths are checked against the limits the moment the 8-byte prefix is complete,
-before a single byte of the body is buffered (like h11's ``max_incomplete_event_size``).
+The header is one MessagePack-encoded ``Message``; the payload is raw bytes (only ``Data`` and
+``CkptChunk`` have one). Both lengths are checked against the limits the moment the 8-byte
+prefix is complete, before a single byte of the body is buffered (like h11's
+``max_incomplete_event_size``).
 
 ``FrameDecoder`` is the sans-IO reader: feed it bytes with ``receive_data`` and pull ``Frame``s
 with ``next_frame``. Hot paths that read straight into buffers use ``parse_prefix`` directly.
@@ -14,7 +15,7 @@ import struct
 from typing import Final, NamedTuple
 
 from vpool.protocol.errors import LocalProtocolError, RemoteProtocolError
-from vpool.protocol.messages import Data, Message, decode, encode
+from vpool.protocol.messages import CkptChunk, Data, Message, decode, encode
 
 PREFIX: Final = struct.Struct("!II")
 PREFIX_SIZE: Final = PREFIX.size
@@ -64,7 +65,7 @@ def frame_parts(
     msg: Message, payload: bytes | bytearray | memoryview = b""
 ) -> list[bytes | bytearray | memoryview]:
     """The pieces of one frame for a scatter/gather write: prefix+header, then payload."""
-    if payload and not isinstance(msg, Data):
+    if payload and not isinstance(msg, (Data, CkptChunk)):
         raise LocalProtocolError(f"{type(msg).__name__} carries no payload")
     header = encode(msg)
     head = PREFIX.pack(len(header), len(payload)) + header
@@ -137,7 +138,7 @@ class FrameDecoder:
         except RemoteProtocolError:
             self._broken = True
             raise
-        if payload_len and not isinstance(msg, Data):
+        if payload_len and not isinstance(msg, (Data, CkptChunk)):
             self._broken = True
             raise RemoteProtocolError(f"{type(msg).__name__} frame must not carry a payload")
         if len(self._buf) >= PREFIX_SIZE:

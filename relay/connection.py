@@ -16,6 +16,9 @@ depositing reader pushes the new frames itself (``push_now``), saving the writer
 which is a large part of a small message's cost. The push is shielded: abandoned half way it
 would corrupt the receiver's TLS stream.
 
+A connection whose ``Hello`` says ``role="store"`` is handed, after the handshake, to the
+checkpoint store (``ckptstore``), which then owns the stream.
+
 Anything the agent gets wrong ends in ``Rejected``: the writer sends the ``Error``, the relay
 ends its side and drains what the agent still sends for a moment (so the error is not lost to a
 TCP reset), and only this connection closes.
@@ -50,6 +53,7 @@ from vpool.protocol.messages import (
 )
 from vpool.protocol.session import Session, State
 from vpool.protocol.tokens import AgentClaims, RankClaims, verify_token
+from vpool.relay import trim
 from vpool.relay.errors import Rejected
 from vpool.relay.hub import Attachment, Batch, Box, Hub, Key, now
 from vpool.relay.wire import FrameReader, RawFrame, send_frames
@@ -105,6 +109,8 @@ class Connection:
         self._nursery: trio.Nursery | None = None
         self._round = 0
         self.reason = "the agent closed the connection"
+        # Set by a store Hello: the frames that came with it (the store serves the rest).
+        self._store_frames: list[RawFrame] | None = None
 
     def __repr__(self) -> str:
         return f"<Connection agent={self.agent or '?'} peer={self.peer}>"
@@ -169,6 +175,9 @@ class Connection:
                         await self._writer_done.wait()
                         await self._linger()
                 nursery.cancel_scope.cancel()
+            if self._store_frames is not None:
+                # The writer had nothing queued and is gone: the store owns the stream.
+                await self.hub.store.serve(self, reader, self._store_frames)
         finally:
             hub.connection_closed(
                 self, f"connection of agent {self.agent or '?'} to relay {hub.name}: {self.reason}"
@@ -193,6 +202,8 @@ class Connection:
     async def _read_loop(self, reader: FrameReader) -> None:
         try:
             await self._handshake(reader)
+            if self._store_frames is not None:
+                return
             while True:
                 frames = await reader.read_frames()
                 if not frames:
@@ -225,8 +236,10 @@ class Connection:
                 "bad_version",
                 f"protocol version {msg.version}; this relay speaks {PROTOCOL_VERSION}",
             )
-        if msg.role != "agent":
-            raise Rejected("bad_role", f"role {msg.role!r}; only agents connect to relays")
+        if msg.role not in ("agent", "store"):
+            raise Rejected(
+                "bad_role", f"role {msg.role!r}; only agents (and their stores) connect to relays"
+            )
         with trio.move_on_after(settings.handshake_timeout):
             await self.hub.key_ready.wait()
         key = self.hub.signing_key
@@ -234,6 +247,9 @@ class Connection:
             raise Rejected("not_ready", "the relay is not registered with the coordinator yet")
         claims = verify_token(msg.token, key, now=now(), kind=AgentClaims)
         self.agent = claims.agent
+        if msg.role == "store":
+            self._store_frames = frames[1:]
+            return
         reader.max_header = DEFAULT_MAX_HEADER
         reader.max_payload = settings.max_payload
         self.send(
@@ -447,12 +463,15 @@ class Connection:
         hub = self.hub
         job, rank = claims.job, claims.rank
         try:
+            if msg.home and claims.incarnation >= hub.fence.get((job, rank), 0):
+                trim.check_attach(hub.boxes.get((job, rank)), msg, job, rank)
             hub.attach(self, claims, msg.home, dict(msg.received))
         except Rejected as rej:
-            if rej.code != "fenced":
+            if rej.code not in ("fenced", "trimmed"):
                 raise
-            # A stale incarnation: refused, but the agent's other ranks go on on this
-            # connection; late frames of this one are dropped.
+            # A stale incarnation, or one asking for what a checkpoint let the log drop:
+            # refused, but the agent's other ranks go on on this connection; late frames of
+            # this one are dropped.
             logger.info("%r: %s", self, rej.message)
             self.fenced.add((job, rank))
             self.send(Error(code=rej.code, message=rej.message, job=job, rank=rank))

@@ -30,6 +30,7 @@ from vpool.protocol.mailbox import Entry, Mailbox
 from vpool.protocol.messages import Det, DetAck, Stop
 from vpool.protocol.tokens import RankClaims
 from vpool.relay import log as logfiles
+from vpool.relay import trim
 from vpool.relay.determinism import Determinism
 from vpool.relay.errors import Rejected
 from vpool.relay.log import Buffer, ChannelLog, Location, digest
@@ -54,7 +55,7 @@ class Box:
     """Log and delivery state of one destination rank of one job, and the rank's determinant
     log (its entries are the ``Det`` messages themselves: they are small)."""
 
-    __slots__ = ("dead", "dets", "dst", "job", "log", "mailbox", "receiver", "settled")
+    __slots__ = ("dead", "dets", "dst", "job", "log", "mailbox", "receiver", "settled", "trim")
 
     def __init__(self, job: int, dst: int, mailbox: Mailbox[Location], chan: ChannelLog):
         self.job = job
@@ -66,6 +67,8 @@ class Box:
         self.settled: trio.Event | None = None
         self.receiver: Connection | None = None
         self.dead = False
+        # What a checkpoint made unnecessary and was dropped (``relay.trim``).
+        self.trim = trim.TrimPoint()
 
 
 class Attachment:
@@ -140,6 +143,9 @@ class Hub:
         self.io_limiter = trio.CapacityLimiter(max(1, settings.write_threads))
         self.hash_limiter = trio.CapacityLimiter(max(1, settings.write_threads))
         self.determinism = Determinism(name)
+        from vpool.relay.ckptstore import CheckpointStore
+
+        self.store = CheckpointStore(self)
 
     def set_signing_key(self, key: Ed25519PublicKey) -> None:
         self.signing_key = key
@@ -152,19 +158,30 @@ class Hub:
         s = self.settings
         self.fence.update(logfiles.recorded_incarnations(self.data_dir))
         for job, dst, directory in logfiles.existing_boxes(self.data_dir):
+            point = trim.read_point(directory)
             chan, records = logfiles.open_log(
-                directory, job, dst, segment_size=s.segment_size, fsync=s.fsync
+                directory,
+                job,
+                dst,
+                segment_size=s.segment_size,
+                fsync=s.fsync,
+                floor=point.received,
             )
-            mailbox: Mailbox[Location] = Mailbox(window=s.push_window)
+            mailbox: trim.TrimmableMailbox[Location] = trim.TrimmableMailbox(window=s.push_window)
+            mailbox.seed(point.received)
             for rec in records:
                 entry = mailbox.append(rec.src, rec.seq, rec.size, rec.location, rec.digest)
                 mailbox.written(entry)
             mailbox.advance()
             box = Box(job, dst, mailbox, chan)
-            for det in logfiles.open_dets(chan, job, dst):
+            box.trim = point
+            box.dets = DetLog(first=point.dets)
+            for det in logfiles.open_dets(chan, job, dst, first=point.dets):
                 box.dets.append(det.index, det)
                 box.dets.written(det.index)
             box.dets.advance()
+            if point:
+                trim.rewrite_dets(box)  # a kill may have come between saving and rewriting
             self._add_box(box)
             self.messages_stored += len(records)
             self.bytes_stored += mailbox.nbytes
@@ -175,6 +192,7 @@ class Hub:
                 len(records),
                 len(box.dets),
             )
+        self.store.load()
 
     def _add_box(self, box: Box) -> None:
         self.boxes[(box.job, box.dst)] = box
@@ -189,7 +207,7 @@ class Hub:
                 segment_size=s.segment_size,
                 fsync=s.fsync,
             )
-            box = Box(job, dst, Mailbox(window=s.push_window), chan)
+            box = Box(job, dst, trim.TrimmableMailbox(window=s.push_window), chan)
             self._add_box(box)
         return box
 
@@ -490,6 +508,7 @@ class Hub:
             for key in [k for k in self.lost_pending if k[0] == job]:
                 del self.lost_pending[key]
             self.determinism.forget_job(job)
+            self.store.forget_job(job)
             for box in self.jobs.pop(job, {}).values():
                 del self.boxes[(job, box.dst)]
                 box.dead = True
@@ -503,14 +522,15 @@ class Hub:
             await trio.to_thread.run_sync(
                 logfiles.delete_job, self.data_dir, job, limiter=self.io_limiter
             )
-            logger.info("job %d finished: its logs are deleted", job)
+            logger.info("job %d finished: its logs and checkpoint images are deleted", job)
 
     def load_report(self) -> RelayLoad:
         return RelayLoad(
             connections=len(self.connections),
             ranks=len(self.attachments),
             messages_stored=self.messages_stored,
-            bytes_stored=self.bytes_stored,
+            # The log's frames and the checkpoint images: what this relay's disk holds.
+            bytes_stored=self.bytes_stored + self.store.nbytes,
         )
 
 

@@ -5,6 +5,11 @@ they were deposited (prefix, header, payload), so a pushed frame is the stored b
 restarted relay rebuilds its index (and the frames' digests) by scanning them. Beside them,
 ``dets.log`` holds the rank's determinants, as the ``Det`` frames it sent, in index order.
 
+After a checkpoint the log is trimmed (``relay.trim``): ``trim.json`` beside the segments holds
+the trim point (per source the highest seq dropped, and the first determinant kept), segments
+holding only dropped frames are deleted and ``dets.log`` is rewritten without the dropped
+determinants. Scanning skips what lies at or below the trim point.
+
 Writers reserve a frame's place (segment, offset) synchronously, when the message is appended
 to the mailbox, and write it later with ``pwritev`` at that offset, possibly from a worker
 thread. File order therefore always equals log order, even when two connections' writes
@@ -110,6 +115,8 @@ class ChannelLog:
         # Worker threads using the segments' descriptors; closing waits for them, since a
         # descriptor closed under a write could be reused by another file.
         self.busy = 0
+        # Descriptors of deleted segments (trimmed), closed once no thread uses them.
+        self._retired: list[int] = []
 
     def _new_segment(self) -> Segment:
         number = self.segments[-1].number + 1 if self.segments else 0
@@ -163,8 +170,50 @@ class ChannelLog:
 
     def release(self) -> None:
         self.busy -= 1
-        if self.closed and not self.busy:
-            self._close_fds()
+        if not self.busy:
+            self._close_retired()
+            if self.closed:
+                self._close_fds()
+
+    def retire(self, dead: Sequence[Segment]) -> int:
+        """Delete segments that hold only trimmed frames (never the last one, which takes new
+        frames); return the bytes freed. Their descriptors close when no thread uses them."""
+        gone = {id(seg) for seg in dead if seg is not self.segments[-1]}
+        freed = 0
+        keep: list[Segment] = []
+        for seg in self.segments:
+            if id(seg) not in gone:
+                keep.append(seg)
+                continue
+            try:
+                seg.path.unlink()
+            except FileNotFoundError:
+                pass
+            except OSError as exc:
+                raise StorageError(f"cannot delete log segment {seg.path}: {exc}") from exc
+            freed += seg.end
+            self._retired.append(seg.fd)
+        self.segments = keep
+        if freed and self.fsync:
+            _fsync_dir(self.directory)
+        if not self.busy:
+            self._close_retired()
+        return freed
+
+    def replace_dets(self, path: Path, fd: int, end: int) -> None:
+        """Swap in a rewritten determinant log (``write_dets``) already renamed over the old
+        one. The caller makes sure no write to the old one is pending."""
+        old = self.dets
+        self.dets = Segment(-1, path, fd, end)
+        if old is not None:
+            self._retired.append(old.fd)
+        if not self.busy:
+            self._close_retired()
+
+    def _close_retired(self) -> None:
+        for fd in self._retired:
+            os.close(fd)
+        self._retired.clear()
 
     def close(self) -> None:
         if self.closed:
@@ -174,6 +223,7 @@ class ChannelLog:
             self._close_fds()
 
     def _close_fds(self) -> None:
+        self._close_retired()
         for seg in self.segments:
             os.close(seg.fd)
         self.segments.clear()
@@ -262,13 +312,22 @@ def create_log(directory: Path, *, segment_size: int, fsync: bool) -> ChannelLog
 
 
 def open_log(
-    directory: Path, job: int, dst: int, *, segment_size: int, fsync: bool
+    directory: Path,
+    job: int,
+    dst: int,
+    *,
+    segment_size: int,
+    fsync: bool,
+    floor: dict[int, int] | None = None,
 ) -> tuple[ChannelLog, list[Record]]:
     """Reopen a log directory, returning its records in log order; a torn or corrupt tail is
-    cut off (see the module docstring)."""
+    cut off (see the module docstring). Records with ``seq <= floor[src]`` (trimmed) are
+    skipped, and segments left with none of the others are deleted."""
     chan = ChannelLog(directory, segment_size=segment_size, fsync=fsync)
     records: list[Record] = []
-    stored: dict[int, int] = {}
+    stored: dict[int, int] = {src: seq for src, seq in (floor or {}).items() if seq > 0}
+    floor = dict(stored)
+    empty: list[Segment] = []
     paths = sorted(p for p in directory.iterdir() if p.suffix == SUFFIX and p.stem.isdigit())
     intact = True
     for path in paths:
@@ -282,20 +341,30 @@ def open_log(
             raise StorageError(f"cannot open log segment {path}: {exc}") from exc
         seg = Segment(int(path.stem), path, fd, 0)
         chan.segments.append(seg)
-        end, intact = _scan(seg, job, dst, stored, records)
+        before = len(records)
+        end, intact = _scan(seg, job, dst, stored, records, floor)
+        if len(records) == before and end > 0:
+            empty.append(seg)
         size = os.fstat(fd).st_size
         if end != size:
             log.warning("truncating log segment %s from %d to %d bytes", path, size, end)
             os.ftruncate(fd, end)
         seg.end = end
+    if empty and chan.segments:
+        chan.retire(empty)
     return chan, records
 
 
 def _scan(
-    seg: Segment, job: int, dst: int, stored: dict[int, int], out: list[Record]
+    seg: Segment,
+    job: int,
+    dst: int,
+    stored: dict[int, int],
+    out: list[Record],
+    floor: dict[int, int],
 ) -> tuple[int, bool]:
-    """Append the valid records of one segment to ``out``; return (end of the valid part,
-    whether the whole file was valid)."""
+    """Append the valid records of one segment to ``out`` (those above ``floor``); return
+    (end of the valid part, whether the whole file was valid)."""
     size = os.fstat(seg.fd).st_size
     if size == 0:
         return 0, True
@@ -314,6 +383,11 @@ def _scan(
                 return pos, False
             if not isinstance(msg, Data) or msg.job != job or msg.dst != dst:
                 return pos, False
+            if msg.seq <= floor.get(msg.src, 0):
+                if msg.seq < 1:
+                    return pos, False
+                pos = end  # trimmed, in a segment that also holds frames kept
+                continue
             last = stored.get(msg.src)
             if (last is not None and msg.seq != last + 1) or msg.seq < 1:
                 return pos, False
@@ -324,9 +398,11 @@ def _scan(
     return pos, True
 
 
-def open_dets(chan: ChannelLog, job: int, rank: int) -> list[Det]:
-    """Reopen the determinant log of ``chan``'s rank, if it has one, returning its entries in
-    index order; a torn or corrupt tail is cut off like a segment's."""
+def open_dets(chan: ChannelLog, job: int, rank: int, first: int = 0) -> list[Det]:
+    """Reopen the determinant log of ``chan``'s rank, if it has one, returning its entries
+    from index ``first`` on, in index order (the file may start at any index up to ``first``:
+    it is rewritten after the trim point is saved); a torn or corrupt tail is cut off like a
+    segment's."""
     path = chan.directory / DETS
     if not path.exists():
         return []
@@ -337,6 +413,7 @@ def open_dets(chan: ChannelLog, job: int, rank: int) -> list[Det]:
         raise StorageError(f"cannot open the determinant log {path}: {exc}") from exc
     seg = chan.dets = Segment(-1, path, fd, 0)
     dets: list[Det] = []
+    nxt = -1  # index of the next record; the first one sets it
     pos, size = 0, len(data)
     while size - pos >= PREFIX_SIZE:
         header_len, payload_len = PREFIX.unpack_from(data, pos)
@@ -347,9 +424,15 @@ def open_dets(chan: ChannelLog, job: int, rank: int) -> list[Det]:
             msg = decode(data[pos + PREFIX_SIZE : end])
         except RemoteProtocolError:
             break
-        if not isinstance(msg, Det) or (msg.job, msg.rank, msg.index) != (job, rank, len(dets)):
+        if not isinstance(msg, Det) or (msg.job, msg.rank) != (job, rank):
             break
-        dets.append(msg)
+        if nxt < 0 and msg.index > first:
+            break  # the file starts at 0 or at an earlier trim point, never later
+        if nxt >= 0 and msg.index != nxt:
+            break
+        nxt = msg.index + 1
+        if msg.index >= first:
+            dets.append(msg)
         pos = end
     if pos != size:
         log.warning("truncating determinant log %s from %d to %d bytes", path, size, pos)
@@ -359,6 +442,31 @@ def open_dets(chan: ChannelLog, job: int, rank: int) -> list[Det]:
             raise StorageError(f"cannot truncate {path}: {exc}") from exc
     seg.end = pos
     return dets
+
+
+def write_dets(directory: Path, frames: Sequence[Buffer], *, fsync: bool) -> tuple[Path, int, int]:
+    """Write a new determinant log of ``frames`` and rename it over ``dets.log``; return its
+    path, an open descriptor and its size (for ``ChannelLog.replace_dets``)."""
+    path = directory / DETS
+    tmp = directory / (DETS + ".tmp")
+    try:
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        try:
+            end = 0
+            for frame in frames:
+                os.pwrite(fd, frame, end)
+                end += len(frame)
+            if fsync:
+                os.fsync(fd)
+            os.rename(tmp, path)
+        except BaseException:
+            os.close(fd)
+            raise
+        if fsync:
+            _fsync_dir(directory)
+    except OSError as exc:
+        raise StorageError(f"cannot rewrite the determinant log {path}: {exc}") from exc
+    return path, fd, end
 
 
 def record_incarnation(data_dir: Path, job: int, rank: int, incarnation: int) -> None:

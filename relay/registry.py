@@ -4,8 +4,9 @@
 place. ``run_registry`` keeps the relay registered: it retries registration with backoff until
 the coordinator answers (it may start after the relay), hands the coordinator's signing key to
 the hub, heartbeats with the relay's load, deletes the logs of jobs the coordinator says are
-finished, and posts lost ranks and divergences (``determinism``). A coordinator that is briefly
-unreachable only delays these; the relay keeps serving agents meanwhile.
+finished, and posts lost ranks, divergences (``determinism``) and committed checkpoint images
+(``ckptstore``; the rank's log is trimmed only once the coordinator accepted the image). A
+coordinator that is briefly unreachable only delays these; the relay keeps serving agents meanwhile.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import trio
 from vpool import __version__, tls
 from vpool.protocol.api import (
     ErrorBody,
+    RelayCheckpoint,
     RelayDiverged,
     RelayHeartbeat,
     RelayHeartbeatResponse,
@@ -96,6 +98,9 @@ class CoordinatorClient:
     async def report_diverged(self, req: RelayDiverged) -> None:
         await self._post("/relays/diverged", req, dict)
 
+    async def report_checkpoint(self, req: RelayCheckpoint) -> None:
+        await self._post("/relays/checkpoint", req, dict)
+
 
 async def _register(hub: Hub, client: CoordinatorClient, req: RelayRegister) -> float:
     """Register until the coordinator accepts; return its heartbeat interval."""
@@ -146,6 +151,48 @@ async def _report_diverged(hub: Hub, client: CoordinatorClient) -> None:
                     delay = min(delay * 2, BACKOFF_MAX)
 
 
+async def _report_checkpoints(hub: Hub, client: CoordinatorClient) -> None:
+    """Post committed images in commit order; an accepted one lets the store trim the rank's
+    log, a refused one (409) is deleted. Unreachable or failing: retried with backoff."""
+    store = hub.store
+    while True:
+        if not store.reports:
+            await store.reports_ready.wait()
+        for img, report in store.take_reports():
+            delay = BACKOFF_FIRST
+            while True:
+                try:
+                    await client.report_checkpoint(report)
+                except CoordinatorError as exc:
+                    if exc.status == 409:
+                        await store.refused(img)
+                        break
+                    if (
+                        exc.status is not None
+                        and 400 <= exc.status < 500
+                        and exc.status
+                        not in (
+                            401,
+                            404,
+                        )
+                    ):
+                        logger.warning(
+                            "checkpoint report of job %d rank %d refused: %s",
+                            report.job,
+                            report.rank,
+                            exc.message,
+                        )
+                        break
+                    logger.warning("cannot report a checkpoint, retrying: %s", exc.message)
+                    await trio.sleep(delay)
+                    delay = min(delay * 2, BACKOFF_MAX)
+                    if report.job in hub.finished:
+                        break
+                    continue
+                await store.accepted(img)
+                break
+
+
 async def run_registry(hub: Hub, client: CoordinatorClient, req: RelayRegister) -> None:
     """Register, then heartbeat and report for as long as the relay runs."""
     try:
@@ -153,6 +200,7 @@ async def run_registry(hub: Hub, client: CoordinatorClient, req: RelayRegister) 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(_report_lost, hub, client)
             nursery.start_soon(_report_diverged, hub, client)
+            nursery.start_soon(_report_checkpoints, hub, client)
             while True:
                 await trio.sleep(interval)
                 try:

@@ -11,6 +11,7 @@ from vpool.config import load_settings, setting
 
 PREFIX = "VPOOL_RELAY"
 MiB = 1024 * 1024
+GiB = 1024 * MiB
 
 
 @dataclass(frozen=True)
@@ -25,7 +26,8 @@ class RelaySettings:
     )
     data_dir: str = setting(
         "",
-        "Directory of the message logs (jobs/<job>/<dst>/*.seg); "
+        "Directory of the message logs (jobs/<job>/<dst>/*.seg) and checkpoint images "
+        "(jobs/<job>/<rank>/ckpt/); "
         "empty = <vpool state dir>/relay-<name>.",
     )
     tls_cert: str = setting("", "PEM certificate (chain) of the relay, issued by the pool CA.")
@@ -69,6 +71,14 @@ class RelaySettings:
         10.0, "Seconds an agent has to complete TLS and Hello after connecting."
     )
     write_threads: int = setting(4, "Threads doing large log writes and reads at once.")
+    checkpoint_keep: int = setting(
+        2,
+        "Checkpoint images kept per rank (newest first); older ones are deleted and the "
+        "rank's log is trimmed behind the oldest one kept.",
+    )
+    checkpoint_max_bytes: int = setting(
+        64 * GiB, "Largest checkpoint image accepted from an agent, in bytes."
+    )
 
     def relay_name(self, port: int) -> str:
         return self.name or f"{socket.gethostname()}-{port}"

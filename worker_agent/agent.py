@@ -23,6 +23,7 @@ from vpool import tls
 from vpool.protocol.api import AgentHeartbeat, EnrollResponse, Lease, RankProblem
 from vpool.worker_agent import identity
 from vpool.worker_agent.bundle import BlobCache
+from vpool.worker_agent.checkpoints import Capability, find_capability
 from vpool.worker_agent.coordinator import CoordinatorClient
 from vpool.worker_agent.errors import CoordinatorRejected, CoordinatorUnreachable
 from vpool.worker_agent.local_ranks import LocalRank, LocalRanks
@@ -66,9 +67,11 @@ class Agent:
         self._enroll_lock = trio.Lock()
         self._beat = trio.CancelScope()  # the heartbeat being waited for, or the pause after it
         self.socket_path = choose_socket_path(settings.work_path, SOCKET_NAME)
+        self.capability = Capability()
+        ssl_context = tls.client_context(settings.ca_path)
         self.links = RelayLinks(
             nursery,
-            ssl_context=tls.client_context(settings.ca_path),
+            ssl_context=ssl_context,
             token=lambda: client.token,
             on_problem=self._problem_soon,
             max_payload=settings.max_payload,
@@ -84,6 +87,8 @@ class Agent:
             report_problem=self.report_problem,
             release_slot=self._release_slot,
             state_changed=self._beat_now,
+            capability=self.capability,
+            ssl_context=ssl_context,
         )
         self.proxy = RankProxy(
             self.ranks, processor=socket.gethostname(), max_payload=settings.max_payload
@@ -126,6 +131,24 @@ class Agent:
             self.enrolled = await enroll(self.settings, self.client, key)
 
     # -- loops ------------------------------------------------------------------------------
+
+    async def find_capability(self) -> None:
+        """``criu check`` and the environment fingerprint, in the background (hashing the
+        interpreter's libraries takes a while); heartbeats carry them once known."""
+        settings = self.settings
+        try:
+            await find_capability(
+                self.capability,
+                criu_path=settings.criu,
+                python=settings.python_path,
+                rank_root=settings.rank_root,
+                salt=settings.fingerprint_salt,
+            )
+        except Exception as exc:
+            # Checkpoints need both: without them this agent simply takes none.
+            self.capability.criu = ""
+            log.warning("checkpoints disabled: %s", exc)
+        self._beat_now()
 
     async def lease_loop(self) -> None:
         delay = 0.5
@@ -219,7 +242,11 @@ class Agent:
                     # stop orders, so a job that fails elsewhere stops its ranks here at once.
                     resp = await self.client.heartbeat(
                         AgentHeartbeat(
-                            ranks=self.ranks.states(), free_slots=self.free_slots, wait=interval
+                            ranks=self.ranks.states(),
+                            free_slots=self.free_slots,
+                            criu=self.capability.criu if self.capability.ready.is_set() else "",
+                            fingerprint=self.capability.fingerprint,
+                            wait=interval,
                         )
                     )
                 except CoordinatorUnreachable as exc:
@@ -243,6 +270,10 @@ class Agent:
                     rank = self.ranks.find(order.job, order.rank, order.incarnation)
                     if rank is not None:
                         rank.request_stop(order.reason)
+                for ckpt_order in resp.checkpoint:
+                    rank = self.ranks.find(ckpt_order.job, ckpt_order.rank, ckpt_order.incarnation)
+                    if rank is not None:
+                        rank.checkpoint_wanted.set()
             if self._beat.cancelled_caught:
                 continue  # a rank started: send its heartbeat now
             with trio.CancelScope() as self._beat:
@@ -282,6 +313,7 @@ async def run_agent(
         async with trio.open_nursery() as nursery:
             agent = Agent(settings, client, enrolled, nursery)
             path = await nursery.start(agent.proxy.serve, agent.socket_path)
+            nursery.start_soon(agent.find_capability)
             nursery.start_soon(agent.heartbeat_loop)
             nursery.start_soon(agent.lease_loop)
             task_status.started(

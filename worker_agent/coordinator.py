@@ -169,6 +169,18 @@ class CoordinatorClient:
             lambda: self._request("POST", f"{PREFIX}/problem", body=problem),
         )
 
+    async def post_checkpoint_failed(self, report: api.CheckpointFailed) -> None:
+        await self._retrying(
+            "reporting a failed checkpoint",
+            lambda: self._request("POST", f"{PREFIX}/checkpoint-failed", body=report),
+        )
+
+    async def post_restored(self, report: api.RestoreReport) -> None:
+        await self._retrying(
+            "reporting how a rank started",
+            lambda: self._request("POST", f"{PREFIX}/restored", body=report),
+        )
+
     async def put_results(self, job: int, rank: int, incarnation: int, data: bytes) -> None:
         await self._retrying(
             "uploading results",

@@ -11,12 +11,13 @@ import os
 import secrets
 from collections import deque
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import trio
 
 from vpool.protocol.api import Lease, RankState
-from vpool.protocol.messages import Abort
+from vpool.protocol.messages import Abort, Message
 from vpool.worker_agent.wire import Buffer
 
 if TYPE_CHECKING:
@@ -163,6 +164,16 @@ class LocalRank:
         # the highest seq the relays held from this rank (RankWelcome.replay_dets/replay_sent).
         self.replay_dets = 0
         self.replay_sent: dict[int, int] = {}
+        # Per destination the highest Data seq forwarded to a relay (a checkpoint waits until
+        # the relays acknowledged what the rank says it sent).
+        self.deposited: dict[int, int] = {}
+        # Checkpoints: the image this incarnation was restored from (-1: none); the rank's
+        # control connection (CkptGo/CkptSkip out) and what arrives on it (CkptReady,
+        # CkptForked); a checkpoint asked by the coordinator.
+        self.restored_from = -1
+        self.control: trio.abc.SendStream | None = None
+        self.control_send, self.control_recv = trio.open_memory_channel[Message](16)
+        self.checkpoint_wanted = trio.Event()
         self.abort: Abort | None = None
         self.finalized = False
         self.hello_seen = False
@@ -191,6 +202,9 @@ class LocalRanks:
     def __init__(self) -> None:
         self.by_secret: dict[str, LocalRank] = {}
         self.by_key: dict[RankKey, LocalRank] = {}
+        # Rank directory -> the rank using it. A restored incarnation takes over the directory
+        # of the image's maker, which may be an older incarnation here still cleaning up.
+        self.dir_owner: dict[Path, LocalRank] = {}
 
     def add(self, rank: LocalRank) -> None:
         self.by_secret[rank.secret] = rank
@@ -221,6 +235,7 @@ class LocalRanks:
                 incarnation=r.lease.incarnation,
                 state=r.state,
                 replay_dets=r.replay_dets,
+                restored_from=r.restored_from,
             )
             for r in self
         ]

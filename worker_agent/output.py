@@ -4,11 +4,19 @@ Output is gathered for up to ``interval`` seconds or ``batch_bytes`` bytes, then
 ``OutputChunk``s carrying each stream's byte offset, so a re-sent chunk after a failed post is
 stored once. When the coordinator is slow the buffer stops growing at ``max_buffered`` and the
 rank blocks on its own writes, like a program piped into a slow reader.
+
+A restored rank's streams go on from the offsets its checkpoint noted (``start``), so the
+coordinator, which keeps only bytes beyond the highest offset it has, shows nothing twice.
+``stream_offsets`` gives, for a checkpoint, where each stream stands: the bytes read from its
+pipe plus those still in it (``FIONREAD``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+import array
+import fcntl
+import termios
+from collections.abc import Awaitable, Callable, Mapping
 
 import trio
 
@@ -29,6 +37,7 @@ class OutputPump:
         batch_bytes: int = 64 * 1024,
         max_buffered: int = 4 * 1024 * 1024,
         max_post: int = 1024 * 1024,
+        start: Mapping[str, int] | None = None,
     ) -> None:
         self.lease = lease
         self._post = post
@@ -37,7 +46,11 @@ class OutputPump:
         self.max_buffered = max_buffered
         self.max_post = max_post
         self._bufs: dict[Stream, bytearray] = {s: bytearray() for s in STREAMS}
-        self.offsets: dict[Stream, int] = {s: 0 for s in STREAMS}  # bytes already posted
+        start = start or {}
+        # Stream offset of the bytes already posted, and of the bytes already read.
+        self.offsets: dict[Stream, int] = {s: int(start.get(s, 0)) for s in STREAMS}
+        self.read: dict[Stream, int] = dict(self.offsets)
+        self._fds: dict[Stream, int] = {}
         self._readers = 0
         self._some = trio.Event()  # there is something to post
         self._enough = trio.Event()  # post now: a full batch, or a stream ended
@@ -52,6 +65,9 @@ class OutputPump:
             for name, pipe in zip(STREAMS, (stdout, stderr), strict=True):
                 if pipe is not None:
                     self._readers += 1
+                    fileno = getattr(pipe, "fileno", None)
+                    if fileno is not None:
+                        self._fds[name] = fileno()
                     nursery.start_soon(self._read, name, pipe)
             nursery.start_soon(self._flush_loop)
         self.done.set()
@@ -68,6 +84,8 @@ class OutputPump:
                     data = b""
                 if not data:
                     return
+                # No await between the read and this count: ``stream_offsets`` relies on it.
+                self.read[name] += len(data)
                 buf += data
                 self._some.set()
                 if len(buf) >= self.batch_bytes:
@@ -76,6 +94,11 @@ class OutputPump:
             self._readers -= 1
             self._some.set()
             self._enough.set()
+
+    def stream_offsets(self) -> dict[Stream, int]:
+        """Where each stream stands now: bytes read plus bytes waiting in its pipe. Exact while
+        the rank writes nothing (it waits in a checkpoint handshake, its stdio flushed)."""
+        return {name: self.read[name] + _pending(self._fds.get(name)) for name in STREAMS}
 
     async def _flush_loop(self) -> None:
         while True:
@@ -111,3 +134,15 @@ class OutputPump:
             self.offsets[chunk.stream] += len(chunk.data)
         room, self._room = self._room, trio.Event()
         room.set()
+
+
+def _pending(fd: int | None) -> int:
+    """Bytes waiting to be read in pipe ``fd`` (0 for none or a closed one)."""
+    if fd is None or fd < 0:
+        return 0
+    buf = array.array("i", [0])
+    try:
+        fcntl.ioctl(fd, termios.FIONREAD, buf, True)
+    except OSError:
+        return 0
+    return buf[0]

@@ -6,6 +6,13 @@ carrying the secret the agent put in its environment; the agent answers ``RankWe
 unchanged, to the home relay of each destination, and its ``Det`` frames to its own home relay;
 a writer drains the rank's outbox (pushed ``Data``, ``Det``, ``Ack``, ``DetAck``, ``Stop``) into
 the socket and credits the relays for what was written.
+
+Checkpoints: a rank whose runtime takes checkpoints opens a second connection,
+``RankHello(control=True)``, answered by the same ``RankWelcome``; on it the rank sends
+``CkptReady``/``CkptForked`` (handed to the rank's checkpoint task through
+``LocalRank.control_recv``) and the agent ``CkptGo``/``CkptSkip`` (written by that task). A
+restored process says which image it came from (``RankHello.checkpoint``), which must be the one
+the agent restored.
 """
 
 from __future__ import annotations
@@ -25,6 +32,8 @@ from vpool.protocol.errors import ProtocolError
 from vpool.protocol.messages import (
     PROTOCOL_VERSION,
     Abort,
+    CkptForked,
+    CkptReady,
     Data,
     Det,
     Error,
@@ -155,6 +164,9 @@ class RankProxy:
                 return
             if rank is None:
                 return
+            if rank.control is stream:
+                await self._control_loop(reader, rank, stream)
+                return
             try:
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(self._write_loop, stream, rank)
@@ -188,10 +200,30 @@ class RankProxy:
         if rank is None or rank.ended:
             await _refuse(stream, "unknown_secret", "no rank of this agent has that secret")
             return None
-        if rank.hello_seen:
-            await _refuse(stream, "already_connected", f"{rank.label} is already connected")
-            return None
-        rank.hello_seen = True
+        if hello.control:
+            if rank.control is not None:
+                await _refuse(
+                    stream, "already_connected", f"{rank.label} has a control connection already"
+                )
+                return None
+            rank.control = stream
+        else:
+            if rank.hello_seen:
+                await _refuse(stream, "already_connected", f"{rank.label} is already connected")
+                return None
+            if hello.checkpoint != rank.restored_from:
+                what = (
+                    f"was restored from checkpoint {rank.restored_from}"
+                    if rank.restored_from >= 0
+                    else "was not restored from a checkpoint"
+                )
+                await _refuse(
+                    stream,
+                    "wrong_checkpoint",
+                    f"{rank.label} {what}, the process says {hello.checkpoint}",
+                )
+                return None
+            rank.hello_seen = True
         lease = rank.lease
         welcome = RankWelcome(
             job=lease.job,
@@ -203,10 +235,45 @@ class RankProxy:
             replay_sent=rank.replay_sent,
         )
         session.send(welcome)
-        await stream.send_all(encode_small(welcome))
-        if rank.state == "starting":
+        try:
+            await stream.send_all(encode_small(welcome))
+        except BaseException:
+            if rank.control is stream:
+                rank.control = None
+            raise
+        if rank.state == "starting" and not hello.control:
             rank.state = "running"
         return rank
+
+    async def _control_loop(
+        self, reader: FrameReader, rank: LocalRank, stream: trio.SocketStream
+    ) -> None:
+        """Hand the rank's checkpoint frames to its checkpoint task until the rank closes."""
+        try:
+            while True:
+                frame = await reader.receive()
+                if frame is None:
+                    return
+                msg = frame.message
+                if not isinstance(msg, CkptReady | CkptForked):
+                    raise ProtocolError(
+                        f"{type(msg).__name__} on the checkpoint control connection of "
+                        f"{rank.label}",
+                        code="unexpected_message",
+                    )
+                try:
+                    rank.control_send.send_nowait(msg)
+                except trio.WouldBlock:
+                    log.warning("%s: dropped %s (nobody takes them)", rank.label, msg)
+        except ProtocolError as exc:
+            log.warning("%s broke the control protocol: %s", rank.label, exc)
+            with trio.move_on_after(1):
+                await _refuse(stream, exc.code, exc.message)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
+        finally:
+            if rank.control is stream:
+                rank.control = None
 
     async def _read_loop(self, reader: FrameReader, session: Session, rank: LocalRank) -> bool:
         """Forward the rank's frames; True at end of stream, False after refusing a frame."""
@@ -236,6 +303,7 @@ class RankProxy:
                         )
                     if rank.stop_reason is not None:
                         continue  # being stopped (maybe replaced): it must deposit no more
+                    rank.deposited[msg.dst] = msg.seq
                     try:
                         await link.send_data(msg, frame.parts)
                     except RelayLinkError:

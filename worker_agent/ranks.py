@@ -16,6 +16,11 @@
 
 A rank that cannot be prepared (bad bundle, relay refusing it) is reported as a ``RankProblem``
 and never started.
+
+Checkpoints (docs/internals.md, "Checkpoints"): with ``Lease.job_uid`` the rank's directory is
+``{rank_root}/{job_uid}-{rank}-{incarnation}-XXXX`` (a checkpoint restores to the same path);
+a running rank has a ``checkpoints.Checkpointer``; a lease with ``restore`` images starts from
+one of them (``restore``) instead of from the beginning, when it can.
 """
 
 from __future__ import annotations
@@ -25,17 +30,27 @@ import logging
 import os
 import shutil
 import signal
+import ssl
 import subprocess
 import tempfile
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import trio
 
-from vpool.protocol.api import Lease, OutputBatch, RankExit, RankProblem
+from vpool.protocol.api import (
+    Lease,
+    OutputBatch,
+    RankExit,
+    RankProblem,
+    RestoreAttempt,
+    RestoreReport,
+)
 from vpool.protocol.messages import Stop
-from vpool.worker_agent import bundle
+from vpool.worker_agent import bundle, restore
+from vpool.worker_agent.checkpoints import Capability, Checkpointer, checkpoint_signal
+from vpool.worker_agent.checkpoints import checkpoints_enabled as _ckpt_disabled_because
 from vpool.worker_agent.coordinator import CoordinatorClient
 from vpool.worker_agent.errors import BundleError, CoordinatorRejected, RelayLinkError
 from vpool.worker_agent.local_ranks import LocalRank, LocalRanks
@@ -84,6 +99,10 @@ class RankServices:
     # Called when a rank's state changes (it started running): the coordinator hears it at once
     # (a replacement counts as running from then on), not at the next heartbeat.
     state_changed: Callable[[], None] = lambda: None
+    # Checkpoints: CRIU and the environment fingerprint (found at start), and the TLS context
+    # for the relays' checkpoint stores.
+    capability: Capability = field(default_factory=Capability)
+    ssl_context: ssl.SSLContext | None = None
 
 
 @dataclass
@@ -97,8 +116,18 @@ class Prepared:
 
 
 def rank_env(
-    lease: Lease, *, secret: str, socket_path: Path, shim: Path, home: Path
+    lease: Lease,
+    *,
+    secret: str,
+    socket_path: Path,
+    shim: Path,
+    home: Path,
+    rank_dir: Path | None = None,
+    checkpoints: bool = False,
+    clone_timeout: float = 600.0,
 ) -> dict[str, str]:
+    """The rank's environment. ``checkpoints``: the runtime takes them (it gets the signal to
+    expect and its rank directory)."""
     env = {k: os.environ[k] for k in _PASSED_ENV if k in os.environ}
     env["HOME"] = str(home)
     env["TMPDIR"] = str(home)
@@ -118,6 +147,12 @@ def rank_env(
         VPOOL_SIZE=str(lease.size),
         VPOOL_INCARNATION=str(lease.incarnation),
     )
+    if checkpoints and rank_dir is not None:
+        env.update(
+            VPOOL_RANK_DIR=str(rank_dir),
+            VPOOL_CKPT_SIGNAL=str(checkpoint_signal()),
+            VPOOL_CKPT_CLONE_TIMEOUT=f"{clone_timeout:g}",
+        )
     return env
 
 
@@ -127,11 +162,15 @@ async def prepare(svc: RankServices, lease: Lease) -> Prepared:
     entry_rel = bundle.safe_member_path(lease.entry)
     zip_path = await svc.blobs.get(lease.bundle)
     stdin = await svc.blobs.get(lease.stdin) if lease.stdin and lease.rank == 0 else None
-    ranks_dir = settings.work_path / "ranks"
+    if lease.job_uid:
+        # The same path on every agent: a checkpoint restores the directory where it was.
+        ranks_dir = Path(settings.rank_root)
+        prefix = f"{lease.job_uid}-{lease.rank}-{lease.incarnation}-"
+    else:
+        ranks_dir = settings.work_path / "ranks"
+        prefix = f"{lease.job}-{lease.rank}-{lease.incarnation}-"
     ranks_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-    rank_dir = Path(
-        tempfile.mkdtemp(prefix=f"{lease.job}-{lease.rank}-{lease.incarnation}-", dir=ranks_dir)
-    )
+    rank_dir = Path(tempfile.mkdtemp(prefix=prefix, dir=ranks_dir))
     try:
         work, home = rank_dir / "work", rank_dir / "home"
         work.mkdir()
@@ -140,6 +179,10 @@ async def prepare(svc: RankServices, lease: Lease) -> Prepared:
             lambda: bundle.extract_bundle(zip_path, work, max_bytes=settings.max_bundle_bytes)
         )
         before = await trio.to_thread.run_sync(bundle.snapshot, work)
+        if lease.job_uid:
+            # Travels with the rank directory in checkpoints: a restored rank's results are
+            # what changed since this extraction.
+            restore.save_snapshot(rank_dir / restore.SNAPSHOT_FILE, before)
     except BaseException:
         await _remove(rank_dir)
         raise
@@ -176,15 +219,32 @@ async def attach(svc: RankServices, rank: LocalRank) -> None:
 async def run_rank(svc: RankServices, rank: LocalRank) -> None:
     lease = rank.lease
     prepared: Prepared | None = None
+    restored: restore.Restored | None = None
     try:
         try:
-            prepared = await prepare(svc, lease)
-            await attach(svc, rank)
+            tried: list[RestoreAttempt] = []
+            if lease.restore:
+                restored, tried = await restore.restore_rank(svc, rank, attach)
+                if restored is None and not lease.from_start:
+                    reasons = "; ".join(f"checkpoint {t.ckpt}: {t.reason}" for t in tried)
+                    await svc.report_problem(
+                        rank,
+                        f"{rank.label} cannot start: no checkpoint image could be restored "
+                        f"({reasons or 'none given'}) and the relays no longer hold its start",
+                    )
+                    return
+            if restored is not None:
+                prepared = restored.prepared
+                svc.ranks.dir_owner[prepared.rank_dir] = rank
+            else:
+                prepared = await prepare(svc, lease)
+                svc.ranks.dir_owner[prepared.rank_dir] = rank
+                await attach(svc, rank)
         except (BundleError, RelayLinkError, CoordinatorRejected) as exc:
             log.error("%s cannot start: %s", rank.label, exc)
             await svc.report_problem(rank, f"{rank.label} cannot start: {exc}")
             return
-        code, message, lost = await execute(svc, rank, prepared)
+        code, message, lost = await execute(svc, rank, prepared, restored, tried)
         await _upload_results(svc, rank, prepared, code, message, lost)
         svc.release_slot(rank)
     except BaseException as exc:
@@ -208,8 +268,15 @@ async def run_rank(svc: RankServices, rank: LocalRank) -> None:
                     await rank.conn_done.wait()
             for link in rank.links:
                 await link.detach(rank)
-            if prepared is not None and not svc.settings.keep_workdirs:
-                await _remove(prepared.rank_dir)
+            if restored is not None:
+                await trio.to_thread.run_sync(restored.cleanup)
+            if prepared is not None:
+                # A newer incarnation restored here may have taken the directory over.
+                owner = svc.ranks.dir_owner.get(prepared.rank_dir)
+                if owner is rank:
+                    del svc.ranks.dir_owner[prepared.rank_dir]
+                if owner in (rank, None) and not svc.settings.keep_workdirs:
+                    await _remove(prepared.rank_dir)
             svc.ranks.remove(rank)
 
 
@@ -226,18 +293,110 @@ def _problem(rank: LocalRank, message: str) -> RankProblem:
     )
 
 
-async def execute(svc: RankServices, rank: LocalRank, prepared: Prepared) -> tuple[int, str, bool]:
-    """Run the rank's process to its end; return its exit code, a note about how it ended
-    and whether it was lost (see ``_describe_exit``)."""
+@dataclass
+class _Launched:
+    """A rank process as ``execute`` drives it: spawned here, or restored (``restore``)."""
+
+    process: trio.Process
+    pid: int
+    stdout: trio.abc.ReceiveStream | None
+    stderr: trio.abc.ReceiveStream | None
+    restored: restore.Restored | None = None
+
+    def signal(self, sig: int) -> None:
+        if self.restored is not None:
+            self.restored.signal(sig)
+        else:
+            _signal_group(self.process, sig)
+
+    def returncode(self) -> int | None:
+        """The rank's exit status once ``process`` ended (None: unknown)."""
+        if self.restored is not None:
+            return self.restored.returncode()
+        return self.process.returncode
+
+
+async def execute(
+    svc: RankServices,
+    rank: LocalRank,
+    prepared: Prepared,
+    restored: restore.Restored | None = None,
+    tried: list[RestoreAttempt] | None = None,
+) -> tuple[int, str, bool]:
+    """Run the rank's process (or drive the ``restored`` one) to its end; return its exit
+    code, a note about how it ended and whether it was lost (see ``_describe_exit``)."""
     lease, settings = rank.lease, svc.settings
     if rank.stop_requested.is_set():
+        if restored is not None:
+            restored.signal(signal.SIGKILL)
+            await restored.process.wait()
         return 128 + signal.SIGTERM, f"stopped before it started: {rank.stop_reason}", False
+    if restored is not None:
+        launched = _Launched(
+            restored.process, restored.pid, restored.stdout, restored.stderr, restored
+        )
+    else:
+        spawned = await _spawn(svc, rank, prepared)
+        if isinstance(spawned, tuple):
+            return spawned
+        launched = spawned
+    process = launched.process
+    rank.state = "running"
+    rank.pid = launched.pid
+    svc.state_changed()
+    log.info("started %s (pid %d)", rank.label, launched.pid)
+    pump = OutputPump(
+        lease,
+        functools.partial(_post_output, svc.client, rank),
+        start=restored.out_offsets if restored is not None else None,
+    )
+    checkpointer = Checkpointer(svc, rank, prepared, pump)
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(pump.run, launched.stdout, launched.stderr)
+            if lease.restore or lease.incarnation > 1:
+                nursery.start_soon(_report_start, svc, rank, tried or [])
+            async with trio.open_nursery() as watch:
+                watch.start_soon(_stop_when_asked, rank, launched, settings.stop_grace)
+                watch.start_soon(checkpointer.run)
+                await process.wait()
+                watch.cancel_scope.cancel()
+            # Whatever the rank left running would keep its pipes (and maybe a slot) busy.
+            launched.signal(signal.SIGKILL)
+            if restored is not None:
+                restored.release_holders()
+            with trio.move_on_after(_PIPE_GRACE):
+                await pump.done.wait()
+            for pipe in (launched.stdout, launched.stderr):
+                if pipe is not None:
+                    await pipe.aclose()
+    finally:
+        rank.pid = None
+        if process.returncode is None:
+            with trio.move_on_after(_SHIELDED_CLEANUP, shield=True):
+                launched.signal(signal.SIGKILL)
+                await process.wait()
+    returncode = launched.returncode() if process.returncode is not None else None
+    if returncode is None and restored is not None and rank.stop_reason is None:
+        return -signal.SIGKILL, "the restored process ended without an exit status", True
+    # None only if even SIGKILL did not end it within the cleanup time: report it as killed.
+    return _describe_exit(rank, -signal.SIGKILL if returncode is None else returncode)
+
+
+async def _spawn(
+    svc: RankServices, rank: LocalRank, prepared: Prepared
+) -> _Launched | tuple[int, str, bool]:
+    """Start ``[python, entry, *args]``; the process, or how the rank ended if it cannot."""
+    lease, settings = rank.lease, svc.settings
     env = rank_env(
         lease,
         secret=rank.secret,
         socket_path=svc.socket_path,
         shim=shim_dir(),
         home=prepared.home,
+        rank_dir=prepared.rank_dir,
+        checkpoints=not _ckpt_disabled_because(svc.capability, lease),
+        clone_timeout=settings.checkpoint_clone_timeout,
     )
     stdin = open(prepared.stdin or os.devnull, "rb")  # noqa: ASYNC230 - only an fd for the child
     try:
@@ -253,36 +412,35 @@ async def execute(svc: RankServices, rank: LocalRank, prepared: Prepared) -> tup
             start_new_session=True,
         )
     except OSError as exc:
-        stdin.close()
         return 127, f"cannot start {settings.python_path}: {exc}", False
-    stdin.close()
-    rank.state = "running"
-    rank.pid = process.pid
-    svc.state_changed()
-    log.info("started %s (pid %d)", rank.label, process.pid)
-    pump = OutputPump(lease, functools.partial(_post_output, svc.client, rank))
-    try:
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(pump.run, process.stdout, process.stderr)
-            async with trio.open_nursery() as watch:
-                watch.start_soon(_stop_when_asked, rank, process, settings.stop_grace)
-                await process.wait()
-                watch.cancel_scope.cancel()
-            # Whatever the rank left running would keep its pipes (and maybe a slot) busy.
-            _signal_group(process, signal.SIGKILL)
-            with trio.move_on_after(_PIPE_GRACE):
-                await pump.done.wait()
-            for pipe in (process.stdout, process.stderr):
-                if pipe is not None:
-                    await pipe.aclose()
     finally:
-        if process.returncode is None:
-            with trio.move_on_after(_SHIELDED_CLEANUP, shield=True):
-                _signal_group(process, signal.SIGKILL)
-                await process.wait()
-    # None only if even SIGKILL did not end it within the cleanup time: report it as killed.
-    returncode = process.returncode
-    return _describe_exit(rank, -signal.SIGKILL if returncode is None else returncode)
+        stdin.close()
+    return _Launched(process, process.pid, process.stdout, process.stderr)
+
+
+async def _report_start(svc: RankServices, rank: LocalRank, tried: list[RestoreAttempt]) -> None:
+    """Tell the coordinator how this incarnation started (``RestoreReport``)."""
+    lease = rank.lease
+    ckpt = rank.restored_from
+    if ckpt >= 0:
+        message = f"restored from checkpoint {ckpt}"
+    elif lease.restore:
+        message = "started from the beginning: no checkpoint image could be restored"
+    else:
+        message = "started from the beginning"
+    try:
+        await svc.client.post_restored(
+            RestoreReport(
+                job=lease.job,
+                rank=lease.rank,
+                incarnation=lease.incarnation,
+                ckpt=ckpt,
+                tried=tried,
+                message=message,
+            )
+        )
+    except CoordinatorRejected as exc:
+        log.warning("start report of %s refused: %s", rank.label, exc)
 
 
 async def _post_output(client: CoordinatorClient, rank: LocalRank, batch: OutputBatch) -> None:
@@ -314,7 +472,7 @@ def _describe_exit(rank: LocalRank, returncode: int) -> tuple[int, str, bool]:
     return returncode, f"killed by {name}, not by the agent", True
 
 
-async def _stop_when_asked(rank: LocalRank, process: trio.Process, grace: float) -> None:
+async def _stop_when_asked(rank: LocalRank, launched: _Launched, grace: float) -> None:
     await rank.stop_requested.wait()
     lease = rank.lease
     log.info("stopping %s: %s", rank.label, rank.stop_reason)
@@ -328,9 +486,9 @@ async def _stop_when_asked(rank: LocalRank, process: trio.Process, grace: float)
             )
         )
     )
-    _signal_group(process, signal.SIGTERM)
+    launched.signal(signal.SIGTERM)
     await trio.sleep(grace)
-    _signal_group(process, signal.SIGKILL)
+    launched.signal(signal.SIGKILL)
 
 
 def _signal_group(process: trio.Process, sig: int) -> None:

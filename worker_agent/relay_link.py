@@ -520,16 +520,23 @@ class RelayLink:
         return pending
 
     async def attach(self, rank: LocalRank, *, home: bool) -> Attached:
-        """Bind ``rank`` (a fresh incarnation: nothing received yet) to this link and wait for
-        the relay's ``Attached``; retried on the next connection if this one drops meanwhile."""
+        """Bind ``rank`` to this link and wait for the relay's ``Attached``; retried on the next
+        connection if this one drops meanwhile. A home attachment resumes after
+        ``rank.received`` and ``rank.dets_in`` (empty for a fresh incarnation, the image's
+        counters for a restored one)."""
         key = rank.key
         if self.ranks.get(key) is not rank:
             self._unacked[key] = Unacked()  # an older incarnation's frames are not ours
         self.ranks[key] = rank
         while True:
             try:
+                # A fresh incarnation has nothing yet; a restored one what its image holds.
                 pending = await self._attach_once(
-                    rank, home=home, received={}, dets_from=0, gated=True
+                    rank,
+                    home=home,
+                    received=dict(rank.received) if home else {},
+                    dets_from=rank.dets_in if home else 0,
+                    gated=True,
                 )
             except RelayLinkError:
                 pending = _PendingAttach()
@@ -548,6 +555,11 @@ class RelayLink:
                 if result != "no answer"
                 else f"{self.where} did not answer Attach for {rank.label} in {ATTACH_TIMEOUT} s"
             )
+
+    def unacked(self, key: RankKey) -> Unacked | None:
+        """What rank ``key`` deposited through this link that is not acknowledged yet (None:
+        the link does not carry the rank); a checkpoint waits on it."""
+        return self._unacked.get(key)
 
     async def send_data(self, msg: Data, parts: list[Buffer]) -> None:
         """Forward one of a rank's ``Data`` frames, bytes unchanged, keeping it until acked."""

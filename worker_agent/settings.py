@@ -59,6 +59,24 @@ class AgentSettings:
     max_payload: int = setting(
         1024**3, "Largest payload of one MPI message accepted from a rank or a relay (bytes)."
     )
+    criu: str = setting("criu", "Path of the CRIU binary (checkpoints need CRIU >= 4).")
+    rank_root: str = setting(
+        "/tmp/vpool-ranks",
+        "Directory of the ranks' directories; must be the same path on every agent of a pool "
+        "(a checkpoint restores to the directory it was made in).",
+    )
+    fingerprint_salt: str = setting(
+        "", "Mixed into this agent's environment fingerprint (tests: agents that differ)."
+    )
+    checkpoint_scratch: str = setting(
+        "",
+        "Directory for CRIU images being made or restored; empty = /dev/shm/vpool-ckpt when "
+        "/dev/shm exists, else <work dir>/ckpt.",
+    )
+    checkpoint_zstd_level: int = setting(1, "zstd level of checkpoint images.")
+    checkpoint_clone_timeout: float = setting(
+        600.0, "Seconds a checkpoint clone waits to be dumped before it exits by itself."
+    )
 
     # Resolved values: the empty defaults above mean "the platform's choice".
 
@@ -81,6 +99,14 @@ class AgentSettings:
     @property
     def python_path(self) -> str:
         return self.python or sys.executable
+
+    @property
+    def scratch_path(self) -> Path:
+        if self.checkpoint_scratch:
+            return Path(self.checkpoint_scratch)
+        if Path("/dev/shm").is_dir():
+            return Path("/dev/shm/vpool-ckpt")
+        return self.work_path / "ckpt"
 
     @property
     def ca_path(self) -> Path | None:

@@ -1,0 +1,352 @@
+"""The relay's checkpoint store: encrypted CRIU images of ranks, uploaded and fetched by agents.
+
+An agent opens a connection with ``Hello(role="store", token=agent token)`` and gets
+``Welcome(max_payload=STORE_MAX_CHUNK)``. Then, one after the other, any number of::
+
+    put:  agent CkptPut(token, ckpt, ...), CkptChunk(ckpt)+payload ..., CkptEnd(ckpt, size, sha256)
+          store CkptStored(ckpt, retained)      or Error(code, job, rank)
+    get:  agent CkptGet(token, ckpt)
+          store CkptInfo, CkptChunk(ckpt)+payload (1 MiB) ..., CkptEnd   or Error(code, job, rank)
+
+The session itself is ``storesession.StoreSession``. A refused put (``fenced``,
+``stale_ckpt``, ``busy``, ``job_finished``, ``storage_error``) is answered at once; the store
+then drops that image's chunks and its ``CkptEnd``, and the connection goes on. A put
+whose bytes do not match ``CkptEnd`` gets ``corrupt`` after the end, nothing is committed,
+and the connection goes on too (so does a get's ``not_found`` or ``fenced``). Errors about
+the connection itself (a bad token, a frame out of order, an image over
+``checkpoint_max_bytes``) carry ``rank=-1`` and close it.
+
+On disk, ``data_dir/jobs/<job>/<rank>/ckpt/``: ``<ckpt>.img`` (the bytes as uploaded),
+``<ckpt>.json`` (the manifest: the commit point, written after the image), and
+``<ckpt>.<random>.part`` while an upload runs. A restarted relay deletes parts and images
+without a manifest.
+
+After a commit the store keeps the newest ``checkpoint_keep`` images of the rank and reports
+the image to the coordinator (``RelayCheckpoint``; ``registry`` posts the reports, retrying
+while the coordinator is unreachable). Once accepted (``accepted`` in the manifest) the rank's
+log is trimmed (``relay.trim``) to what the retained accepted images all have; a 409 answer
+deletes the image. A relay without a coordinator (tests) counts every commit as accepted.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import trio
+
+from vpool.protocol.api import RelayCheckpoint
+from vpool.relay import log as logfiles
+from vpool.relay import trim
+from vpool.relay.wire import FrameReader, RawFrame
+
+if TYPE_CHECKING:
+    from vpool.relay.connection import Connection
+    from vpool.relay.hub import Hub
+
+logger = logging.getLogger(__name__)
+
+Key = tuple[int, int]
+# Largest CkptChunk payload an agent may send (it sends 1 MiB ciphertext chunks).
+STORE_MAX_CHUNK = 8 * 1024 * 1024
+# Payload of the chunks the store sends.
+READ_CHUNK = 1024 * 1024
+IMAGE = ".img"
+MANIFEST = ".json"
+PART = ".part"
+
+
+def ckpt_dir(data_dir: Path, job: int, rank: int) -> Path:
+    return logfiles.box_dir(data_dir, job, rank) / "ckpt"
+
+
+@dataclass
+class Image:
+    """A committed image and its manifest."""
+
+    job: int
+    rank: int
+    ckpt: int
+    incarnation: int
+    size: int
+    sha256: bytes
+    received: dict[int, int]
+    dets: int
+    fingerprint: str
+    meta: bytes
+    accepted: bool = False
+    directory: Path = field(default=Path("."), repr=False)
+
+    @property
+    def path(self) -> Path:
+        return self.directory / f"{self.ckpt}{IMAGE}"
+
+    @property
+    def manifest(self) -> Path:
+        return self.directory / f"{self.ckpt}{MANIFEST}"
+
+    def to_json(self) -> bytes:
+        body = {
+            "job": self.job,
+            "rank": self.rank,
+            "ckpt": self.ckpt,
+            "incarnation": self.incarnation,
+            "size": self.size,
+            "sha256": self.sha256.hex(),
+            "received": {str(k): v for k, v in self.received.items()},
+            "dets": self.dets,
+            "fingerprint": self.fingerprint,
+            "meta": base64.b64encode(self.meta).decode(),
+            "accepted": self.accepted,
+        }
+        return json.dumps(body).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes, directory: Path) -> Image:
+        raw: dict[str, Any] = json.loads(data)
+        return cls(
+            job=int(raw["job"]),
+            rank=int(raw["rank"]),
+            ckpt=int(raw["ckpt"]),
+            incarnation=int(raw["incarnation"]),
+            size=int(raw["size"]),
+            sha256=bytes.fromhex(raw["sha256"]),
+            received={int(k): int(v) for k, v in raw["received"].items()},
+            dets=int(raw["dets"]),
+            fingerprint=str(raw["fingerprint"]),
+            meta=base64.b64decode(raw["meta"]),
+            accepted=bool(raw["accepted"]),
+            directory=directory,
+        )
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_manifest(img: Image) -> None:
+    tmp = img.directory / f"{img.ckpt}{MANIFEST}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    try:
+        os.write(fd, img.to_json())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.rename(tmp, img.manifest)
+    _fsync_dir(img.directory)
+
+
+def delete_image(img: Image) -> None:
+    # The manifest first: an image file without one is an unfinished commit, swept at start.
+    for path in (img.manifest, img.path):
+        try:
+            path.unlink()
+        except FileNotFoundError:
+            pass
+
+
+def trim_target(images: list[Image]) -> tuple[dict[int, int], int] | None:
+    """What every accepted image of a rank has: per source the lowest ``received``, and the
+    lowest ``dets`` (images of different incarnations need not be ordered like their ids)."""
+    done = [img for img in images if img.accepted]
+    if not done:
+        return None
+    sources = {src for img in done for src in img.received}
+    received = {src: min(img.received.get(src, 0) for img in done) for src in sources}
+    return received, min(img.dets for img in done)
+
+
+class CheckpointStore:
+    """Images of every rank homed here, their retention and reports (module docstring)."""
+
+    def __init__(self, hub: Hub) -> None:
+        self.hub = hub
+        self.images: dict[Key, dict[int, Image]] = {}
+        self.nbytes = 0
+        self.uploading: set[Key] = set()
+        # Without a coordinator, commits count as accepted at once.
+        self.reporting = bool(hub.settings.coordinator_url)
+        self.reports: list[Image] = []
+        self.reports_ready = trio.Event()
+
+    # -- index ------------------------------------------------------------------------------
+
+    def load(self) -> None:
+        """Index the images left by an earlier run, sweeping unfinished uploads and commits,
+        and finish trims a kill interrupted (blocking; called from ``Hub.load``)."""
+        jobs = self.hub.data_dir / "jobs"
+        for directory in sorted(jobs.glob("*/*/ckpt")) if jobs.is_dir() else []:
+            names = {p.name for p in directory.iterdir()}
+            for name in sorted(names):
+                path = directory / name
+                stem = name.split(".", 1)[0]
+                if name.endswith((PART, ".tmp")) or (
+                    name.endswith(IMAGE) and f"{stem}{MANIFEST}" not in names
+                ):
+                    logger.warning("deleting unfinished checkpoint file %s", path)
+                    path.unlink()
+                    continue
+                if not name.endswith(MANIFEST):
+                    continue
+                try:
+                    img = Image.from_json(path.read_bytes(), directory)
+                except (OSError, ValueError, KeyError) as exc:
+                    logger.warning("deleting unreadable checkpoint manifest %s: %s", path, exc)
+                    path.unlink()
+                    continue
+                if f"{stem}{IMAGE}" not in names:
+                    path.unlink()
+                    continue
+                self._add(img)
+        for key, imgs in sorted(self.images.items()):
+            for img in sorted(imgs.values(), key=lambda i: i.ckpt):
+                if not img.accepted:
+                    if self.reporting:
+                        self.reports.append(img)
+                    else:
+                        img.accepted = True
+            self._trim_now(key)
+        # ``reports`` now lists the images to report again (a worker thread must not set the
+        # trio Event; the reporting task looks at the list before waiting).
+
+    def _add(self, img: Image) -> None:
+        self.images.setdefault((img.job, img.rank), {})[img.ckpt] = img
+        self.nbytes += img.size
+
+    def _remove(self, img: Image) -> bool:
+        imgs = self.images.get((img.job, img.rank))
+        if imgs is None or imgs.get(img.ckpt) is not img:
+            return False
+        del imgs[img.ckpt]
+        if not imgs:
+            del self.images[(img.job, img.rank)]
+        self.nbytes -= img.size
+        return True
+
+    def retained(self, key: Key) -> list[int]:
+        return sorted(self.images.get(key, {}), reverse=True)
+
+    def forget_job(self, job: int) -> None:
+        """The job is over (its directory is being deleted with the logs)."""
+        for key in [k for k in self.images if k[0] == job]:
+            self.nbytes -= sum(img.size for img in self.images.pop(key).values())
+        self.reports = [img for img in self.reports if img.job != job]
+
+    # -- commit, retention, reports, trims --------------------------------------------------
+
+    async def commit(self, img: Image) -> list[Image]:
+        """An image is durable: index it, apply retention, queue its report. Returns the
+        images deleted by retention."""
+        self._add(img)
+        keep = max(1, self.hub.settings.checkpoint_keep)
+        imgs = self.images[(img.job, img.rank)]
+        old = [imgs[c] for c in sorted(imgs, reverse=True)[keep:]]
+        for o in old:
+            self._remove(o)
+        if old:
+            await self._io(lambda: [delete_image(o) for o in old])
+        if self.reporting:
+            self.reports.append(img)
+            self.reports_ready.set()
+        else:
+            img.accepted = True
+            await self._trim((img.job, img.rank))
+        return old
+
+    def take_reports(self) -> list[tuple[Image, RelayCheckpoint]]:
+        """The reports to post, in commit order (images deleted meanwhile left out)."""
+        out: list[tuple[Image, RelayCheckpoint]] = []
+        for img in self.reports:
+            key = (img.job, img.rank)
+            if self.images.get(key, {}).get(img.ckpt) is not img:
+                continue
+            box = self.hub.boxes.get(key)
+            report = RelayCheckpoint(
+                name=self.hub.name,
+                job=img.job,
+                rank=img.rank,
+                incarnation=img.incarnation,
+                ckpt=img.ckpt,
+                size=img.size,
+                sha256=img.sha256.hex(),
+                fingerprint=img.fingerprint,
+                received=img.received,
+                dets=img.dets,
+                meta=img.meta,
+                retained=self.retained(key),
+                trimmed=bool(box is not None and box.trim),
+            )
+            out.append((img, report))
+        self.reports = []
+        self.reports_ready = trio.Event()
+        return out
+
+    async def accepted(self, img: Image) -> None:
+        """The coordinator accepted the report of ``img``: trim the rank's log."""
+        if self.images.get((img.job, img.rank), {}).get(img.ckpt) is not img:
+            return
+        img.accepted = True
+        await self._io(lambda: write_manifest(img))
+        await self._trim((img.job, img.rank))
+
+    async def refused(self, img: Image) -> None:
+        """The coordinator answered 409 (stale incarnation, job over): delete the image."""
+        if self._remove(img):
+            logger.info("job %d rank %d: image %d refused by the coordinator", *_ids(img))
+            await self._io(lambda: delete_image(img))
+
+    def _point(self, key: Key) -> tuple[trim.TrimPoint, Any] | None:
+        box = self.hub.boxes.get(key)
+        target = trim_target(list(self.images.get(key, {}).values()))
+        if box is None or box.dead or target is None:
+            return None
+        point = box.trim.merged(*target)
+        if point == box.trim:
+            return None
+        return point, box
+
+    async def _trim(self, key: Key) -> None:
+        found = self._point(key)
+        if found is None:
+            return
+        point, box = found
+        await self._io(lambda: trim.write_point(box.log.directory, point))
+        # The box may have been trimmed further, or deleted, while the point was written.
+        if not box.dead and point.merged(box.trim.received, box.trim.dets) == point:
+            trim.apply(self.hub, box, point)
+
+    def _trim_now(self, key: Key) -> None:
+        found = self._point(key)
+        if found is not None:
+            point, box = found
+            trim.write_point(box.log.directory, point)
+            trim.apply(self.hub, box, point)
+
+    async def _io(self, fn: Any, *args: Any) -> Any:
+        return await trio.to_thread.run_sync(fn, *args, limiter=self.hub.io_limiter)
+
+    # -- connections ------------------------------------------------------------------------
+
+    async def serve(self, conn: Connection, reader: FrameReader, frames: list[RawFrame]) -> None:
+        """Serve a store connection whose Hello was accepted, until it closes."""
+        from vpool.relay.storesession import StoreSession
+
+        session = StoreSession(self, conn, reader)
+        try:
+            await session.run(frames)
+        finally:
+            with trio.move_on_after(5, shield=True):
+                await session.abort_upload()
+
+
+def _ids(img: Image) -> tuple[int, int, int]:
+    return img.job, img.rank, img.ckpt

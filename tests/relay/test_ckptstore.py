@@ -1,0 +1,351 @@
+"""The relay's checkpoint store over real TLS with real tokens: puts and gets, refusals,
+retention, reports to the coordinator and what their answers do."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import msgspec
+import trio
+from relay_fakes import DEADLINE, FakeAgent, FakeCoordinator, Pool, start_relay
+
+from vpool.protocol import api
+from vpool.protocol.framing import PREFIX, PREFIX_SIZE, raw_frame_parts
+from vpool.protocol.messages import (
+    PROTOCOL_VERSION,
+    CkptChunk,
+    CkptEnd,
+    CkptGet,
+    CkptInfo,
+    CkptPut,
+    CkptStored,
+    Error,
+    Hello,
+    Message,
+    Welcome,
+    decode,
+    encode,
+)
+
+MiB = 1024 * 1024
+
+
+class StoreClient(FakeAgent):
+    """A store connection. ``framing``'s encoder and decoder admit payloads on ``Data`` only,
+    so chunk frames are put together and taken apart here."""
+
+    async def send(self, msg: Message, payload: bytes = b"") -> None:
+        await self.stream.send_all(b"".join(raw_frame_parts(encode(msg), payload)))
+
+    async def recv(self) -> tuple[Message, bytes]:
+        with trio.fail_after(DEADLINE):
+            while True:
+                buf = self.buf
+                if len(buf) >= PREFIX_SIZE:
+                    hlen, plen = PREFIX.unpack_from(buf)
+                    end = PREFIX_SIZE + hlen + plen
+                    if len(buf) >= end:
+                        msg = decode(bytes(buf[PREFIX_SIZE : PREFIX_SIZE + hlen]))
+                        payload = bytes(buf[PREFIX_SIZE + hlen : end])
+                        del buf[:end]
+                        return msg, payload
+                try:
+                    data = await self.stream.receive_some(1 << 20)
+                except trio.BrokenResourceError as exc:
+                    raise EOFError("connection broken") from exc
+                if not data:
+                    raise EOFError("connection closed")
+                buf += data
+
+
+async def store_conn(pool: Pool, addr: tuple[str, int], agent: str = "agent-1") -> StoreClient:
+    stream = await trio.open_ssl_over_tcp_stream(addr[0], addr[1], ssl_context=pool.client_ssl)
+    conn = StoreClient(stream, agent)
+    conn.buf = bytearray()
+    FakeAgent.opened.append(conn)
+    await conn.send(Hello(version=PROTOCOL_VERSION, role="store", token=pool.agent_token(agent)))
+    conn.welcome = await conn.expect(Welcome)
+    return conn
+
+
+async def until(check: Callable[[], bool]) -> None:
+    """Poll ``check`` (state the relay changes in the background) up to DEADLINE."""
+    with trio.fail_after(DEADLINE):
+        for _ in range(int(DEADLINE / 0.01)):
+            if check():
+                return
+            await trio.sleep(0.01)
+    raise AssertionError("the relay did not get there in time")
+
+
+def image(ckpt: int, size: int) -> bytes:
+    return hashlib.sha256(b"%d" % ckpt).digest() * (size // 32) + os.urandom(size % 32)
+
+
+async def put(
+    conn: StoreClient,
+    pool: Pool,
+    job: int,
+    rank: int,
+    ckpt: int,
+    data: bytes,
+    *,
+    size: int = 2,
+    incarnation: int = 1,
+    received: dict[int, int] | None = None,
+    dets: int = 0,
+    sha256: bytes | None = None,
+) -> Any:
+    """Upload one image in 1 MiB chunks; the store's answer (CkptStored or Error)."""
+    token = pool.rank_token(job, rank, agent=conn.agent, size=size, incarnation=incarnation)
+    await conn.send(
+        CkptPut(
+            token=token,
+            ckpt=ckpt,
+            received=received or {},
+            dets=dets,
+            fingerprint="fp-1",
+            meta=b"manifest",
+        )
+    )
+    for pos in range(0, len(data), MiB):
+        await conn.send(CkptChunk(ckpt=ckpt), data[pos : pos + MiB])
+    digest = hashlib.sha256(data).digest() if sha256 is None else sha256
+    await conn.send(CkptEnd(ckpt=ckpt, size=len(data), sha256=digest))
+    msg, _ = await conn.recv()
+    return msg
+
+
+async def get(
+    conn: StoreClient, pool: Pool, job: int, rank: int, ckpt: int, *, incarnation: int = 2
+) -> tuple[CkptInfo, bytes] | Error:
+    """Fetch one image as a restoring incarnation would; its info and bytes, or the Error."""
+    token = pool.rank_token(job, rank, agent=conn.agent, size=2, incarnation=incarnation)
+    await conn.send(CkptGet(token=token, ckpt=ckpt))
+    info, _ = await conn.recv()
+    if isinstance(info, Error):
+        return info
+    assert isinstance(info, CkptInfo), info
+    parts = []
+    while True:
+        msg, payload = await conn.recv()
+        if isinstance(msg, CkptEnd):
+            break
+        assert isinstance(msg, CkptChunk) and msg.ckpt == ckpt, msg
+        assert len(payload) <= MiB
+        parts.append(payload)
+    data = b"".join(parts)
+    assert (msg.size, msg.sha256) == (len(data), hashlib.sha256(data).digest())
+    assert (info.size, info.sha256) == (msg.size, msg.sha256)
+    return info, data
+
+
+def ckpt_files(relay_dir: Path, job: int, rank: int) -> list[str]:
+    d = relay_dir / "jobs" / str(job) / str(rank) / "ckpt"
+    return sorted(p.name for p in d.iterdir()) if d.is_dir() else []
+
+
+async def test_put_get_round_trip(pool: Pool, relay: Any, tmp_path: Path, agents: object) -> None:
+    conn = await store_conn(pool, relay.addr)
+    assert conn.welcome is not None and conn.welcome.max_payload >= MiB
+    data = image(1, 5 * MiB + 12345)
+    stored = await put(conn, pool, 3, 1, 1, data, received={0: 7}, dets=4)
+    assert stored == CkptStored(ckpt=1, retained=[1])
+    # Several puts on one connection, one after the other.
+    data2 = image(2, 3 * MiB)
+    assert await put(conn, pool, 3, 1, 2, data2, received={0: 9}, dets=5) == CkptStored(
+        ckpt=2, retained=[2, 1]
+    )
+    assert ckpt_files(tmp_path / "relay", 3, 1) == ["1.img", "1.json", "2.img", "2.json"]
+    got = await get(conn, pool, 3, 1, 1)
+    assert not isinstance(got, Error)
+    info, back = got
+    assert back == data
+    assert (info.ckpt, info.received, info.dets, info.fingerprint, info.meta) == (
+        1,
+        {0: 7},
+        4,
+        "fp-1",
+        b"manifest",
+    )
+    # Another agent (the restoring one) fetches over its own connection.
+    other = await store_conn(pool, relay.addr, "agent-2")
+    got = await get(other, pool, 3, 1, 2)
+    assert not isinstance(got, Error) and got[1] == data2
+    assert relay.hub.load_report().bytes_stored >= len(data) + len(data2)
+
+
+async def test_refusals(pool: Pool, relay: Any, tmp_path: Path, agents: object) -> None:
+    conn = await store_conn(pool, relay.addr)
+    data = image(5, 2 * MiB + 3)
+    # Bytes that do not match CkptEnd: nothing is committed, the connection goes on.
+    err = await put(conn, pool, 4, 0, 5, data, sha256=b"\0" * 32)
+    assert isinstance(err, Error) and (err.code, err.job, err.rank) == ("corrupt", 4, 0)
+    assert ckpt_files(tmp_path / "relay", 4, 0) == []
+    assert await put(conn, pool, 4, 0, 5, data, incarnation=2) == CkptStored(ckpt=5, retained=[5])
+    # Not newer than the newest image.
+    err = await put(conn, pool, 4, 0, 5, data, incarnation=2)
+    assert isinstance(err, Error) and err.code == "stale_ckpt"
+    # An incarnation older than the newest known (here: the image's) is fenced, and so is one
+    # older than an attachment's.
+    err = await put(conn, pool, 4, 0, 6, data, incarnation=1)
+    assert isinstance(err, Error) and err.code == "fenced"
+    agent = await FakeAgent.connect(pool, relay.addr)
+    await agent.attach(pool, 4, 0, size=2, home=True, incarnation=3)
+    err = await put(conn, pool, 4, 0, 6, data, incarnation=2)
+    assert isinstance(err, Error) and err.code == "fenced"
+    assert await put(conn, pool, 4, 0, 6, data, incarnation=3) == CkptStored(
+        ckpt=6, retained=[6, 5]
+    )
+    # Gets: an unknown image, an incarnation older than the image's.
+    err = await get(conn, pool, 4, 0, 99, incarnation=3)
+    assert isinstance(err, Error) and err.code == "not_found"
+    err = await get(conn, pool, 4, 0, 6, incarnation=2)
+    assert isinstance(err, Error) and err.code == "fenced"
+    got = await get(conn, pool, 4, 0, 6, incarnation=3)
+    assert not isinstance(got, Error) and got[1] == data
+    # A rank token of another agent closes the connection.
+    token = pool.rank_token(4, 0, agent="someone-else", size=2, incarnation=3)
+    await conn.send(CkptGet(token=token, ckpt=6))
+    err = await conn.expect_error("wrong_token")
+    assert err.rank == -1
+
+
+async def test_too_large_and_truncated(
+    pool: Pool, nursery: trio.Nursery, tmp_path: Path, agents: object
+) -> None:
+    settings = pool.settings(tmp_path / "relay", checkpoint_max_bytes=3 * MiB)
+    relay = await start_relay(nursery, settings, signing_key=pool.key.public_key())
+    conn = await store_conn(pool, relay.addr)
+    await conn.send(
+        CkptPut(
+            token=pool.rank_token(1, 0, agent="agent-1", size=2),
+            ckpt=1,
+            received={},
+            dets=0,
+            fingerprint="fp",
+        )
+    )
+    for _ in range(4):
+        await conn.send(CkptChunk(ckpt=1), b"x" * MiB)
+    await conn.expect_error("too_large")
+    # An upload cut off in the middle: no image, no part file, and the rank may upload again.
+    conn = await store_conn(pool, relay.addr)
+    await conn.send(
+        CkptPut(
+            token=pool.rank_token(1, 0, agent="agent-1", size=2),
+            ckpt=2,
+            received={},
+            dets=0,
+            fingerprint="fp",
+        )
+    )
+    await conn.send(CkptChunk(ckpt=2), b"y" * MiB)
+    await conn.aclose()
+    await until(lambda: not (relay.hub.store.uploading or ckpt_files(tmp_path / "relay", 1, 0)))
+    conn = await store_conn(pool, relay.addr)
+    assert await put(conn, pool, 1, 0, 2, b"z" * 1000) == CkptStored(ckpt=2, retained=[2])
+
+
+async def test_keep_n_and_restart_sweeps(
+    pool: Pool, nursery: trio.Nursery, tmp_path: Path, agents: object
+) -> None:
+    settings = pool.settings(tmp_path / "relay", checkpoint_keep=2)
+    relay = await start_relay(nursery, settings, signing_key=pool.key.public_key())
+    conn = await store_conn(pool, relay.addr)
+    for ckpt in (1, 2, 3):
+        stored = await put(conn, pool, 2, 1, ckpt, image(ckpt, MiB + ckpt))
+        assert stored == CkptStored(ckpt=ckpt, retained=[ckpt, ckpt - 1][: min(ckpt, 2)])
+    d = tmp_path / "relay" / "jobs" / "2" / "1" / "ckpt"
+    assert ckpt_files(tmp_path / "relay", 2, 1) == ["2.img", "2.json", "3.img", "3.json"]
+    err = await get(conn, pool, 2, 1, 1)
+    assert isinstance(err, Error) and err.code == "not_found"
+    await conn.aclose()
+    await relay.stop()
+    # What a kill leaves behind: a part file, an image without its manifest.
+    (d / "4.abcd.part").write_bytes(b"half")
+    (d / "5.img").write_bytes(b"uncommitted")
+    relay = await start_relay(nursery, settings, signing_key=pool.key.public_key())
+    assert ckpt_files(tmp_path / "relay", 2, 1) == ["2.img", "2.json", "3.img", "3.json"]
+    conn = await store_conn(pool, relay.addr)
+    got = await get(conn, pool, 2, 1, 3)
+    assert not isinstance(got, Error) and got[1][:MiB] == image(3, MiB + 3)[:MiB]
+    assert relay.hub.store.nbytes == 2 * MiB + 5
+
+
+class CkptCoordinator(FakeCoordinator):
+    """The fake coordinator plus ``/relays/checkpoint``: answers ``status`` (503 = down)."""
+
+    def __init__(self, pool: Pool) -> None:
+        super().__init__(pool)
+        self.checkpoints: list[api.RelayCheckpoint] = []
+        self.status = 503
+        self.transport = httpx.MockTransport(self.handle_ckpt)
+
+    async def handle_ckpt(self, request: httpx.Request) -> httpx.Response:
+        if request.url.path != "/api/v1/relays/checkpoint":
+            return await self.handle(request)
+        try:
+            report = msgspec.json.decode(request.content, type=api.RelayCheckpoint)
+            if self.status != 200:
+                return self._json(api.ErrorBody(api.ErrorDetail("no", "not now")), self.status)
+            self.checkpoints.append(report)
+            return self._json({})
+        finally:
+            self.changed.set()
+            self.changed = trio.Event()
+
+
+async def test_reports_trim_only_once_accepted_and_409_deletes(
+    pool: Pool, nursery: trio.Nursery, tmp_path: Path, agents: object
+) -> None:
+    coord = CkptCoordinator(pool)
+    settings = pool.settings(
+        tmp_path / "relay", coordinator_url="http://coord", relay_secret="s3cret"
+    )
+    relay = await start_relay(nursery, settings, coordinator_transport=coord.transport)
+    a = await FakeAgent.connect(pool, relay.addr, "agent-1")
+    await a.attach(pool, 6, 0, size=2)
+    for seq in range(1, 11):
+        await a.deposit(6, 0, 1, seq, b"m%d" % seq)
+    await a.acks_until(6, 0, 1, 10)
+    box = relay.hub.boxes[(6, 1)]
+    conn = await store_conn(pool, relay.addr)
+    assert await put(conn, pool, 6, 1, 1, b"img-1", received={0: 6}) == CkptStored(1, [1])
+    # The coordinator is down: the report is retried, the log stays whole.
+    await coord.wait_for(lambda: len(coord.heartbeats) >= 3)
+    assert len(box.mailbox) == 10 and not box.trim
+    coord.status = 200
+    await coord.wait_for(lambda: len(coord.checkpoints) == 1)
+    rep = coord.checkpoints[0]
+    assert (rep.name, rep.job, rep.rank, rep.incarnation, rep.ckpt, rep.size) == (
+        "relay-t",
+        6,
+        1,
+        1,
+        1,
+        5,
+    )
+    assert (rep.sha256, rep.received, rep.retained, rep.trimmed) == (
+        hashlib.sha256(b"img-1").hexdigest(),
+        {0: 6},
+        [1],
+        False,
+    )
+    await until(lambda: len(box.mailbox) == 4)
+    assert box.trim.received == {0: 6}
+    # A 409: the image is deleted, the log not trimmed further.
+    coord.status = 409
+    assert await put(conn, pool, 6, 1, 2, b"img-2", received={0: 9}) == CkptStored(2, [2, 1])
+    await until(lambda: ckpt_files(tmp_path / "relay", 6, 1) == ["1.img", "1.json"])
+    assert ckpt_files(tmp_path / "relay", 6, 1) == ["1.img", "1.json"]
+    assert box.trim.received == {0: 6}
+    # The job ends: its images go with its logs.
+    coord.finished_jobs.append(6)
+    await until(lambda: not (tmp_path / "relay" / "jobs" / "6").exists())
+    assert relay.hub.store.nbytes == 0 and not relay.hub.store.images

@@ -1,0 +1,448 @@
+"""The agent's side of checkpoints that needs neither CRIU nor a relay: settings, the ranks'
+environment, output offsets, the control connection, the store client, and a checkpoint that
+fails at the dump (the clone is killed, the coordinator told)."""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import trio
+
+from vpool.protocol import api
+from vpool.protocol.framing import (
+    PREFIX_SIZE,
+    FrameDecoder,
+    encode_frame,
+    parse_prefix,
+    raw_frame_parts,
+)
+from vpool.protocol.messages import (
+    PROTOCOL_VERSION,
+    CheckpointRequest,
+    CkptChunk,
+    CkptEnd,
+    CkptForked,
+    CkptGet,
+    CkptGo,
+    CkptInfo,
+    CkptPut,
+    CkptReady,
+    CkptStored,
+    Error,
+    Hello,
+    Message,
+    RankHello,
+    RankWelcome,
+    Welcome,
+    decode,
+    encode,
+)
+from vpool.tls import client_context, server_context
+from vpool.worker_agent.checkpoints import (
+    Capability,
+    Checkpointer,
+    checkpoint_signal,
+    checkpoints_enabled,
+)
+from vpool.worker_agent.local_ranks import LocalRank, LocalRanks
+from vpool.worker_agent.output import OutputPump
+from vpool.worker_agent.proxy import RankProxy
+from vpool.worker_agent.ranks import Prepared, RankServices, rank_env
+from vpool.worker_agent.settings import AgentSettings, load_agent_settings
+from vpool.worker_agent.store_client import StoreError, open_store
+from vpool.worker_agent.wire import encode_small
+
+from .conftest import Pki
+
+LEASE = api.Lease(
+    job=3,
+    rank=1,
+    incarnation=2,
+    size=2,
+    token="rank-token",
+    bundle="",
+    entry="app.py",
+    args=[],
+    stdin=None,
+    relays=[],
+    homes=[],
+    job_uid="uid42",
+    ckpt_key="A" * 43,
+)
+
+
+# -- settings and environment -----------------------------------------------------------------
+
+
+def test_checkpoint_settings(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("VPOOL_AGENT_FINGERPRINT_SALT", "agent-b")
+    monkeypatch.setenv("VPOOL_AGENT_CHECKPOINT_ZSTD_LEVEL", "3")
+    s = load_agent_settings(overrides={"work_dir": str(tmp_path)})
+    assert s.fingerprint_salt == "agent-b"
+    assert s.checkpoint_zstd_level == 3
+    assert (s.criu, s.rank_root) == ("criu", "/tmp/vpool-ranks")
+    assert s.checkpoint_clone_timeout == 600.0
+    expected = Path("/dev/shm/vpool-ckpt") if Path("/dev/shm").is_dir() else tmp_path / "ckpt"
+    assert s.scratch_path == expected
+    assert AgentSettings(checkpoint_scratch=str(tmp_path / "x")).scratch_path == tmp_path / "x"
+
+
+def test_rank_env_has_checkpoint_variables_only_when_enabled(tmp_path: Path) -> None:
+    cap = Capability(criu="4.1.1", fingerprint="f")
+    kw = {"secret": "s", "socket_path": tmp_path / "a.sock", "shim": tmp_path, "home": tmp_path}
+    assert checkpoints_enabled(cap, LEASE) == ""
+    env = rank_env(LEASE, **kw, rank_dir=tmp_path / "r", checkpoints=True, clone_timeout=42)
+    assert env["VPOOL_RANK_DIR"] == str(tmp_path / "r")
+    assert env["VPOOL_CKPT_SIGNAL"] == str(int(signal.SIGRTMIN) + 4) == str(checkpoint_signal())
+    assert env["VPOOL_CKPT_CLONE_TIMEOUT"] == "42"
+    env = rank_env(LEASE, **kw, rank_dir=tmp_path / "r", checkpoints=False)
+    assert "VPOOL_RANK_DIR" not in env and "VPOOL_CKPT_SIGNAL" not in env
+    # Each missing condition turns checkpoints off, with the reason.
+    assert "CRIU" in checkpoints_enabled(Capability(), LEASE)
+    no_ft = api.Lease(**{**_fields(LEASE), "env": {"VPOOL_FT": "0"}})
+    assert "fault tolerance" in checkpoints_enabled(cap, no_ft)
+    no_key = api.Lease(**{**_fields(LEASE), "ckpt_key": ""})
+    assert "key" in checkpoints_enabled(cap, no_key)
+
+
+def _fields(lease: api.Lease) -> dict[str, object]:
+    return {f: getattr(lease, f) for f in lease.__struct_fields__}
+
+
+# -- output offsets ---------------------------------------------------------------------------
+
+
+async def test_stream_offsets_count_what_is_still_in_the_pipe() -> None:
+    """Offsets = start + bytes the pump read + FIONREAD of the pipe, with the pump stalled
+    (its posts block, its buffer is full) so that part of the output stays in the pipe."""
+    release = trio.Event()
+
+    async def post(batch: api.OutputBatch) -> None:
+        await release.wait()
+
+    out_r, out_w = os.pipe()
+    err_r, err_w = os.pipe()
+    pump = OutputPump(
+        LEASE, post, max_buffered=100, batch_bytes=50, start={"stdout": 1000, "stderr": 7}
+    )
+    stdout, stderr = trio.lowlevel.FdStream(out_r), trio.lowlevel.FdStream(err_r)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(pump.run, stdout, stderr)
+        os.write(out_w, b"a" * 300)
+        os.write(err_w, b"e" * 5)
+        with trio.fail_after(5):
+            while pump.read["stdout"] < 1300 or pump.read["stderr"] < 12:  # noqa: ASYNC110
+                await trio.sleep(0.001)
+        await trio.testing.wait_all_tasks_blocked()
+        # The buffer is full: the pump reads no more, what follows stays in the pipe.
+        os.write(out_w, b"b" * 500)
+        await trio.testing.wait_all_tasks_blocked()
+        assert pump.read["stdout"] == 1300
+        assert pump.stream_offsets() == {"stdout": 1800, "stderr": 12}
+        os.close(out_w)
+        os.close(err_w)
+        release.set()
+    assert pump.offsets == {"stdout": 1800, "stderr": 12}
+
+
+# -- the control connection -------------------------------------------------------------------
+
+
+class FakeRankConn:
+    def __init__(self, stream: trio.SocketStream) -> None:
+        self.stream = stream
+        self.decoder = FrameDecoder()
+
+    async def send(self, msg: Message) -> None:
+        await self.stream.send_all(encode_frame(msg))
+
+    async def receive(self) -> Message:
+        with trio.fail_after(10):
+            while (frame := self.decoder.next_frame()) is None:
+                data = await self.stream.receive_some(65536)
+                assert data, "the agent closed the connection"
+                self.decoder.receive_data(data)
+        return frame.message
+
+
+async def _connect(path: Path, hello: RankHello) -> tuple[FakeRankConn, Message]:
+    conn = FakeRankConn(await trio.open_unix_socket(str(path)))
+    await conn.send(hello)
+    return conn, await conn.receive()
+
+
+@pytest.fixture
+async def proxy(nursery: trio.Nursery, tmp_path: Path) -> tuple[LocalRanks, Path]:
+    ranks = LocalRanks()
+    path = await nursery.start(
+        RankProxy(ranks, processor="host", max_payload=1 << 20).serve, tmp_path / "a.sock"
+    )
+    return ranks, path
+
+
+async def test_control_connection_handshake(proxy: tuple[LocalRanks, Path]) -> None:
+    ranks, path = proxy
+    rank = LocalRank(LEASE)
+    ranks.add(rank)
+    data, welcome = await _connect(path, RankHello(PROTOCOL_VERSION, rank.secret))
+    control, welcome2 = await _connect(path, RankHello(PROTOCOL_VERSION, rank.secret, control=True))
+    assert isinstance(welcome, RankWelcome) and welcome == welcome2
+    assert (welcome.job, welcome.rank, welcome.incarnation) == (3, 1, 2)
+    assert rank.control is not None
+    # A second control connection is refused.
+    other, refused = await _connect(path, RankHello(PROTOCOL_VERSION, rank.secret, control=True))
+    await other.stream.aclose()
+    assert isinstance(refused, Error) and refused.code == "already_connected"
+    # rank -> agent: handed to the checkpoint task
+    ready = CkptReady(request=1, received=[0, 4], sent=[2, 0], dets=3)
+    await control.send(ready)
+    with trio.fail_after(5):
+        assert await rank.control_recv.receive() == ready
+    await control.send(CkptForked(ckpt=9, pid=123))
+    with trio.fail_after(5):
+        assert await rank.control_recv.receive() == CkptForked(ckpt=9, pid=123)
+    # agent -> rank on the control connection
+    await rank.control.send_all(encode_small(CkptGo(request=1, ckpt=9)))
+    assert await control.receive() == CkptGo(request=1, ckpt=9)
+    # Anything else on it is a protocol error; the control connection ends, the data one not.
+    await control.send(CheckpointRequest(request=1))
+    err = await control.receive()
+    assert isinstance(err, Error)
+    with trio.fail_after(5):
+        while rank.control is not None:  # noqa: ASYNC110
+            await trio.sleep(0.01)
+    await data.stream.aclose()
+    await control.stream.aclose()
+
+
+async def test_restored_process_must_name_the_image(proxy: tuple[LocalRanks, Path]) -> None:
+    ranks, path = proxy
+    rank = LocalRank(LEASE)
+    rank.restored_from = 77
+    ranks.add(rank)
+    for checkpoint in (76, -1):
+        conn, refused = await _connect(
+            path, RankHello(PROTOCOL_VERSION, rank.secret, checkpoint=checkpoint)
+        )
+        await conn.stream.aclose()
+        assert isinstance(refused, Error) and refused.code == "wrong_checkpoint"
+    conn, welcome = await _connect(path, RankHello(PROTOCOL_VERSION, rank.secret, checkpoint=77))
+    assert isinstance(welcome, RankWelcome)
+    await conn.stream.aclose()
+
+
+# -- the store client -------------------------------------------------------------------------
+
+
+class FakeStore:
+    """A tiny TLS checkpoint store: keeps images in memory, speaks the frames."""
+
+    def __init__(self) -> None:
+        self.images: dict[int, tuple[CkptPut, bytes]] = {}
+        self.hellos: list[Hello] = []
+
+    async def handle(self, stream: trio.SSLStream[trio.SocketStream]) -> None:
+        buf = bytearray()
+
+        async def frame() -> tuple[Message, bytes]:
+            """The next frame; ``CkptChunk`` may carry a payload (FrameDecoder refuses it)."""
+            with trio.fail_after(10):
+                while True:
+                    if len(buf) >= PREFIX_SIZE:
+                        head, size = parse_prefix(buf[:PREFIX_SIZE])
+                        end = PREFIX_SIZE + head + size
+                        if len(buf) >= end:
+                            msg = decode(bytes(buf[PREFIX_SIZE : PREFIX_SIZE + head]))
+                            payload = bytes(buf[PREFIX_SIZE + head : end])
+                            del buf[:end]
+                            return msg, payload
+                    data = await stream.receive_some(1 << 20)
+                    if not data:
+                        raise trio.EndOfChannel
+                    buf.extend(data)
+
+        async def send(msg: Message, payload: bytes = b"") -> None:
+            await stream.send_all(b"".join(raw_frame_parts(encode(msg), payload)))
+
+        hello, _ = await frame()
+        assert isinstance(hello, Hello)
+        self.hellos.append(hello)
+        await send(Welcome(version=PROTOCOL_VERSION, relay="r"))
+        try:
+            while True:
+                msg, _ = await frame()
+                if isinstance(msg, CkptPut):
+                    body = bytearray()
+                    while True:
+                        more, chunk = await frame()
+                        if isinstance(more, CkptChunk):
+                            body += chunk
+                            continue
+                        assert isinstance(more, CkptEnd) and more.size == len(body)
+                        assert more.sha256 == hashlib.sha256(body).digest()
+                        break
+                    self.images[msg.ckpt] = (msg, bytes(body))
+                    await send(CkptStored(msg.ckpt, [msg.ckpt]))
+                elif isinstance(msg, CkptGet):
+                    if msg.ckpt not in self.images:
+                        await send(Error("not_found", "no such image"))
+                        return
+                    put, body = self.images[msg.ckpt]
+                    sha = hashlib.sha256(body).digest()
+                    await send(
+                        CkptInfo(
+                            msg.ckpt,
+                            len(body),
+                            sha,
+                            put.received,
+                            put.dets,
+                            put.fingerprint,
+                            put.meta,
+                        )
+                    )
+                    for i in range(0, len(body), 1000):
+                        await send(CkptChunk(msg.ckpt), body[i : i + 1000])
+                    await send(CkptEnd(msg.ckpt, len(body), sha))
+        except (trio.EndOfChannel, trio.BrokenResourceError):
+            pass  # the agent closed the connection (it sends no TLS goodbye)
+
+
+@pytest.fixture
+async def store(nursery: trio.Nursery, pool_pki: Pki) -> tuple[FakeStore, api.RelayInfo]:
+    fake = FakeStore()
+    ctx = server_context(pool_pki.cert, pool_pki.key)
+    listeners = await nursery.start(
+        functools.partial(trio.serve_ssl_over_tcp, fake.handle, 0, ctx, host="127.0.0.1")
+    )
+    port = listeners[0].transport_listener.socket.getsockname()[1]
+    return fake, api.RelayInfo(name="r", host="127.0.0.1", port=port)
+
+
+async def test_store_client_put_and_get(
+    store: tuple[FakeStore, api.RelayInfo], pool_pki: Pki
+) -> None:
+    fake, info = store
+    ctx = client_context(pool_pki.ca)
+    body = os.urandom(5000)
+    async with await open_store(info, ssl_context=ctx, token="agent", max_payload=1 << 20) as c:
+        await c.put_begin(CkptPut("rank-token", 5, {0: 3}, 2, "fp", b"meta"))
+        for i in range(0, len(body), 1500):
+            await c.put_chunk(5, body[i : i + 1500])
+        stored = await c.put_end(5, len(body), hashlib.sha256(body).digest())
+    assert stored == CkptStored(5, [5])
+    assert fake.hellos[0].role == "store" and fake.hellos[0].token == "agent"
+    assert fake.images[5][1] == body
+
+    async with await open_store(info, ssl_context=ctx, token="agent", max_payload=1 << 20) as c:
+        got_info, chunks = await c.get("rank-token", 5)
+        got = b"".join([chunk async for chunk in chunks])
+    assert got == body
+    assert (got_info.received, got_info.dets, got_info.meta) == ({0: 3}, 2, b"meta")
+
+    async with await open_store(info, ssl_context=ctx, token="agent", max_payload=1 << 20) as c:
+        with pytest.raises(StoreError) as refused:
+            await c.get("rank-token", 6)
+    assert refused.value.code == "not_found"
+
+
+# -- a checkpoint that fails at the dump ------------------------------------------------------
+
+_RANK = (
+    "import signal, sys, time\n"
+    "signal.signal(signal.SIGRTMIN + 4, signal.SIG_IGN)\n"
+    "print('ready', flush=True)\n"
+    "time.sleep(60)\n"
+)
+
+
+class _Client:
+    def __init__(self) -> None:
+        self.failed: list[api.CheckpointFailed] = []
+        self.token = "agent"
+
+    async def post_checkpoint_failed(self, report: api.CheckpointFailed) -> None:
+        self.failed.append(report)
+
+
+async def test_failed_dump_kills_the_clone_and_is_reported(
+    proxy: tuple[LocalRanks, Path], tmp_path: Path
+) -> None:
+    ranks, path = proxy
+    rank = LocalRank(LEASE)
+    ranks.add(rank)
+    procs = [
+        subprocess.Popen([sys.executable, "-c", _RANK], stdout=subprocess.PIPE)  # noqa: ASYNC220
+        for _ in range(2)
+    ]
+    try:
+        for p in procs:
+            assert p.stdout is not None and p.stdout.readline() == b"ready\n"
+        rank_proc, clone = procs
+        rank.pid = rank_proc.pid
+        data, _ = await _connect(path, RankHello(PROTOCOL_VERSION, rank.secret))
+        control, _ = await _connect(path, RankHello(PROTOCOL_VERSION, rank.secret, control=True))
+        settings = AgentSettings(
+            criu=str(tmp_path / "no-criu"),
+            checkpoint_scratch=str(tmp_path / "scratch"),
+            work_dir=str(tmp_path / "w"),
+        )
+        client = _Client()
+        svc = RankServices(
+            settings=settings,
+            client=client,  # type: ignore[arg-type]
+            links=None,  # type: ignore[arg-type]
+            blobs=None,  # type: ignore[arg-type]
+            ranks=ranks,
+            socket_path=path,
+            report_problem=None,  # type: ignore[arg-type]
+            capability=Capability(criu="4.1.1", fingerprint="fp"),
+        )
+        prepared = Prepared(tmp_path, tmp_path, tmp_path, tmp_path / "app.py", None, {})
+        pump = OutputPump(LEASE, client.post_checkpoint_failed)  # type: ignore[arg-type]
+        ckpt = Checkpointer(svc, rank, prepared, pump)
+        result: list[bool] = []
+
+        async def fake_rank() -> None:
+            # The request arrives on the data connection; the rank answers on control.
+            req = await data.receive()
+            assert isinstance(req, CheckpointRequest)
+            await control.send(CkptReady(req.request, [0, 0], [0, 0], 0))
+            go = await control.receive()
+            assert isinstance(go, CkptGo) and go.request == req.request
+            await control.send(CkptForked(go.ckpt, clone.pid))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(ckpt._control_reader)
+            nursery.start_soon(fake_rank)
+
+            async def take() -> None:
+                result.append(await ckpt.take(ordered=True))
+                nursery.cancel_scope.cancel()
+
+            nursery.start_soon(take)
+        assert result == [False]
+        [failed] = client.failed
+        assert (failed.job, failed.rank, failed.incarnation) == (3, 1, 2)
+        assert failed.ckpt > 0 and "criu" in failed.message
+        assert len(ckpt.pauses) == 1
+        with trio.fail_after(5):
+            while clone.poll() is None:  # noqa: ASYNC110
+                await trio.sleep(0.01)
+        assert clone.returncode == -signal.SIGKILL
+        assert rank_proc.poll() is None  # the rank runs on
+        assert not any((tmp_path / "scratch").iterdir())  # the scratch dir is gone
+        await data.stream.aclose()
+        await control.stream.aclose()
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+            if p.stdout is not None:
+                p.stdout.close()

@@ -1,0 +1,305 @@
+"""Checkpoint image stream: round trip, and every way a bad image must be refused untouched."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import random
+import stat
+import tarfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import trio
+
+from vpool.worker_agent.ckpt_image import (
+    CHUNK,
+    TAG_SIZE,
+    ImageError,
+    ImageReader,
+    ImageWriter,
+    from_channel,
+)
+
+KEY = bytes(range(32))
+IDS = {"job": 7, "rank": 3, "ckpt": 2}
+FRAME_OVERHEAD = 5 + TAG_SIZE
+
+
+def make_trees(base: Path) -> tuple[Path, Path]:
+    images, rank = base / "img", base / "rank"
+    images.mkdir(parents=True)
+    (images / "pages-1.img").write_bytes(random.Random(1).randbytes(3 * CHUNK + 12345))
+    (images / "core-1.img").write_bytes(b"core" * 1000)
+    (rank / "work" / "sub").mkdir(parents=True)
+    (rank / "home").mkdir()
+    (rank / "work" / "data.txt").write_text("hello\n" * 50_000)
+    (rank / "work" / "empty").write_bytes(b"")
+    tool = rank / "work" / "tool.sh"
+    tool.write_text("#!/bin/sh\necho hi\n")
+    tool.chmod(0o750)
+    (rank / "work" / "link").symlink_to("data.txt")
+    (rank / "home" / "up").symlink_to("../work/sub")
+    os.mkfifo(rank / "work" / "fifo")
+    os.utime(rank / "work" / "data.txt", ns=(1_600_000_000_123_456_789,) * 2)
+    (rank / "work" / "sub").chmod(0o755)
+    return images, rank
+
+
+def snapshot(root: Path) -> dict[str, tuple[object, ...]]:
+    found: dict[str, tuple[object, ...]] = {}
+    for path in sorted(root.rglob("*")):
+        st = path.lstat()
+        rel = str(path.relative_to(root))
+        if path.is_symlink():
+            found[rel] = ("link", os.readlink(path))
+        elif path.is_dir():
+            found[rel] = ("dir", stat.S_IMODE(st.st_mode), st.st_mtime_ns)
+        elif path.is_file():
+            digest = hashlib.sha256(path.read_bytes()).hexdigest()
+            found[rel] = ("file", stat.S_IMODE(st.st_mode), st.st_mtime_ns, digest)
+    return found
+
+
+def pack(images: Path, rank: Path, **kwargs: object) -> tuple[list[bytes], ImageWriter]:
+    writer = ImageWriter(KEY, **IDS)
+    pieces = list(writer.pack(images, rank, **kwargs))  # type: ignore[arg-type]
+    return pieces, writer
+
+
+def pieces_of(data: bytes, seed: int) -> Iterator[bytes]:
+    """The stream cut at random places, as a network would deliver it."""
+    rng = random.Random(seed)
+    at = 0
+    while at < len(data):
+        n = rng.choice([1, 7, 4096, 65536, CHUNK, 3 * CHUNK])
+        yield data[at : at + n]
+        at += n
+
+
+def reader(data: bytes, **overrides: object) -> ImageReader:
+    args: dict[str, object] = {
+        **IDS,
+        "size": len(data),
+        "sha256": hashlib.sha256(data).digest(),
+        **overrides,
+    }
+    key = args.pop("key", KEY)
+    return ImageReader(key, **args)  # type: ignore[arg-type]
+
+
+def test_round_trip(tmp_path: Path) -> None:
+    images, rank = make_trees(tmp_path / "src")
+    pieces, writer = pack(images, rank)
+    data = b"".join(pieces)
+    assert writer.size == len(data)
+    assert writer.sha256 == hashlib.sha256(data).digest()
+    assert max(len(p) for p in pieces) <= CHUNK + FRAME_OVERHEAD
+    assert len(pieces) >= 4  # the random file alone makes more than three chunks
+
+    out_images, out_rank = tmp_path / "dst" / "img", tmp_path / "dst" / "rank"
+    out_rank.mkdir(parents=True)
+    (out_rank / "stale").write_text("replaced")
+    reader(data).unpack(pieces_of(data, 1), out_images, out_rank)
+
+    assert snapshot(out_rank) == snapshot(rank)
+    assert not os.path.lexists(out_rank / "work" / "fifo")
+    assert snapshot(out_images) == snapshot(images)
+    assert (out_rank / "home" / "up" / ".." / "data.txt").read_text().startswith("hello")
+    assert sorted(p.name for p in (tmp_path / "dst").iterdir()) == ["img", "rank"]
+
+
+def test_exclude_and_nonce_differ(tmp_path: Path) -> None:
+    images, rank = make_trees(tmp_path / "src")
+    first, _ = pack(images, rank, exclude=lambda name: name.startswith("criu/pages"))
+    second, _ = pack(images, rank, exclude=lambda name: name.startswith("criu/pages"))
+    assert first[0] != second[0]  # a fresh nonce prefix per image
+    data = b"".join(first)
+    out = tmp_path / "dst"
+    reader(data).unpack(iter(first), out / "img", out / "rank")
+    assert not (out / "img" / "pages-1.img").exists()
+    assert (out / "img" / "core-1.img").exists()
+
+
+@pytest.fixture
+def image(tmp_path: Path) -> bytes:
+    images, rank = make_trees(tmp_path / "src")
+    pieces, _ = pack(images, rank)
+    return b"".join(pieces)
+
+
+@pytest.fixture
+def target(tmp_path: Path) -> tuple[Path, Path]:
+    out_images, out_rank = tmp_path / "dst" / "img", tmp_path / "dst" / "rank"
+    out_rank.mkdir(parents=True)
+    (out_rank / "mine").write_text("untouched")
+    return out_images, out_rank
+
+
+def assert_refused(data: bytes, target: tuple[Path, Path], match: str, **overrides: object) -> None:
+    out_images, out_rank = target
+    with pytest.raises(ImageError, match=match):
+        reader(data, **overrides).unpack(pieces_of(data, 2), out_images, out_rank)
+    assert [p.name for p in out_rank.iterdir()] == ["mine"]
+    assert not out_images.exists()
+    assert sorted(p.name for p in out_rank.parent.iterdir()) == ["rank"]
+
+
+@pytest.mark.parametrize("where", [0.01, 0.3, 0.99, 1.0])
+def test_corrupted_byte(image: bytes, target: tuple[Path, Path], where: float) -> None:
+    data = bytearray(image)
+    at = min(int(len(data) * where), len(data) - 1)
+    data[at] ^= 0x40
+    # Announced size and hash are the store's record of the original.
+    assert_refused(
+        bytes(data),
+        target,
+        "authentication failed: wrong key or corrupted",
+        sha256=hashlib.sha256(image).digest(),
+    )
+
+
+def test_not_an_image(image: bytes, target: tuple[Path, Path]) -> None:
+    assert_refused(b"PK\x03\x04" + image[4:], target, "not a vpool checkpoint image")
+
+
+def test_wrong_key_and_wrong_rank(image: bytes, target: tuple[Path, Path]) -> None:
+    assert_refused(image, target, "authentication failed", key=bytes(32))
+    assert_refused(image, target, "authentication failed", rank=4)
+    assert_refused(image, target, "authentication failed", ckpt=1)
+
+
+def test_truncated(image: bytes, target: tuple[Path, Path]) -> None:
+    cut = image[: len(image) - 1000]
+    assert_refused(cut, target, "truncated")
+    # Announced the whole size, but the stream ends early.
+    assert_refused(cut, target, "truncated", size=len(image))
+
+
+def test_truncated_at_frame_boundary(tmp_path: Path, target: tuple[Path, Path]) -> None:
+    images, rank = make_trees(tmp_path / "src")
+    pieces, _ = pack(images, rank)
+    cut = b"".join(pieces[:-1])  # every frame intact, the LAST one missing
+    assert_refused(cut, target, "truncated")
+
+
+def test_frame_length_corrupted(image: bytes, target: tuple[Path, Path]) -> None:
+    data = bytearray(image)
+    data[13 + 1] ^= 0x01  # the first frame's length, now past the end of the image
+    assert_refused(bytes(data), target, "corrupted", sha256=hashlib.sha256(image).digest())
+
+
+def test_hash_mismatch(image: bytes, target: tuple[Path, Path]) -> None:
+    assert_refused(image, target, "hash mismatch", sha256=bytes(32))
+
+
+def test_trailing_garbage(image: bytes, target: tuple[Path, Path]) -> None:
+    assert_refused(image + b"x", target, "after the last chunk")
+
+
+def seal(tar_bytes: bytes) -> bytes:
+    return b"".join(ImageWriter(KEY, **IDS).seal([tar_bytes]))
+
+
+def tar_of(*members: tuple[tarfile.TarInfo, bytes | None]) -> bytes:
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        for info, content in members:
+            if content is not None:
+                info.size = len(content)
+            tar.addfile(info, io.BytesIO(content) if content is not None else None)
+    return buffer.getvalue()
+
+
+def info(name: str, kind: bytes = tarfile.REGTYPE, link: str = "") -> tarfile.TarInfo:
+    member = tarfile.TarInfo(name)
+    member.type = kind
+    member.linkname = link
+    member.mode = 0o644
+    return member
+
+
+UNSAFE = {
+    "absolute": [(info("/etc/evil"), b"x")],
+    "dotdot": [(info("rank/../evil"), b"x")],
+    "outside roots": [(info("other/file"), b"x")],
+    "absolute link": [(info("rank/l", tarfile.SYMTYPE, "/etc/passwd"), None)],
+    "link up": [(info("rank/l", tarfile.SYMTYPE, "../../etc"), None)],
+    "link from criu to rank": [(info("criu/l", tarfile.SYMTYPE, "../rank"), None)],
+    "link chain": [
+        (info("rank/s", tarfile.SYMTYPE, "."), None),
+        (info("rank/a", tarfile.SYMTYPE, "s/../x"), None),
+    ],
+    "file below link": [
+        (info("rank/d", tarfile.SYMTYPE, "."), None),
+        (info("rank/d/f"), b"x"),
+    ],
+    "hard link": [(info("rank/f"), b"x"), (info("rank/h", tarfile.LNKTYPE, "rank/f"), None)],
+    "device": [(info("rank/dev", tarfile.CHRTYPE), None)],
+    "fifo": [(info("rank/p", tarfile.FIFOTYPE), None)],
+    "twice": [(info("rank/f"), b"x"), (info("rank/f"), b"y")],
+}
+
+
+@pytest.mark.parametrize("case", sorted(UNSAFE))
+def test_unsafe_members_refused(case: str, target: tuple[Path, Path]) -> None:
+    assert_refused(seal(tar_of(*UNSAFE[case])), target, "unsafe image")
+
+
+def test_links_inside_allowed(tmp_path: Path) -> None:
+    data = seal(
+        tar_of(
+            (info("rank/d", tarfile.DIRTYPE), None),
+            (info("rank/d/f"), b"content"),
+            (info("rank/s", tarfile.SYMTYPE, "d"), None),
+            (info("rank/a", tarfile.SYMTYPE, "s/f"), None),
+            (info("rank/d/back", tarfile.SYMTYPE, "../a"), None),
+        )
+    )
+    out = tmp_path / "dst"
+    reader(data).unpack([data], out / "img", out / "rank")
+    assert (out / "rank" / "d" / "back").read_text() == "content"
+    assert out / "img" in out.iterdir()
+
+
+async def test_unpack_from_trio_channel(image: bytes, tmp_path: Path) -> None:
+    send, receive = trio.open_memory_channel[bytes](4)
+    out = tmp_path / "dst"
+
+    async def feed(data: bytes) -> None:
+        async with send:
+            for piece in pieces_of(data, 3):
+                await send.send(piece)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(feed, image)
+        with receive:
+            await trio.to_thread.run_sync(
+                reader(image).unpack, from_channel(receive), out / "img", out / "rank"
+            )
+    assert (out / "rank" / "work" / "data.txt").exists()
+
+
+async def test_bad_image_from_channel_does_not_block_sender(
+    image: bytes, target: tuple[Path, Path]
+) -> None:
+    send, receive = trio.open_memory_channel[bytes](1)
+    bad = bytearray(image)
+    bad[len(bad) // 3] ^= 1
+
+    async def feed() -> None:
+        async with send:
+            for piece in pieces_of(bytes(bad), 4):
+                try:
+                    await send.send(piece)
+                except trio.BrokenResourceError:
+                    return
+
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(feed)
+            with receive, pytest.raises(ImageError, match="authentication failed"):
+                await trio.to_thread.run_sync(reader(image).unpack, from_channel(receive), *target)
+    assert [p.name for p in target[1].iterdir()] == ["mine"]

@@ -1,0 +1,460 @@
+"""Taking checkpoints of a running rank (docs/internals.md, "Checkpoints", Agent).
+
+One ``Checkpointer`` per running rank, one checkpoint at a time, started by its timer
+(``Lease.checkpoint_every``: first after that many seconds, then that many seconds after the
+previous one ended) or by a ``CheckpointOrder`` from a heartbeat answer
+(``LocalRank.checkpoint_wanted``). One checkpoint:
+
+1. request: ``CheckpointRequest`` into the rank's outbox and the checkpoint signal to its pid,
+   the signal again every 50 ms until ``CkptReady`` comes (100 times at most);
+2. on ``CkptReady`` (the rank waits, stdio flushed): note the output offsets and the counters,
+   answer ``CkptGo(ckpt)``; ``CkptForked(pid)`` ends the rank's pause;
+3. ``criu dump`` the clone into a scratch directory, pack the images and the rank directory
+   (``ckpt_image.ImageWriter``, in a worker thread) and stream them to the home relay's store;
+4. before ``CkptEnd``, wait until the relays acknowledged everything the rank said it sent
+   (the clone counts it as acknowledged), then wait for ``CkptStored``.
+
+Any failure kills the clone and is reported as ``CheckpointFailed``; the rank runs on.
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+import math
+import os
+import shutil
+import signal
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+import trio
+
+from vpool.protocol.api import CheckpointFailed, Lease
+from vpool.protocol.messages import (
+    CheckpointRequest,
+    CkptForked,
+    CkptGo,
+    CkptPut,
+    CkptReady,
+    CkptSkip,
+    Message,
+)
+from vpool.worker_agent import ckpt_image, criu
+from vpool.worker_agent.errors import AgentError, CoordinatorRejected
+from vpool.worker_agent.local_ranks import LocalRank
+from vpool.worker_agent.output import OutputPump
+from vpool.worker_agent.store_client import open_store
+from vpool.worker_agent.wire import encode_small
+
+if TYPE_CHECKING:
+    from vpool.worker_agent.ranks import Prepared, RankServices
+
+log = logging.getLogger("vpool.agent")
+
+SIGNAL_EVERY = 0.05  # s between checkpoint signals to a rank that is not ready yet
+SIGNAL_TIMES = 100
+FORK_TIMEOUT = 30.0  # s from CkptGo to CkptForked
+DUMP_TIMEOUT = 120.0
+ACK_TIMEOUT = 120.0  # s the relays may take to acknowledge what the rank sent
+STORE_TIMEOUT = 300.0  # s for CkptEnd -> CkptStored
+_ACK_POLL = 0.01
+_PACK_LIMITER = trio.CapacityLimiter(2)
+
+
+def checkpoint_signal() -> int:
+    return int(signal.SIGRTMIN) + 4
+
+
+@dataclass
+class Capability:
+    """What this agent can do with checkpoints, found at start (``criu check``, the
+    environment fingerprint); ``ready`` once both are known."""
+
+    criu: str = ""
+    fingerprint: str = ""
+    files: dict[str, str] = field(default_factory=dict)
+    ready: trio.Event = field(default_factory=trio.Event)
+
+
+async def find_capability(
+    cap: Capability, *, criu_path: str, python: str, rank_root: str, salt: str
+) -> None:
+    """Fill ``cap`` (a CRIU that fails its check leaves ``criu`` empty)."""
+    try:
+        cap.criu = await criu.criu_check(criu_path)
+        # Abandoned if the agent stops meanwhile: it only reads files.
+        cap.fingerprint, cap.files = await trio.to_thread.run_sync(
+            lambda: criu.environment_fingerprint(python, rank_root=rank_root, salt=salt),
+            abandon_on_cancel=True,
+        )
+    finally:
+        cap.ready.set()
+    log.info(
+        "checkpoints: %s; environment fingerprint %s",
+        f"CRIU {cap.criu}" if cap.criu else "no usable CRIU",
+        cap.fingerprint[:16],
+    )
+
+
+def checkpoints_enabled(cap: Capability, lease: Lease) -> str:
+    """Why ranks of ``lease`` cannot take checkpoints here ("" = they can)."""
+    if not cap.criu:
+        return "this agent has no usable CRIU"
+    if lease.env.get("VPOOL_FT") == "0":
+        return "fault tolerance is off for this job"
+    if not lease.ckpt_key or not lease.job_uid:
+        return "the lease carries no checkpoint key"
+    return ""
+
+
+def job_key(lease: Lease) -> bytes:
+    """The job's AES-256-GCM key (``Lease.ckpt_key``, base64url, padding optional)."""
+    text = lease.ckpt_key
+    return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
+
+
+class CheckpointError(AgentError):
+    """One checkpoint could not be made or stored."""
+
+
+@dataclass
+class _Taking:
+    """The checkpoint in flight."""
+
+    request: int
+    ready: CkptReady | None = None
+    ready_at: float = 0.0
+    offsets: dict[str, int] = field(default_factory=dict)
+    ckpt: int = -1
+    forked: CkptForked | None = None
+    clone: int = -1  # the clone's pid until it was dumped (criu kills it) or killed
+    scratch: Path | None = None
+    got: trio.Event = field(default_factory=trio.Event)
+
+
+class Checkpointer:
+    """Checkpoints of one running rank."""
+
+    def __init__(
+        self, svc: RankServices, rank: LocalRank, prepared: Prepared, pump: OutputPump
+    ) -> None:
+        self.svc = svc
+        self.rank = rank
+        self.prepared = prepared
+        self.pump = pump
+        # Increasing per rank across incarnations (nothing persists: wall clock, ms).
+        self.last_ckpt = max(rank.restored_from, 0)
+        self.requests = 0
+        self.taking: _Taking | None = None
+        self._send_lock = trio.Lock()
+        self.pauses: list[float] = []  # the rank's pause (s) of each checkpoint taken
+
+    async def run(self) -> None:
+        """Serve the control connection and take checkpoints until cancelled."""
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._control_reader)
+            every = self.rank.lease.checkpoint_every
+            next_at = trio.current_time() + every if every > 0 else math.inf
+            while True:
+                with trio.move_on_at(next_at):
+                    await self.rank.checkpoint_wanted.wait()
+                ordered = self.rank.checkpoint_wanted.is_set()
+                self.rank.checkpoint_wanted = trio.Event()
+                await self.take(ordered=ordered)
+                if every > 0:
+                    next_at = trio.current_time() + every
+
+    # -- the control connection -------------------------------------------------------------
+
+    async def _send(self, msg: Message) -> None:
+        stream = self.rank.control
+        if stream is None:
+            raise CheckpointError("the rank's control connection is gone")
+        async with self._send_lock:
+            try:
+                await stream.send_all(encode_small(msg))
+            except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+                raise CheckpointError(f"the rank's control connection broke: {exc}") from exc
+
+    async def _control_reader(self) -> None:
+        """Route what the rank sends on its control connection: to the checkpoint in flight,
+        or, for a request nobody waits for any more, a ``CkptSkip`` (the rank waits for an
+        answer) or the kill of a clone nobody will dump."""
+        async for msg in self.rank.control_recv:
+            taking = self.taking
+            if isinstance(msg, CkptReady):
+                if taking is not None and taking.ready is None and msg.request == taking.request:
+                    # Nothing awaited since the frame arrived: the rank writes nothing while it
+                    # waits, so the pipes hold exactly what it wrote before.
+                    taking.offsets = self.pump.stream_offsets()
+                    taking.ready_at = trio.current_time()
+                    taking.ready = msg
+                    taking.got.set()
+                    continue
+                try:
+                    await self._send(CkptSkip(request=msg.request, reason="stale request"))
+                except CheckpointError as exc:
+                    log.debug("%s: %s", self.rank.label, exc)
+            elif isinstance(msg, CkptForked):
+                if taking is not None and taking.forked is None and msg.ckpt == taking.ckpt:
+                    taking.forked = msg
+                    if msg.pid > 0:
+                        taking.clone = msg.pid
+                    taking.got.set()
+                elif msg.pid > 0:
+                    _kill(msg.pid)
+
+    # -- one checkpoint ---------------------------------------------------------------------
+
+    async def take(self, *, ordered: bool) -> bool:
+        """Take one checkpoint; report a failure (a periodic one only when the rank could
+        take checkpoints at all). True when it was stored."""
+        rank, lease = self.rank, self.rank.lease
+        self.requests += 1
+        taking = self.taking = _Taking(request=self.requests)
+        quiet = False  # a periodic checkpoint of a rank that cannot take any: no report
+        try:
+            why = checkpoints_enabled(self.svc.capability, lease)
+            if not why and (rank.control is None or rank.pid is None):
+                why = (
+                    "the rank has no checkpoint control connection (its program did not "
+                    "initialize MPI, or its runtime takes no checkpoints)"
+                )
+            if why:
+                quiet = not ordered
+                raise CheckpointError(why)
+            await self._take(taking)
+            return True
+        except Exception as exc:
+            message = _describe(exc)
+            if isinstance(exc, criu.CriuError):
+                message = f"criu dump failed: {message}"
+            _kill(taking.clone)
+            taking.clone = -1
+            level = logging.DEBUG if quiet else logging.WARNING
+            log.log(level, "checkpoint %d of %s failed: %s", taking.ckpt, rank.label, message)
+            if not quiet:
+                await self._report_failed(taking.ckpt, message)
+            return False
+        finally:
+            # Also when cancelled (the rank stops): no clone may outlive its checkpoint.
+            _kill(taking.clone)
+            self.taking = None
+            if taking.scratch is not None:
+                with trio.move_on_after(10, shield=True):
+                    await _remove(taking.scratch)
+
+    async def _report_failed(self, ckpt: int, message: str) -> None:
+        lease = self.rank.lease
+        try:
+            await self.svc.client.post_checkpoint_failed(
+                CheckpointFailed(
+                    job=lease.job,
+                    rank=lease.rank,
+                    incarnation=lease.incarnation,
+                    ckpt=ckpt,
+                    message=message,
+                )
+            )
+        except CoordinatorRejected as exc:
+            log.warning("checkpoint failure report for %s refused: %s", self.rank.label, exc)
+
+    async def _take(self, taking: _Taking) -> None:
+        rank, lease, settings = self.rank, self.rank.lease, self.svc.settings
+        # 1. request
+        rank.outbox.push_control(encode_small(CheckpointRequest(request=taking.request)))
+        sig = checkpoint_signal()
+        for _ in range(SIGNAL_TIMES):
+            if rank.pid is None:
+                raise CheckpointError("the rank's process is gone")
+            try:
+                os.kill(rank.pid, sig)
+            except ProcessLookupError as exc:
+                raise CheckpointError("the rank's process is gone") from exc
+            with trio.move_on_after(SIGNAL_EVERY):
+                await taking.got.wait()
+            if taking.ready is not None:
+                break
+        else:
+            raise CheckpointError(
+                f"the rank did not get ready within {SIGNAL_TIMES} signals "
+                f"({SIGNAL_TIMES * SIGNAL_EVERY:g} s; busy replaying, or blocking the signal)"
+            )
+        ready = taking.ready
+        assert ready is not None
+        # 2. go
+        taking.ckpt = self.last_ckpt = max(self.last_ckpt + 1, int(time.time() * 1000))
+        taking.got = trio.Event()
+        await self._send(CkptGo(request=ready.request, ckpt=taking.ckpt))
+        with trio.move_on_after(FORK_TIMEOUT):
+            await taking.got.wait()
+        forked = taking.forked
+        if forked is None:
+            raise CheckpointError(f"the rank did not fork within {FORK_TIMEOUT:g} s")
+        pause = trio.current_time() - taking.ready_at
+        self.pauses.append(pause)
+        if forked.pid <= 0:
+            raise CheckpointError(f"the rank could not fork: {forked.message}")
+        # 3. dump
+        scratch_root = settings.scratch_path
+        scratch_root.mkdir(parents=True, exist_ok=True, mode=0o700)
+        taking.scratch = Path(
+            tempfile.mkdtemp(prefix=f"{lease.job}-{lease.rank}-{taking.ckpt}-", dir=scratch_root)
+        )
+        images = taking.scratch / "images"
+        images.mkdir()
+        dump_s = await criu.dump(
+            forked.pid, images, criu=settings.criu, log_dir=taking.scratch, timeout=DUMP_TIMEOUT
+        )
+        taking.clone = -1  # criu ends the dumped process
+        # 4. store
+        manifest: dict[str, Any] = {
+            "rank_dir": str(self.prepared.rank_dir),
+            "work": str(self.prepared.work),
+            "home": str(self.prepared.home),
+            "out_offsets": dict(taking.offsets),
+            "sent": list(ready.sent),
+            "incarnation": lease.incarnation,
+            "python": settings.python_path,
+            "created": time.time(),
+            "pause_ms": round(pause * 1000, 3),
+            "dump_s": round(dump_s, 3),
+        }
+        started = trio.current_time()
+        size = await self._store(taking, ready, images, manifest)
+        log.info(
+            "checkpoint %d of %s: pause %.1f ms, dump %.2f s, %.1f MB in %.2f s",
+            taking.ckpt,
+            rank.label,
+            pause * 1000,
+            dump_s,
+            size / 1e6,
+            trio.current_time() - started,
+        )
+
+    async def _store(
+        self, taking: _Taking, ready: CkptReady, images: Path, manifest: dict[str, Any]
+    ) -> int:
+        lease, svc = self.rank.lease, self.svc
+        home = lease.relays[lease.homes[lease.rank]]
+        writer = ckpt_image.ImageWriter(
+            job_key(lease),
+            job=lease.job,
+            rank=lease.rank,
+            ckpt=taking.ckpt,
+            level=svc.settings.checkpoint_zstd_level,
+        )
+        conn = await open_store(
+            home,
+            ssl_context=svc.ssl_context,
+            token=svc.client.token,
+            max_payload=svc.settings.max_payload,
+        )
+        async with conn:
+            await conn.put_begin(
+                CkptPut(
+                    token=lease.token,
+                    ckpt=taking.ckpt,
+                    received={src: seq for src, seq in enumerate(ready.received) if seq > 0},
+                    dets=ready.dets,
+                    fingerprint=svc.capability.fingerprint,
+                    meta=msgspec.msgpack.encode(manifest),
+                )
+            )
+            send, receive = trio.open_memory_channel[bytes](4)
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(_pack, writer, images, self.prepared.rank_dir, send)
+                async with receive:
+                    async for piece in receive:
+                        await conn.put_chunk(taking.ckpt, piece)
+            with trio.move_on_after(ACK_TIMEOUT) as waited:
+                await self._wait_acked(ready)
+            if waited.cancelled_caught:
+                raise CheckpointError(
+                    f"the relays did not acknowledge the rank's messages within {ACK_TIMEOUT:g} s"
+                )
+            with trio.move_on_after(STORE_TIMEOUT) as stored_in_time:
+                await conn.put_end(taking.ckpt, writer.size, writer.sha256)
+            if stored_in_time.cancelled_caught:
+                raise CheckpointError(f"the store did not commit within {STORE_TIMEOUT:g} s")
+        return int(writer.size)
+
+    async def _wait_acked(self, ready: CkptReady) -> None:
+        # Polled: acknowledgements land in the relay links' books, which signal nobody.
+        while not acknowledged(self.rank, ready):  # noqa: ASYNC110
+            await trio.sleep(_ACK_POLL)
+
+
+def acknowledged(rank: LocalRank, ready: CkptReady) -> bool:
+    """Whether the relays hold every ``Data`` the rank counted as sent in ``ready`` and its
+    home relay every ``Det`` (raises ``CheckpointError`` if a link can no longer say)."""
+    me = rank.lease.rank
+    for dst, seq in enumerate(ready.sent):
+        if seq <= 0 or dst == me:
+            continue  # messages to self never leave the process
+        if rank.deposited.get(dst, 0) < seq:
+            return False  # still on its way from the rank's socket
+        if dst >= len(rank.route):
+            raise CheckpointError(f"the rank sent to {dst}, which has no route")
+        queue = _unacked(rank, rank.route[dst]).data.get(dst)
+        if queue and queue[0][0] <= seq:
+            return False
+    if ready.dets > 0:
+        if rank.dets_in < ready.dets:
+            return False
+        if not rank.route:
+            raise CheckpointError("the rank logged determinants but has no home relay")
+        dets = _unacked(rank, rank.route[me]).dets
+        if dets and dets[0][0] < ready.dets:
+            return False
+    return True
+
+
+def _unacked(rank: LocalRank, link: Any) -> Any:
+    store = link.unacked(rank.key)
+    if store is None or link.broken is not None:
+        raise CheckpointError(f"{link.where} no longer carries the rank ({link.broken or 'gone'})")
+    return store
+
+
+async def _pack(
+    writer: ckpt_image.ImageWriter,
+    images: Path,
+    rank_dir: Path,
+    send: trio.MemorySendChannel[bytes],
+) -> None:
+    """Run ``writer.pack`` in a worker thread, handing each piece to ``send``."""
+
+    def work() -> None:
+        pieces: Iterator[bytes] = writer.pack(images, rank_dir)
+        try:
+            for piece in pieces:
+                trio.from_thread.run(send.send, piece)
+        finally:
+            trio.from_thread.run_sync(send.close)
+
+    await trio.to_thread.run_sync(work, limiter=_PACK_LIMITER)
+
+
+def _kill(pid: int) -> None:
+    if pid > 0:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, BaseExceptionGroup):
+        return "; ".join(_describe(e) for e in exc.exceptions)
+    return str(exc) or type(exc).__name__
+
+
+async def _remove(path: Path) -> None:
+    await trio.to_thread.run_sync(lambda: shutil.rmtree(path, ignore_errors=True))
