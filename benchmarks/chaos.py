@@ -12,6 +12,11 @@
 4. checks the output is byte-identical to the fault-free run and prints completion time over
    fault-free time, the faults injected, and the job's fault events.
 
+With ``--checkpoint-every SECONDS`` both runs are submitted with ``vsdk submit
+--checkpoint-every``: a killed rank is then restored from its newest image (events
+``rank_restored``) instead of replaying from the beginning (``rank_replaying``), and the slowdown
+is that of faults on a checkpointing job. Run it with and without to compare the two.
+
 Everything is bounded: the chaos run is cancelled after ``--limit`` seconds (default: 10 x the
 fault-free time + 60 s), the pool is always stopped at the end, and only processes this runner
 started (the pool's recorded pids and their rank children) are signalled. Exit code 0 when the
@@ -20,6 +25,7 @@ output is identical, 1 otherwise.
 Example (issue 4's target: one rank every 10 s, one agent every 30 s, 8 ranks on 4 agents x 2):
 
     .venv/bin/python benchmarks/chaos.py examples/heat.py -- 200000
+    .venv/bin/python benchmarks/chaos.py --checkpoint-every 10 examples/heat.py -- 200000
 """
 
 from __future__ import annotations
@@ -81,16 +87,72 @@ class Pool:
         status = json.loads(self.vsdk("local", "status", "--json", check=False))
         return {p["name"]: p["pid"] for p in status["processes"] if p["state"] == "running"}
 
-    def rank_pids(self, program: str) -> list[tuple[str, int]]:
-        """(agent name, pid) of every rank process the pool's agents run for ``program``."""
-        found = []
-        for name, pid in self.processes().items():
-            if not name.startswith("agent-"):
+    def rank_pids(self, program: str, job: int | None = None) -> list[tuple[str, int]]:
+        """(agent name, pid) of every rank process the pool's agents run for ``program``
+        (of ``job`` only, if given)."""
+        agents = {n: p for n, p in self.processes().items() if n.startswith("agent-")}
+        return [(agent, pid) for agent, pid, _ in rank_processes(agents, program, job)]
+
+
+def rank_processes(
+    agents: dict[str, int], program: str, job: int | None = None
+) -> list[tuple[str, int, int]]:
+    """(agent name, pid, MPI rank) of the rank processes running ``program`` under ``agents``
+    (name -> pid).
+
+    Searched among all descendants: a restored rank runs under ``unshare`` and the restore
+    helper, not as the agent's child. A process counts when its command line names the program
+    (CRIU restores the original one) and its environment has ``VPOOL_RANK``; a checkpoint clone
+    has both too, so processes whose stdout is ``/dev/null`` (what a clone points it at) or whose
+    parent is itself a rank process of the program (a clone just forked) are left out."""
+    name = Path(program).name
+    found = []
+    for agent, root in agents.items():
+        candidates = {}
+        for pid, parent in _descendants(root):
+            if not any(Path(a).name == name for a in _cmdline(pid)):
                 continue
-            for child in _children(pid):
-                if any(Path(a).name == Path(program).name for a in _cmdline(child)):
-                    found.append((name, child))
-        return found
+            env = _environ(pid)
+            if b"VPOOL_RANK" not in env:
+                continue
+            if job is not None and env.get(b"VPOOL_JOB") != str(job).encode():
+                continue
+            candidates[pid] = (parent, env)
+        for pid, (parent, env) in candidates.items():
+            if parent in candidates or _stdout(pid) == "/dev/null":
+                continue
+            try:
+                found.append((agent, pid, int(env[b"VPOOL_RANK"])))
+            except ValueError:
+                continue
+    return found
+
+
+def _descendants(root: int, limit: int = 10_000) -> list[tuple[int, int]]:
+    """(pid, parent pid) of every process below ``root`` (at most ``limit``)."""
+    out: list[tuple[int, int]] = []
+    todo = [root]
+    while todo and len(out) < limit:
+        parent = todo.pop()
+        for child in _children(parent):
+            out.append((child, parent))
+            todo.append(child)
+    return out
+
+
+def _environ(pid: int) -> dict[bytes, bytes]:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            return dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
+    except OSError:
+        return {}
+
+
+def _stdout(pid: int) -> str:
+    try:
+        return os.readlink(f"/proc/{pid}/fd/1")
+    except OSError:
+        return ""
 
 
 def _children(pid: int) -> list[int]:
@@ -131,8 +193,11 @@ def _kill(pid: int) -> bool:
     return True
 
 
-def submit(pool: Pool, program: str, ranks: int, args: list[str]) -> int:
-    out = pool.vsdk("submit", program, "--ranks", str(ranks), "--json", "--", *args)
+def submit(
+    pool: Pool, program: str, ranks: int, args: list[str], checkpoint_every: float = 0.0
+) -> int:
+    flags = ["--checkpoint-every", f"{checkpoint_every:g}"] if checkpoint_every > 0 else []
+    out = pool.vsdk("submit", program, "--ranks", str(ranks), *flags, "--json", "--", *args)
     return int(json.loads(out)["id"])
 
 
@@ -168,9 +233,16 @@ def wait_job(pool: Pool, job: int, limit: float, tick=None) -> tuple[str, dict]:
     return "timed out", detail
 
 
-def fault_free(pool: Pool, program: str, ranks: int, args: list[str], limit: float) -> Run:
+def fault_free(
+    pool: Pool,
+    program: str,
+    ranks: int,
+    args: list[str],
+    limit: float,
+    checkpoint_every: float = 0.0,
+) -> Run:
     t0 = time.monotonic()
-    job = submit(pool, program, ranks, args)
+    job = submit(pool, program, ranks, args, checkpoint_every)
     state, detail = wait_job(pool, job, limit)
     seconds = time.monotonic() - t0
     return Run(pool.vsdk("logs", str(job)).encode(), seconds, state, detail)
@@ -182,6 +254,7 @@ class Chaos:
         self.opts = opts
         self.rng = rng
         self.faults: list[Fault] = []
+        self.job: int | None = None  # set once submitted: only its ranks are killed
         self.t0 = time.monotonic()
         self.next_rank = self._after(opts.kill_rank_every)
         self.next_agent = self._after(opts.kill_agent_every)
@@ -212,7 +285,7 @@ class Chaos:
                 self.pool.vsdk("local", "restart", name, check=False)
         if now >= self.next_rank:
             self.next_rank = self._after(self.opts.kill_rank_every)
-            ranks = self.pool.rank_pids(self.opts.program)
+            ranks = self.pool.rank_pids(self.opts.program, self.job)
             if ranks:
                 agent, pid = self.rng.choice(ranks)
                 mpi_rank = _rank_of(pid)
@@ -274,6 +347,12 @@ def main() -> int:
     ap.add_argument("--agent-down", type=float, default=2.0, help="s before a killed agent returns")
     ap.add_argument("--relay-restarts", type=int, default=0)
     ap.add_argument("--coordinator-restarts", type=int, default=0)
+    ap.add_argument(
+        "--checkpoint-every",
+        type=float,
+        default=0.0,
+        help="submit both runs with checkpoints every this many s (0: none, replay only)",
+    )
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--limit", type=float, default=0.0, help="s before the chaos run is cancelled")
     ap.add_argument("--json", default="", help="also write the figures to this file")
@@ -300,14 +379,16 @@ def main() -> int:
             timeout=180,
         )
         try:
-            base = fault_free(pool, opts.program, opts.ranks, opts.args, limit=3600)
+            every = opts.checkpoint_every
+            base = fault_free(pool, opts.program, opts.ranks, opts.args, 3600, every)
             if base.state != "succeeded":
                 print(f"chaos: the fault-free run {base.state}: {base.detail}", file=sys.stderr)
                 return 1
             opts.expected = base.seconds
             limit = opts.limit or 10 * base.seconds + 60
             chaos = Chaos(pool, opts, rng)
-            job = submit(pool, opts.program, opts.ranks, opts.args)
+            job = submit(pool, opts.program, opts.ranks, opts.args, every)
+            chaos.job = job
             state, detail = wait_job(pool, job, limit, tick=chaos.tick)
             seconds = chaos.now()
             chaos.finish()
@@ -321,6 +402,8 @@ def main() -> int:
         kinds[e.get("kind", "?")] = kinds.get(e.get("kind", "?"), 0) + 1
     print(f"program         {opts.program} {' '.join(opts.args)} on {opts.ranks} ranks")
     print(f"pool            {opts.agents} agents x {opts.slots} slots, {opts.relays} relays")
+    every = opts.checkpoint_every
+    print(f"checkpoints     {f'every {every:g} s' if every > 0 else 'off (replay only)'}")
     print(f"fault-free      {base.seconds:.1f} s")
     print(f"with faults     {seconds:.1f} s ({state})")
     print(f"slowdown        {seconds / base.seconds:.2f}x")
@@ -344,6 +427,7 @@ def main() -> int:
                     "program": opts.program,
                     "args": opts.args,
                     "ranks": opts.ranks,
+                    "checkpoint_every": opts.checkpoint_every,
                     "fault_free_s": base.seconds,
                     "chaos_s": seconds,
                     "state": state,

@@ -1,4 +1,5 @@
-"""Agent endpoints: enroll, lease long-poll, heartbeat, blobs, output, exits, problems, results."""
+"""Agent endpoints: enroll, lease long-poll, heartbeat, blobs, output, exits, problems, results,
+checkpoint failures and restore reports."""
 
 from __future__ import annotations
 
@@ -74,6 +75,22 @@ async def problem(request: Request) -> Response:
     agent = await _agent(request)
     pr = await decode(request, api.RankProblem)
     await coordinator(request).rank_problem(agent, pr)
+    return empty()
+
+
+@router.post("/checkpoint-failed")
+async def checkpoint_failed(request: Request) -> Response:
+    agent = await _agent(request)
+    cf = await decode(request, api.CheckpointFailed)
+    await coordinator(request).checkpoint_failed(agent, cf)
+    return empty()
+
+
+@router.post("/restored")
+async def restored(request: Request) -> Response:
+    agent = await _agent(request)
+    rr = await decode(request, api.RestoreReport)
+    await coordinator(request).restore_report(agent, rr)
     return empty()
 
 

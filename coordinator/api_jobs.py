@@ -1,4 +1,5 @@
-"""User endpoints: pool info, whoami, blobs, jobs, output and results (see protocol/api.py)."""
+"""User endpoints: pool info, whoami, blobs, jobs, output, checkpoints and results (see
+protocol/api.py)."""
 
 from __future__ import annotations
 
@@ -74,6 +75,14 @@ async def output(
 async def cancel(request: Request, job_id: int) -> Response:
     c = coordinator(request)
     return reply(await c.cancel(await _user(request), job_id))
+
+
+@router.post("/jobs/{job_id}/checkpoint")
+async def checkpoint(request: Request, job_id: int) -> Response:
+    c = coordinator(request)
+    user = await _user(request)
+    ask = await decode(request, api.CheckpointAsk)
+    return reply(await c.ask_checkpoint(user, job_id, ask), status=202)
 
 
 @router.get("/jobs/{job_id}/results")

@@ -1,4 +1,5 @@
-"""Relay endpoints: register, heartbeat (answers with finished jobs), lost ranks, divergence."""
+"""Relay endpoints: register, heartbeat (answers with finished jobs), lost ranks, divergence,
+committed checkpoint images."""
 
 from __future__ import annotations
 
@@ -41,4 +42,12 @@ async def diverged(request: Request) -> Response:
     _relay(request)
     report = await decode(request, api.RelayDiverged)
     await coordinator(request).relay_diverged(report)
+    return empty()
+
+
+@router.post("/checkpoint")
+async def checkpoint(request: Request) -> Response:
+    _relay(request)
+    report = await decode(request, api.RelayCheckpoint)
+    await coordinator(request).relay_checkpoint(report)
     return empty()

@@ -7,6 +7,8 @@ Append new migrations; never edit one that has shipped.
 
 from __future__ import annotations
 
+import base64
+import secrets
 from collections.abc import Callable
 
 import sqlite_utils
@@ -127,10 +129,70 @@ def _m3_fault_tolerance_switch(db: sqlite_utils.Database) -> None:
     db.execute("ALTER TABLE jobs ADD COLUMN fault_tolerance INTEGER NOT NULL DEFAULT 1")
 
 
+def _m4_checkpoints(db: sqlite_utils.Database) -> None:
+    """Checkpoints (issue 5). Jobs get a random uid and image key (jobs from before get theirs
+    here), ranks whether they can still start from the beginning and since when they wait for
+    an agent that can restore them, incarnations the images chosen for them and the one they
+    were restored from, agents their CRIU version and environment fingerprint. ``checkpoints``
+    holds the committed images relays reported (``pos``: place in the relay's newest-first
+    ``retained`` list); ``checkpoint_orders`` the ``vsdk checkpoint`` orders not yet handed to
+    an agent."""
+    for sql in (
+        "ALTER TABLE jobs ADD COLUMN job_uid TEXT NOT NULL DEFAULT ''",
+        "ALTER TABLE jobs ADD COLUMN ckpt_key TEXT NOT NULL DEFAULT ''",
+        "ALTER TABLE jobs ADD COLUMN checkpoint_every REAL NOT NULL DEFAULT 0",
+        "ALTER TABLE ranks ADD COLUMN from_start INTEGER NOT NULL DEFAULT 1",
+        "ALTER TABLE ranks ADD COLUMN waiting_since REAL",
+        "ALTER TABLE incarnations ADD COLUMN restore TEXT NOT NULL DEFAULT '[]'",
+        "ALTER TABLE incarnations ADD COLUMN restored_from INTEGER",
+        "ALTER TABLE incarnations ADD COLUMN restore_reported REAL",
+        "ALTER TABLE agents ADD COLUMN criu TEXT NOT NULL DEFAULT ''",
+        "ALTER TABLE agents ADD COLUMN fingerprint TEXT NOT NULL DEFAULT ''",
+        """CREATE TABLE checkpoints (
+            job INTEGER NOT NULL,
+            rank INTEGER NOT NULL,
+            ckpt INTEGER NOT NULL,
+            incarnation INTEGER NOT NULL,
+            relay TEXT NOT NULL,
+            size INTEGER NOT NULL,
+            sha256 TEXT NOT NULL,
+            fingerprint TEXT NOT NULL,
+            received TEXT NOT NULL,
+            dets INTEGER NOT NULL,
+            meta BLOB NOT NULL,
+            pos INTEGER NOT NULL,
+            created REAL NOT NULL,
+            PRIMARY KEY (job, rank, ckpt))""",
+        """CREATE TABLE checkpoint_orders (
+            id INTEGER PRIMARY KEY AUTOINCREMENT,
+            agent TEXT NOT NULL,
+            job INTEGER NOT NULL,
+            rank INTEGER NOT NULL,
+            incarnation INTEGER NOT NULL)""",
+        "CREATE INDEX checkpoint_orders_agent ON checkpoint_orders(agent, id)",
+    ):
+        db.execute(sql)
+    for row in list(db.query("SELECT id FROM jobs")):
+        db.execute(
+            "UPDATE jobs SET job_uid = ?, ckpt_key = ? WHERE id = ?",
+            [new_job_uid(), new_ckpt_key(), row["id"]],
+        )
+
+
+def new_job_uid() -> str:
+    return secrets.token_hex(16)
+
+
+def new_ckpt_key() -> str:
+    """32 random bytes, base64url without padding (like every key in ``protocol.tokens``)."""
+    return base64.urlsafe_b64encode(secrets.token_bytes(32)).rstrip(b"=").decode("ascii")
+
+
 MIGRATIONS: list[Callable[[sqlite_utils.Database], None]] = [
     _m1_initial,
     _m2_fault_tolerance,
     _m3_fault_tolerance_switch,
+    _m4_checkpoints,
 ]
 
 

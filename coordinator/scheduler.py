@@ -9,7 +9,9 @@ free of I/O lets them be read, and tested, on their own.
   ``homes[r] = r % len(relays)``.
 - Replacements: a lost rank's next incarnation goes to the live agent with most free slots,
   another one than the lost incarnation's when that agent itself is suspect (if there is one).
-  Replacements are placed before any queued job.
+  Replacements are placed before any queued job. A rank with checkpoint images prefers an
+  agent that can restore one (CRIU and the image's environment fingerprint); one that can no
+  longer start from the beginning goes only to such an agent (``sqlite_checkpoints``).
 - Job end: a non-zero exit (or ``MPI.Abort``) fails the job with that code; every rank's
   current incarnation exiting 0 makes it succeed; too many restarts, a relay down for too long
   or a divergence report fail it with no exit code.
@@ -17,7 +19,7 @@ free of I/O lets them be read, and tested, on their own.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import TYPE_CHECKING
 
 import trio
@@ -56,13 +58,14 @@ def plan_gang(ranks: int, agents: Sequence[tuple[str, int]]) -> list[str] | None
     return placement
 
 
-def pick_agent(free: dict[str, int], avoid: str | None) -> str | None:
-    """The agent for one replacement incarnation: most free slots first, ``avoid`` only if no
-    other agent has a free slot."""
+def pick_agent(free: dict[str, int], avoid: str | None, prefer: Collection[str] = ()) -> str | None:
+    """The agent for one replacement incarnation: one of ``prefer`` (those that can restore
+    the rank's checkpoint images) if any has a free slot, then most free slots first,
+    ``avoid`` only if no other agent has a free slot."""
     candidates = [(agent, n) for agent, n in free.items() if n > 0]
     if not candidates:
         return None
-    return min(candidates, key=lambda a: (a[0] == avoid, -a[1], a[0]))[0]
+    return min(candidates, key=lambda a: (a[0] not in prefer, a[0] == avoid, -a[1], a[0]))[0]
 
 
 def pick_relays(live: Sequence[str], ranks: int, job_id: int) -> list[str]:

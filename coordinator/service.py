@@ -3,9 +3,9 @@
 One ``Coordinator`` per process. It owns the store, the blob files, the signing key and three
 wake-up signals: ``work`` (new placements, including replacement incarnations of lost ranks,
 for lease long-polls), ``changes`` (job states and
-output, for output long-polls) and ``ended`` (a job or rank ended, so some rank may have to stop:
-for held heartbeats, which carry stop orders). Time comes from the injected ``clock`` so tests
-can move it.
+output, for output long-polls) and ``ended`` (a job or rank ended, so some rank may have to stop,
+or a checkpoint was asked: for held heartbeats, which carry stop and checkpoint orders). Time
+comes from the injected ``clock`` so tests can move it.
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ OUTPUT_PAGE_RECORDS = 1000
 OUTPUT_PAGE_BYTES = 4 << 20
 FINISHED_JOBS_WINDOW = 3600.0
 MAX_AGENT_SLOTS = 4096
+MAX_CHECKPOINT_EVERY = 7 * 24 * 3600.0
 
 
 class Signal:
@@ -74,7 +75,11 @@ class Coordinator:
         self.store: Store = (
             store
             if store is not None
-            else SqliteStore(state / "vpool.db", max_restarts=settings.max_restarts)
+            else SqliteStore(
+                state / "vpool.db",
+                max_restarts=settings.max_restarts,
+                restore_wait_timeout=settings.restore_wait_timeout,
+            )
         )
         # Agents and relays count as seen now: nothing is lost because we were down.
         self.store.startup(clock())
@@ -178,11 +183,39 @@ class Coordinator:
         for blob, what in ((sub.bundle, "bundle"), (sub.stdin, "stdin")):
             if blob is not None and not await self.has_blob(blob):
                 raise BadRequest(f"the {what} blob {blob} was not uploaded", code="unknown_blob")
+        self._check_checkpoint_every(sub)
         await self.blobs.check_bundle(sub.bundle, sub.entry)
         info = await self.db.call(self.store.create_job, user, sub, self.clock())
         self.changes.fire()
         await self.schedule()
         return info
+
+    def _check_checkpoint_every(self, sub: api.JobSubmit) -> None:
+        every, least = sub.checkpoint_every, self.settings.min_checkpoint_every
+        if every == 0:
+            return
+        if not least <= every <= MAX_CHECKPOINT_EVERY:  # also refuses NaN
+            raise BadRequest(
+                f"checkpoint_every is 0 (no periodic checkpoints) or {least:g} to "
+                f"{MAX_CHECKPOINT_EVERY:g} seconds, not {every:g}",
+                code="bad_checkpoint_every",
+            )
+        if not sub.fault_tolerance:
+            raise BadRequest(
+                "checkpoints need fault tolerance: checkpoint_every must be 0 when "
+                "fault_tolerance is off",
+                code="bad_checkpoint_every",
+            )
+
+    async def ask_checkpoint(
+        self, user: str, job_id: int, ask: api.CheckpointAsk
+    ) -> api.CheckpointAsked:
+        """Queue checkpoint orders for the agents running the job's ranks (or one rank); they
+        go out in each agent's next heartbeat answer."""
+        await self.own_job(user, job_id)
+        orders = await self.db.call(self.store.ask_checkpoint, job_id, ask.rank)
+        self.ended.fire()  # held heartbeats answer at once with the orders
+        return api.CheckpointAsked(job=job_id, ranks=[o.rank for o in orders])
 
     async def own_job(self, user: str, job_id: int) -> api.JobInfo:
         """The job, if it exists and belongs to ``user``; other users' jobs do not exist."""
@@ -299,12 +332,16 @@ class Coordinator:
         if changed:
             self._states_changed()
         await self.schedule()
-        while not stops and hb.ranks and trio.current_time() < deadline:
+        orders = await self.db.call(self.store.take_checkpoint_orders, agent_id)
+        while not stops and not orders and hb.ranks and trio.current_time() < deadline:
             with trio.move_on_at(deadline):
                 await ended.wait()
             ended = self.ended.current()
             stops = await self.db.call(self.store.stop_orders, agent_id, hb.ranks)
-        return api.AgentHeartbeatResponse(stop=stops, agent_token=self.agent_token(agent_id))
+            orders = await self.db.call(self.store.take_checkpoint_orders, agent_id)
+        return api.AgentHeartbeatResponse(
+            stop=stops, agent_token=self.agent_token(agent_id), checkpoint=orders
+        )
 
     async def post_output(self, agent_id: str, batch: api.OutputBatch) -> None:
         for chunk in batch.chunks:
@@ -322,6 +359,14 @@ class Coordinator:
         if await self.db.call(self.store.rank_problem, agent_id, pr, self.clock()):
             self._states_changed()
             await self.schedule()
+
+    async def checkpoint_failed(self, agent_id: str, cf: api.CheckpointFailed) -> None:
+        if await self.db.call(self.store.checkpoint_failed, agent_id, cf, self.clock()):
+            self.changes.fire()
+
+    async def restore_report(self, agent_id: str, rr: api.RestoreReport) -> None:
+        if await self.db.call(self.store.restore_report, agent_id, rr, self.clock()):
+            self.changes.fire()
 
     async def put_result(
         self,
@@ -377,6 +422,13 @@ class Coordinator:
             self._states_changed()
             await self.schedule()
 
+    async def relay_checkpoint(self, report: api.RelayCheckpoint) -> None:
+        """Record a committed image; ``Conflict`` (409) tells the relay to delete it. A new
+        image may let a rank waiting for a restorer start."""
+        if await self.db.call(self.store.relay_checkpoint, report, self.clock()):
+            self.changes.fire()
+            await self.schedule()
+
     # -- time-driven --------------------------------------------------------------------------
 
     async def schedule(self) -> None:
@@ -403,7 +455,8 @@ class Coordinator:
             now - self.settings.relay_down_timeout,
             now,
         )
-        if agents or relays:
+        waits = await self.db.call(self.store.expire_restore_waits, now)
+        if agents or relays or waits:
             self._states_changed()
             await self.schedule()
 

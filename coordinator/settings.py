@@ -47,6 +47,15 @@ class CoordinatorSettings:
         "(relays keep their logs on disk, so a restarted relay loses nothing).",
     )
     max_restarts: int = setting(50, "Lost ranks a job may have restarted in all before it fails.")
+    restore_wait_timeout: float = setting(
+        600.0,
+        "Seconds a lost rank that can only restart from a checkpoint image (its home relay "
+        "dropped the log before it) waits for a free agent with CRIU and the image's "
+        "environment fingerprint before its job fails.",
+    )
+    min_checkpoint_every: float = setting(
+        1.0, "Shortest checkpoint period (JobSubmit.checkpoint_every, seconds) a job may ask for."
+    )
     pool_name: str = setting("vpool", "Name of the pool, shown to users and volunteers.")
     max_blob_bytes: int = setting(1 << 30, "Largest blob (bundle, stdin, results) accepted.")
     max_ranks: int = setting(256, "Largest number of ranks a job may ask for.")
@@ -66,6 +75,14 @@ class CoordinatorSettings:
             )
         if self.max_restarts < 0:
             raise ValueError(f"max_restarts must be >= 0, not {self.max_restarts}")
+        if not self.restore_wait_timeout > 0:
+            raise ValueError(
+                f"restore_wait_timeout must be more than 0 s, not {self.restore_wait_timeout:g}"
+            )
+        if not self.min_checkpoint_every > 0:
+            raise ValueError(
+                f"min_checkpoint_every must be more than 0 s, not {self.min_checkpoint_every:g}"
+            )
 
     def state_path(self) -> Path:
         return Path(self.state_dir) if self.state_dir else paths.state_dir() / "coordinator"

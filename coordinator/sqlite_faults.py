@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from typing import Any
 
 import sqlite_utils
 
 from vpool.coordinator import scheduler
 from vpool.coordinator.errors import BadRequest, Forbidden
+from vpool.coordinator.sqlite_checkpoints import CheckpointsMixin
 from vpool.protocol import api
 from vpool.protocol.tokens import RankClaims
 
@@ -25,32 +25,9 @@ Signer = Callable[[RankClaims], str]
 MAX_MESSAGE = 2000
 
 
-class FaultsMixin:
+class FaultsMixin(CheckpointsMixin):
     db: sqlite_utils.Database
     max_restarts: int
-
-    # Provided by JobsMixin / SqliteStore.
-    def _one(self, sql: str, params: Any = ()) -> dict[str, Any] | None:
-        raise NotImplementedError
-
-    def job_row(self, job_id: int) -> dict[str, Any] | None:
-        raise NotImplementedError
-
-    def _current(
-        self, agent_id: str, job: int, rank: int, incarnation: int
-    ) -> dict[str, Any] | None:
-        raise NotImplementedError
-
-    def _end(self, job: int, state: str, exit_code: int | None, reason: str, now: float) -> None:
-        raise NotImplementedError
-
-    def _event(
-        self, job: int, now: float, kind: str, message: str, rank: int | None = None
-    ) -> None:
-        raise NotImplementedError
-
-    def _agent_name(self, agent_id: str) -> str:
-        raise NotImplementedError
 
     # -- start-up -----------------------------------------------------------------------------
 
@@ -253,19 +230,24 @@ class FaultsMixin:
     def place_replacements(self, free: dict[str, int], now: float, sign: Signer) -> list[int]:
         """Give pending replacement incarnations a slot from ``free`` (agent id -> free slots,
         updated in place); return the jobs that got one. Runs inside ``schedule``'s
-        transaction, before queued jobs, so new jobs never starve a running one."""
+        transaction, before queued jobs, so new jobs never starve a running one. The agent is
+        chosen with the rank's checkpoint images in mind (``_plan_replacement``)."""
         placed: list[int] = []
         pending = list(
             self.db.query(
-                "SELECT r.job, r.rank, r.incarnation, r.relay, r.avoid, j.ranks AS size "
-                "FROM ranks r JOIN jobs j ON j.id = r.job "
+                "SELECT r.job, r.rank, r.incarnation, r.relay, r.avoid, r.from_start, "
+                "j.ranks AS size FROM ranks r JOIN jobs j ON j.id = r.job "
                 "WHERE r.state = 'pending' AND j.state = 'running' ORDER BY r.job, r.rank"
             )
         )
+        caps = self._agent_capabilities() if pending else {}
         for p in pending:
-            agent = scheduler.pick_agent(free, p["avoid"])
+            plan = self._plan_replacement(p, free, caps)
+            agent = plan.agent
             if agent is None:
-                break
+                if plan.waiting:
+                    self._wait_for_restorer(p, plan.waiting, now)
+                continue
             free[agent] -= 1
             job, rank, incarnation = int(p["job"]), int(p["rank"]), int(p["incarnation"])
             claims = RankClaims(
@@ -277,8 +259,8 @@ class FaultsMixin:
                 expires=now + scheduler.RANK_TOKEN_LIFETIME,
             )
             self.db.execute(
-                "UPDATE ranks SET agent = ?, state = 'leased', avoid = NULL "
-                "WHERE job = ? AND rank = ?",
+                "UPDATE ranks SET agent = ?, state = 'leased', avoid = NULL, "
+                "waiting_since = NULL WHERE job = ? AND rank = ?",
                 [agent, job, rank],
             )
             self.db.execute(
@@ -286,13 +268,22 @@ class FaultsMixin:
                 "VALUES (?, ?, ?, ?, ?, ?, ?)",
                 [job, rank, incarnation, agent, p["relay"], sign(claims), now],
             )
-            self._event(
-                job,
-                now,
-                "rank_restarted",
-                f"rank {rank} incarnation {incarnation} on agent {self._agent_name(agent)}",
-                rank,
-            )
+            where = f"rank {rank} incarnation {incarnation} on agent {self._agent_name(agent)}"
+            if plan.restore:
+                ckpts = ", ".join(str(c) for c in plan.restore)
+                self._event(
+                    job, now, "rank_restarted", f"{where}, to restore from checkpoint {ckpts}", rank
+                )
+            else:
+                self._event(job, now, "rank_restarted", where, rank)
+            if plan.note:
+                self._event(
+                    job,
+                    now,
+                    "rank_replaying",
+                    f"rank {rank} incarnation {incarnation} starts from the beginning: {plan.note}",
+                    rank,
+                )
             placed.append(job)
         return placed
 
@@ -320,12 +311,15 @@ class FaultsMixin:
 
     def _replaying(self, rs: api.RankState, now: float) -> bool:
         """The first heartbeat of a restarted incarnation: it re-runs from the beginning and
-        replays its logged messages, and its determinants if it has any."""
-        if rs.incarnation <= 1 and rs.replay_dets <= 0:
+        replays its logged messages, and its determinants if it has any. A restored one is
+        the ``rank_restored`` event of its restore report; one given images says nothing
+        until its restore report says it starts from the beginning after all."""
+        if (rs.incarnation <= 1 and rs.replay_dets <= 0) or rs.restored_from >= 0:
             return False
         cursor = self.db.execute(
             "UPDATE incarnations SET replay_dets = ? WHERE job = ? AND rank = ? "
-            "AND incarnation = ? AND replay_dets IS NULL",
+            "AND incarnation = ? AND replay_dets IS NULL AND restored_from IS NULL "
+            "AND (restore = '[]' OR restore_reported IS NOT NULL)",
             [rs.replay_dets, rs.job, rs.rank, rs.incarnation],
         )
         if not cursor.rowcount:

@@ -13,7 +13,7 @@ from typing import Any
 
 import sqlite_utils
 
-from vpool.coordinator import scheduler
+from vpool.coordinator import migrations, scheduler
 from vpool.coordinator.errors import Forbidden, NotFound
 from vpool.coordinator.sqlite_faults import FaultsMixin
 from vpool.protocol import api
@@ -78,7 +78,8 @@ class JobsMixin(FaultsMixin):
         with self.db.atomic():
             cursor = self.db.execute(
                 "INSERT INTO jobs (user, name, state, ranks, bundle, entry, args, stdin, "
-                "created, fault_tolerance) VALUES (?, ?, 'queued', ?, ?, ?, ?, ?, ?, ?)",
+                "created, fault_tolerance, job_uid, ckpt_key, checkpoint_every) "
+                "VALUES (?, ?, 'queued', ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 [
                     user,
                     sub.name,
@@ -89,6 +90,9 @@ class JobsMixin(FaultsMixin):
                     sub.stdin,
                     now,
                     int(sub.fault_tolerance),
+                    migrations.new_job_uid(),
+                    migrations.new_ckpt_key(),
+                    sub.checkpoint_every,
                 ],
             )
             job_id = int(cursor.lastrowid or 0)
@@ -98,6 +102,8 @@ class JobsMixin(FaultsMixin):
                     [job_id, rank],
                 )
             off = "" if sub.fault_tolerance else ", fault tolerance off"
+            if sub.checkpoint_every > 0:
+                off += f", a checkpoint every {sub.checkpoint_every:g} s"
             self._event(job_id, now, "queued", f"submitted by {user}: {sub.ranks} ranks{off}")
         info = self.job_info(job_id)
         assert info is not None
@@ -202,7 +208,8 @@ class JobsMixin(FaultsMixin):
         with self.db.atomic():
             rows = list(
                 self.db.query(
-                    "SELECT i.job, i.rank, i.incarnation, i.token FROM incarnations i "
+                    "SELECT i.job, i.rank, i.incarnation, i.token, r.from_start "
+                    "FROM incarnations i "
                     "JOIN ranks r ON r.job = i.job AND r.rank = i.rank "
                     "AND r.incarnation = i.incarnation JOIN jobs j ON j.id = i.job "
                     "WHERE i.agent = ? AND i.delivered IS NULL AND r.state = 'leased' "
@@ -215,6 +222,7 @@ class JobsMixin(FaultsMixin):
                 job = jobs.get(row["job"])
                 if job is None:
                     job = jobs[row["job"]] = self._lease_context(row["job"])
+                restore = self._lease_restore(row["job"], row["rank"], agent_id, job["names"])
                 leases.append(
                     api.Lease(
                         job=row["job"],
@@ -229,12 +237,23 @@ class JobsMixin(FaultsMixin):
                         relays=job["relays"],
                         homes=job["homes"],
                         env=job["env"],
+                        job_uid=job["job_uid"],
+                        ckpt_key=job["ckpt_key"],
+                        checkpoint_every=job["checkpoint_every"],
+                        restore=restore,
+                        from_start=bool(row["from_start"]),
                     )
                 )
                 self.db.execute(
-                    "UPDATE incarnations SET delivered = ? WHERE job = ? AND rank = ? "
-                    "AND incarnation = ?",
-                    [now, row["job"], row["rank"], row["incarnation"]],
+                    "UPDATE incarnations SET delivered = ?, restore = ? WHERE job = ? "
+                    "AND rank = ? AND incarnation = ?",
+                    [
+                        now,
+                        json.dumps([ref.ckpt for ref in restore]),
+                        row["job"],
+                        row["rank"],
+                        row["incarnation"],
+                    ],
                 )
         return leases
 
@@ -257,9 +276,14 @@ class JobsMixin(FaultsMixin):
             "args": json.loads(job["args"]),
             "stdin": job["stdin"],
             "relays": [info[n] for n in names],
+            "names": names,
             "homes": [homes[r] for r in range(job["ranks"])],
             # The rank runtime reads it once at Init: no determinants, no waiting for DetAck.
             "env": {} if job["fault_tolerance"] else {"VPOOL_FT": "0"},
+            # Only agents ever see the key: it is in leases, never in JobInfo or JobDetail.
+            "job_uid": job["job_uid"],
+            "ckpt_key": job["ckpt_key"],
+            "checkpoint_every": job["checkpoint_every"],
         }
 
     # -- agent reports ------------------------------------------------------------------------
@@ -273,6 +297,7 @@ class JobsMixin(FaultsMixin):
         stops: list[api.StopOrder] = []
         changed = False
         with self.db.atomic():
+            self._agent_caps(agent_id, hb.criu, hb.fingerprint)
             for rs in hb.ranks:
                 row = self._rank_row(rs)
                 reason = _stop_reason(row, agent_id, rs.incarnation)
@@ -287,6 +312,7 @@ class JobsMixin(FaultsMixin):
                     )
                     self._event(rs.job, now, "rank_running", f"rank {rs.rank} is running", rs.rank)
                     changed = True
+                self._restored_from(rs)
                 changed = self._replaying(rs, now) or changed
             reported = {(rs.job, rs.rank, rs.incarnation) for rs in hb.ranks}
             missing = [
@@ -459,4 +485,5 @@ def _info(row: dict[str, Any]) -> api.JobInfo:
         started=row["started"],
         finished=row["finished"],
         fault_tolerance=bool(row["fault_tolerance"]),
+        checkpoint_every=row["checkpoint_every"],
     )

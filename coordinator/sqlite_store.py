@@ -21,8 +21,11 @@ from vpool.protocol import api
 
 
 class SqliteStore(JobsMixin):
-    def __init__(self, path: Path | str, *, max_restarts: int = 50) -> None:
+    def __init__(
+        self, path: Path | str, *, max_restarts: int = 50, restore_wait_timeout: float = 600.0
+    ) -> None:
         self.max_restarts = max_restarts
+        self.restore_wait_timeout = restore_wait_timeout
         # check_same_thread=False: calls come from trio's worker threads, serialized by the
         # Database limiter. isolation_level=None: transactions are explicit (db.atomic()).
         conn = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
@@ -109,6 +112,7 @@ class SqliteStore(JobsMixin):
         return list(
             self.db.query(
                 "SELECT a.id, a.name, a.slots, a.free_slots, a.last_seen, a.state, a.software, "
+                "a.criu, a.fingerprint, "
                 "(SELECT COUNT(*) FROM ranks r WHERE r.agent = a.id "
                 "AND r.state IN ('leased', 'running')) AS active FROM agents a ORDER BY a.name"
             )

@@ -1,4 +1,4 @@
-"""``vsdk`` commands about jobs: submit, status, logs, wait, cancel, jobs, results."""
+"""``vsdk`` commands about jobs: submit, status, logs, wait, cancel, checkpoint, jobs, results."""
 
 from __future__ import annotations
 
@@ -111,6 +111,14 @@ def stream_output(
     "(its machine gone, its process killed) fails the job instead of being restarted.",
 )
 @click.option(
+    "--checkpoint-every",
+    type=click.FloatRange(min=0),
+    default=0.0,
+    metavar="SECONDS",
+    help="Checkpoint every rank this often, so that a lost rank restarts from its last "
+    "checkpoint instead of from the beginning (0: only on `vsdk checkpoint`).",
+)
+@click.option(
     "-w", "--wait", is_flag=True, help="Stream the output and exit with the job's exit code."
 )
 @LABEL
@@ -126,6 +134,7 @@ def submit(
     name: str | None,
     entry: str | None,
     fault_tolerance: bool,
+    checkpoint_every: float,
     wait: bool,
     label: bool,
     as_json: bool,
@@ -146,7 +155,13 @@ def submit(
     Ranks are fault tolerant by default: a rank whose machine or process is lost is restarted
     and replays its logged messages. --no-fault-tolerance skips the logging (the benchmark
     benchmarks/ft_overhead.py measures what it costs) and fails the job on the first loss.
+    --checkpoint-every 600 also saves each rank every 10 minutes on machines that can (CRIU),
+    so a lost rank resumes from there; it needs fault tolerance.
     """
+    if checkpoint_every > 0 and not fault_tolerance:
+        raise click.UsageError(
+            "--checkpoint-every needs fault tolerance (drop --no-fault-tolerance)"
+        )
     with settings.client() as client:
         job = client.submit(
             program,
@@ -157,10 +172,13 @@ def submit(
             name=name,
             entry=entry,
             fault_tolerance=fault_tolerance,
+            checkpoint_every=checkpoint_every,
         )
         what = f"{ranks} rank{'s' if ranks != 1 else ''}"
         if not fault_tolerance:
             what += ", fault tolerance off"
+        if checkpoint_every > 0:
+            what += f", a checkpoint every {checkpoint_every:g} s"
         if not wait:
             if as_json:
                 print_json(job)
@@ -236,6 +254,8 @@ def status(settings: Settings, job: int, as_json: bool) -> None:
         return
     j = detail.job
     off = "" if j.fault_tolerance else "  (fault tolerance off)"
+    if j.checkpoint_every > 0:
+        off += f"  (a checkpoint every {j.checkpoint_every:g} s)"
     click.echo(f"job {j.id}  {j.name!r}  user {j.user}  {j.ranks} ranks{off}")
     line = f"state: {j.state}"
     if j.exit_code is not None:
@@ -331,6 +351,34 @@ def cancel(settings: Settings, job: int, as_json: bool) -> None:
 
 
 @click.command()
+@JOB
+@click.option(
+    "-r", "--rank", type=click.IntRange(min=0), help="Only this rank (default: every rank)."
+)
+@json_option
+@pass_settings
+def checkpoint(settings: Settings, job: int, rank: int | None, as_json: bool) -> None:
+    """Checkpoint a running job's ranks now (on machines that can: CRIU).
+
+    A lost rank then restarts from its newest checkpoint instead of from the beginning. The
+    images are made in the background; `vsdk status JOB` shows them as `checkpoint` events
+    (or `checkpoint_failed`).
+
+    \b
+    Examples:
+      vsdk checkpoint 12
+      vsdk checkpoint 12 --rank 3
+    """
+    with settings.client() as client:
+        asked = client.checkpoint(job, rank)
+    if as_json:
+        print_json(asked)
+        return
+    ranks = ", ".join(str(r) for r in asked.ranks)
+    click.echo(f"job {asked.job}: asked rank{'s' * (len(asked.ranks) != 1)} {ranks} to checkpoint")
+
+
+@click.command()
 @json_option
 @pass_settings
 def jobs(settings: Settings, as_json: bool) -> None:
@@ -384,4 +432,4 @@ def results(settings: Settings, job: int, dest: Path, as_json: bool) -> None:
         click.echo(f"{len(files)} file(s) extracted into {dest}")
 
 
-COMMANDS = [submit, status, logs, wait, cancel, jobs, results]
+COMMANDS = [submit, status, logs, wait, cancel, checkpoint, jobs, results]

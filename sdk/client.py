@@ -29,6 +29,8 @@ from vpool import tls
 from vpool.protocol.api import (
     TERMINAL_STATES,
     BlobInfo,
+    CheckpointAsk,
+    CheckpointAsked,
     ErrorBody,
     JobDetail,
     JobInfo,
@@ -185,11 +187,14 @@ class Client:
         name: str | None = None,
         entry: str | None = None,
         fault_tolerance: bool = True,
+        checkpoint_every: float = 0.0,
     ) -> JobInfo:
         """Bundle ``program_path`` (``.py`` or ``.zip``) with ``inputs``, upload and submit it
         to run on ``ranks`` ranks as ``python entry *args``; ``stdin`` (a file or bytes) is fed
         to rank 0. With ``fault_tolerance=False`` nothing is logged and a lost rank fails the
-        job instead of being restarted."""
+        job instead of being restarted. ``checkpoint_every`` > 0: every rank is checkpointed
+        that often (seconds), so a lost rank restarts from its last image instead of from the
+        beginning."""
         if ranks < 1:
             raise VsdkError("a job needs at least one rank")
         program = Path(program_path)
@@ -213,6 +218,7 @@ class Client:
             stdin=stdin_sha,
             name=name if name is not None else program.name,
             fault_tolerance=fault_tolerance,
+            checkpoint_every=checkpoint_every,
         )
         return _decode(self._request("POST", "/jobs", json_body=body), JobInfo)
 
@@ -226,6 +232,14 @@ class Client:
 
     def cancel(self, job: int) -> JobInfo:
         return _decode(self._request("POST", f"/jobs/{int(job)}/cancel"), JobInfo)
+
+    def checkpoint(self, job: int, rank: int | None = None) -> CheckpointAsked:
+        """Ask for a checkpoint of every running rank of a job (or of one rank) now; returns
+        the ranks whose agents were asked."""
+        resp = self._request(
+            "POST", f"/jobs/{int(job)}/checkpoint", json_body=CheckpointAsk(rank=rank), ok=(202,)
+        )
+        return _decode(resp, CheckpointAsked)
 
     def output(
         self, job: int, after: int = 0, rank: int | None = None, wait: float = 0.0

@@ -83,6 +83,9 @@ def rank_environment(
     base: Mapping[str, str], rank: int, size: int, sock_path: str, secret: str
 ) -> dict[str, str]:
     env = dict(base)
+    # Checkpoints are the pool agent's business (a rank of a pool job may run mpiexec itself).
+    env.pop("VPOOL_CKPT_SIGNAL", None)
+    env.pop("VPOOL_RANK_DIR", None)
     old = env.get("PYTHONPATH")
     env["PYTHONPATH"] = SHIM_DIR + (os.pathsep + old if old else "")
     env.update(
@@ -498,14 +501,17 @@ async def run_async(
     if n < 1:
         raise ValueError("need at least one rank")
     kill = (env or {}).get("VPOOL_MPIEXEC_KILL") or os.environ.get("VPOOL_MPIEXEC_KILL")
-    if kill:
-        # Test bench: kill a rank and restart it with replay (``mpiexec_replay``).
+    ckpt = (env or {}).get("VPOOL_MPIEXEC_CKPT") or os.environ.get("VPOOL_MPIEXEC_CKPT")
+    if kill or ckpt:
+        # Test bench: kill a rank and restart it with replay, or from a checkpoint
+        # (``mpiexec_replay``).
         from vpool.sdk import mpiexec_replay
 
         return await mpiexec_replay.run_async(
             n,
             argv,
-            kill=mpiexec_replay.parse_kill(kill),
+            kill=mpiexec_replay.parse_kill(kill) if kill else None,
+            ckpt=mpiexec_replay.parse_ckpt(ckpt) if ckpt else None,
             env=env,
             stdout=stdout if isinstance(stdout, int) else (stdout.fileno() if stdout else 1),
             stderr=stderr if isinstance(stderr, int) else (stderr.fileno() if stderr else 2),

@@ -9,6 +9,15 @@ and ``replay_sent`` (what it sent before). Re-sent messages are compared byte fo
 ones already delivered and dropped; a difference fails the job with "program is not
 deterministic: ...", as the relays do.
 
+Hidden switch ``VPOOL_MPIEXEC_CKPT="RANK:N:M"`` (``run_async(ckpt=...)``): a test bench for the
+runtime's checkpoints (``vpool.sdk.mpi.checkpoint``) without CRIU. Once rank RANK's incarnation 1
+(2 when ``VPOOL_MPIEXEC_KILL`` names the same rank) deposited N messages, the router requests a
+checkpoint (``CheckpointRequest`` + the signal), answers ``CkptGo`` (checkpoint 1), waits until
+every frame sent before ``CkptReady`` is in, and after M more deposits kills the rank; the forked
+clone, reparented by that kill, finds ``.vpool-restore.json`` in its rank directory and becomes
+the next incarnation, replaying from its counters. With a fourth field ``orphan`` no restore file
+is written: the clone must exit by itself and the rank restarts from the beginning.
+
 This router keeps every frame (the relays' logs) and reads whole frames, so it is slower than
 the plain one; output of the ranks goes through pipes and what an earlier incarnation already
 showed (per rank and stream, by byte offset) is not shown again.
@@ -16,10 +25,14 @@ showed (per rank and stream, by byte offset) is not shown again.
 
 from __future__ import annotations
 
+import fcntl
+import json
 import os
 import secrets
+import signal
 import socket
 import subprocess
+import termios
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -27,7 +40,21 @@ import trio
 
 from vpool.protocol.errors import RemoteProtocolError
 from vpool.protocol.framing import DEFAULT_MAX_HEADER, DEFAULT_MAX_PAYLOAD
-from vpool.protocol.messages import Ack, Data, Det, Message, RankWelcome, decode
+from vpool.protocol.messages import (
+    PROTOCOL_VERSION,
+    Ack,
+    CheckpointRequest,
+    CkptForked,
+    CkptGo,
+    CkptReady,
+    Data,
+    Det,
+    Error,
+    Message,
+    RankHello,
+    RankWelcome,
+    decode,
+)
 from vpool.sdk.mpiexec import (
     _GONE,
     JOB,
@@ -37,6 +64,7 @@ from vpool.sdk.mpiexec import (
     _frame,
     _Rank,
     _read,
+    _read_exact,
     _Router,
     _signal_name,
     _unpack_prefix,
@@ -57,6 +85,28 @@ def parse_kill(spec: str) -> tuple[int, int]:
     return rank, n
 
 
+def parse_ckpt(spec: str) -> tuple[int, int, int, bool]:
+    """``"RANK:N:M"`` or ``"RANK:N:M:orphan"`` -> (RANK, N, M, orphan)."""
+    fields = spec.split(":")
+    orphan = len(fields) == 4 and fields[3] == "orphan"
+    try:
+        if len(fields) != 3 and not orphan:
+            raise ValueError
+        rank, n, m = (int(x) for x in fields[:3])
+    except ValueError:
+        raise ValueError(f"VPOOL_MPIEXEC_CKPT={spec!r}: expected RANK:N:M[:orphan]") from None
+    if rank < 0 or n < 1 or m < 0:
+        raise ValueError(f"VPOOL_MPIEXEC_CKPT={spec!r}: expected RANK:N:M[:orphan]")
+    return rank, n, m, orphan
+
+
+CKPT_SIGNAL = signal.SIGRTMIN + 4
+CKPT_ID = 1
+SIGNAL_EVERY = 0.05  # seconds between checkpoint signals until CkptReady, at most SIGNALS times
+SIGNALS = 100
+ORPHAN_GRACE = 10.0  # seconds an orphaned clone may take to notice and exit
+
+
 class _RRank(_Rank):
     def __init__(self, index: int) -> None:
         super().__init__(index)
@@ -67,44 +117,106 @@ class _RRank(_Rank):
         self.deposits = 0  # Data frames deposited by the current incarnation
         self.restarting = False
         self.shown = [0, 0]  # bytes of stdout/stderr already shown (over all incarnations)
+        self.log_keys: list[tuple[int, int]] = []  # (src, seq) of each frame of ``log``
+        self.progress = trio.Event()  # set (and replaced) on every deposit and determinant
+        # Checkpoint bench: "" -> requested -> ready -> committed -> done.
+        self.ckpt_state = ""
+        self.ckpt_ready: CkptReady | None = None
+        self.ready_event = trio.Event()
+        self.commit_deposits = 0
+        self.clone_pid = 0
+        self.rank_dir = ""
+        self.copied = [0, 0]  # bytes read from the current incarnation's stdout/stderr
+        self.out_fds = (-1, -1)  # read ends of those
+        self.offsets = [0, 0]  # output offsets of the image (at CkptReady)
+        self.adopt: tuple[str, int, int] | None = None  # (secret, stdout fd, stderr fd)
+        self.adopted = trio.Event()
+        self.fifo_writers: list[int] = []
+        self.resume: CkptReady | None = None  # the incarnation resumes from this image
+        self.welcomed = (0, {})  # (replay_dets, replay_sent) of the current incarnation
 
 
 class ReplayRouter(_Router):
     def __init__(
-        self, size: int, err: Any, kill: tuple[int, int] | None, command: list[str], env: Any
+        self,
+        size: int,
+        err: Any,
+        kill: tuple[int, int] | None,
+        command: list[str],
+        env: Any,
+        ckpt: tuple[int, int, int, bool] | None = None,
     ) -> None:
         super().__init__(size, err)
         self.ranks = [_RRank(i) for i in range(size)]
         self.by_secret = {r.secret: r for r in self.ranks}
         self.kill = kill
+        self.ckpt = ckpt
         self.command = command
         self.env = env
         self.sock_path = ""
         self.out_fds = (1, 2)
         self.restarts = 0
+        self.pending_secrets: dict[str, _RRank] = {}  # restore secrets, before adoption
+        self.clones: list[int] = []
+        self.orphans: list[trio.Event] = []  # set once each orphaned clone is gone
+
+    def fail(self, code: int, reason: str) -> None:
+        super().fail(code, reason)
+        self.kill_clones()  # a restored rank is a clone, not the process the base kills
 
     # ---- processes -------------------------------------------------------------------------
 
     async def run_rank(self, rank: _RRank) -> None:
         """Run the rank's incarnations until one ends without being killed by the router."""
         while True:
-            env = rank_environment(self.env, rank.index, self.size, self.sock_path, rank.secret)
-            env["VPOOL_INCARNATION"] = str(rank.incarnation)
-            proc = await trio.lowlevel.open_process(
-                self.command,
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                env=env,
-            )
-            rank.proc = proc
+            code: int | None = None
+            adopt = rank.adopt
+            if adopt is not None:
+                # The clone of the checkpoint, reparented by the kill: not our child, so its
+                # end is seen through a pidfd and its fate through its connection.
+                rank.adopt = None
+                fds = (adopt[1], adopt[2])
+                starts = list(rank.offsets)
+                pidfd = os.pidfd_open(rank.clone_pid)
+                proc = None
+            else:
+                env = rank_environment(self.env, rank.index, self.size, self.sock_path, rank.secret)
+                env["VPOOL_INCARNATION"] = str(rank.incarnation)
+                if rank.rank_dir:
+                    env["VPOOL_CKPT_SIGNAL"] = str(int(CKPT_SIGNAL))
+                    env["VPOOL_RANK_DIR"] = rank.rank_dir
+                r_out, w_out = os.pipe()
+                r_err, w_err = os.pipe()
+                try:
+                    proc = await trio.lowlevel.open_process(
+                        self.command,
+                        stdin=subprocess.DEVNULL,
+                        stdout=w_out,
+                        stderr=w_err,
+                        env=env,
+                    )
+                finally:
+                    os.close(w_out)
+                    os.close(w_err)
+                rank.proc = proc
+                fds, starts = (r_out, r_err), [0, 0]
+            rank.out_fds = fds
+            rank.copied = starts
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(self._copy, rank, proc.stdout, 0)
-                nursery.start_soon(self._copy, rank, proc.stderr, 1)
-                code = await proc.wait()
+                nursery.start_soon(self._copy, rank, fds[0], 0)
+                nursery.start_soon(self._copy, rank, fds[1], 1)
+                if proc is not None:
+                    code = await proc.wait()
+                else:
+                    try:
+                        await trio.lowlevel.wait_readable(pidfd)
+                    finally:
+                        os.close(pidfd)
             if rank.sock is not None:
                 with trio.move_on_after(KILL_GRACE):
                     await rank.hung_up.wait()
+            if code is None:
+                code = 0 if rank.finalized else 1
             if rank.restarting and self.exit_code is None:
                 self._new_incarnation(rank)
                 continue
@@ -122,7 +234,8 @@ class ReplayRouter(_Router):
 
     def _new_incarnation(self, rank: _RRank) -> None:
         del self.by_secret[rank.secret]
-        rank.secret = secrets.token_hex(16)
+        restore = rank.adopt
+        rank.secret = restore[0] if restore is not None else secrets.token_hex(16)
         self.by_secret[rank.secret] = rank
         rank.incarnation += 1
         rank.restarting = False
@@ -132,29 +245,86 @@ class ReplayRouter(_Router):
         rank.hung_up = trio.Event()
         rank.finalized = False
         self.restarts += 1
-        self.say(f"restarting rank {rank.index} (incarnation {rank.incarnation}) with replay")
+        if restore is not None:
+            rank.resume = rank.ckpt_ready
+            self.pending_secrets.pop(rank.secret, None)
+            rank.adopted.set()
+            self.say(
+                f"restoring rank {rank.index} (incarnation {rank.incarnation}) "
+                f"from checkpoint {CKPT_ID}"
+            )
+        else:
+            rank.resume = None
+            self.say(f"restarting rank {rank.index} (incarnation {rank.incarnation}) with replay")
 
-    async def _copy(self, rank: _RRank, pipe: Any, stream: int) -> None:
-        """Show what this incarnation writes beyond what earlier ones already showed."""
-        offset = 0
-        fd = self.out_fds[stream]
-        while True:
-            data = await pipe.receive_some(65536)
-            if not data:
-                return
-            start, offset = offset, offset + len(data)
-            if offset > rank.shown[stream]:
-                new = data[max(0, rank.shown[stream] - start) :]
-                rank.shown[stream] = offset
+    async def _copy(self, rank: _RRank, fd: int, stream: int) -> None:
+        """Show what this incarnation writes beyond what earlier ones already showed (a
+        restored one starts at the image's offset)."""
+        out = self.out_fds[stream]
+        os.set_blocking(fd, False)
+        try:
+            while True:
                 try:
-                    os.write(fd, new)
-                except OSError:
-                    pass
+                    data = os.read(fd, 65536)
+                except BlockingIOError:
+                    await trio.lowlevel.wait_readable(fd)
+                    continue
+                if not data:
+                    return
+                start = rank.copied[stream]
+                offset = rank.copied[stream] = start + len(data)
+                if offset > rank.shown[stream]:
+                    new = data[max(0, rank.shown[stream] - start) :]
+                    rank.shown[stream] = offset
+                    try:
+                        os.write(out, new)
+                    except OSError:
+                        pass
+        finally:
+            trio.lowlevel.notify_closing(fd)
+            os.close(fd)
 
     # ---- connections -------------------------------------------------------------------------
 
+    async def _hello(self, sock: socket.socket) -> _Rank | None:
+        hlen, plen = _unpack_prefix(await _read_exact(sock, 8), 0)
+        if hlen == 0 or hlen > DEFAULT_MAX_HEADER or plen:
+            raise RemoteProtocolError("malformed hello")
+        msg = decode(await _read_exact(sock, hlen))
+        if not isinstance(msg, RankHello):
+            raise RemoteProtocolError(f"expected RankHello, got {type(msg).__name__}")
+        waiting = self.pending_secrets.get(msg.secret)
+        if waiting is not None:
+            # A restored clone can call before its predecessor is gone: it waits for that.
+            with trio.move_on_after(30):
+                await waiting.adopted.wait()
+        rank = self.by_secret.get(msg.secret)
+        assert rank is None or isinstance(rank, _RRank)
+        bad = msg.version != PROTOCOL_VERSION or rank is None
+        if not bad and msg.control:
+            await _write(sock, _frame(self._plain_welcome(rank)))
+            await self._serve_control(rank, sock)
+            return None
+        if bad or rank.sock is not None or (msg.checkpoint >= 0) != (rank.resume is not None):
+            await _write(sock, _frame(Error("bad_hello", "unknown secret or version")))
+            return None
+        await _write(sock, self._welcome(rank))
+        if msg.checkpoint >= 0:
+            self.say(f"restored rank {rank.index} from checkpoint {msg.checkpoint}")
+            _close_writers(rank)  # the clone opened its output FIFOs before it called
+        rank.sock, rank.open = sock, True
+        rank.ready.set()
+        self._connected(rank, sock)
+        return rank
+
+    def _plain_welcome(self, rank: _RRank) -> RankWelcome:
+        return RankWelcome(JOB, rank.index, self.size, rank.incarnation, socket.gethostname())
+
     def _welcome(self, rank: _Rank) -> bytes:
         assert isinstance(rank, _RRank)
+        first = rank.resume.dets if rank.resume is not None else 0
+        replay_sent = {d: len(frames) for d, frames in rank.sent.items() if frames}
+        rank.welcomed = (len(rank.dets), replay_sent)
         welcome = RankWelcome(
             JOB,
             rank.index,
@@ -162,10 +332,10 @@ class ReplayRouter(_Router):
             rank.incarnation,
             socket.gethostname(),
             replay_dets=len(rank.dets),
-            replay_sent={d: len(frames) for d, frames in rank.sent.items() if frames},
+            replay_sent=replay_sent,
         )
         return _frame(welcome) + b"".join(
-            _frame(Det(JOB, rank.index, i, data)) for i, data in enumerate(rank.dets)
+            _frame(Det(JOB, rank.index, i, rank.dets[i])) for i in range(first, len(rank.dets))
         )
 
     def _connected(self, rank: _Rank, sock: socket.socket) -> None:
@@ -173,12 +343,18 @@ class ReplayRouter(_Router):
         self.nursery.start_soon(self._deliver, rank, sock)
 
     async def _deliver(self, rank: _RRank, sock: socket.socket) -> None:
-        """Push the rank's log to this connection, from the start (a new incarnation replays)."""
+        """Push the rank's log to this connection, from the start (a new incarnation replays)
+        or, for a restored one, past what its image had received."""
         pos = 0
+        skip = rank.resume.received if rank.resume is not None else None
         while rank.sock is sock:
             if pos < len(rank.log):
-                frames = rank.log[pos:]
-                pos += len(frames)
+                end = len(rank.log)
+                frames = rank.log[pos:end]
+                if skip is not None:
+                    keys = rank.log_keys[pos:end]
+                    frames = [f for f, (s, q) in zip(frames, keys, strict=True) if q > skip[s]]
+                pos = end
                 await _acquire(rank.lock)
                 try:
                     await _write(sock, b"".join(frames))
@@ -223,6 +399,7 @@ class ReplayRouter(_Router):
             raise RemoteProtocolError(f"{type(msg).__name__} frame with a payload")
         elif type(msg) is Det:
             await self.on_det(rank, sock, msg)
+            _notify(rank)
         else:
             self._control(rank, msg)
 
@@ -242,6 +419,7 @@ class ReplayRouter(_Router):
             target = self.ranks[msg.dst]
             assert isinstance(target, _RRank)
             target.log.append(frame)
+            target.log_keys.append((msg.src, msg.seq))
             target.grew.set()
             target.grew = trio.Event()
         else:
@@ -254,6 +432,7 @@ class ReplayRouter(_Router):
         finally:
             rank.lock.release()
         rank.deposits += 1
+        _notify(rank)
         kill = self.kill
         if (
             kill is not None
@@ -265,6 +444,183 @@ class ReplayRouter(_Router):
         ):
             rank.restarting = True
             rank.proc.kill()
+        if self.ckpt is not None and self.ckpt[0] == rank.index:
+            self._ckpt_step(rank)
+
+    # ---- checkpoint bench --------------------------------------------------------------------
+
+    def _ckpt_step(self, rank: _RRank) -> None:
+        assert self.ckpt is not None and self.nursery is not None
+        _, n, m, _ = self.ckpt
+        first = 2 if self.kill is not None and self.kill[0] == rank.index else 1
+        if rank.ckpt_state == "" and rank.incarnation == first and rank.deposits == n:
+            rank.ckpt_state = "requested"
+            self.nursery.start_soon(self._request, rank)
+        elif rank.ckpt_state == "committed" and rank.deposits >= rank.commit_deposits + m:
+            self._kill_for_restore(rank)
+
+    async def _request(self, rank: _RRank) -> None:
+        """CheckpointRequest on the data connection, and the signal until CkptReady."""
+        sock = rank.sock
+        await _acquire(rank.lock)
+        try:
+            await _write(sock, _frame(CheckpointRequest(CKPT_ID)))
+        except _GONE:
+            return
+        finally:
+            rank.lock.release()
+        proc = rank.proc
+        for _ in range(SIGNALS):
+            if rank.ready_event.is_set() or proc is None or proc.returncode is not None:
+                return
+            if rank.finalized:
+                return
+            proc.send_signal(CKPT_SIGNAL)
+            with trio.move_on_after(SIGNAL_EVERY):
+                await rank.ready_event.wait()
+
+    async def _serve_control(self, rank: _RRank, sock: socket.socket) -> None:
+        """The checkpoint control connection: CkptReady -> CkptGo, CkptForked -> commit."""
+        while True:
+            try:
+                prefix = await _read_exact(sock, 8)
+            except _GONE:
+                return
+            hlen, plen = _unpack_prefix(prefix, 0)
+            if hlen == 0 or hlen > DEFAULT_MAX_HEADER or plen:
+                raise RemoteProtocolError("malformed frame on the control connection")
+            msg = decode(await _read_exact(sock, hlen))
+            if isinstance(msg, CkptReady) and rank.ckpt_state == "requested":
+                rank.ckpt_ready = msg
+                # The rank flushed its output and waits: what it wrote is read or in the pipe.
+                rank.offsets = [rank.copied[i] + _pending(rank.out_fds[i]) for i in (0, 1)]
+                rank.ckpt_state = "ready"
+                rank.ready_event.set()
+                record = {
+                    "incarnation": rank.incarnation,
+                    "received": msg.received,
+                    "sent": msg.sent,
+                    "dets": msg.dets,
+                    "welcome_dets": rank.welcomed[0],
+                    "welcome_sent": rank.welcomed[1],
+                    "offsets": rank.offsets,
+                }
+                self.say(f"checkpoint {CKPT_ID} of rank {rank.index}: {json.dumps(record)}")
+                await _write(sock, _frame(CkptGo(msg.request, CKPT_ID)))
+            elif isinstance(msg, CkptForked) and rank.ckpt_state == "ready":
+                if msg.pid <= 0:
+                    self.fail(1, f"rank {rank.index} could not fork: {msg.message}")
+                    return
+                rank.clone_pid = msg.pid
+                self.clones.append(msg.pid)
+                self.say(f"checkpoint {CKPT_ID} of rank {rank.index}: clone {msg.pid}")
+                assert self.nursery is not None
+                self.nursery.start_soon(self._commit, rank)
+            else:
+                raise RemoteProtocolError(f"unexpected {type(msg).__name__} on the control line")
+
+    async def _commit(self, rank: _RRank) -> None:
+        """Commit once every frame the rank sent before CkptReady is in (acknowledged)."""
+        ready = rank.ckpt_ready
+        assert ready is not None and self.ckpt is not None
+        while not (
+            len(rank.dets) >= ready.dets
+            and all(len(rank.sent.get(d, ())) >= seq for d, seq in enumerate(ready.sent))
+        ):
+            await rank.progress.wait()
+        rank.ckpt_state = "committed"
+        rank.commit_deposits = rank.deposits
+        if self.ckpt[2] == 0:
+            self._kill_for_restore(rank)
+
+    def _kill_for_restore(self, rank: _RRank) -> None:
+        """Kill the rank; its clone restores (restore file first: it looks once reparented)."""
+        assert self.ckpt is not None
+        proc = rank.proc
+        if proc is None or proc.returncode is not None or rank.finalized:
+            return
+        rank.ckpt_state = "done"
+        if not self.ckpt[3]:
+            secret = secrets.token_hex(16)
+            paths = [os.path.join(rank.rank_dir, f"std{s}-{CKPT_ID}") for s in ("out", "err")]
+            fds = []
+            for path in paths:
+                os.mkfifo(path, 0o600)
+                fds.append(os.open(path, os.O_RDONLY | os.O_NONBLOCK))
+                # A write end of our own until the clone has opened its: a FIFO without a
+                # writer reads as the end of the file.
+                rank.fifo_writers.append(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+            info = {
+                "checkpoint": CKPT_ID,
+                "socket": self.sock_path,
+                "secret": secret,
+                "incarnation": rank.incarnation + 1,
+                "stdout": paths[0],
+                "stderr": paths[1],
+            }
+            final = os.path.join(rank.rank_dir, ".vpool-restore.json")
+            with open(final + ".tmp", "w", encoding="utf-8") as f:
+                json.dump(info, f)
+            os.replace(final + ".tmp", final)
+            rank.adopt = (secret, fds[0], fds[1])
+            self.pending_secrets[secret] = rank
+        else:
+            self.orphans.append(trio.Event())
+            assert self.nursery is not None
+            self.nursery.start_soon(self._watch_orphan, rank, self.orphans[-1])
+        rank.restarting = True
+        proc.kill()
+
+    async def _watch_orphan(self, rank: _RRank, done: trio.Event) -> None:
+        """An orphaned clone (no restore file) must end by itself, soon."""
+        try:
+            pidfd = os.pidfd_open(rank.clone_pid)
+        except OSError:
+            pidfd = -1  # gone already
+        try:
+            if pidfd >= 0:
+                with trio.move_on_after(ORPHAN_GRACE) as scope:
+                    await trio.lowlevel.wait_readable(pidfd)
+                if scope.cancelled_caught:
+                    self.fail(1, f"orphaned clone {rank.clone_pid} of rank {rank.index} lives on")
+                    return
+            self.say(f"orphaned clone {rank.clone_pid} of rank {rank.index} exited")
+        finally:
+            if pidfd >= 0:
+                os.close(pidfd)
+            done.set()
+
+    def kill_clones(self) -> None:
+        """Kill clones still alive (each leads its own session: a reused pid does not)."""
+        for pid in self.clones:
+            try:
+                if os.getsid(pid) == pid:
+                    os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+
+
+def _close_writers(rank: _RRank) -> None:
+    for fd in rank.fifo_writers:
+        os.close(fd)
+    rank.fifo_writers.clear()
+
+
+def _notify(rank: _RRank) -> None:
+    rank.progress.set()
+    rank.progress = trio.Event()
+
+
+def _pending(fd: int) -> int:
+    """Bytes waiting in a pipe."""
+    if fd < 0:
+        return 0
+    buf = bytearray(4)
+    try:
+        fcntl.ioctl(fd, termios.FIONREAD, buf)
+    except OSError:
+        return 0
+    return int.from_bytes(buf, "little")
 
 
 async def run_async(
@@ -272,24 +628,34 @@ async def run_async(
     argv: Sequence[str],
     *,
     kill: tuple[int, int] | None = None,
+    ckpt: tuple[int, int, int, bool] | None = None,
     env: Mapping[str, str] | None = None,
     stdout: int = 1,
     stderr: int = 2,
 ) -> int:
     """Run ``n`` ranks of ``argv`` with the replaying router; the job's exit code. ``kill``:
-    (rank, messages) as ``VPOOL_MPIEXEC_KILL``. ``stdout``/``stderr``: file descriptors."""
+    (rank, messages) as ``VPOOL_MPIEXEC_KILL``; ``ckpt``: as ``VPOOL_MPIEXEC_CKPT``.
+    ``stdout``/``stderr``: file descriptors."""
     import tempfile
 
     if n < 1:
         raise ValueError("need at least one rank")
     if kill is not None and not 0 <= kill[0] < n:
         raise ValueError(f"cannot kill rank {kill[0]} of {n}")
-    base = {k: v for k, v in {**os.environ, **(env or {})}.items() if k != "VPOOL_MPIEXEC_KILL"}
-    router = ReplayRouter(n, stderr, kill, rank_command(argv), base)
+    if ckpt is not None and not 0 <= ckpt[0] < n:
+        raise ValueError(f"cannot checkpoint rank {ckpt[0]} of {n}")
+    hidden = ("VPOOL_MPIEXEC_KILL", "VPOOL_MPIEXEC_CKPT", "VPOOL_CKPT_SIGNAL", "VPOOL_RANK_DIR")
+    base = {k: v for k, v in {**os.environ, **(env or {})}.items() if k not in hidden}
+    router = ReplayRouter(n, stderr, kill, rank_command(argv), base, ckpt)
     router.out_fds = (stdout, stderr)
     with tempfile.TemporaryDirectory(prefix="vpool-mpiexec-") as tmp:
         path = os.path.join(tmp, "ranks.sock")
         router.sock_path = path
+        if ckpt is not None:
+            for rank in router.ranks:
+                assert isinstance(rank, _RRank)
+                rank.rank_dir = os.path.join(tmp, f"rank-{rank.index}")
+                os.mkdir(rank.rank_dir, 0o700)
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             listener.bind(path)
@@ -303,11 +669,18 @@ async def run_async(
                     assert isinstance(rank, _RRank)
                     nursery.start_soon(router.run_rank, rank)
                 await router.all_exited.wait()
+                for orphan in router.orphans:
+                    with trio.move_on_after(ORPHAN_GRACE + 1):
+                        await orphan.wait()
                 nursery.cancel_scope.cancel()
         finally:
             for rank in router.ranks:
                 if rank.proc is not None and rank.proc.returncode is None:
                     rank.proc.kill()
+            router.kill_clones()
+            for rank in router.ranks:
+                assert isinstance(rank, _RRank)
+                _close_writers(rank)
             trio.lowlevel.notify_closing(listener)
             listener.close()
     return router.exit_code or 0

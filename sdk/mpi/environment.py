@@ -46,12 +46,15 @@ def init() -> None:
         raise errors.MPIException(errors.ERR_OTHER, "MPI_Init called more than once")
     path = os.environ.get("VPOOL_AGENT_SOCKET")
     if path:
+        from vpool.sdk.mpi import checkpoint
         from vpool.sdk.mpi.transport import Transport
 
         eng = Engine(0, 0, 1)
-        transport = Transport.connect(path, os.environ.get("VPOOL_RANK_SECRET", ""), eng)
+        secret = os.environ.get("VPOOL_RANK_SECRET", "")
+        transport = Transport.connect(path, secret, eng)
         eng.job, eng.rank, eng.size = transport.job, transport.rank, transport.size
         eng.transport = transport
+        eng.ckpt = checkpoint.start(eng, transport, secret)  # None unless the agent asked
         _processor = transport.processor or socket.gethostname()
         # A restarted rank reads its determinants here, before the program runs.
         eng.ft.attach(transport, transport.replay_dets, transport.replay_sent)
@@ -76,6 +79,8 @@ def finalize() -> None:
         transport.finalize()
         transport.sock.close()
         eng.transport = None
+        if eng.ckpt is not None:
+            eng.ckpt.close()
     _state = _FINALIZED
 
 

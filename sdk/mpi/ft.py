@@ -43,9 +43,13 @@ one of::
                               ``position``
 
 Det indexes count ``Det`` frames (0, 1, ... per rank, across incarnations); event numbers restart
-at 0 with every incarnation, since the program does.
+at 0 with every incarnation started from the beginning, since the program does. A process restored
+from a checkpoint (``vpool.sdk.mpi.checkpoint``) is the image's process: its event numbers,
+frame counts and Det index continue from the image, and so did those of the incarnation that made
+the image after it (the same process), so its later records fit the restored process as they are.
 
-Replay (``RankWelcome.replay_dets = N``): the N records are loaded inside ``MPI.Init``. The
+Replay (``RankWelcome.replay_dets = N``): the N records are loaded inside ``MPI.Init`` (a restored
+process: the records from the image's Det index D to N-1, in ``resume``). The
 "horizon" is the highest event number they mention. An event with an outcome record reproduces
 it (blocking until it can: the messages come again); an event up to the horizon without one is a
 failed test; an event past the horizon is decided live and logged with index N, N+1, ....
@@ -155,6 +159,51 @@ class FT:
             self._check_live()
         self._gate()
 
+    def resume(self, transport: Any, total_dets: int, replay_sent: dict[int, int]) -> None:
+        """Continue a process restored from a checkpoint image over ``transport`` (reopened):
+        its Det frames ``self.index .. total_dets-1`` (written by the incarnation that made
+        the image, after it) are read and obeyed as a replay from the start obeys all of them;
+        ``replay_sent`` holds back live asynchronous sends as in ``attach``."""
+        start = self.index
+        if total_dets < start:
+            from vpool.sdk.mpi.transport import die
+
+            die(f"the agent holds {total_dets} determinants, the checkpoint image wrote {start}")
+        self.loaded = start
+        self.replay_sent = dict(replay_sent)
+        self.pending.clear()  # written before the image was taken: nothing is pending
+        transport.det_sent = transport.det_acked = start
+        if total_dets > start:
+            transport.wait_dets(total_dets)
+            self.logged_ev = max(self.logged_ev, self.horizon)
+            self.async_live = False
+            self.replaying = True
+        self.index = transport.det_sent = transport.det_acked = total_dets
+        if not self.async_live:
+            self._check_live()
+        self._gate()
+
+    def _resume_any_ops(self) -> None:
+        """ANY_SOURCE receives posted before the image and matched only after it: their
+        records are among the loaded ones; they take the recorded source (they are already
+        posted, so ``any_post`` cannot do it)."""
+        for op, ev in list(self.any_ops.items()):
+            rec = self.outcomes.pop(ev, None)
+            if rec is None:
+                continue  # no match was logged: decided live, as in ``any_post``
+            if rec[0] != K_MATCH:
+                _die(
+                    f"event {ev} was a {KIND_NAMES[rec[0]]} when logged, "
+                    "a receive from ANY_SOURCE now"
+                )
+            del self.any_ops[op]
+            op.src = rec[1]
+
+    def busy(self) -> bool:
+        """Replaying: determinants still to obey or recorded sends still to make (no
+        checkpoint now)."""
+        return self.replaying or self.ev <= self.horizon
+
     def load(self, index: int, data: bytes) -> None:
         """A determinant of an earlier incarnation (in index order, before any new one)."""
         if index != self.loaded:
@@ -176,6 +225,9 @@ class FT:
                     raise ValueError(f"record kind {kind}")
         except (msgspec.DecodeError, ValueError, IndexError, TypeError) as exc:
             _die(f"determinant {index} is malformed ({exc})")
+        if self.any_ops:
+            # A restored process: before any Data that follows the Dets can match them.
+            self._resume_any_ops()
 
     # ---- writing records ---------------------------------------------------------------------
 
@@ -220,7 +272,12 @@ class FT:
             self.pending.append([R_FAILED, self.lazy_ev])
             self.logged_ev = self.lazy_ev
         self.flush()
-        self.transport.wait_det_acks()
+        t = self.transport
+        t.wait_det_acks()
+        if getattr(t, "ckpt_request", None) is not None:
+            # A rank that sends after every receive reads mostly here: a safe point too (no
+            # frame half written, no decision in flight).
+            self.eng.checkpoint()
 
     # ---- decision events ---------------------------------------------------------------------
 
@@ -234,26 +291,29 @@ class FT:
         ``live()``, logged unless None (a failed test, logged lazily)."""
         ev = self.ev
         self.ev = ev + 1
-        if ev <= self.horizon:
-            rec = self.outcomes.pop(ev, None)
-            if rec is None:
-                return None  # within the horizon, an event without a record was a failed test
-            if rec[0] != kind:
-                _die(f"event {ev} was a {KIND_NAMES[rec[0]]} when logged, a {KIND_NAMES[kind]} now")
-            value = rec[1]
-            if ready is not None:
-                self.until(lambda: ready(value))
-            return value
-        value = live()
-        if self.logging:
-            if value is None:
-                self.lazy_ev = ev
-                self.transport.det_need = -1
-            else:
-                self.logged_ev = ev
-                self._record([R_OUTCOME, ev, kind, value])
-                if len(self.pending) >= BATCH:
-                    self.flush()
+        if ev > self.horizon:
+            value = live()
+            if ev > self.horizon:
+                if self.logging:
+                    if value is None:
+                        self.lazy_ev = ev
+                        self.transport.det_need = -1
+                    else:
+                        self.logged_ev = ev
+                        self._record([R_OUTCOME, ev, kind, value])
+                        if len(self.pending) >= BATCH:
+                            self.flush()
+                return value
+            # A checkpoint was taken inside ``live()`` and this is the restored process: the
+            # image's maker decided this event after the fork; its outcome is in the log.
+        rec = self.outcomes.pop(ev, None)
+        if rec is None:
+            return None  # within the horizon, an event without a record was a failed test
+        if rec[0] != kind:
+            _die(f"event {ev} was a {KIND_NAMES[rec[0]]} when logged, a {KIND_NAMES[kind]} now")
+        value = rec[1]
+        if ready is not None:
+            self.until(lambda: ready(value))
         return value
 
     def missing(self, what: str) -> None:

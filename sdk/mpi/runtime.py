@@ -48,6 +48,7 @@ class SyncSendOp:
 class Engine:
     __slots__ = (
         "advancing",
+        "ckpt",
         "early",
         "ft",
         "job",
@@ -81,6 +82,7 @@ class Engine:
         self.schedules: list[Any] = []
         self.advancing = False
         self.ft = FT(self)  # determinants: logging live, obeying them on replay
+        self.ckpt: Any = None  # ``checkpoint.Checkpointer`` when checkpoints are enabled
 
     # ---- sending -------------------------------------------------------------------------
 
@@ -198,6 +200,8 @@ class Engine:
             transport.progress(True)
             if self.notices:
                 self._flush_notices()
+            if transport.ckpt_request is not None:
+                self.checkpoint()
 
     def block(self) -> None:
         """Wait for anything to arrive (callers re-check their condition)."""
@@ -212,6 +216,8 @@ class Engine:
         self.transport.progress(True)
         if self.notices:
             self._flush_notices()
+        if self.transport.ckpt_request is not None:
+            self.checkpoint()
 
     def poke(self) -> None:
         """Take in whatever has arrived, without blocking."""
@@ -221,7 +227,17 @@ class Engine:
                 self._flush_notices()
             if len(self.ft.pending) >= BATCH:
                 self.ft.flush()
+            if self.transport.ckpt_request is not None:
+                self.checkpoint()
         self.advance_schedules()
+
+    def checkpoint(self) -> None:
+        """A ``CheckpointRequest`` was read: take it here, at engine level (not while
+        replaying: then the request stays and a later call takes it)."""
+        if self.ckpt is None:
+            self.transport.ckpt_request = None  # checkpoints are not enabled here
+        else:
+            self.ckpt.on_request()
 
     def advance_schedules(self) -> None:
         """Step open non-blocking collectives whose receives completed (never from transport

@@ -33,6 +33,7 @@ from vpool.protocol.messages import (
     PROTOCOL_VERSION,
     Abort,
     Ack,
+    CheckpointRequest,
     Data,
     Det,
     DetAck,
@@ -97,6 +98,11 @@ class Transport:
         # seq(s, d) of the last message sent to each destination, and the highest acked.
         self.sent = [0] * self.size
         self.acked = [0] * self.size
+        # Per source, the highest seq of a complete Data frame taken off the socket (a
+        # checkpoint's ``received``: where the relay resumes pushing for a restored image).
+        self.received = [0] * self.size
+        # The request of a CheckpointRequest read and not acted on yet (``checkpoint``).
+        self.ckpt_request: int | None = None
         self._rbuf = bytearray(READ_BUFFER)
         self._rview = memoryview(self._rbuf)
         self._rpos = 0
@@ -120,20 +126,23 @@ class Transport:
 
     @classmethod
     def connect(cls, path: str, secret: str, sink: Sink) -> Transport:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER)
-        except OSError:
-            pass  # a smaller buffer only costs throughput
-        try:
-            sock.connect(path)
-        except OSError as exc:
-            die(f"cannot connect to the agent at {path}: {exc}")
-        header = encode(RankHello(version=PROTOCOL_VERSION, secret=secret))
-        sock.sendall(_pack_prefix(len(header), 0) + header)
-        welcome = _read_welcome(sock)
+        sock, welcome = open_connection(path, RankHello(version=PROTOCOL_VERSION, secret=secret))
         return cls(sock, welcome, sink)
+
+    def reopen(self, sock: socket.socket, welcome: RankWelcome) -> None:
+        """Carry on over a new connection (a process restored from a checkpoint): the read
+        state starts afresh, what the image had read stays read (``received``)."""
+        self.sock = sock
+        self._fd = sock.fileno()
+        self._poll = select.poll()
+        self._poll.register(self._fd, select.POLLIN)
+        self._rpos = self._rend = 0
+        self._large = None
+        self.closed = False
+        self.incarnation = welcome.incarnation
+        self.processor = welcome.processor
+        self.replay_dets = welcome.replay_dets
+        self.replay_sent = welcome.replay_sent
 
     # ---- writing -------------------------------------------------------------------------
 
@@ -266,7 +275,9 @@ class Transport:
                 large[1] = filled
                 return True
             self._large = None
-            self.sink.on_payload(large[2], view, large[3])
+            msg = large[2]
+            self.received[msg.src] = msg.seq
+            self.sink.on_payload(msg, view, large[3])
             return True
         self._rend += n
         self._parse()
@@ -278,6 +289,7 @@ class Transport:
         pos = self._rpos
         end = self._rend
         sink = self.sink
+        received = self.received
         while end - pos >= 8:
             hlen, plen = _unpack_prefix(buf, pos)
             if hlen == 0 or hlen > DEFAULT_MAX_HEADER or plen > DEFAULT_MAX_PAYLOAD:
@@ -295,6 +307,7 @@ class Transport:
                     target[:have] = view[body : body + have]
                 pos = body + have
                 if have == plen:
+                    received[msg.src] = msg.seq
                     sink.on_payload(msg, target, token)
                     continue
                 self._large = [target, have, msg, token]
@@ -305,6 +318,7 @@ class Transport:
             msg = self._decode(view[pos + 8 : body])
             pos = fend
             if type(msg) is Data:
+                received[msg.src] = msg.seq
                 sink.on_small(msg, view[body:fend])
             else:
                 self._control(msg)
@@ -336,6 +350,8 @@ class Transport:
             if self.ft is None or msg.index < self.ft.loaded:
                 return  # a determinant this rank already has
             self.ft.load(msg.index, msg.data)
+        elif type(msg) is CheckpointRequest:
+            self.ckpt_request = msg.request  # acted on by the engine, never in here
         elif type(msg) is Stop:
             die(f"stopped: {msg.reason}")
         elif type(msg) is Error:
@@ -359,26 +375,60 @@ class Transport:
         self.send_message(Abort(code=code, message=message))
 
 
+def open_connection(path: str, hello: RankHello) -> tuple[socket.socket, RankWelcome]:
+    """Connect to the agent's socket, say ``hello``, read the ``RankWelcome`` (blocking)."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    if not hello.control:
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER)
+        except OSError:
+            pass  # a smaller buffer only costs throughput
+    try:
+        sock.connect(path)
+    except OSError as exc:
+        die(f"cannot connect to the agent at {path}: {exc}")
+    header = encode(hello)
+    sock.sendall(_pack_prefix(len(header), 0) + header)
+    return sock, _read_welcome(sock)
+
+
+def read_message(sock: socket.socket) -> Message:
+    """One header-only frame from a blocking socket (the checkpoint control connection)."""
+    hlen, plen = _unpack_prefix(_recv_exact(sock, 8), 0)
+    if hlen == 0 or hlen > DEFAULT_MAX_HEADER or plen:
+        die("malformed frame from the agent")
+    try:
+        return decode(_recv_exact(sock, hlen))
+    except RemoteProtocolError as exc:
+        die(f"malformed frame from the agent: {exc}")
+        raise
+
+
+def write_message(sock: socket.socket, msg: Message) -> None:
+    header = encode(msg)
+    try:
+        sock.sendall(_pack_prefix(len(header), 0) + header)
+    except OSError as exc:
+        die(f"lost the connection to the agent: {exc}")
+
+
 def _recv_exact(sock: socket.socket, n: int) -> bytes:
     # Exact reads: frames that follow the welcome belong to the transport's read buffer.
     data = b""
     while len(data) < n:
-        chunk = sock.recv(n - len(data))
+        try:
+            chunk = sock.recv(n - len(data))
+        except OSError as exc:
+            die(f"lost the connection to the agent: {exc}")
         if not chunk:
-            die("the agent closed the connection before welcoming this rank")
+            die("the agent closed the connection")
         data += chunk
     return data
 
 
 def _read_welcome(sock: socket.socket) -> RankWelcome:
-    hlen, plen = _unpack_prefix(_recv_exact(sock, 8), 0)
-    if hlen == 0 or hlen > DEFAULT_MAX_HEADER or plen:
-        die("malformed answer from the agent")
-    try:
-        msg = decode(_recv_exact(sock, hlen))
-    except RemoteProtocolError as exc:
-        die(f"malformed answer from the agent: {exc}")
-        raise
+    msg = read_message(sock)
     if isinstance(msg, Error):
         die(f"the agent refused this rank: {msg.code}: {msg.message}")
     if not isinstance(msg, RankWelcome):

@@ -1,0 +1,188 @@
+"""Fault-free cost of periodic checkpoints: the same stencil with checkpoints off and on.
+
+    .venv/bin/python benchmarks/checkpoint_overhead.py [--repeat N] [--every S] [--json FILE]
+
+Issue 5 asks that a 4-rank stencil with about 200 MB per rank, checkpointing every 30 s with no
+faults, runs at most 5% slower than with checkpoints off, and that the original process pauses
+at most 5 ms (median) per checkpoint. This starts a local pool (``vsdk local up --agents 2
+--relays 1`` in a temporary VPOOL_HOME, stopped at the end whatever happens) and submits
+examples/stencil.py (``--steps``, ``--mb``; about 2 minutes with the defaults) as ordinary jobs,
+once with ``vsdk submit --checkpoint-every S`` (default 30) and once without, ``--repeat``
+times (default 1), the order alternating (off, on / on, off, ...) so that drift of the machine
+hits both alike. Fault tolerance (message logging) is on in both: the difference is the
+checkpoints alone.
+
+Figures, per run and as medians over the repetitions:
+
+- wall time: the job's ``finished - started`` from the coordinator (both stamped by this
+  machine's clock), and the on/off ratio;
+- checkpoints committed: the job's events of kind ``checkpoint`` (an image committed by a
+  store), and of kind ``checkpoint_failed``;
+- the pause of the original process per checkpoint (the time from the rank's ``CkptReady`` to
+  its ``CkptForked``: the handshake plus the ``fork()``), as the agent measures it: parsed
+  with ``PAUSE`` below from the ``checkpoint`` events' messages (``... pause X ms ...``) or,
+  when no event says it, from the agents' logs in the pool directory (``checkpoint C of rank
+  R of job J: pause X ms, ...``, ``AGENT_LOG``). Median and maximum over every checkpoint of
+  the runs with checkpoints on; the figures say which source they came from.
+
+Both runs must print the same checksum (checked). ``--json FILE`` keeps every run's figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from chaos import Pool, submit, wait_job
+
+HERE = Path(__file__).resolve().parent
+STENCIL = str(HERE.parent / "examples" / "stencil.py")
+# The agent's wording in a `checkpoint` event, e.g. "rank 2: image 3 committed, 41.2 MB,
+# pause 1.3 ms": the original process's pause for that checkpoint.
+PAUSE = re.compile(r"pause ([0-9.]+) ms")
+# The agent's log line for each checkpoint it stored (worker_agent/checkpoints.py).
+AGENT_LOG = re.compile(r"checkpoint \d+ of rank (\d+) of job (\d+): pause ([0-9.]+) ms")
+
+
+def checkpoint_figures(events: list[dict]) -> dict:
+    """Checkpoints committed and failed, and the pauses (ms) reported for the committed ones."""
+    done = [e for e in events if e.get("kind") == "checkpoint"]
+    pauses = []
+    for e in done:
+        m = PAUSE.search(str(e.get("message", "")))
+        if m:
+            pauses.append(float(m.group(1)))
+    return {
+        "checkpoints": len(done),
+        "checkpoints_failed": sum(e.get("kind") == "checkpoint_failed" for e in events),
+        "pauses_ms": pauses,
+    }
+
+
+def logged_pauses(pool: Pool, job: int) -> list[float]:
+    """The pauses (ms) the local pool's agents logged for ``job``'s checkpoints."""
+    out = []
+    for log in sorted((Path(pool.home) / "state" / "local-pool" / "logs").glob("agent-*.log")):
+        for m in AGENT_LOG.finditer(log.read_text(errors="replace")):
+            if int(m.group(2)) == job:
+                out.append(float(m.group(3)))
+    return out
+
+
+def run_once(pool: Pool, opts: argparse.Namespace, every: float, name: str) -> dict:
+    args = [str(opts.steps), f"{opts.mb:g}"]
+    t0 = time.monotonic()
+    job = submit(pool, STENCIL, opts.ranks, args, every)
+    state, detail = wait_job(pool, job, opts.limit)
+    polled = time.monotonic() - t0
+    if state != "succeeded":
+        raise RuntimeError(f"{name}: job {job} {state}: {json.dumps(detail)[-3000:]}")
+    info = detail["job"]
+    if every > 0 and float(info.get("checkpoint_every", 0)) != every:
+        raise RuntimeError(f"{name}: the pool ran job {job} with {info.get('checkpoint_every')}")
+    events = detail.get("events", [])
+    res = {
+        "job": job,
+        "checkpoint_every": every,
+        "seconds": float(info["finished"]) - float(info["started"]),
+        "polled_seconds": polled,
+        "output": pool.vsdk("logs", str(job)).strip(),
+        **checkpoint_figures(events),
+        "pause_source": "events",
+    }
+    if every > 0 and not res["pauses_ms"]:
+        res["pauses_ms"], res["pause_source"] = logged_pauses(pool, job), "agent logs"
+    print(
+        f"  {name}: {res['seconds']:.1f} s, {res['checkpoints']} checkpoint(s)",
+        file=sys.stderr,
+        flush=True,
+    )
+    return res
+
+
+def measure(opts: argparse.Namespace) -> dict[str, list[dict]]:
+    runs: dict[str, list[dict]] = {"off": [], "on": []}
+    with tempfile.TemporaryDirectory(prefix="vpool-ckpt-bench-") as home:
+        env = {**os.environ, "VPOOL_HOME": home}
+        pool = Pool(home, env)
+        pool.vsdk("local", "up", "--agents", str(opts.agents), "--relays", "1", timeout=180)
+        try:
+            for i in range(opts.repeat):
+                order = ("off", "on") if i % 2 == 0 else ("on", "off")
+                for key in order:
+                    every = opts.every if key == "on" else 0.0
+                    runs[key].append(run_once(pool, opts, every, f"checkpoints {key} #{i}"))
+        finally:
+            pool.vsdk("local", "down", check=False, timeout=120)
+    outputs = {r["output"] for r in runs["off"] + runs["on"]}
+    if len(outputs) != 1:
+        raise RuntimeError(f"the runs printed different checksums: {sorted(outputs)}")
+    return runs
+
+
+def summary(runs: dict[str, list[dict]]) -> dict:
+    off = statistics.median(r["seconds"] for r in runs["off"])
+    on = statistics.median(r["seconds"] for r in runs["on"])
+    pauses = [p for r in runs["on"] for p in r["pauses_ms"]]
+    return {
+        "off_s": off,
+        "on_s": on,
+        "ratio": on / off,
+        "checkpoints": [r["checkpoints"] for r in runs["on"]],
+        "checkpoints_failed": sum(r["checkpoints_failed"] for r in runs["on"]),
+        "pauses_reported": len(pauses),
+        "pause_source": ", ".join(sorted({r["pause_source"] for r in runs["on"]})),
+        "pause_median_ms": statistics.median(pauses) if pauses else None,
+        "pause_max_ms": max(pauses) if pauses else None,
+    }
+
+
+def report(opts: argparse.Namespace, runs: dict[str, list[dict]], s: dict) -> None:
+    print(
+        f"\ncheckpoint_overhead: examples/stencil.py {opts.steps} steps, {opts.ranks} ranks x "
+        f"{opts.mb:g} MB, checkpoints every {opts.every:g} s, {opts.repeat} pair(s)"
+    )
+    for key in ("off", "on"):
+        times = ", ".join(f"{r['seconds']:.1f}" for r in runs[key])
+        print(f"checkpoints {key:4} {times} s (median {s[f'{key}_s']:.1f} s)")
+    print(f"on/off           {s['ratio']:.3f}x ({(s['ratio'] - 1) * 100:+.1f}%)")
+    print(f"committed        {s['checkpoints']} per run, {s['checkpoints_failed']} failed in all")
+    if s["pause_median_ms"] is None:
+        print("pause            not reported (no 'pause X ms' in the events nor agent logs)")
+    else:
+        print(
+            f"pause            median {s['pause_median_ms']:.2f} ms, max {s['pause_max_ms']:.2f}"
+            f" ms over {s['pauses_reported']} checkpoints (from the {s['pause_source']})"
+        )
+    print(f"output           {runs['off'][0]['output']}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--steps", type=int, default=1300, help="stencil steps (1300: about 2 min)")
+    ap.add_argument("--mb", type=float, default=200.0, help="megabytes per rank")
+    ap.add_argument("--ranks", type=int, default=4)
+    ap.add_argument("--agents", type=int, default=2, help="agents of the local pool")
+    ap.add_argument("--every", type=float, default=30.0, help="--checkpoint-every of the on runs")
+    ap.add_argument("--repeat", type=int, default=1, help="off/on pairs; figures are medians")
+    ap.add_argument("--limit", type=float, default=1800.0, help="s before a run is cancelled")
+    ap.add_argument("--json", default="", help="also write every run and the summary here")
+    opts = ap.parse_args()
+    if opts.repeat < 1 or opts.every <= 0:
+        ap.error("--repeat must be at least 1 and --every above 0")
+    runs = measure(opts)
+    s = summary(runs)
+    report(opts, runs, s)
+    if opts.json:
+        Path(opts.json).write_text(json.dumps({"runs": runs, "summary": s}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

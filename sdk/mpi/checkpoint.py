@@ -1,0 +1,260 @@
+"""Checkpoints of a rank: a forked clone the agent dumps, which can later be restored.
+
+docs/internals.md, "Checkpoints (issue 5)". Enabled when the agent sets ``VPOOL_CKPT_SIGNAL``
+(a signal number) and ``VPOOL_RANK_DIR`` (the rank directory); ``MPI.Init`` then calls
+``start``, which opens the control connection (``RankHello(control=True)``) and installs the
+signal handler.
+
+Requests come as a ``CheckpointRequest`` frame on the data connection (the transport sets
+``Transport.ckpt_request``; ``Engine.wait``/``block``/``poke`` call ``on_request`` after a read)
+and as the signal, for a rank computing without MPI calls: the handler acts only when no frame
+of the runtime (``vpool.sdk.mpi``, ``vpool.protocol``, the ``mpi4py`` shim) is on the
+interrupted stack. While the rank replays (``FT.busy``) a request waits.
+
+``take`` at a safe point: the large payload being read is finished, pending determinant records
+are written, stdio flushed; ``CkptReady`` with the counters goes out on the control connection;
+``CkptSkip`` -> carry on; ``CkptGo(ckpt)`` -> fork. The parent reports ``CkptForked(ckpt, pid)``
+and returns. The clone leaves the agent's sockets and stdio and waits while its parent lives;
+then it is either a restored process (``$VPOOL_RANK_DIR/.vpool-restore.json`` names its
+checkpoint: it reconnects and resumes the replay from its counters, ``FT.resume``) or an orphan
+(it exits).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import sys
+import time
+from types import FrameType
+from typing import Any
+
+from vpool.protocol.messages import (
+    PROTOCOL_VERSION,
+    CkptForked,
+    CkptGo,
+    CkptReady,
+    CkptSkip,
+    RankHello,
+)
+from vpool.sdk.mpi.transport import die, open_connection, read_message, write_message
+
+SIGNAL_ENV = "VPOOL_CKPT_SIGNAL"
+RANK_DIR_ENV = "VPOOL_RANK_DIR"
+CLONE_TIMEOUT_ENV = "VPOOL_CKPT_CLONE_TIMEOUT"
+CLONE_TIMEOUT = 600.0  # seconds a clone waits to be dumped and restored, or orphaned
+RESTORE_FILE = ".vpool-restore.json"
+CLONE_POLL = 0.01  # seconds between the clone's looks at its parent
+SIGNAL_READS = 256  # reads at most, looking for the request frame from the signal handler
+# Modules whose frames on the interrupted stack mean "inside an MPI call": not a safe point.
+_RUNTIME = ("vpool.sdk.mpi", "vpool.protocol", "mpi4py")
+
+
+def _in_runtime(name: Any) -> bool:
+    if not isinstance(name, str):
+        return False
+    return any(name == p or name.startswith(p + ".") for p in _RUNTIME)
+
+
+def start(eng: Any, transport: Any, secret: str) -> Checkpointer | None:
+    """Enable checkpoints if the agent asked for them (environment); None otherwise."""
+    signum = os.environ.get(SIGNAL_ENV, "").strip()
+    rank_dir = os.environ.get(RANK_DIR_ENV, "").strip()
+    if not signum or not rank_dir:
+        return None
+    try:
+        num = int(signum)
+        timeout = float(os.environ.get(CLONE_TIMEOUT_ENV) or CLONE_TIMEOUT)
+    except ValueError:
+        die(f"{SIGNAL_ENV}={signum!r} / {CLONE_TIMEOUT_ENV}: expected numbers")
+        raise
+    path = os.environ.get("VPOOL_AGENT_SOCKET", "")
+    ckpt = Checkpointer(eng, transport, path, secret, rank_dir, num, timeout)
+    ckpt.connect_control(-1)
+    ckpt.install()
+    return ckpt
+
+
+class Checkpointer:
+    """The checkpoint side of one rank process (``Engine.ckpt``)."""
+
+    def __init__(
+        self,
+        eng: Any,
+        transport: Any,
+        path: str,
+        secret: str,
+        rank_dir: str,
+        signum: int,
+        clone_timeout: float = CLONE_TIMEOUT,
+    ) -> None:
+        self.eng = eng
+        self.transport = transport
+        self.path = path
+        self.secret = secret
+        self.rank_dir = rank_dir
+        self.signum = signum
+        self.clone_timeout = clone_timeout
+        self.control: socket.socket | None = None
+        self.taken: list[int] = []  # checkpoints this process forked a clone for
+        self.restored = -1  # the checkpoint this process was restored from (-1: none)
+
+    def connect_control(self, checkpoint: int) -> None:
+        hello = RankHello(PROTOCOL_VERSION, self.secret, control=True, checkpoint=checkpoint)
+        self.control, _ = open_connection(self.path, hello)
+
+    def close(self) -> None:
+        """The rank finalized: no more checkpoints."""
+        if self.control is not None:
+            self.control.close()
+            self.control = None
+
+    def install(self) -> None:
+        try:
+            signal.signal(self.signum, self._on_signal)
+            # Restart interrupted system calls: the handler runs between bytecodes anyway,
+            # and a print() blocked on a full pipe is not re-entered from it.
+            signal.siginterrupt(self.signum, False)
+        except (ValueError, OSError):
+            pass  # not the main thread: requests still come as frames
+
+    # ---- requests ----------------------------------------------------------------------------
+
+    def on_request(self) -> None:
+        """Take the checkpoint the transport was asked for, unless replaying (later, then)."""
+        t = self.transport
+        request = t.ckpt_request
+        if request is None or t.closed or self.control is None or self.eng.ft.busy():
+            return
+        t.ckpt_request = None
+        if not self.take(request):
+            t.ckpt_request = request  # not possible right now: a later call tries again
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        f = frame
+        while f is not None:
+            if _in_runtime(f.f_globals.get("__name__")):
+                return  # inside an MPI call: the request frame is acted on when it returns
+            f = f.f_back
+        t = self.transport
+        if t.closed or self.control is None or self.eng.transport is not t or self.eng.ft.busy():
+            return
+        if t.ckpt_request is None:
+            # The program computes: the request frame is waiting on the socket.
+            for _ in range(SIGNAL_READS):
+                if not t._read(socket.MSG_DONTWAIT) or t.ckpt_request is not None:
+                    break
+        if t.ckpt_request is not None:
+            self.on_request()
+
+    # ---- taking one --------------------------------------------------------------------------
+
+    def take(self, request: int) -> bool:
+        """Checkpoint ``request`` here (a safe point); False if it cannot be taken now. Returns
+        in this process, in the clone once it is restored, never in an orphaned clone."""
+        t = self.transport
+        ft = self.eng.ft
+        while t._large is not None:
+            t._read(0)
+        if ft.pending:
+            ft.flush()
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except RuntimeError:
+                return False  # interrupted inside a write of that stream: not now
+            except (OSError, ValueError, AttributeError):
+                pass
+        control = self.control
+        assert control is not None
+        ready = CkptReady(request, list(t.received), list(t.sent), t.det_sent)
+        write_message(control, ready)
+        while True:
+            answer = read_message(control)
+            if isinstance(answer, CkptSkip) and answer.request == request:
+                return True
+            if isinstance(answer, CkptGo) and answer.request == request:
+                break
+            if not isinstance(answer, (CkptSkip, CkptGo)):
+                die(f"unexpected {type(answer).__name__} on the checkpoint connection")
+        parent = os.getpid()
+        try:
+            pid = os.fork()
+        except OSError as exc:
+            write_message(control, CkptForked(answer.ckpt, -1, f"fork failed: {exc}"))
+            return True
+        if pid:
+            self.taken.append(answer.ckpt)
+            write_message(control, CkptForked(answer.ckpt, pid))
+            return True
+        self._clone(answer.ckpt, parent)
+        return True
+
+    def _clone(self, ckpt: int, parent: int) -> None:
+        """The forked clone: wait to be dumped, then restored (return) or orphaned (exit)."""
+        try:
+            os.setsid()
+            t = self.transport
+            for sock in (t.sock, self.control):
+                # The fds only: no shutdown (that would end the parent's connection too), and
+                # detached so a later close of the socket object cannot hit a reused fd.
+                if sock is not None:
+                    os.close(sock.detach())
+            self.control = None
+            null = os.open(os.devnull, os.O_RDWR)
+            for fd in (0, 1, 2):
+                os.dup2(null, fd)
+            os.close(null)
+            # The agent commits the image only once all of these are acknowledged.
+            t.acked = list(t.sent)
+            t.det_acked = t.det_sent
+            deadline = time.monotonic() + self.clone_timeout
+            while os.getppid() == parent:
+                if time.monotonic() > deadline:
+                    os._exit(0)
+                time.sleep(CLONE_POLL)
+            info = self._restore_info(ckpt)
+            if info is None:
+                os._exit(0)  # orphaned: the rank died before this clone was dumped
+            self._restore(ckpt, info)
+        except BaseException:
+            os._exit(1)  # never back into the program as a half-restored process
+
+    def _restore_info(self, ckpt: int) -> dict[str, Any] | None:
+        try:
+            with open(os.path.join(self.rank_dir, RESTORE_FILE), encoding="utf-8") as f:
+                info = json.load(f)
+        except (OSError, ValueError):
+            return None
+        if not isinstance(info, dict) or info.get("checkpoint") != ckpt:
+            return None
+        return info
+
+    def _restore(self, ckpt: int, info: dict[str, Any]) -> None:
+        """A restored process: output to the agent's FIFOs, new connections, resume replay."""
+        for fd, key in ((1, "stdout"), (2, "stderr")):
+            w = os.open(str(info[key]), os.O_WRONLY)
+            if w != fd:
+                os.dup2(w, fd)
+                os.close(w)
+        self.path = str(info["socket"])
+        self.secret = str(info["secret"])
+        t = self.transport
+        hello = RankHello(PROTOCOL_VERSION, self.secret, checkpoint=ckpt)
+        sock, welcome = open_connection(self.path, hello)
+        if (welcome.job, welcome.rank, welcome.size) != (t.job, t.rank, t.size):
+            die(
+                f"restored as rank {welcome.rank} of {welcome.size} (job {welcome.job}); "
+                f"the image is rank {t.rank} of {t.size} (job {t.job})"
+            )
+        t.reopen(sock, welcome)
+        self.connect_control(ckpt)
+        os.environ.update(
+            VPOOL_AGENT_SOCKET=self.path,
+            VPOOL_RANK_SECRET=self.secret,
+            VPOOL_INCARNATION=str(welcome.incarnation),
+        )
+        self.restored = ckpt
+        self.eng.ft.resume(t, welcome.replay_dets, welcome.replay_sent)

@@ -1,0 +1,384 @@
+"""Checkpoints with the real CRIU on a real local pool: images made, ranks restored from them.
+
+Each test starts its own pool (`vsdk local up`), runs tests/integration/programs/ckpt_stencil.py
+(rank 0 prints a line every 10 steps and a checksum: deterministic output) once without faults
+for the reference output, then again with checkpoints while SIGKILLing rank processes (or an
+agent) by pid, and checks that the job's events say how each rank came back (`rank_restored`
+from an image, `restore_failed` with the reason, `rank_replaying` from the beginning) and that
+the output is byte-identical. Waits are for events, with deadlines; no sleeping for time to pass.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import pytest
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from conftest import Pool
+
+REPO = Path(__file__).resolve().parents[2]
+PROGRAM = str(REPO / "tests" / "integration" / "programs" / "ckpt_stencil.py")
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+def pool(fresh_pool: Pool) -> Pool:
+    """A pool of each test's own (3 agents, 2 relays): the tests kill and reconfigure parts."""
+    return fresh_pool
+
+
+# -- helpers ---------------------------------------------------------------------------------
+
+
+def submit(pool: Pool, ranks: int, *args: str, every: float = 0.0) -> int:
+    flags = ["--checkpoint-every", f"{every:g}"] if every > 0 else []
+    res = pool.vsdk("submit", PROGRAM, "--ranks", str(ranks), *flags, "--json", "--", *args)
+    assert res.returncode == 0, res.stderr.decode()
+    return int(json.loads(res.stdout)["id"])
+
+
+def detail(pool: Pool, job: int) -> dict | None:
+    res = pool.vsdk("status", str(job), "--json", timeout=30)
+    return json.loads(res.stdout) if res.returncode == 0 else None
+
+
+def wait_until(
+    pool: Pool, job: int, cond: Callable[[dict], bool], what: str, timeout: float = 60
+) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        got = detail(pool, job)
+        if got is not None and cond(got):
+            return got
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not after {timeout} s; last {got}\n{pool.logs()}")
+        time.sleep(0.05)
+
+
+def ended(d: dict) -> bool:
+    return d["job"]["state"] in ("succeeded", "failed", "cancelled")
+
+
+def all_running(d: dict) -> bool:
+    return d["job"]["state"] == "running" and all(r["state"] == "running" for r in d["ranks"])
+
+
+def events(d: dict, kind: str, rank: int | None = None) -> list[dict]:
+    return [e for e in d["events"] if e["kind"] == kind and (rank is None or e["rank"] == rank)]
+
+
+def checkpoints_of(rank: int, n: int) -> Callable[[dict], bool]:
+    """The job ended (the caller's assertions then say why that is too early), or ``rank`` has
+    at least ``n`` images committed."""
+    return lambda d: ended(d) or len(events(d, "checkpoint", rank)) >= n
+
+
+def output(pool: Pool, job: int) -> bytes:
+    res = pool.vsdk("logs", str(job))
+    assert res.returncode == 0, res.stderr.decode()
+    return res.stdout
+
+
+def reference(pool: Pool, ranks: int, *args: str) -> bytes:
+    job = submit(pool, ranks, *args)
+    d = wait_until(pool, job, ended, "fault-free run")
+    assert d["job"]["state"] == "succeeded", d
+    return output(pool, job)
+
+
+def finish(pool: Pool, job: int, ref: bytes) -> dict:
+    d = wait_until(pool, job, ended, "job end", timeout=120)
+    assert d["job"]["state"] == "succeeded", (d, pool.logs())
+    assert output(pool, job) == ref
+    return d
+
+
+def _children(pid: int) -> list[int]:
+    out: list[int] = []
+    try:
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                out += [int(c) for c in f.read().split()]
+    except OSError:
+        pass
+    return out
+
+
+def _environ(pid: int) -> dict[bytes, bytes]:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            return dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
+    except OSError:
+        return {}
+
+
+def _is_program(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            argv = f.read().split(b"\0")
+    except OSError:
+        return False
+    return any(Path(a.decode(errors="replace")).name == Path(PROGRAM).name for a in argv)
+
+
+def _stdout(pid: int) -> str:
+    try:
+        return os.readlink(f"/proc/{pid}/fd/1")
+    except OSError:
+        return ""
+
+
+def rank_pid(pool: Pool, rank: int, job: int, agent_prefix: str = "agent") -> int:
+    """The pid of rank ``rank`` of ``job`` among all descendants of the pool's agents (a
+    restored rank runs under `unshare` and the restore helper). The checkpoint clone has the
+    same command line and environment: it is the one whose stdout is /dev/null, or whose parent
+    is the rank (just forked)."""
+    want = (str(job).encode(), str(rank).encode())
+    for p in pool.pids():
+        if not p["name"].startswith(agent_prefix):
+            continue
+        found: dict[int, int] = {}  # pid -> parent pid
+        todo = [p["pid"]]
+        while todo and len(found) < 10_000:
+            parent = todo.pop()
+            for child in _children(parent):
+                todo.append(child)
+                env = _environ(child)
+                if (env.get(b"VPOOL_JOB"), env.get(b"VPOOL_RANK")) == want and _is_program(child):
+                    found[child] = parent
+        ranks = [c for c, parent in found.items() if parent not in found]
+        ranks = [c for c in ranks if _stdout(c) != "/dev/null"]
+        if len(ranks) == 1:
+            return ranks[0]
+        assert not ranks, f"several processes for rank {rank} of job {job}: {ranks}"
+    raise AssertionError(f"no process for rank {rank} of job {job}")
+
+
+def job_dirs(pool: Pool, job: int) -> list[Path]:
+    """The job's directory on each relay: data_dir/jobs/<job> (relay-i/data in a local pool)."""
+    return sorted((pool.home / "state" / "local-pool").glob(f"relay-*/data/jobs/{job}"))
+
+
+def images(pool: Pool, job: int, rank: int) -> list[Path]:
+    """The committed images of ``rank``, oldest first (checkpoint ids increase)."""
+    found = [p for d in job_dirs(pool, job) for p in (d / str(rank) / "ckpt").glob("*.img")]
+    return sorted(found, key=lambda p: int(p.stem))
+
+
+def sizes(pool: Pool, job: int) -> tuple[int, int]:
+    """Bytes of the job's message log segments and of its images, on every relay."""
+    segs = imgs = 0
+    for d in job_dirs(pool, job):
+        for f in d.rglob("*"):
+            try:
+                n = f.stat().st_size
+            except FileNotFoundError:
+                continue  # trimmed meanwhile
+            if f.suffix == ".seg":
+                segs += n
+            elif f.suffix == ".img":
+                imgs += n
+    return segs, imgs
+
+
+def checkpoint_now(pool: Pool, job: int, rank: int) -> None:
+    res = pool.vsdk("checkpoint", str(job), "--rank", str(rank))
+    assert res.returncode == 0, res.stderr.decode()
+
+
+def live_agents(pool: Pool) -> int:
+    res = pool.vsdk("info", "--json")
+    assert res.returncode == 0, res.stderr.decode()
+    return int(json.loads(res.stdout)["pool"]["agents"])
+
+
+def wait_agents(pool: Pool, n: int, timeout: float = 40) -> None:
+    deadline = time.monotonic() + timeout
+    while live_agents(pool) != n:
+        assert time.monotonic() < deadline, f"not {n} live agents after {timeout} s"
+        time.sleep(0.2)
+
+
+def agent_id(pool: Pool, name: str) -> str:
+    info = json.loads(
+        (pool.home / "state" / "local-pool" / "run" / f"{name}.ready.json").read_text()
+    )
+    return str(info["agent_id"])
+
+
+# -- tests -------------------------------------------------------------------------------------
+
+
+def test_killed_rank_is_restored_from_its_checkpoint(pool: Pool) -> None:
+    ref = reference(pool, 4, "300")
+    job = submit(pool, 4, "300", every=2)
+    d = wait_until(pool, job, checkpoints_of(0, 2), "2 checkpoints of rank 0")
+    assert not ended(d), f"the job ended before 2 checkpoints of rank 0: {d['events']}"
+    os.kill(rank_pid(pool, 0, job), signal.SIGKILL)  # rank 0 prints: its output must go on
+    d = finish(pool, job, ref)
+    assert events(d, "rank_lost", 0), d["events"]
+    assert events(d, "rank_restored", 0), d["events"]
+    assert not events(d, "rank_replaying", 0), d["events"]
+    assert all(e["rank"] is not None for e in events(d, "checkpoint")), d["events"]
+
+
+def test_checkpoint_command_then_kill_restores_from_it(pool: Pool) -> None:
+    ref = reference(pool, 4, "300")
+    job = submit(pool, 4, "300")  # no periodic checkpoints: only the one asked for
+    wait_until(pool, job, lambda d: ended(d) or b"step 30:" in output(pool, job), "progress")
+    checkpoint_now(pool, job, 1)
+    d = wait_until(pool, job, checkpoints_of(1, 1), "the checkpoint of rank 1")
+    assert not ended(d), f"the job ended before the checkpoint: {d['events']}"
+    assert not events(d, "checkpoint", 0), "only rank 1 was asked for a checkpoint"
+    (image,) = images(pool, job, 1)
+    os.kill(rank_pid(pool, 1, job), signal.SIGKILL)
+    d = finish(pool, job, ref)
+    restored = events(d, "rank_restored", 1)
+    assert restored, d["events"]
+    assert image.stem in restored[0]["message"], restored
+    assert not events(d, "rank_replaying", 1), d["events"]
+
+
+def test_relay_logs_stay_bounded_with_periodic_checkpoints(pool: Pool) -> None:
+    # Small log segments, so trimming (whole segments) shows within a short run.
+    for relay in [p["name"] for p in pool.pids() if p["name"].startswith("relay-")]:
+        os.kill(pool.pid_of(relay), signal.SIGKILL)
+        config = pool.home / "state" / "local-pool" / relay / "config.toml"
+        config.write_text(config.read_text() + "segment_size = 1048576\n")
+        res = pool.vsdk("local", "restart", relay)
+        assert res.returncode == 0, res.stderr.decode()
+    steps, cols, ranks = 700, 8192, 4  # 64 KiB halos: 384 KiB into the logs per step
+    job = submit(pool, ranks, str(steps), str(cols), "0.02", every=2)
+    # Untrimmed, rank r's log would hold every halo it received: 2 per step in the middle.
+    per_step = sum(2 if 0 < r < ranks - 1 else 1 for r in range(ranks)) * cols * 8
+    d = wait_until(pool, job, lambda d: ended(d) or all_running(d), "all ranks running")
+    first = wait_until(
+        pool,
+        job,
+        lambda d: ended(d) or all(len(events(d, "checkpoint", r)) >= 3 for r in range(ranks)),
+        "3 checkpoints of every rank",
+    )
+    assert not ended(first), f"the job ended before 3 checkpoints per rank: {first['events']}"
+    window = sizes(pool, job)[0]  # the log once trimming has started
+    bound = 2 * window + ranks * 2 * 1048576  # + a partly filled segment per rank and channel
+    samples: list[tuple[int, int, int]] = []  # (step, segment bytes, image bytes)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        d = detail(pool, job)
+        if d is not None and ended(d):
+            break
+        lines = [ln for ln in output(pool, job).split(b"\n") if ln.startswith(b"step ")]
+        step = int(lines[-1].split()[1].rstrip(b":")) if lines else 0
+        segs, imgs = sizes(pool, job)
+        samples.append((step, segs, imgs))
+        for r in range(ranks):
+            assert len(images(pool, job, r)) <= 3, f"rank {r} keeps {images(pool, job, r)}"
+        time.sleep(0.5)
+    d = wait_until(pool, job, ended, "job end", timeout=60)
+    assert d["job"]["state"] == "succeeded", (d, pool.logs())
+    late = [s for s in samples if s[0] >= steps // 2]
+    assert late, f"no sample in the second half of the run: {samples}"
+    worst = max(segs for _, segs, _ in samples)
+    assert worst <= bound, f"logs grew to {worst} B (bound {bound} B): {samples}"
+    step, segs, _ = late[-1]
+    assert segs < 0.5 * step * per_step, f"logs not trimmed: {segs} B at step {step}: {samples}"
+    print(f"log bytes: window {window}, max {worst}, untrimmed at the end {step * per_step}")
+
+
+def test_corrupted_image_is_detected_and_the_previous_one_used(pool: Pool) -> None:
+    ref = reference(pool, 4, "300")
+    job = submit(pool, 4, "300")
+    wait_until(pool, job, lambda d: ended(d) or b"step 20:" in output(pool, job), "progress")
+    checkpoint_now(pool, job, 1)
+    wait_until(pool, job, checkpoints_of(1, 1), "first checkpoint of rank 1")
+    checkpoint_now(pool, job, 1)
+    d = wait_until(pool, job, checkpoints_of(1, 2), "second checkpoint of rank 1")
+    assert not ended(d), f"the job ended before 2 checkpoints: {d['events']}"
+    older, newest = images(pool, job, 1)[-2:]
+    with open(newest, "r+b") as f:  # flip one byte in the middle of the stored image
+        f.seek(newest.stat().st_size // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    os.kill(rank_pid(pool, 1, job), signal.SIGKILL)
+    d = finish(pool, job, ref)
+    failed = events(d, "restore_failed", 1)
+    assert failed, d["events"]
+    assert newest.stem in failed[0]["message"], failed
+    reason = failed[0]["message"].lower()
+    assert any(w in reason for w in ("sha", "hash", "corrupt", "tag", "integrity")), failed
+    restored = events(d, "rank_restored", 1)
+    if restored:  # from the previous image ...
+        assert older.stem in restored[0]["message"], restored
+    else:  # ... or, if that one could not be used either, from the beginning
+        assert events(d, "rank_replaying", 1), d["events"]
+
+
+def test_image_is_never_restored_on_a_mismatched_fingerprint(pool: Pool) -> None:
+    """The agents other than agent-0 get another `fingerprint_salt` (in their config files:
+    `vsdk local` starts agents from config files and keeps VPOOL_AGENT_* variables from them),
+    so their fingerprint differs from agent-0's. The job runs on agent-0 alone; agent-0 is then
+    killed with its ranks: only mismatched agents are left, and no image may be restored there."""
+    ref = reference(pool, 2, "300")
+    others = [p["name"] for p in pool.pids() if p["name"].startswith("agent-")]
+    others.remove("agent-0")
+    for name in others:
+        os.kill(pool.pid_of(name), signal.SIGKILL)
+        config = pool.home / "state" / "local-pool" / name / "config.toml"
+        config.write_text(config.read_text() + 'fingerprint_salt = "another machine"\n')
+    wait_agents(pool, 1)  # the coordinator places nothing on the others now
+    job = submit(pool, 2, "300", every=2)
+    wait_until(pool, job, lambda d: ended(d) or all_running(d), "all ranks running")
+    for name in others:
+        res = pool.vsdk("local", "restart", name)
+        assert res.returncode == 0, res.stderr.decode()
+    d = wait_until(
+        pool,
+        job,
+        lambda d: ended(d) or all(len(events(d, "checkpoint", r)) >= 2 for r in range(2)),
+        "2 checkpoints of each rank",
+    )
+    assert not ended(d), f"the job ended before the checkpoints: {d['events']}"
+    home = agent_id(pool, "agent-0")
+    assert all(r["agent"] == home for r in d["ranks"]), d["ranks"]
+    victims = [rank_pid(pool, r, job) for r in range(2)]
+    os.kill(pool.pid_of("agent-0"), signal.SIGKILL)
+    for pid in victims:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass  # gone with its agent
+    # Only mismatched agents are up: the ranks wait for a matching agent, or replay from the
+    # beginning there; never restored.
+    d = wait_until(
+        pool,
+        job,
+        lambda d: (
+            ended(d)
+            or all(
+                events(d, "rank_waiting_restore", r) or events(d, "rank_replaying", r)
+                for r in range(2)
+            )
+        ),
+        "the lost ranks waiting for a matching agent (or replaying)",
+    )
+    assert not events(d, "rank_restored"), d["events"]
+    back = time.time()
+    res = pool.vsdk("local", "restart", "agent-0")
+    assert res.returncode == 0, res.stderr.decode()
+    d = finish(pool, job, ref)
+    mismatched = {agent_id(pool, name) for name in others}
+    for e in events(d, "rank_restored"):
+        assert e["time"] >= back, f"restored while only mismatched agents were up: {e}"
+    for r in d["ranks"]:
+        if events(d, "rank_restored", r["rank"]) and not events(d, "rank_replaying", r["rank"]):
+            assert r["agent"] not in mismatched, (r, d["events"])
