@@ -205,10 +205,24 @@ class Checkpointer:
                 if taking is not None and taking.forked is None and msg.ckpt == taking.ckpt:
                     taking.forked = msg
                     if msg.pid > 0:
-                        taking.clone = msg.pid
+                        # A restored rank names its clone by its own PID namespace's pid.
+                        taking.clone = self._host_pid(msg.pid)
                     taking.got.set()
                 elif msg.pid > 0:
-                    _kill(msg.pid)
+                    _kill(self._host_pid(msg.pid))
+
+    def _namespace_of(self) -> int | None:
+        """The rank's host pid when it runs in a PID namespace of its own (restored)."""
+        pid = self.rank.pid
+        return pid if pid is not None and criu.nested_pid_namespace(pid) else None
+
+    def _host_pid(self, pid: int) -> int:
+        """The host pid of the rank's child ``pid`` as the rank names it (-1: not found)."""
+        parent = self._namespace_of()
+        if parent is None:
+            return pid
+        found = criu.descendant_host_pid(parent, pid)
+        return found if found is not None else -1
 
     # -- one checkpoint ---------------------------------------------------------------------
 
@@ -310,7 +324,12 @@ class Checkpointer:
         images = taking.scratch / "images"
         images.mkdir()
         dump_s = await criu.dump(
-            forked.pid, images, criu=settings.criu, log_dir=taking.scratch, timeout=DUMP_TIMEOUT
+            forked.pid,
+            images,
+            criu=settings.criu,
+            log_dir=taking.scratch,
+            timeout=DUMP_TIMEOUT,
+            enter=self._namespace_of(),
         )
         taking.clone = -1  # criu ends the dumped process
         # 4. store
@@ -442,8 +461,8 @@ async def _pack(
     await trio.to_thread.run_sync(work, limiter=_PACK_LIMITER)
 
 
-def _kill(pid: int) -> None:
-    if pid > 0:
+def _kill(pid: int | None) -> None:
+    if pid is not None and pid > 0:
         try:
             os.kill(pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):

@@ -216,9 +216,13 @@ async def dump(
     criu: str = "criu",
     log_dir: Path | None = None,
     timeout: float = 120,  # noqa: ASYNC109 (the agent's API: one knob per dump)
+    enter: int | None = None,
 ) -> float:
     """``criu dump`` process ``pid`` (a session leader with no terminal) into ``images_dir``.
 
+    ``enter``: a host pid whose PID and mount namespaces CRIU runs in (``nsenter``), ``pid``
+    being a pid of that namespace: the clone of a restored rank lives in the rank's namespace,
+    and CRIU cannot dump it from outside (its files are on the namespace's mounts).
     CRIU kills the process once it is dumped. Returns the seconds it took; raises CriuError.
     """
     await trio.Path(images_dir).mkdir(parents=True, exist_ok=True)
@@ -235,6 +239,8 @@ async def dump(
         # Cgroups differ between machines; the restored rank joins its agent's instead.
         "--manage-cgroups=ignore",
     ]
+    if enter is not None:
+        command = ["nsenter", "-t", str(enter), "-p", "-m", *command]
     started = time.monotonic()
     try:
         with trio.fail_after(timeout):
@@ -332,6 +338,30 @@ def restored_host_pid(root_pid: int, images_dir: Path) -> int | None:
         # Host pid first, the pid in the restore's namespace last.
         ids = match.group(1).split() if match else []
         if len(ids) >= 2 and ids[-1] == str(ns_pid):
+            return pid
+    return None
+
+
+def nested_pid_namespace(pid: int) -> bool:
+    """Whether process ``pid`` lives in another PID namespace than the agent (a restored rank
+    does: its pids, such as a clone's in ``CkptForked``, are that namespace's)."""
+    try:
+        return os.readlink(f"/proc/{pid}/ns/pid") != os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return False
+
+
+def descendant_host_pid(parent: int, ns_pid: int) -> int | None:
+    """The host pid of the descendant of ``parent`` whose pid in its own namespace (the last
+    ``NSpid`` entry) is ``ns_pid``; None if there is none."""
+    for pid in process_tree_pids(parent):
+        try:
+            status = Path(f"/proc/{pid}/status").read_text()
+        except OSError:
+            continue
+        match = re.search(r"^NSpid:\s*(.*)$", status, re.MULTILINE)
+        ids = match.group(1).split() if match else []
+        if ids and ids[-1] == str(ns_pid):
             return pid
     return None
 

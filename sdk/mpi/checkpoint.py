@@ -99,14 +99,28 @@ class Checkpointer:
         self.clone_timeout = clone_timeout
         self.control: socket.socket | None = None
         self.taken: list[int] = []  # checkpoints this process forked a clone for
+        self.clones: list[int] = []  # pids of clones not reaped yet (CRIU ends them: zombies)
         self.restored = -1  # the checkpoint this process was restored from (-1: none)
 
     def connect_control(self, checkpoint: int) -> None:
         hello = RankHello(PROTOCOL_VERSION, self.secret, control=True, checkpoint=checkpoint)
         self.control, _ = open_connection(self.path, hello)
 
+    def reap(self) -> None:
+        """Collect the exit of every clone that ended (dumped or orphaned), without waiting."""
+        alive = []
+        for pid in self.clones:
+            try:
+                done, _ = os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:
+                continue  # reaped already (by the program), or not our child (restored image)
+            if not done:
+                alive.append(pid)
+        self.clones = alive
+
     def close(self) -> None:
         """The rank finalized: no more checkpoints."""
+        self.reap()
         if self.control is not None:
             self.control.close()
             self.control = None
@@ -156,6 +170,7 @@ class Checkpointer:
         in this process, in the clone once it is restored, never in an orphaned clone."""
         t = self.transport
         ft = self.eng.ft
+        self.reap()
         while t._large is not None:
             t._read(0)
         if ft.pending:
@@ -187,6 +202,7 @@ class Checkpointer:
             return True
         if pid:
             self.taken.append(answer.ckpt)
+            self.clones.append(pid)
             write_message(control, CkptForked(answer.ckpt, pid))
             return True
         self._clone(answer.ckpt, parent)
@@ -196,6 +212,7 @@ class Checkpointer:
         """The forked clone: wait to be dumped, then restored (return) or orphaned (exit)."""
         try:
             os.setsid()
+            self.clones = []
             t = self.transport
             for sock in (t.sock, self.control):
                 # The fds only: no shutdown (that would end the parent's connection too), and

@@ -82,6 +82,11 @@ def checkpoints_of(rank: int, n: int) -> Callable[[dict], bool]:
     return lambda d: ended(d) or len(events(d, "checkpoint", rank)) >= n
 
 
+def ckpt_id(message: str) -> int:
+    """The checkpoint id in an event message ("... checkpoint 1763712345678 ...")."""
+    return int(message.split("checkpoint ", 1)[1].split()[0].strip("():,"))
+
+
 def output(pool: Pool, job: int) -> bytes:
     res = pool.vsdk("logs", str(job))
     assert res.returncode == 0, res.stderr.decode()
@@ -219,15 +224,30 @@ def agent_id(pool: Pool, name: str) -> str:
 
 
 def test_killed_rank_is_restored_from_its_checkpoint(pool: Pool) -> None:
-    ref = reference(pool, 4, "300")
-    job = submit(pool, 4, "300", every=2)
+    ref = reference(pool, 4, "600")
+    job = submit(pool, 4, "600", every=2)
     d = wait_until(pool, job, checkpoints_of(0, 2), "2 checkpoints of rank 0")
     assert not ended(d), f"the job ended before 2 checkpoints of rank 0: {d['events']}"
     os.kill(rank_pid(pool, 0, job), signal.SIGKILL)  # rank 0 prints: its output must go on
+    d = wait_until(
+        pool, job, lambda d: ended(d) or events(d, "rank_restored", 0), "rank 0 restored"
+    )
+    assert not ended(d), d["events"]
+    # The restored incarnation (in a PID namespace of its own) takes checkpoints too, and is
+    # restored from one of them when killed again.
+    made = len(events(d, "checkpoint", 0))
+    d = wait_until(pool, job, checkpoints_of(0, made + 1), "a checkpoint of the restored rank")
+    assert not ended(d), f"the job ended before the restored rank's checkpoint: {d['events']}"
+    newest = ckpt_id(events(d, "checkpoint", 0)[-1]["message"])
+    os.kill(rank_pid(pool, 0, job), signal.SIGKILL)
     d = finish(pool, job, ref)
-    assert events(d, "rank_lost", 0), d["events"]
-    assert events(d, "rank_restored", 0), d["events"]
+    assert len(events(d, "rank_lost", 0)) == 2, d["events"]
+    restored = events(d, "rank_restored", 0)
+    assert len(restored) == 2, d["events"]
+    # From an image the restored incarnation made (a newer one may have come before the kill).
+    assert ckpt_id(restored[1]["message"]) >= newest > ckpt_id(restored[0]["message"]), restored
     assert not events(d, "rank_replaying", 0), d["events"]
+    assert not events(d, "checkpoint_failed"), d["events"]
     assert all(e["rank"] is not None for e in events(d, "checkpoint")), d["events"]
 
 
