@@ -554,3 +554,16 @@ async def test_failed_restore_replays_from_the_beginning(pool: Pool) -> None:
     assert _events(detail, "rank_replaying") == [
         "rank 0 incarnation 2 replays its logged messages and 3 determinant frames"
     ]
+
+
+def test_checkpoint_event_shows_the_agents_timings() -> None:
+    import msgspec
+
+    from vpool.coordinator.sqlite_checkpoints import _timings
+
+    meta = msgspec.msgpack.encode({"pause_ms": 1.234, "dump_s": 0.5, "rank_dir": "/x"})
+    assert _timings(meta) == ", pause 1.2 ms, dump 0.50 s"
+    assert _timings(b"") == ""
+    assert _timings(b"\xc1 not msgpack") == ""
+    assert _timings(msgspec.msgpack.encode([1, 2])) == ""
+    assert _timings(msgspec.msgpack.encode({"pause_ms": True})) == ""
