@@ -79,8 +79,9 @@ class SqliteStore(JobsMixin):
         with self.db.atomic():
             if self._one("SELECT id FROM agents WHERE id = ?", [agent_id]):
                 self.db.execute(
+                    # A restarted agent's checkpoint capability is unknown until it says.
                     "UPDATE agents SET name = ?, slots = ?, free_slots = ?, software = ?, "
-                    "last_seen = ?, state = 'alive' WHERE id = ?",
+                    "last_seen = ?, state = 'alive', criu = '', fingerprint = '' WHERE id = ?",
                     [name, slots, slots, software, now, agent_id],
                 )
             else:

@@ -68,6 +68,10 @@ class Agent:
         self._beat = trio.CancelScope()  # the heartbeat being waited for, or the pause after it
         self.socket_path = choose_socket_path(settings.work_path, SOCKET_NAME)
         self.capability = Capability()
+        # Set once a heartbeat carried the capability: leases are asked for only then, so the
+        # coordinator never places a restore here on what it knew of an earlier run of this
+        # agent (enrolling clears it).
+        self.capability_told = trio.Event()
         ssl_context = tls.client_context(settings.ca_path)
         self.links = RelayLinks(
             nursery,
@@ -152,6 +156,8 @@ class Agent:
 
     async def lease_loop(self) -> None:
         delay = 0.5
+        with trio.move_on_after(CAPABILITY_WAIT):
+            await self.capability_told.wait()
         while True:
             while self.free_slots == 0:
                 self._slot_freed = trio.Event()
@@ -246,7 +252,10 @@ class Agent:
                             free_slots=self.free_slots,
                             criu=self.capability.criu if self.capability.ready.is_set() else "",
                             fingerprint=self.capability.fingerprint,
-                            wait=interval,
+                            # Not held when it first tells the capability: leases wait for it.
+                            wait=interval
+                            if self.capability_told.is_set() or not self.capability.ready.is_set()
+                            else 0.0,
                         )
                     )
                 except CoordinatorUnreachable as exc:
@@ -254,6 +263,8 @@ class Agent:
                     unreachable = True
                 except CoordinatorRejected as exc:
                     refused = exc
+            if resp is not None and self.capability.ready.is_set():
+                self.capability_told.set()
             if unreachable and not self._beat.cancelled_caught:
                 with trio.CancelScope() as self._beat:
                     await trio.sleep(retry * (0.75 + random.random() / 2))
@@ -278,6 +289,11 @@ class Agent:
                 continue  # a rank started: send its heartbeat now
             with trio.CancelScope() as self._beat:
                 await trio.sleep_until(sent + interval)
+
+
+# How long the lease loop waits for the first heartbeat that tells the coordinator this agent's
+# checkpoint capability (``criu check`` and the fingerprint take about a second).
+CAPABILITY_WAIT = 15.0
 
 
 async def enroll(
