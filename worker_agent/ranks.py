@@ -227,6 +227,7 @@ async def run_rank(svc: RankServices, rank: LocalRank) -> None:
                 restored, tried = await restore.restore_rank(svc, rank, attach)
                 if restored is None and not lease.from_start:
                     reasons = "; ".join(f"checkpoint {t.ckpt}: {t.reason}" for t in tried)
+                    await _report_start(svc, rank, tried)  # the events say why, per image
                     await svc.report_problem(
                         rank,
                         f"{rank.label} cannot start: no checkpoint image could be restored "
@@ -424,6 +425,8 @@ async def _report_start(svc: RankServices, rank: LocalRank, tried: list[RestoreA
     ckpt = rank.restored_from
     if ckpt >= 0:
         message = f"restored from checkpoint {ckpt}"
+    elif lease.restore and not lease.from_start:
+        message = "not started: no checkpoint image could be restored, no start to replay from"
     elif lease.restore:
         message = "started from the beginning: no checkpoint image could be restored"
     else:

@@ -288,4 +288,8 @@ async def test_no_usable_image_and_no_start_is_a_problem(
     coordinator.add_lease(lease)
     [problem] = await coordinator.wait_for(lambda: coordinator.problems)
     assert "checkpoint 8" in problem.message and "no longer hold" in problem.message
-    assert coordinator.restored == [] and coordinator.exits == []
+    # The coordinator hears why each image was not used (restore_failed events), and no exit.
+    [report] = coordinator.restored
+    assert report.ckpt == -1 and [t.ckpt for t in report.tried] == [8], report
+    assert report.message.startswith("not started"), report
+    assert coordinator.exits == []
