@@ -18,8 +18,9 @@ Figures, per run and as medians over the repetitions:
   machine's clock), and the on/off ratio;
 - checkpoints committed: the job's events of kind ``checkpoint`` (an image committed by a
   store), and of kind ``checkpoint_failed``;
-- the pause of the original process per checkpoint (the time from the rank's ``CkptReady`` to
-  its ``CkptForked``: the handshake plus the ``fork()``), as the agent measures it: parsed
+- the pause of the original process per checkpoint (from the start of the runtime's
+  ``take()`` to the return of ``fork()`` in the parent: the flushes and the fork), as the rank
+  measures it and reports it in ``CkptForked.pause_us``: parsed
   with ``PAUSE`` below from the ``checkpoint`` events' messages (``... pause X ms ...``) or,
   when no event says it, from the agents' logs in the pool directory (``checkpoint C of rank
   R of job J: pause X ms, ...``, ``AGENT_LOG``). Median and maximum over every checkpoint of

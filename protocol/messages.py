@@ -16,9 +16,8 @@ Hops and who sends what::
     relay -> agent:  Welcome, Attached, Data, Det, Ack, DetAck, Error, Stop
 
 Checkpoints (docs/internals.md, "Checkpoints"): a rank's second unix connection, opened with
-``RankHello(control=True)``, carries ``CkptReady`` (rank -> agent), ``CkptGo``/``CkptSkip``
-(agent -> rank) and ``CkptForked`` (rank -> agent). A relay's checkpoint store is reached on its
-own connection (``Hello(role="store")``)::
+``RankHello(control=True)``, carries ``CkptForked`` (rank -> agent). A relay's checkpoint
+store is reached on its own connection (``Hello(role="store")``)::
 
     agent -> store:  CkptPut, CkptChunk (payload), CkptEnd, CkptGet
     store -> agent:  CkptStored, CkptInfo, CkptChunk (payload), CkptEnd, Error
@@ -210,45 +209,29 @@ class RankWelcome(_Msg, frozen=True, tag="rank_welcome"):
 
 
 class CheckpointRequest(_Msg, frozen=True, tag="ckpt_request"):
-    """Agent -> rank (data connection): take a checkpoint at the next MPI call boundary. The
-    agent also sends the rank the checkpoint signal (``VPOOL_CKPT_SIGNAL``) for a rank that
-    computes without calling MPI."""
+    """Agent -> rank (data connection): take checkpoint ``request`` (its id: increasing per
+    rank) at the next safe point. The agent also sends the rank the checkpoint signal
+    (``VPOOL_CKPT_SIGNAL``) for a rank that computes without calling MPI, and reads none of the
+    rank's output until ``CkptForked`` (so the output offsets of the image are exact)."""
 
     request: int
-
-
-class CkptReady(_Msg, frozen=True, tag="ckpt_ready"):
-    """Rank -> agent (control connection): the rank is at a safe point, its stdio flushed, and
-    waits for ``CkptGo``/``CkptSkip`` without writing anything. Its counters: ``received[s]``
-    the highest seq from source s it has taken off the socket, ``sent[d]`` the highest seq it
-    sent to d, ``dets`` the Det frames it wrote (all of them written: nothing pending)."""
-
-    request: int
-    received: list[int]
-    sent: list[int]
-    dets: int
-
-
-class CkptGo(_Msg, frozen=True, tag="ckpt_go"):
-    """Agent -> rank: fork the clone now; the image will be checkpoint ``ckpt``."""
-
-    request: int
-    ckpt: int
-
-
-class CkptSkip(_Msg, frozen=True, tag="ckpt_skip"):
-    """Agent -> rank: no checkpoint now (a stale or duplicate request): carry on."""
-
-    request: int
-    reason: str = ""
 
 
 class CkptForked(_Msg, frozen=True, tag="ckpt_forked"):
-    """Rank -> agent: the clone of checkpoint ``ckpt`` is process ``pid`` (-1: fork failed,
-    ``message`` says why)."""
+    """Rank -> agent (control connection): the clone of checkpoint ``ckpt`` is process ``pid``
+    (-1: the fork failed, ``message`` says why). The counters at the fork: ``received[s]`` the
+    highest seq from source s taken off the socket, ``sent[d]`` the highest seq sent to d,
+    ``dets`` the Det frames written (all of them: nothing pending); ``pending`` the bytes of
+    stdout and stderr still in their pipes (written, flushed, not read by the agent yet);
+    ``pause_us`` how long the rank stood still for it (flushes and the fork)."""
 
     ckpt: int
     pid: int
+    received: list[int] = []
+    sent: list[int] = []
+    dets: int = 0
+    pending: list[int] = []
+    pause_us: int = 0
     message: str = ""
 
 
@@ -337,9 +320,6 @@ Message = (
     | Abort
     | Finalize
     | CheckpointRequest
-    | CkptReady
-    | CkptGo
-    | CkptSkip
     | CkptForked
     | CkptPut
     | CkptChunk

@@ -12,8 +12,9 @@ deterministic: ...", as the relays do.
 Hidden switch ``VPOOL_MPIEXEC_CKPT="RANK:N:M"`` (``run_async(ckpt=...)``): a test bench for the
 runtime's checkpoints (``vpool.sdk.mpi.checkpoint``) without CRIU. Once rank RANK's incarnation 1
 (2 when ``VPOOL_MPIEXEC_KILL`` names the same rank) deposited N messages, the router requests a
-checkpoint (``CheckpointRequest`` + the signal), answers ``CkptGo`` (checkpoint 1), waits until
-every frame sent before ``CkptReady`` is in, and after M more deposits kills the rank; the forked
+checkpoint 1 (``CheckpointRequest`` + the signal; the rank's output is not read meanwhile),
+takes ``CkptForked``, waits until every frame it counts as sent is in, and after M more
+deposits kills the rank; the forked
 clone, reparented by that kill, finds ``.vpool-restore.json`` in its rank directory and becomes
 the next incarnation, replaying from its counters. With a fourth field ``orphan`` no restore file
 is written: the clone must exit by itself and the rank restarts from the beginning.
@@ -45,8 +46,6 @@ from vpool.protocol.messages import (
     Ack,
     CheckpointRequest,
     CkptForked,
-    CkptGo,
-    CkptReady,
     Data,
     Det,
     Error,
@@ -102,7 +101,7 @@ def parse_ckpt(spec: str) -> tuple[int, int, int, bool]:
 
 CKPT_SIGNAL = signal.SIGRTMIN + 4
 CKPT_ID = 1
-SIGNAL_EVERY = 0.05  # seconds between checkpoint signals until CkptReady, at most SIGNALS times
+SIGNAL_EVERY = 0.05  # seconds between checkpoint signals until CkptForked, at most SIGNALS times
 SIGNALS = 100
 ORPHAN_GRACE = 10.0  # seconds an orphaned clone may take to notice and exit
 
@@ -119,20 +118,25 @@ class _RRank(_Rank):
         self.shown = [0, 0]  # bytes of stdout/stderr already shown (over all incarnations)
         self.log_keys: list[tuple[int, int]] = []  # (src, seq) of each frame of ``log``
         self.progress = trio.Event()  # set (and replaced) on every deposit and determinant
-        # Checkpoint bench: "" -> requested -> ready -> committed -> done.
+        # Checkpoint bench: "" -> requested -> forked -> committed -> done.
         self.ckpt_state = ""
-        self.ckpt_ready: CkptReady | None = None
+        self.ckpt_ready: CkptForked | None = None
         self.ready_event = trio.Event()
+        # While a checkpoint is requested the rank's output is not read (``_copy`` waits on
+        # this), so the image's offsets are what was read then plus what the rank finds
+        # still in its pipes when it forks.
+        self.hold: trio.Event | None = None
+        self.held_at = [0, 0]
         self.commit_deposits = 0
         self.clone_pid = 0
         self.rank_dir = ""
         self.copied = [0, 0]  # bytes read from the current incarnation's stdout/stderr
         self.out_fds = (-1, -1)  # read ends of those
-        self.offsets = [0, 0]  # output offsets of the image (at CkptReady)
+        self.offsets = [0, 0]  # output offsets of the image (at the fork)
         self.adopt: tuple[str, int, int] | None = None  # (secret, stdout fd, stderr fd)
         self.adopted = trio.Event()
         self.fifo_writers: list[int] = []
-        self.resume: CkptReady | None = None  # the incarnation resumes from this image
+        self.resume: CkptForked | None = None  # the incarnation resumes from this image
         self.welcomed = (0, {})  # (replay_dets, replay_sent) of the current incarnation
 
 
@@ -264,6 +268,9 @@ class ReplayRouter(_Router):
         os.set_blocking(fd, False)
         try:
             while True:
+                if rank.hold is not None:
+                    await rank.hold.wait()
+                    continue
                 try:
                     data = os.read(fd, 65536)
                 except BlockingIOError:
@@ -460,27 +467,36 @@ class ReplayRouter(_Router):
             self._kill_for_restore(rank)
 
     async def _request(self, rank: _RRank) -> None:
-        """CheckpointRequest on the data connection, and the signal until CkptReady."""
+        """CheckpointRequest on the data connection, and the signal until CkptForked; the
+        output held meanwhile (released here if the rank never forks)."""
         sock = rank.sock
-        await _acquire(rank.lock)
+        rank.hold = trio.Event()
+        rank.held_at = list(rank.copied)
         try:
-            await _write(sock, _frame(CheckpointRequest(CKPT_ID)))
-        except _GONE:
-            return
+            await _acquire(rank.lock)
+            try:
+                await _write(sock, _frame(CheckpointRequest(CKPT_ID)))
+            except _GONE:
+                return
+            finally:
+                rank.lock.release()
+            proc = rank.proc
+            for _ in range(SIGNALS):
+                if rank.ready_event.is_set() or proc is None or proc.returncode is not None:
+                    return
+                if rank.finalized:
+                    return
+                proc.send_signal(CKPT_SIGNAL)
+                with trio.move_on_after(SIGNAL_EVERY):
+                    await rank.ready_event.wait()
         finally:
-            rank.lock.release()
-        proc = rank.proc
-        for _ in range(SIGNALS):
-            if rank.ready_event.is_set() or proc is None or proc.returncode is not None:
-                return
-            if rank.finalized:
-                return
-            proc.send_signal(CKPT_SIGNAL)
-            with trio.move_on_after(SIGNAL_EVERY):
-                await rank.ready_event.wait()
+            if not rank.ready_event.is_set():
+                hold, rank.hold = rank.hold, None
+                if hold is not None:
+                    hold.set()
 
     async def _serve_control(self, rank: _RRank, sock: socket.socket) -> None:
-        """The checkpoint control connection: CkptReady -> CkptGo, CkptForked -> commit."""
+        """The checkpoint control connection: CkptForked -> the image's offsets, commit."""
         while True:
             try:
                 prefix = await _read_exact(sock, 8)
@@ -490,11 +506,14 @@ class ReplayRouter(_Router):
             if hlen == 0 or hlen > DEFAULT_MAX_HEADER or plen:
                 raise RemoteProtocolError("malformed frame on the control connection")
             msg = decode(await _read_exact(sock, hlen))
-            if isinstance(msg, CkptReady) and rank.ckpt_state == "requested":
+            if isinstance(msg, CkptForked) and rank.ckpt_state == "requested":
                 rank.ckpt_ready = msg
-                # The rank flushed its output and waits: what it wrote is read or in the pipe.
-                rank.offsets = [rank.copied[i] + _pending(rank.out_fds[i]) for i in (0, 1)]
-                rank.ckpt_state = "ready"
+                pending = [*msg.pending, 0, 0]
+                rank.offsets = [rank.held_at[i] + pending[i] for i in (0, 1)]
+                hold, rank.hold = rank.hold, None
+                if hold is not None:
+                    hold.set()
+                rank.ckpt_state = "forked"
                 rank.ready_event.set()
                 record = {
                     "incarnation": rank.incarnation,
@@ -504,10 +523,9 @@ class ReplayRouter(_Router):
                     "welcome_dets": rank.welcomed[0],
                     "welcome_sent": rank.welcomed[1],
                     "offsets": rank.offsets,
+                    "pause_us": msg.pause_us,
                 }
                 self.say(f"checkpoint {CKPT_ID} of rank {rank.index}: {json.dumps(record)}")
-                await _write(sock, _frame(CkptGo(msg.request, CKPT_ID)))
-            elif isinstance(msg, CkptForked) and rank.ckpt_state == "ready":
                 if msg.pid <= 0:
                     self.fail(1, f"rank {rank.index} could not fork: {msg.message}")
                     return
@@ -520,7 +538,7 @@ class ReplayRouter(_Router):
                 raise RemoteProtocolError(f"unexpected {type(msg).__name__} on the control line")
 
     async def _commit(self, rank: _RRank) -> None:
-        """Commit once every frame the rank sent before CkptReady is in (acknowledged)."""
+        """Commit once every frame the rank sent before it forked is in (acknowledged)."""
         ready = rank.ckpt_ready
         assert ready is not None and self.ckpt is not None
         while not (

@@ -5,10 +5,13 @@ One ``Checkpointer`` per running rank, one checkpoint at a time, started by its 
 previous one ended) or by a ``CheckpointOrder`` from a heartbeat answer
 (``LocalRank.checkpoint_wanted``). One checkpoint:
 
-1. request: ``CheckpointRequest`` into the rank's outbox and the checkpoint signal to its pid,
-   the signal again every 50 ms until ``CkptReady`` comes (100 times at most);
-2. on ``CkptReady`` (the rank waits, stdio flushed): note the output offsets and the counters,
-   answer ``CkptGo(ckpt)``; ``CkptForked(pid)`` ends the rank's pause;
+1. request: hold the rank's output pump (nothing more is read from its pipes) and note how much
+   of each stream it read; ``CheckpointRequest(ckpt)`` into the rank's outbox and the
+   checkpoint signal to its pid, again every 50 ms until ``CkptForked`` comes (``HOLD_MAX`` at
+   most: the rank's output may fill its pipes meanwhile);
+2. ``CkptForked(pid, counters, pending)``: the rank flushed its stdio and forked, without
+   waiting for the agent; the image's output offsets are what was read plus what the rank
+   found still in the pipes. The pump goes on;
 3. ``criu dump`` the clone into a scratch directory, pack the images and the rank directory
    (``ckpt_image.ImageWriter``, in a worker thread) and stream them to the home relay's store;
 4. before ``CkptEnd``, wait until the relays acknowledged everything the rank said it sent
@@ -36,19 +39,11 @@ import msgspec
 import trio
 
 from vpool.protocol.api import CheckpointFailed, Lease
-from vpool.protocol.messages import (
-    CheckpointRequest,
-    CkptForked,
-    CkptGo,
-    CkptPut,
-    CkptReady,
-    CkptSkip,
-    Message,
-)
+from vpool.protocol.messages import CheckpointRequest, CkptForked, CkptPut
 from vpool.worker_agent import ckpt_image, criu
 from vpool.worker_agent.errors import AgentError, CoordinatorRejected
 from vpool.worker_agent.local_ranks import LocalRank
-from vpool.worker_agent.output import OutputPump
+from vpool.worker_agent.output import STREAMS, OutputPump
 from vpool.worker_agent.store_client import open_store
 from vpool.worker_agent.wire import encode_small
 
@@ -57,9 +52,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("vpool.agent")
 
-SIGNAL_EVERY = 0.05  # s between checkpoint signals to a rank that is not ready yet
-SIGNAL_TIMES = 100
-FORK_TIMEOUT = 30.0  # s from CkptGo to CkptForked
+SIGNAL_EVERY = 0.05  # s between checkpoint signals to a rank that has not forked yet
+HOLD_MAX = 2.0  # s the output pump is held for a request at most
 DUMP_TIMEOUT = 120.0
 ACK_TIMEOUT = 120.0  # s the relays may take to acknowledge what the rank sent
 STORE_TIMEOUT = 300.0  # s for CkptEnd -> CkptStored
@@ -127,11 +121,9 @@ class CheckpointError(AgentError):
 class _Taking:
     """The checkpoint in flight."""
 
-    request: int
-    ready: CkptReady | None = None
-    ready_at: float = 0.0
+    ckpt: int
+    read: dict[str, int] = field(default_factory=dict)  # output read when the pump was held
     offsets: dict[str, int] = field(default_factory=dict)
-    ckpt: int = -1
     forked: CkptForked | None = None
     clone: int = -1  # the clone's pid until it was dumped (criu kills it) or killed
     scratch: Path | None = None
@@ -150,9 +142,7 @@ class Checkpointer:
         self.pump = pump
         # Increasing per rank across incarnations (nothing persists: wall clock, ms).
         self.last_ckpt = max(rank.restored_from, 0)
-        self.requests = 0
         self.taking: _Taking | None = None
-        self._send_lock = trio.Lock()
         self.pauses: list[float] = []  # the rank's pause (s) of each checkpoint taken
 
     async def run(self) -> None:
@@ -172,44 +162,27 @@ class Checkpointer:
 
     # -- the control connection -------------------------------------------------------------
 
-    async def _send(self, msg: Message) -> None:
-        stream = self.rank.control
-        if stream is None:
-            raise CheckpointError("the rank's control connection is gone")
-        async with self._send_lock:
-            try:
-                await stream.send_all(encode_small(msg))
-            except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
-                raise CheckpointError(f"the rank's control connection broke: {exc}") from exc
-
     async def _control_reader(self) -> None:
-        """Route what the rank sends on its control connection: to the checkpoint in flight,
-        or, for a request nobody waits for any more, a ``CkptSkip`` (the rank waits for an
-        answer) or the kill of a clone nobody will dump."""
+        """Route what the rank sends on its control connection: the ``CkptForked`` of the
+        checkpoint in flight, or the kill of a clone nobody will dump (a request given up)."""
         async for msg in self.rank.control_recv:
+            if not isinstance(msg, CkptForked):
+                continue  # the proxy lets only CkptForked through
             taking = self.taking
-            if isinstance(msg, CkptReady):
-                if taking is not None and taking.ready is None and msg.request == taking.request:
-                    # Nothing awaited since the frame arrived: the rank writes nothing while it
-                    # waits, so the pipes hold exactly what it wrote before.
-                    taking.offsets = self.pump.stream_offsets()
-                    taking.ready_at = trio.current_time()
-                    taking.ready = msg
-                    taking.got.set()
-                    continue
-                try:
-                    await self._send(CkptSkip(request=msg.request, reason="stale request"))
-                except CheckpointError as exc:
-                    log.debug("%s: %s", self.rank.label, exc)
-            elif isinstance(msg, CkptForked):
-                if taking is not None and taking.forked is None and msg.ckpt == taking.ckpt:
-                    taking.forked = msg
-                    if msg.pid > 0:
-                        # A restored rank names its clone by its own PID namespace's pid.
-                        taking.clone = self._host_pid(msg.pid)
-                    taking.got.set()
-                elif msg.pid > 0:
-                    _kill(self._host_pid(msg.pid))
+            if taking is not None and taking.forked is None and msg.ckpt == taking.ckpt:
+                # Still held: nothing of the output was read since the rank forked.
+                taking.offsets = {
+                    name: taking.read[name] + (msg.pending[i] if i < len(msg.pending) else 0)
+                    for i, name in enumerate(STREAMS)
+                }
+                self.pump.release()
+                taking.forked = msg
+                if msg.pid > 0:
+                    # A restored rank names its clone by its own PID namespace's pid.
+                    taking.clone = self._host_pid(msg.pid)
+                taking.got.set()
+            elif msg.pid > 0:
+                _kill(self._host_pid(msg.pid))
 
     def _namespace_of(self) -> int | None:
         """The rank's host pid when it runs in a PID namespace of its own (restored)."""
@@ -230,8 +203,9 @@ class Checkpointer:
         """Take one checkpoint; report a failure (a periodic one only when the rank could
         take checkpoints at all). True when it was stored."""
         rank, lease = self.rank, self.rank.lease
-        self.requests += 1
-        taking = self.taking = _Taking(request=self.requests)
+        # Increasing per rank across incarnations (nothing persists: wall clock, ms).
+        self.last_ckpt = max(self.last_ckpt + 1, int(time.time() * 1000))
+        taking = self.taking = _Taking(ckpt=self.last_ckpt)
         quiet = False  # a periodic checkpoint of a rank that cannot take any: no report
         try:
             why = checkpoints_enabled(self.svc.capability, lease)
@@ -258,6 +232,7 @@ class Checkpointer:
             return False
         finally:
             # Also when cancelled (the rank stops): no clone may outlive its checkpoint.
+            self.pump.release()
             _kill(taking.clone)
             self.taking = None
             if taking.scratch is not None:
@@ -281,40 +256,32 @@ class Checkpointer:
 
     async def _take(self, taking: _Taking) -> None:
         rank, lease, settings = self.rank, self.rank.lease, self.svc.settings
-        # 1. request
-        rank.outbox.push_control(encode_small(CheckpointRequest(request=taking.request)))
+        # 1. request, the output held
+        await self.pump.hold()
+        taking.read = dict(self.pump.read)
+        rank.outbox.push_control(encode_small(CheckpointRequest(request=taking.ckpt)))
         sig = checkpoint_signal()
-        for _ in range(SIGNAL_TIMES):
-            if rank.pid is None:
-                raise CheckpointError("the rank's process is gone")
-            try:
-                os.kill(rank.pid, sig)
-            except ProcessLookupError as exc:
-                raise CheckpointError("the rank's process is gone") from exc
-            with trio.move_on_after(SIGNAL_EVERY):
-                await taking.got.wait()
-            if taking.ready is not None:
-                break
-        else:
-            raise CheckpointError(
-                f"the rank did not get ready within {SIGNAL_TIMES} signals "
-                f"({SIGNAL_TIMES * SIGNAL_EVERY:g} s; busy replaying, or blocking the signal)"
-            )
-        ready = taking.ready
-        assert ready is not None
-        # 2. go
-        taking.ckpt = self.last_ckpt = max(self.last_ckpt + 1, int(time.time() * 1000))
-        taking.got = trio.Event()
-        await self._send(CkptGo(request=ready.request, ckpt=taking.ckpt))
-        with trio.move_on_after(FORK_TIMEOUT):
-            await taking.got.wait()
+        with trio.move_on_after(HOLD_MAX):
+            while not taking.got.is_set():
+                if rank.pid is None:
+                    raise CheckpointError("the rank's process is gone")
+                try:
+                    os.kill(rank.pid, sig)
+                except ProcessLookupError as exc:
+                    raise CheckpointError("the rank's process is gone") from exc
+                with trio.move_on_after(SIGNAL_EVERY):
+                    await taking.got.wait()
         forked = taking.forked
         if forked is None:
-            raise CheckpointError(f"the rank did not fork within {FORK_TIMEOUT:g} s")
-        pause = trio.current_time() - taking.ready_at
+            raise CheckpointError(
+                f"the rank reached no safe point within {HOLD_MAX:g} s (busy replaying, "
+                "blocking the signal, or blocked writing output)"
+            )
+        pause = forked.pause_us / 1e6
         self.pauses.append(pause)
         if forked.pid <= 0:
             raise CheckpointError(f"the rank could not fork: {forked.message}")
+        ready = forked
         # 3. dump
         scratch_root = settings.scratch_path
         scratch_root.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -358,7 +325,7 @@ class Checkpointer:
         )
 
     async def _store(
-        self, taking: _Taking, ready: CkptReady, images: Path, manifest: dict[str, Any]
+        self, taking: _Taking, ready: CkptForked, images: Path, manifest: dict[str, Any]
     ) -> int:
         lease, svc = self.rank.lease, self.svc
         home = lease.relays[lease.homes[lease.rank]]
@@ -404,13 +371,13 @@ class Checkpointer:
                 raise CheckpointError(f"the store did not commit within {STORE_TIMEOUT:g} s")
         return int(writer.size)
 
-    async def _wait_acked(self, ready: CkptReady) -> None:
+    async def _wait_acked(self, ready: CkptForked) -> None:
         # Polled: acknowledgements land in the relay links' books, which signal nobody.
         while not acknowledged(self.rank, ready):  # noqa: ASYNC110
             await trio.sleep(_ACK_POLL)
 
 
-def acknowledged(rank: LocalRank, ready: CkptReady) -> bool:
+def acknowledged(rank: LocalRank, ready: CkptForked) -> bool:
     """Whether the relays hold every ``Data`` the rank counted as sent in ``ready`` and its
     home relay every ``Det`` (raises ``CheckpointError`` if a link can no longer say)."""
     me = rank.lease.rank

@@ -168,8 +168,8 @@ class LocalRank:
         # the relays acknowledged what the rank says it sent).
         self.deposited: dict[int, int] = {}
         # Checkpoints: the image this incarnation was restored from (-1: none); the rank's
-        # control connection (CkptGo/CkptSkip out) and what arrives on it (CkptReady,
-        # CkptForked); a checkpoint asked by the coordinator.
+        # control connection and what arrives on it (CkptForked); a checkpoint asked by the
+        # coordinator.
         self.restored_from = -1
         self.control: trio.abc.SendStream | None = None
         self.control_send, self.control_recv = trio.open_memory_channel[Message](16)

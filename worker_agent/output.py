@@ -52,6 +52,11 @@ class OutputPump:
         self.read: dict[Stream, int] = dict(self.offsets)
         self._fds: dict[Stream, int] = {}
         self._readers = 0
+        # A checkpoint holds the pump (``hold``/``release``): readers park, nothing is read.
+        self._held: trio.Event | None = None
+        self._parked = 0
+        self._park_changed = trio.Event()
+        self._receiving: dict[Stream, trio.CancelScope] = {}
         self._some = trio.Event()  # there is something to post
         self._enough = trio.Event()  # post now: a full batch, or a stream ended
         self._room = trio.Event()  # a post made room in the buffers
@@ -78,10 +83,24 @@ class OutputPump:
             while True:
                 while len(buf) >= self.max_buffered:
                     await self._room.wait()
-                try:
-                    data = await pipe.receive_some(64 * 1024)
-                except (trio.BrokenResourceError, trio.ClosedResourceError):
-                    data = b""
+                held = self._held
+                if held is not None:
+                    self._parked += 1
+                    self._park_changed.set()
+                    try:
+                        await held.wait()
+                    finally:
+                        self._parked -= 1
+                    continue
+                with trio.CancelScope() as scope:
+                    self._receiving[name] = scope
+                    try:
+                        data = await pipe.receive_some(64 * 1024)
+                    except (trio.BrokenResourceError, trio.ClosedResourceError):
+                        data = b""
+                del self._receiving[name]
+                if scope.cancelled_caught:
+                    continue  # held meanwhile (a cancelled receive read nothing)
                 if not data:
                     return
                 # No await between the read and this count: ``stream_offsets`` relies on it.
@@ -92,8 +111,27 @@ class OutputPump:
                     self._enough.set()
         finally:
             self._readers -= 1
+            self._park_changed.set()
             self._some.set()
             self._enough.set()
+
+    async def hold(self) -> None:
+        """Stop reading the rank's pipes; returns once no reader can take another byte, so
+        ``read`` stays what it is until ``release`` (a checkpoint's output offsets are then
+        ``read`` plus what the rank finds still in its pipes when it forks)."""
+        if self._held is None:
+            self._held = trio.Event()
+        for scope in list(self._receiving.values()):
+            scope.cancel()
+        while self._parked < self._readers:
+            self._park_changed = trio.Event()
+            await self._park_changed.wait()
+
+    def release(self) -> None:
+        """Read on (no-op when not held)."""
+        held, self._held = self._held, None
+        if held is not None:
+            held.set()
 
     def stream_offsets(self) -> dict[Stream, int]:
         """Where each stream stands now: bytes read plus bytes waiting in its pipe. Exact while

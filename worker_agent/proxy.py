@@ -9,8 +9,7 @@ the socket and credits the relays for what was written.
 
 Checkpoints: a rank whose runtime takes checkpoints opens a second connection,
 ``RankHello(control=True)``, answered by the same ``RankWelcome``; on it the rank sends
-``CkptReady``/``CkptForked`` (handed to the rank's checkpoint task through
-``LocalRank.control_recv``) and the agent ``CkptGo``/``CkptSkip`` (written by that task). A
+``CkptForked`` (handed to the rank's checkpoint task through ``LocalRank.control_recv``). A
 restored process says which image it came from (``RankHello.checkpoint``), which must be the one
 the agent restored.
 """
@@ -33,7 +32,6 @@ from vpool.protocol.messages import (
     PROTOCOL_VERSION,
     Abort,
     CkptForked,
-    CkptReady,
     Data,
     Det,
     Error,
@@ -255,7 +253,7 @@ class RankProxy:
                 if frame is None:
                     return
                 msg = frame.message
-                if not isinstance(msg, CkptReady | CkptForked):
+                if not isinstance(msg, CkptForked):
                     raise ProtocolError(
                         f"{type(msg).__name__} on the checkpoint control connection of "
                         f"{rank.label}",

@@ -12,34 +12,31 @@ of the runtime (``vpool.sdk.mpi``, ``vpool.protocol``, the ``mpi4py`` shim) is o
 interrupted stack. While the rank replays (``FT.busy``) a request waits.
 
 ``take`` at a safe point: the large payload being read is finished, pending determinant records
-are written, stdio flushed; ``CkptReady`` with the counters goes out on the control connection;
-``CkptSkip`` -> carry on; ``CkptGo(ckpt)`` -> fork. The parent reports ``CkptForked(ckpt, pid)``
-and returns. The clone leaves the agent's sockets and stdio and waits while its parent lives;
-then it is either a restored process (``$VPOOL_RANK_DIR/.vpool-restore.json`` names its
-checkpoint: it reconnects and resumes the replay from its counters, ``FT.resume``) or an orphan
-(it exits).
+are written, stdio flushed, what of it still sits in the stdout/stderr pipes counted
+(``FIONREAD``: the agent reads none of it until it has ``CkptForked``); then ``fork()``. The
+parent reports ``CkptForked(ckpt, pid, counters, pending, pause)`` and returns: no round trip
+to the agent, so its pause is the flushes and the fork. The clone leaves the agent's sockets
+and stdio and waits while its parent lives; then it is either a restored process
+(``$VPOOL_RANK_DIR/.vpool-restore.json`` names its checkpoint: it reconnects and resumes the
+replay from its counters, ``FT.resume``) or an orphan (it exits).
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import signal
 import socket
+import struct
 import sys
+import termios
 import time
 from types import FrameType
 from typing import Any
 
-from vpool.protocol.messages import (
-    PROTOCOL_VERSION,
-    CkptForked,
-    CkptGo,
-    CkptReady,
-    CkptSkip,
-    RankHello,
-)
-from vpool.sdk.mpi.transport import die, open_connection, read_message, write_message
+from vpool.protocol.messages import PROTOCOL_VERSION, CkptForked, RankHello
+from vpool.sdk.mpi.transport import die, open_connection, write_message
 
 SIGNAL_ENV = "VPOOL_CKPT_SIGNAL"
 RANK_DIR_ENV = "VPOOL_RANK_DIR"
@@ -168,6 +165,7 @@ class Checkpointer:
     def take(self, request: int) -> bool:
         """Checkpoint ``request`` here (a safe point); False if it cannot be taken now. Returns
         in this process, in the clone once it is restored, never in an orphaned clone."""
+        started = time.perf_counter()
         t = self.transport
         ft = self.eng.ft
         self.reap()
@@ -184,28 +182,22 @@ class Checkpointer:
                 pass
         control = self.control
         assert control is not None
-        ready = CkptReady(request, list(t.received), list(t.sent), t.det_sent)
-        write_message(control, ready)
-        while True:
-            answer = read_message(control)
-            if isinstance(answer, CkptSkip) and answer.request == request:
-                return True
-            if isinstance(answer, CkptGo) and answer.request == request:
-                break
-            if not isinstance(answer, (CkptSkip, CkptGo)):
-                die(f"unexpected {type(answer).__name__} on the checkpoint connection")
+        pending = [_pipe_pending(1), _pipe_pending(2)]
+        received, sent, dets = list(t.received), list(t.sent), t.det_sent
         parent = os.getpid()
         try:
             pid = os.fork()
         except OSError as exc:
-            write_message(control, CkptForked(answer.ckpt, -1, f"fork failed: {exc}"))
+            write_message(control, CkptForked(request, -1, message=f"fork failed: {exc}"))
             return True
         if pid:
-            self.taken.append(answer.ckpt)
+            pause = int((time.perf_counter() - started) * 1e6)
+            self.taken.append(request)
             self.clones.append(pid)
-            write_message(control, CkptForked(answer.ckpt, pid))
+            forked = CkptForked(request, pid, received, sent, dets, pending, pause)
+            write_message(control, forked)
             return True
-        self._clone(answer.ckpt, parent)
+        self._clone(request, parent)
         return True
 
     def _clone(self, ckpt: int, parent: int) -> None:
@@ -275,3 +267,15 @@ class Checkpointer:
         )
         self.restored = ckpt
         self.eng.ft.resume(t, welcome.replay_dets, welcome.replay_sent)
+
+
+def _pipe_pending(fd: int) -> int:
+    """Bytes written to ``fd`` that its reader has not taken yet (0 unless it is a pipe or a
+    socket that says)."""
+    buf = bytearray(4)
+    try:
+        fcntl.ioctl(fd, termios.FIONREAD, buf)
+    except OSError:
+        return 0
+    return int(struct.unpack("i", buf)[0])
+

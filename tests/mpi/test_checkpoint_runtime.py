@@ -27,7 +27,7 @@ POINTS = {
 
 
 def _records(res: Result) -> list[dict[str, object]]:
-    """The counters the router noted at each CkptReady."""
+    """The counters the router noted at each CkptForked."""
     found = re.findall(r"checkpoint 1 of rank \d+: (\{.*\})", res.stderr)
     return [json.loads(text) for text in found]
 

@@ -30,10 +30,8 @@ from vpool.protocol.messages import (
     CkptEnd,
     CkptForked,
     CkptGet,
-    CkptGo,
     CkptInfo,
     CkptPut,
-    CkptReady,
     CkptStored,
     Error,
     Hello,
@@ -57,7 +55,6 @@ from vpool.worker_agent.proxy import RankProxy
 from vpool.worker_agent.ranks import Prepared, RankServices, rank_env
 from vpool.worker_agent.settings import AgentSettings, load_agent_settings
 from vpool.worker_agent.store_client import StoreError, open_store
-from vpool.worker_agent.wire import encode_small
 
 from .conftest import Pki
 
@@ -152,6 +149,41 @@ async def test_stream_offsets_count_what_is_still_in_the_pipe() -> None:
     assert pump.offsets == {"stdout": 1800, "stderr": 12}
 
 
+async def test_held_pump_reads_nothing_until_released() -> None:
+    """A checkpoint holds the pump: ``read`` stays put while the rank writes on, so the image's
+    offsets are ``read`` at the hold plus what the rank finds in its pipes when it forks."""
+    posted: list[api.OutputBatch] = []
+
+    async def post(batch: api.OutputBatch) -> None:
+        posted.append(batch)
+
+    out_r, out_w = os.pipe()
+    err_r, err_w = os.pipe()
+    pump = OutputPump(LEASE, post, interval=0.01)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(pump.run, trio.lowlevel.FdStream(out_r), trio.lowlevel.FdStream(err_r))
+        os.write(out_w, b"a" * 100)
+        with trio.fail_after(5):
+            while pump.read["stdout"] < 100:  # noqa: ASYNC110
+                await trio.sleep(0.001)
+        with trio.fail_after(5):
+            await pump.hold()
+        held = dict(pump.read)
+        os.write(out_w, b"b" * 70)  # the rank writes on (after its fork, say)
+        os.write(err_w, b"e" * 3)
+        await trio.testing.wait_all_tasks_blocked()
+        assert pump.read == held == {"stdout": 100, "stderr": 0}
+        assert pump.stream_offsets() == {"stdout": 170, "stderr": 3}  # read + in the pipes
+        pump.release()
+        with trio.fail_after(5):
+            while pump.read != {"stdout": 170, "stderr": 3}:  # noqa: ASYNC110
+                await trio.sleep(0.001)
+        os.close(out_w)
+        os.close(err_w)
+    data = b"".join(c.data for b in posted for c in b.chunks if c.stream == "stdout")
+    assert data == b"a" * 100 + b"b" * 70
+
+
 # -- the control connection -------------------------------------------------------------------
 
 
@@ -201,16 +233,10 @@ async def test_control_connection_handshake(proxy: tuple[LocalRanks, Path]) -> N
     await other.stream.aclose()
     assert isinstance(refused, Error) and refused.code == "already_connected"
     # rank -> agent: handed to the checkpoint task
-    ready = CkptReady(request=1, received=[0, 4], sent=[2, 0], dets=3)
-    await control.send(ready)
+    forked = CkptForked(ckpt=9, pid=123, received=[0, 4], sent=[2, 0], dets=3, pending=[5, 0])
+    await control.send(forked)
     with trio.fail_after(5):
-        assert await rank.control_recv.receive() == ready
-    await control.send(CkptForked(ckpt=9, pid=123))
-    with trio.fail_after(5):
-        assert await rank.control_recv.receive() == CkptForked(ckpt=9, pid=123)
-    # agent -> rank on the control connection
-    await rank.control.send_all(encode_small(CkptGo(request=1, ckpt=9)))
-    assert await control.receive() == CkptGo(request=1, ckpt=9)
+        assert await rank.control_recv.receive() == forked
     # Anything else on it is a protocol error; the control connection ends, the data one not.
     await control.send(CheckpointRequest(request=1))
     err = await control.receive()
@@ -413,10 +439,7 @@ async def test_failed_dump_kills_the_clone_and_is_reported(
             # The request arrives on the data connection; the rank answers on control.
             req = await data.receive()
             assert isinstance(req, CheckpointRequest)
-            await control.send(CkptReady(req.request, [0, 0], [0, 0], 0))
-            go = await control.receive()
-            assert isinstance(go, CkptGo) and go.request == req.request
-            await control.send(CkptForked(go.ckpt, clone.pid))
+            await control.send(CkptForked(req.request, clone.pid, [0, 0], [0, 0], 0, [0, 0], 1500))
 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(ckpt._control_reader)
@@ -431,7 +454,7 @@ async def test_failed_dump_kills_the_clone_and_is_reported(
         [failed] = client.failed
         assert (failed.job, failed.rank, failed.incarnation) == (3, 1, 2)
         assert failed.ckpt > 0 and "criu" in failed.message
-        assert len(ckpt.pauses) == 1
+        assert ckpt.pauses == [0.0015]  # as the rank measured it
         with trio.fail_after(5):
             while clone.poll() is None:  # noqa: ASYNC110
                 await trio.sleep(0.01)
