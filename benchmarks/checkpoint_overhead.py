@@ -48,6 +48,9 @@ STENCIL = str(HERE.parent / "examples" / "stencil.py")
 # The agent's wording in a `checkpoint` event, e.g. "rank 2: image 3 committed, 41.2 MB,
 # pause 1.3 ms": the original process's pause for that checkpoint.
 PAUSE = re.compile(r"pause ([0-9.]+) ms")
+# "..., pause cpu 0.8 ms": the CPU time the original spent on it (the wall-clock pause also
+# holds the time it waited for a CPU: 4 ranks share 2 cores here).
+PAUSE_CPU = re.compile(r"pause cpu ([0-9.]+) ms")
 # The agent's log line for each checkpoint it stored (worker_agent/checkpoints.py).
 AGENT_LOG = re.compile(r"checkpoint \d+ of rank (\d+) of job (\d+): pause ([0-9.]+) ms")
 
@@ -55,15 +58,19 @@ AGENT_LOG = re.compile(r"checkpoint \d+ of rank (\d+) of job (\d+): pause ([0-9.
 def checkpoint_figures(events: list[dict]) -> dict:
     """Checkpoints committed and failed, and the pauses (ms) reported for the committed ones."""
     done = [e for e in events if e.get("kind") == "checkpoint"]
-    pauses = []
+    pauses, cpus = [], []
     for e in done:
         m = PAUSE.search(str(e.get("message", "")))
         if m:
             pauses.append(float(m.group(1)))
+        m = PAUSE_CPU.search(str(e.get("message", "")))
+        if m:
+            cpus.append(float(m.group(1)))
     return {
         "checkpoints": len(done),
         "checkpoints_failed": sum(e.get("kind") == "checkpoint_failed" for e in events),
         "pauses_ms": pauses,
+        "pauses_cpu_ms": cpus,
     }
 
 
@@ -132,6 +139,7 @@ def summary(runs: dict[str, list[dict]]) -> dict:
     off = statistics.median(r["seconds"] for r in runs["off"])
     on = statistics.median(r["seconds"] for r in runs["on"])
     pauses = [p for r in runs["on"] for p in r["pauses_ms"]]
+    cpus = [p for r in runs["on"] for p in r.get("pauses_cpu_ms", [])]
     return {
         "off_s": off,
         "on_s": on,
@@ -142,6 +150,8 @@ def summary(runs: dict[str, list[dict]]) -> dict:
         "pause_source": ", ".join(sorted({r["pause_source"] for r in runs["on"]})),
         "pause_median_ms": statistics.median(pauses) if pauses else None,
         "pause_max_ms": max(pauses) if pauses else None,
+        "pause_cpu_median_ms": statistics.median(cpus) if cpus else None,
+        "pause_cpu_max_ms": max(cpus) if cpus else None,
     }
 
 
@@ -161,6 +171,12 @@ def report(opts: argparse.Namespace, runs: dict[str, list[dict]], s: dict) -> No
         print(
             f"pause            median {s['pause_median_ms']:.2f} ms, max {s['pause_max_ms']:.2f}"
             f" ms over {s['pauses_reported']} checkpoints (from the {s['pause_source']})"
+        )
+    if s["pause_cpu_median_ms"] is not None:
+        print(
+            f"pause cpu        median {s['pause_cpu_median_ms']:.2f} ms, max "
+            f"{s['pause_cpu_max_ms']:.2f} ms (CPU time of the original: the wall-clock pause "
+            "also holds its waits for a CPU)"
         )
     print(f"output           {runs['off'][0]['output']}")
 

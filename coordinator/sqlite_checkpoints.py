@@ -471,7 +471,7 @@ def _check_report(report: api.RelayCheckpoint) -> None:
 
 
 def _timings(meta: bytes) -> str:
-    """", pause 1.2 ms, dump 0.31 s" from the agent's manifest (msgpack; opaque to relays),
+    """The text ", pause 1.2 ms, dump 0.31 s" from the agent's manifest (msgpack; opaque to relays),
     or "" when it says nothing usable."""
     try:
         manifest = msgspec.msgpack.decode(meta)
@@ -480,9 +480,12 @@ def _timings(meta: bytes) -> str:
     if not isinstance(manifest, dict):
         return ""
     out = ""
-    for key, label, unit in (("pause_ms", "pause", "ms"), ("dump_s", "dump", "s")):
+    for key, label, unit in (
+        ("pause_ms", "pause", "ms"),
+        ("pause_cpu_ms", "pause cpu", "ms"),
+        ("dump_s", "dump", "s"),
+    ):
         value = manifest.get(key)
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             out += f", {label} {value:.2f} {unit}" if unit == "s" else f", {label} {value:.1f} ms"
     return out
-

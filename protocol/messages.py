@@ -223,7 +223,8 @@ class CkptForked(_Msg, frozen=True, tag="ckpt_forked"):
     highest seq from source s taken off the socket, ``sent[d]`` the highest seq sent to d,
     ``dets`` the Det frames written (all of them: nothing pending); ``pending`` the bytes of
     stdout and stderr still in their pipes (written, flushed, not read by the agent yet);
-    ``pause_us`` how long the rank stood still for it (flushes and the fork)."""
+    ``pause_us`` how long the rank stood still for it (flushes and the fork, wall clock: on a
+    busy machine this includes waiting for a CPU), ``pause_cpu_us`` the CPU time it spent on it."""
 
     ckpt: int
     pid: int
@@ -233,6 +234,7 @@ class CkptForked(_Msg, frozen=True, tag="ckpt_forked"):
     pending: list[int] = []
     pause_us: int = 0
     message: str = ""
+    pause_cpu_us: int = 0
 
 
 class CkptPut(_Msg, frozen=True, tag="ckpt_put"):

@@ -310,15 +310,17 @@ class Checkpointer:
             "python": settings.python_path,
             "created": time.time(),
             "pause_ms": round(pause * 1000, 3),
+            "pause_cpu_ms": round(forked.pause_cpu_us / 1000, 3),
             "dump_s": round(dump_s, 3),
         }
         started = trio.current_time()
         size = await self._store(taking, ready, images, manifest)
         log.info(
-            "checkpoint %d of %s: pause %.1f ms, dump %.2f s, %.1f MB in %.2f s",
+            "checkpoint %d of %s: pause %.1f ms (cpu %.1f ms), dump %.2f s, %.1f MB in %.2f s",
             taking.ckpt,
             rank.label,
             pause * 1000,
+            forked.pause_cpu_us / 1000,
             dump_s,
             size / 1e6,
             trio.current_time() - started,

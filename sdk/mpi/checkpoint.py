@@ -165,7 +165,7 @@ class Checkpointer:
     def take(self, request: int) -> bool:
         """Checkpoint ``request`` here (a safe point); False if it cannot be taken now. Returns
         in this process, in the clone once it is restored, never in an orphaned clone."""
-        started = time.perf_counter()
+        started, started_cpu = time.perf_counter(), time.thread_time()
         t = self.transport
         ft = self.eng.ft
         self.reap()
@@ -192,9 +192,12 @@ class Checkpointer:
             return True
         if pid:
             pause = int((time.perf_counter() - started) * 1e6)
+            cpu = int((time.thread_time() - started_cpu) * 1e6)
             self.taken.append(request)
             self.clones.append(pid)
-            forked = CkptForked(request, pid, received, sent, dets, pending, pause)
+            forked = CkptForked(
+                request, pid, received, sent, dets, pending, pause, pause_cpu_us=cpu
+            )
             write_message(control, forked)
             return True
         self._clone(request, parent)
@@ -278,4 +281,3 @@ def _pipe_pending(fd: int) -> int:
     except OSError:
         return 0
     return int(struct.unpack("i", buf)[0])
-

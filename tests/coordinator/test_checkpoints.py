@@ -561,8 +561,10 @@ def test_checkpoint_event_shows_the_agents_timings() -> None:
 
     from vpool.coordinator.sqlite_checkpoints import _timings
 
-    meta = msgspec.msgpack.encode({"pause_ms": 1.234, "dump_s": 0.5, "rank_dir": "/x"})
-    assert _timings(meta) == ", pause 1.2 ms, dump 0.50 s"
+    meta = msgspec.msgpack.encode(
+        {"pause_ms": 1.234, "pause_cpu_ms": 0.81, "dump_s": 0.5, "rank_dir": "/x"}
+    )
+    assert _timings(meta) == ", pause 1.2 ms, pause cpu 0.8 ms, dump 0.50 s"
     assert _timings(b"") == ""
     assert _timings(b"\xc1 not msgpack") == ""
     assert _timings(msgspec.msgpack.encode([1, 2])) == ""
