@@ -15,10 +15,11 @@ import trio
 from tests.mpi.test_ft_replay import CASES
 from tests.mpi.test_mpi import Result, mpiexec
 
-# (rank, messages before the request, messages after the commit before the kill). A worker of
-# the farm reads only once its prefetched tasks are done: it is killed right at the commit.
+# (rank, messages before the request, messages after the commit before the kill). Only the
+# farm's master: a worker may get no task beyond its prefetched ones (the others took them all)
+# and then finish before the kill, which would make the case depend on scheduling.
 POINTS = {
-    "farm.py": ["0:1:0", "0:30:40", "2:5:0"],
+    "farm.py": ["0:1:0", "0:30:40"],
     "ft_poll.py": ["0:10:20", "2:5:10"],
     "ft_halo.py": ["0:30:20", "3:50:50"],
     "ft_nbc.py": ["0:10:20", "1:40:10"],
@@ -109,13 +110,14 @@ async def test_request_while_replaying_is_deferred() -> None:
 
 async def test_orphaned_clone_exits_by_itself() -> None:
     # The rank is killed without a restore file: its clone, reparented, must exit on its own
-    # (the router waits for that), and the rank restarts from the beginning.
-    res = await mpiexec(4, "farm.py", env={"VPOOL_MPIEXEC_CKPT": "1:20:10:orphan"}, deadline=90)
+    # (the router waits for that), and the rank restarts from the beginning. The farm's master:
+    # it deposits every task (a worker may get too few to reach the kill).
+    res = await mpiexec(4, "farm.py", env={"VPOOL_MPIEXEC_CKPT": "0:20:10:orphan"}, deadline=90)
     assert res.returncode == 0, res
     assert res.stdout == "farm ok 300\n", res
     pid = _clone(res)
-    assert f"orphaned clone {pid} of rank 1 exited" in res.stderr, res
-    assert "restarting rank 1 (incarnation 2) with replay" in res.stderr, res
+    assert f"orphaned clone {pid} of rank 0 exited" in res.stderr, res
+    assert "restarting rank 0 (incarnation 2) with replay" in res.stderr, res
     await _ended(pid, 10)
 
 
