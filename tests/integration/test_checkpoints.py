@@ -252,8 +252,8 @@ def test_killed_rank_is_restored_from_its_checkpoint(pool: Pool) -> None:
 
 
 def test_checkpoint_command_then_kill_restores_from_it(pool: Pool) -> None:
-    ref = reference(pool, 4, "300")
-    job = submit(pool, 4, "300")  # no periodic checkpoints: only the one asked for
+    ref = reference(pool, 4, "600")
+    job = submit(pool, 4, "600")  # no periodic checkpoints: only the one asked for
     wait_until(pool, job, lambda d: ended(d) or b"step 30:" in output(pool, job), "progress")
     checkpoint_now(pool, job, 1)
     d = wait_until(pool, job, checkpoints_of(1, 1), "the checkpoint of rank 1")
@@ -315,8 +315,8 @@ def test_relay_logs_stay_bounded_with_periodic_checkpoints(pool: Pool) -> None:
 
 
 def test_corrupted_image_is_detected_and_the_previous_one_used(pool: Pool) -> None:
-    ref = reference(pool, 4, "300")
-    job = submit(pool, 4, "300")
+    ref = reference(pool, 4, "600")
+    job = submit(pool, 4, "600")
     wait_until(pool, job, lambda d: ended(d) or b"step 20:" in output(pool, job), "progress")
     checkpoint_now(pool, job, 1)
     wait_until(pool, job, checkpoints_of(1, 1), "first checkpoint of rank 1")
