@@ -135,8 +135,8 @@ def _m4_checkpoints(db: sqlite_utils.Database) -> None:
     an agent that can restore them, incarnations the images chosen for them and the one they
     were restored from, agents their CRIU version and environment fingerprint. ``checkpoints``
     holds the committed images relays reported (``pos``: place in the relay's newest-first
-    ``retained`` list); ``checkpoint_orders`` the ``vsdk checkpoint`` orders not yet handed to
-    an agent."""
+    ``retained`` list); ``checkpoint_orders`` the ``vsdk checkpoint`` orders their agent has
+    not acknowledged yet."""
     for sql in (
         "ALTER TABLE jobs ADD COLUMN job_uid TEXT NOT NULL DEFAULT ''",
         "ALTER TABLE jobs ADD COLUMN ckpt_key TEXT NOT NULL DEFAULT ''",

@@ -332,13 +332,18 @@ class Coordinator:
         if changed:
             self._states_changed()
         await self.schedule()
-        orders = await self.db.call(self.store.take_checkpoint_orders, agent_id)
+        # Checkpoint orders go out in every answer until a later heartbeat acknowledges them,
+        # so an answer with orders is not held: the agent's next heartbeat, at its own pace,
+        # carries the acks. Orders of ranks still starting stay queued and do not end the hold
+        # (the heartbeat saying such a rank runs is the one that hands them out).
+        acks = hb.checkpoint_acks
+        orders = await self.db.call(self.store.take_checkpoint_orders, agent_id, acks)
         while not stops and not orders and hb.ranks and trio.current_time() < deadline:
             with trio.move_on_at(deadline):
                 await ended.wait()
             ended = self.ended.current()
             stops = await self.db.call(self.store.stop_orders, agent_id, hb.ranks)
-            orders = await self.db.call(self.store.take_checkpoint_orders, agent_id)
+            orders = await self.db.call(self.store.take_checkpoint_orders, agent_id, [])
         return api.AgentHeartbeatResponse(
             stop=stops, agent_token=self.agent_token(agent_id), checkpoint=orders
         )

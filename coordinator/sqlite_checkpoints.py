@@ -29,6 +29,7 @@ MAX_TEXT = 2000
 MAX_FINGERPRINT = 200
 MAX_CKPT = 2**62
 MAX_ATTEMPTS = 100
+MAX_ACKS = 1024  # order ids one heartbeat acknowledges (as many as an agent remembers)
 SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 
 
@@ -218,29 +219,45 @@ class CheckpointsMixin:
                 orders.append(order)
         return orders
 
-    def take_checkpoint_orders(self, agent_id: str) -> list[api.CheckpointOrder]:
-        """The agent's queued orders that still concern a running rank it runs; each is
-        handed out once."""
+    def take_checkpoint_orders(self, agent_id: str, acks: list[int]) -> list[api.CheckpointOrder]:
+        """Forget the agent's orders it acknowledged (``acks``) and every order that can never
+        apply; return the agent's orders whose rank now runs.
+
+        At-least-once: an order is handed out in every heartbeat answer until the agent
+        acknowledges its id (an answer may be lost: a held heartbeat the agent gave up, a broken
+        connection); the agent de-duplicates by id. An order whose rank is still starting
+        (``leased``) stays queued, not handed out. One that can never apply (the rank's
+        incarnation moved on, the rank is on another agent, the rank or its job ended) is
+        deleted, whichever agent it was for, so a dead agent's orders go too. No age limit:
+        ``ask_checkpoint`` keeps at most one order per rank, so the table never holds more than
+        the ranks of running jobs; an order for a rank slow to start must not expire."""
         with self.db.atomic():
+            if acks:
+                self.db.execute(
+                    "DELETE FROM checkpoint_orders WHERE agent = ? "
+                    "AND id IN (SELECT value FROM json_each(?))",
+                    [agent_id, json.dumps(acks[:MAX_ACKS])],
+                )
+            self.db.execute(
+                "DELETE FROM checkpoint_orders WHERE id IN (SELECT o.id FROM checkpoint_orders o "
+                "LEFT JOIN ranks r ON r.job = o.job AND r.rank = o.rank "
+                "LEFT JOIN jobs j ON j.id = o.job WHERE r.rank IS NULL "
+                "OR j.state IS NOT 'running' OR r.incarnation != o.incarnation "
+                "OR r.agent IS NOT o.agent OR r.state NOT IN ('leased', 'running'))"
+            )
             rows = list(
                 self.db.query(
-                    "SELECT o.id, o.job, o.rank, o.incarnation, r.incarnation AS current, "
-                    "r.agent, r.state, j.state AS job_state FROM checkpoint_orders o "
+                    "SELECT o.id, o.job, o.rank, o.incarnation FROM checkpoint_orders o "
                     "JOIN ranks r ON r.job = o.job AND r.rank = o.rank "
-                    "JOIN jobs j ON j.id = o.job WHERE o.agent = ? ORDER BY o.job, o.rank",
+                    "WHERE o.agent = ? AND r.state = 'running' ORDER BY o.job, o.rank",
                     [agent_id],
                 )
             )
-            if not rows:
-                return []
-            self.db.execute("DELETE FROM checkpoint_orders WHERE agent = ?", [agent_id])
         return [
-            api.CheckpointOrder(job=r["job"], rank=r["rank"], incarnation=r["incarnation"])
+            api.CheckpointOrder(
+                job=r["job"], rank=r["rank"], incarnation=r["incarnation"], id=r["id"]
+            )
             for r in rows
-            if r["current"] == r["incarnation"]
-            and r["agent"] == agent_id
-            and r["state"] == "running"
-            and r["job_state"] == "running"
         ]
 
     # -- agents: capability, failures, restore reports ----------------------------------------

@@ -256,6 +256,9 @@ class AgentHeartbeat(msgspec.Struct, frozen=True):
     # Seconds the coordinator may hold the answer while none of ``ranks`` has to stop (at most
     # its heartbeat interval), so that a stop order reaches the agent the moment it exists.
     wait: float = 0.0
+    # Ids of the ``CheckpointOrder``s received: the coordinator hands an order out again in
+    # every answer until a heartbeat acknowledges it (at-least-once; the agent de-duplicates).
+    checkpoint_acks: list[int] = []
 
 
 class StopOrder(msgspec.Struct, frozen=True):
@@ -269,6 +272,7 @@ class CheckpointOrder(msgspec.Struct, frozen=True):
     job: int
     rank: int
     incarnation: int
+    id: int = 0  # the order's id, acknowledged in ``AgentHeartbeat.checkpoint_acks`` (0: none)
 
 
 class AgentHeartbeatResponse(msgspec.Struct, frozen=True):

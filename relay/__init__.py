@@ -6,7 +6,9 @@ concern:
 
 - ``settings``: ``RelaySettings``, the declared settings (prefix ``VPOOL_RELAY``);
 - ``server``: ``serve_relay``, the TCP/TLS listener around one ``Hub``;
-- ``connection``: one agent connection (handshake, deposits, credits, acks, pushes);
+- ``connection``: one agent connection (handshake, reader, writer: acks and pushes);
+- ``connection_inbound``: what each agent message does (deposits, determinants, credits,
+  attachments);
 - ``hub``: shared state: mailboxes (``protocol.mailbox``) with their logs, attachments, fencing,
   lost ranks, group commit;
 - ``log``: the on-disk segment files, their recovery after a crash;

@@ -9,7 +9,8 @@ queued control messages (``Welcome``, ``Attached`` and the replayed ``Det``s, ``
 of this connection's ranks, round robin, within their windows.
 
 Re-sent messages (a reconnecting agent, a restarted rank replaying) are dropped, after their
-content was compared with the logged copy (``determinism``).
+content was compared with the logged copy (``determinism``). What each message does is
+``connection_inbound.InboundMessages``.
 
 Write-through: when a small batch is written inline and its receivers' writers are idle, the
 depositing reader pushes the new frames itself (``push_now``), saving the writer's task switch,
@@ -30,20 +31,16 @@ import logging
 
 import trio
 
-from vpool.protocol.detlog import DetOffer
 from vpool.protocol.errors import RemoteProtocolError, TokenError
 from vpool.protocol.framing import DEFAULT_MAX_HEADER, PREFIX_SIZE, encode_frame
-from vpool.protocol.mailbox import Offer
 from vpool.protocol.messages import (
     PROTOCOL_VERSION,
     Ack,
     Attach,
-    Attached,
     Credit,
     Data,
     Det,
     Detach,
-    DetAck,
     Error,
     Hello,
     Message,
@@ -52,8 +49,8 @@ from vpool.protocol.messages import (
     decode,
 )
 from vpool.protocol.session import Session, State
-from vpool.protocol.tokens import AgentClaims, RankClaims, verify_token
-from vpool.relay import trim
+from vpool.protocol.tokens import AgentClaims, verify_token
+from vpool.relay.connection_inbound import InboundMessages, rejection
 from vpool.relay.errors import Rejected
 from vpool.relay.hub import Attachment, Batch, Box, Hub, Key, now
 from vpool.relay.wire import FrameReader, RawFrame, send_frames
@@ -77,14 +74,7 @@ ACK_DELAY = 0.005
 STREAMING_GAP = 0.0002
 
 
-def rejection(exc: RemoteProtocolError | TokenError, *, job: int = -1, rank: int = -1) -> Rejected:
-    """The one place protocol-core errors become a connection's ``Error``."""
-    rej = Rejected(exc.code, exc.message, job=job, rank=rank)
-    rej.__cause__ = exc
-    return rej
-
-
-class Connection:
+class Connection(InboundMessages):
     def __init__(self, hub: Hub, stream: trio.abc.Stream, *, peer: str = "") -> None:
         self.hub = hub
         self.stream = stream
@@ -335,166 +325,6 @@ class Connection:
             self._write_slots.release()
         if batch.undigested:
             await self.hub.digest_later(batch.undigested)
-
-    # -- inbound messages -------------------------------------------------------------------
-
-    def _deposit(self, msg: Data, frame: bytes | bytearray, batch: Batch) -> None:
-        hub = self.hub
-        job, src, dst, seq = msg.job, msg.src, msg.dst, msg.seq
-        att = self.attached.get((job, src))
-        if att is None:
-            if (job, src) in self.fenced or job in hub.finished:
-                return
-            raise Rejected(
-                "not_attached",
-                f"rank {src} of job {job} is not attached on this connection",
-                job=job,
-                rank=src,
-            )
-        if att.diverged:
-            return
-        if not 0 <= dst < att.claims.size:
-            raise Rejected(
-                "bad_dst",
-                f"destination {dst} outside job {job} of {att.claims.size} ranks",
-                job=job,
-                rank=src,
-            )
-        box = hub.boxes.get((job, dst)) or hub.box(job, dst)
-        mailbox = box.mailbox
-        try:
-            offer = mailbox.offer(src, seq)
-        except RemoteProtocolError as exc:
-            raise rejection(exc, job=job, rank=src) from exc
-        offered = att.offered
-        if seq > offered.get(dst, 0):
-            offered[dst] = seq
-        if offer is Offer.NEW:
-            hub.stage(batch, box, src, seq, frame)
-            return
-        # A copy of a logged message: dropped, if it has the logged content.
-        entry = mailbox.entry(src, seq)
-        if entry is not None and not hub.determinism.check(att, entry, dst, frame):
-            return
-        if offer is Offer.DUPLICATE:
-            self.queue_ack(job, src, dst, min(mailbox.acked(src), offered[dst]))
-
-    def _det(self, msg: Det, frame: bytes | bytearray, batch: Batch) -> None:
-        hub = self.hub
-        job, rank = key = (msg.job, msg.rank)
-        att = self.attached.get(key)
-        if att is None:
-            if key in self.fenced or job in hub.finished:
-                return
-            raise Rejected(
-                "not_attached",
-                f"determinant of rank {rank} of job {job}, which is not attached on this "
-                "connection",
-                job=job,
-                rank=rank,
-            )
-        if att.diverged:
-            return
-        if not att.home:
-            raise Rejected(
-                "not_home",
-                f"determinant of rank {rank} of job {job} on an attachment without home: "
-                "determinants go to the rank's home relay",
-                job=job,
-                rank=rank,
-            )
-        box = hub.boxes.get(key) or hub.box(job, rank)
-        dets = box.dets
-        try:
-            offer = dets.offer(msg.index)
-        except RemoteProtocolError as exc:
-            raise rejection(exc, job=job, rank=rank) from exc
-        if offer is DetOffer.NEW:
-            hub.stage_det(batch, box, msg, frame)
-        elif dets.durable:
-            # Already logged: drop it and say again what is durable (if it is not yet, its
-            # DetAck follows when it is).
-            self.send(DetAck(job=job, rank=rank, count=dets.durable))
-
-    def _credit(self, msg: Credit) -> None:
-        key = (msg.job, msg.rank)
-        att = self.attached.get(key)
-        if att is None or not att.home:
-            return  # credit for pushes of an attachment that ended meanwhile
-        box = self.hub.boxes.get(key)
-        if box is not None and box.receiver is self:
-            try:
-                box.mailbox.credit(msg.nbytes)
-            except RemoteProtocolError as exc:
-                raise rejection(exc, job=msg.job, rank=msg.rank) from exc
-            if box.mailbox.can_push():
-                self._wake.set()
-
-    def _claims(self, msg: Attach) -> RankClaims | None:
-        """The checked claims of an Attach's token; None when the job is over."""
-        hub = self.hub
-        assert hub.signing_key is not None
-        try:
-            claims = verify_token(msg.token, hub.signing_key, now=now(), kind=RankClaims)
-        except TokenError as exc:
-            raise Rejected(exc.code, f"rank token refused: {exc.message}") from exc
-        job, rank = claims.job, claims.rank
-        if claims.agent != self.agent:
-            raise Rejected(
-                "wrong_token",
-                f"the token of job {job} rank {rank} was issued to agent {claims.agent!r}, "
-                f"not to {self.agent!r}",
-                job=job,
-                rank=rank,
-            )
-        if not 0 <= rank < claims.size:
-            raise Rejected(
-                "bad_rank", f"rank {rank} outside a job of {claims.size}", job=job, rank=rank
-            )
-        if job in hub.finished:
-            self.fenced.add((job, rank))
-            self.send(
-                Stop(job=job, rank=rank, incarnation=claims.incarnation, reason="job finished")
-            )
-            return None
-        return claims
-
-    def _attach(self, msg: Attach, claims: RankClaims) -> None:
-        hub = self.hub
-        job, rank = claims.job, claims.rank
-        try:
-            if msg.home and claims.incarnation >= hub.fence.get((job, rank), 0):
-                trim.check_attach(hub.boxes.get((job, rank)), msg, job, rank)
-            hub.attach(self, claims, msg.home, dict(msg.received))
-        except Rejected as rej:
-            if rej.code not in ("fenced", "trimmed"):
-                raise
-            # A stale incarnation, or one asking for what a checkpoint let the log drop:
-            # refused, but the agent's other ranks go on on this connection; late frames of
-            # this one are dropped.
-            logger.info("%r: %s", self, rej.message)
-            self.fenced.add((job, rank))
-            self.send(Error(code=rej.code, message=rej.message, job=job, rank=rank))
-            return
-        replay: list[Det] = []
-        count = 0
-        if msg.home:
-            dets = hub.boxes[(job, rank)].dets
-            count = len(dets)
-            if msg.dets_from < count:
-                replay = dets.replay(max(msg.dets_from, dets.first))
-        self.send(
-            Attached(
-                job=job,
-                rank=rank,
-                incarnation=claims.incarnation,
-                stored=hub.stored_from(job, rank),
-                dets=count,
-            )
-        )
-        # Before any push: the writer sends queued control frames first.
-        for det in replay:
-            self.send(det)
 
     # -- outbound ---------------------------------------------------------------------------
 

@@ -7,7 +7,7 @@
      +-- CoordinatorError  the coordinator refused a call or could not be reached
 
 Protocol-level faults raised by ``vpool.protocol`` (``RemoteProtocolError``, ``TokenError``)
-are turned into ``Rejected`` in one place, ``connection.rejection``.
+are turned into ``Rejected`` in one place, ``connection_inbound.rejection``.
 """
 
 from __future__ import annotations

@@ -22,7 +22,6 @@ from vpool.protocol.framing import (
     DEFAULT_MAX_HEADER,
     PREFIX_SIZE,
     encode_frame,
-    raw_frame_parts,
 )
 from vpool.protocol.messages import (
     PROTOCOL_VERSION,
@@ -36,7 +35,6 @@ from vpool.protocol.messages import (
     Message,
     Welcome,
     decode,
-    encode,
 )
 from vpool.protocol.tokens import RankClaims, verify_token
 from vpool.relay.ckptstore import (
@@ -50,6 +48,7 @@ from vpool.relay.ckptstore import (
     delete_image,
     write_manifest,
 )
+from vpool.relay.directwrite import DirectFile
 from vpool.relay.errors import Rejected
 from vpool.relay.hub import now
 from vpool.relay.wire import FrameReader, RawFrame
@@ -59,33 +58,35 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+WRITE_BATCH = 4 << 20  # bytes of chunks handed to the writing thread at once
+
 
 class Upload:
     """An image being received into its part file."""
 
-    def __init__(self, put: CkptPut, claims: RankClaims, directory: Path, fd: int, tmp: Path):
+    def __init__(
+        self, put: CkptPut, claims: RankClaims, directory: Path, file: DirectFile, tmp: Path
+    ):
         self.put = put
         self.claims = claims
         self.key = (claims.job, claims.rank)
         self.directory = directory
-        self.fd = fd
+        self.file = file
         self.tmp = tmp
         self.size = 0
         self.hasher = hashlib.sha256()
+        # Chunks received but not written yet: written together, WRITE_BATCH bytes at a time.
+        self.pending: list[memoryview] = []
+        self.pending_bytes = 0
 
     def write(self, parts: list[memoryview]) -> None:
         """Append payloads (worker thread)."""
         for view in parts:
-            while view:
-                n = os.write(self.fd, view)
-                view = view[n:]
-        for view in parts:
+            self.file.write(view)
             self.hasher.update(view)
 
     def close(self, *, unlink: bool) -> None:
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
+        self.file.close()
         if unlink:
             self.tmp.unlink(missing_ok=True)
 
@@ -105,12 +106,7 @@ class StoreSession:
         self.discard_key: Key = (-1, -1)
 
     async def send(self, msg: Message, payload: bytes | memoryview = b"") -> None:
-        if payload:
-            # ``framing.frame_parts`` admits payloads on Data only, so the chunk's frame is
-            # put together from its encoded header here.
-            await self.stream.send_all(b"".join(raw_frame_parts(encode(msg), payload)))
-        else:
-            await self.stream.send_all(encode_frame(msg))
+        await self.stream.send_all(encode_frame(msg, payload))
 
     async def run(self, frames: list[RawFrame]) -> None:
         self.reader.max_header = DEFAULT_MAX_HEADER
@@ -155,7 +151,7 @@ class StoreSession:
                 )
         if chunks:
             try:
-                await self._write(chunks)
+                await self._write(chunks, flush=False)
             except Rejected as rej:
                 if rej.rank < 0:
                     raise
@@ -179,7 +175,7 @@ class StoreSession:
             elif msg.ckpt != self.discard:
                 raise Rejected("protocol_error", f"CkptChunk of image {msg.ckpt} out of order")
             return chunks
-        if chunks:
+        if chunks or (self.upload is not None and self.upload.pending):
             await self._write(chunks)
             chunks = []
         if type(msg) is CkptEnd:
@@ -257,16 +253,16 @@ class StoreSession:
         directory = ckpt_dir(self.hub.data_dir, claims.job, claims.rank)
         tmp = directory / f"{put.ckpt}.{secrets.token_hex(4)}{PART}"
 
-        def create() -> int:
+        def create() -> DirectFile:
             directory.mkdir(parents=True, exist_ok=True)
-            return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+            return DirectFile(tmp)
 
         try:
-            fd = await self.store._io(create)
+            file = await self.store._io(create)
         except OSError as exc:
             self.discard, self.discard_key = put.ckpt, (claims.job, claims.rank)
             raise self._storage(claims.job, claims.rank, exc) from exc
-        self.upload = Upload(put, claims, directory, fd, tmp)
+        self.upload = Upload(put, claims, directory, file, tmp)
         self.store.uploading.add(self.upload.key)
 
     def _storage(self, job: int, rank: int, exc: OSError) -> Rejected:
@@ -287,11 +283,18 @@ class StoreSession:
                 f"relay's limit of {limit} bytes",
             )
 
-    async def _write(self, chunks: list[memoryview]) -> None:
+    async def _write(self, chunks: list[memoryview], *, flush: bool = True) -> None:
+        """Write ``chunks`` after those pending; unless ``flush``, only once WRITE_BATCH bytes
+        are pending (one worker-thread round trip per batch, not per chunk)."""
         up = self.upload
         assert up is not None
+        up.pending.extend(chunks)
+        up.pending_bytes += sum(len(c) for c in chunks)
+        if not flush and up.pending_bytes < WRITE_BATCH:
+            return
+        batch, up.pending, up.pending_bytes = up.pending, [], 0
         try:
-            await self.store._io(lambda: up.write(chunks))
+            await self.store._io(lambda: up.write(batch))
         except OSError as exc:
             await self.abort_upload()
             self.discard, self.discard_key = up.put.ckpt, up.key
@@ -333,7 +336,7 @@ class StoreSession:
         )
 
         def durable() -> None:
-            os.fsync(up.fd)
+            up.file.finish()
             up.close(unlink=False)
             os.rename(up.tmp, img.path)
             write_manifest(img)  # the commit point; fsyncs the directory

@@ -7,6 +7,6 @@ and proxies their MPI frames between its unix socket and the relays.
 Modules by concern: ``settings``, ``identity`` (key, enrollment request), ``coordinator``
 (HTTP client), ``bundle`` (blob cache, extraction, results), ``output`` (stdout/stderr pump),
 ``ranks`` (one lease from start to exit report), ``local_ranks`` (shared per-rank state),
-``proxy`` (rank socket), ``relay_link`` (relay connections), ``wire`` (frame I/O),
-``agent`` (``run_agent``), ``cli``.
+``proxy`` (rank socket), ``relay_link`` (relay connections), ``relay_inbound`` (what relays
+send, routed to the ranks), ``wire`` (frame I/O), ``agent`` (``run_agent``), ``cli``.
 """

@@ -38,6 +38,46 @@ SOCKET_NAME = "agent.sock"
 _MIN_EMPTY_POLL = 0.25  # s between two lease calls that both came back empty
 _MIN_HEARTBEAT = 0.05  # s; guards against a heartbeat interval of 0
 _FIRST_RETRY = 0.2  # s before the first retry of a heartbeat that found no coordinator
+_MAX_ORDER_IDS = 1024  # checkpoint order ids remembered (to ignore a re-delivery), to ack
+
+
+class CheckpointOrderIds:
+    """At-least-once checkpoint orders, agent side. The coordinator hands an order out in every
+    heartbeat answer until a heartbeat acknowledges its id: each id received is acknowledged in
+    the following heartbeats until an answer to one that carried it came back, and acted on
+    only the first time it is seen. Both sets are bounded (oldest forgotten first); orders are
+    few (at most one queued per rank), so the bound is never reached in practice."""
+
+    def __init__(self, limit: int = _MAX_ORDER_IDS) -> None:
+        self.limit = limit
+        self._seen: dict[int, None] = {}  # insertion-ordered sets
+        self._acks: dict[int, None] = {}
+
+    def acks(self) -> list[int]:
+        """The ids the next heartbeat acknowledges."""
+        return list(self._acks)
+
+    def answered(self, acks: list[int]) -> None:
+        """A heartbeat that carried ``acks`` got its answer: the coordinator deleted them."""
+        for order_id in acks:
+            self._acks.pop(order_id, None)
+
+    def received(self, order_id: int) -> bool:
+        """Note an order received; True the first time (act on it), False for a re-delivery.
+        Id 0 is an order of a coordinator that numbers none: acted on, never acknowledged."""
+        if order_id == 0:
+            return True
+        _add(self._acks, order_id, self.limit)
+        if order_id in self._seen:
+            return False
+        _add(self._seen, order_id, self.limit)
+        return True
+
+
+def _add(ids: dict[int, None], order_id: int, limit: int) -> None:
+    ids[order_id] = None
+    while len(ids) > limit:
+        del ids[next(iter(ids))]
 
 
 @dataclass(frozen=True)
@@ -68,6 +108,7 @@ class Agent:
         self._beat = trio.CancelScope()  # the heartbeat being waited for, or the pause after it
         self.socket_path = choose_socket_path(settings.work_path, SOCKET_NAME)
         self.capability = Capability()
+        self.checkpoint_orders = CheckpointOrderIds()
         # Set once a heartbeat carried the capability: leases are asked for only then, so the
         # coordinator never places a restore here on what it knew of an earlier run of this
         # agent (enrolling clears it).
@@ -241,6 +282,7 @@ class Agent:
             token = self.client.token
             interval = max(self.enrolled.heartbeat_interval, _MIN_HEARTBEAT)
             sent = trio.current_time()
+            acks = self.checkpoint_orders.acks()
             resp, refused, unreachable = None, None, False
             with trio.CancelScope() as self._beat:
                 try:
@@ -256,6 +298,7 @@ class Agent:
                             wait=interval
                             if self.capability_told.is_set() or not self.capability.ready.is_set()
                             else 0.0,
+                            checkpoint_acks=acks,
                         )
                     )
                 except CoordinatorUnreachable as exc:
@@ -281,7 +324,10 @@ class Agent:
                     rank = self.ranks.find(order.job, order.rank, order.incarnation)
                     if rank is not None:
                         rank.request_stop(order.reason)
+                self.checkpoint_orders.answered(acks)
                 for ckpt_order in resp.checkpoint:
+                    if not self.checkpoint_orders.received(ckpt_order.id):
+                        continue  # re-delivered: our acknowledgement had not arrived yet
                     rank = self.ranks.find(ckpt_order.job, ckpt_order.rank, ckpt_order.incarnation)
                     if rank is not None:
                         rank.checkpoint_wanted.set()

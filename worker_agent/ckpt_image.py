@@ -4,14 +4,18 @@ An image is the CRIU images directory (archived under ``criu/``) and the rank di
 ``rank/``) as one stream, made and read with bounded memory and no temporary file::
 
     image  = MAGIC (5 bytes) | nonce prefix (8 random bytes) | frame* (the last has LAST set)
-    frame  = length (4 bytes, big-endian) | flags (1 byte, LAST = 1) | ciphertext (length bytes)
+    frame  = length (4 bytes, big-endian) | flags (1 byte: LAST = 1, ZSTD = 2) | ciphertext
 
 The plaintext is a POSIX tar stream (PAX headers: directories, regular files, symlinks, with
-modes and mtimes; sockets, FIFOs and devices are left out), compressed with zstd and cut into
-``CHUNK``-byte pieces. Piece n is sealed with AES-256-GCM under the job's checkpoint key, nonce
-= prefix | n (4 bytes, big-endian), associated data = ``b"vpool-ckpt"`` | job | rank | ckpt | n |
-LAST: a frame moved, dropped, taken from another image or rank, or a stream cut after a frame
-fails its tag or the LAST check. ``size`` and ``sha256`` cover every byte of the image as stored.
+modes and mtimes; sockets, FIFOs and devices are left out) cut into ``CHUNK``-byte pieces.
+Each piece is compressed on its own with zstd (flag ZSTD) when a sample of it shows that
+pays, and stored as it is otherwise: a rank's big arrays of floating-point numbers gain about
+5% at level 1 for 0.3 s of CPU per 200 MB, while the interpreter's heap and zero pages shrink
+a lot. Piece n is sealed with AES-256-GCM under the job's checkpoint key, nonce = prefix | n
+(4 bytes, big-endian), associated data = ``b"vpool-ckpt"`` | job | rank | ckpt | n | flags:
+a frame moved, dropped, taken from another image or rank, flagged differently, or a stream cut
+after a frame fails its tag or the LAST check. ``size`` and ``sha256`` cover every byte of the
+image as stored.
 
 Reading checks everything (announced size and SHA-256, each tag, the order, the LAST frame)
 and extracts into staging directories next to the targets, moved into place only once the
@@ -42,8 +46,14 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from vpool.worker_agent.errors import AgentError
 
 CHUNK = 1 << 20
-MAGIC = b"VPCK\x01"
+MAGIC = b"VPCK\x02"
 LAST = 1
+ZSTD = 2
+# A piece is compressed when these samples of it (SAMPLES slices of SAMPLE bytes, spread over
+# it) shrink below SAMPLE_RATIO of their size; each costs 1/16 of compressing the whole piece.
+SAMPLE = 16 * 1024
+SAMPLES = 4
+SAMPLE_RATIO = 0.9
 TAG_SIZE = 16
 _FRAME = struct.Struct(">IB")
 _AAD = struct.Struct(">qqqIB")
@@ -56,8 +66,8 @@ class ImageError(AgentError):
     """A checkpoint image is unusable (tampered, truncated, wrong key, unsafe content)."""
 
 
-def _aad(job: int, rank: int, ckpt: int, number: int, last: bool) -> bytes:
-    return b"vpool-ckpt" + _AAD.pack(job, rank, ckpt, number, LAST if last else 0)
+def _aad(job: int, rank: int, ckpt: int, number: int, flags: int) -> bytes:
+    return b"vpool-ckpt" + _AAD.pack(job, rank, ckpt, number, flags)
 
 
 def _cipher(key: bytes) -> AESGCM:
@@ -75,7 +85,7 @@ class ImageWriter:
     def __init__(self, key: bytes, *, job: int, rank: int, ckpt: int, level: int = 1) -> None:
         self._aead = _cipher(key)
         self._ids = (job, rank, ckpt)
-        self._level = level
+        self._zstd = zstandard.ZstdCompressor(level=level)
         self._prefix = secrets.token_bytes(8)
         self._digest = hashlib.sha256()
         self.size = 0
@@ -97,34 +107,56 @@ class ImageWriter:
 
     def seal(self, tar_pieces: Iterable[bytes]) -> Iterator[bytes]:
         """The image of an archive given as pieces (``pack`` with the tar stream made)."""
-        chunker = zstandard.ZstdCompressor(level=self._level).chunker(chunk_size=CHUNK)
         yield self._count(MAGIC + self._prefix)
         # One piece is held back: only the end of the stream says which piece is the last.
         held: bytes | None = None
         number = 0
-        for piece in tar_pieces:
-            for chunk in chunker.compress(piece):
-                if held is not None:
-                    yield self._count(self._seal(number, held, last=False))
-                    number += 1
-                held = chunk
-        for chunk in chunker.finish():
+        for piece in _rechunk(tar_pieces, CHUNK):
             if held is not None:
                 yield self._count(self._seal(number, held, last=False))
                 number += 1
-            held = chunk
+            held = piece
         yield self._count(self._seal(number, held or b"", last=True))
         self.sha256 = self._digest.digest()
 
     def _seal(self, number: int, plain: bytes, *, last: bool) -> bytes:
+        body, flags = self._compress(plain)
+        flags |= LAST if last else 0
         nonce = self._prefix + number.to_bytes(4, "big")
-        sealed = self._aead.encrypt(nonce, plain, _aad(*self._ids, number, last))
-        return _FRAME.pack(len(sealed), LAST if last else 0) + sealed
+        sealed = self._aead.encrypt(nonce, body, _aad(*self._ids, number, flags))
+        return _FRAME.pack(len(sealed), flags) + sealed
+
+    def _compress(self, plain: bytes) -> tuple[bytes, int]:
+        """``(zstd frame, ZSTD)`` when compressing ``plain`` pays, else ``(plain, 0)``."""
+        if len(plain) > SAMPLES * SAMPLE:
+            step = (len(plain) - SAMPLE) // (SAMPLES - 1)
+            sample = b"".join(plain[i * step : i * step + SAMPLE] for i in range(SAMPLES))
+            if len(self._zstd.compress(sample)) > SAMPLE_RATIO * len(sample):
+                return plain, 0
+        packed = self._zstd.compress(plain)
+        if len(packed) >= len(plain):
+            return plain, 0
+        return packed, ZSTD
 
     def _count(self, data: bytes) -> bytes:
         self.size += len(data)
         self._digest.update(data)
         return data
+
+
+def _rechunk(pieces: Iterable[bytes], size: int) -> Iterator[bytes]:
+    """The bytes of ``pieces`` again, as pieces of exactly ``size`` bytes (the last: at most)."""
+    buf = bytearray()
+    for piece in pieces:
+        if not buf and len(piece) == size:
+            yield piece
+            continue
+        buf += piece
+        while len(buf) >= size:
+            yield bytes(buf[:size])
+            del buf[:size]
+    if buf:
+        yield bytes(buf)
 
 
 def _tar_stream(roots: dict[str, Path], exclude: Callable[[str], bool] | None) -> Iterator[bytes]:
@@ -201,10 +233,9 @@ class ImageReader:
         }
         try:
             try:
-                reader = zstandard.ZstdDecompressor().stream_reader(opener, read_size=CHUNK)
-                with tarfile.open(fileobj=reader, mode="r|") as archive:
+                with tarfile.open(fileobj=opener, mode="r|") as archive:
                     _Extractor(staging).run(archive)
-                while reader.read(CHUNK):
+                while opener.read(CHUNK):
                     pass
                 opener.finish()
             except ImageError:
@@ -250,7 +281,7 @@ def _replace(staged: Path, target: Path) -> None:
 
 
 class _Opener:
-    """File-like ``read`` of the compressed plaintext, checking the frames as they pass."""
+    """File-like ``read`` of the archive, checking the frames as they pass."""
 
     def __init__(
         self,
@@ -270,6 +301,7 @@ class _Opener:
         self._prefix = b""
         self._number = 0
         self._last = False
+        self._unzstd = zstandard.ZstdDecompressor()
         self.digest = hashlib.sha256()
         self.error: ImageError | None = None
 
@@ -307,20 +339,31 @@ class _Opener:
                 f"truncated: the image ends before its last chunk ({self._received} bytes)"
             )
         length, flags = _FRAME.unpack(self._take(_FRAME.size))
-        if length > CHUNK + TAG_SIZE or length < TAG_SIZE or flags & ~LAST:
+        if length > CHUNK + TAG_SIZE or length < TAG_SIZE or flags & ~(LAST | ZSTD):
             raise ImageError(f"corrupted: bad frame header at chunk {self._number}")
         sealed = self._take(length)
-        last = bool(flags & LAST)
         nonce = self._prefix + self._number.to_bytes(4, "big")
         try:
-            plain = self._aead.decrypt(nonce, sealed, _aad(*self._ids, self._number, last))
+            plain = self._aead.decrypt(nonce, sealed, _aad(*self._ids, self._number, flags))
         except InvalidTag:
             raise ImageError(
                 f"authentication failed: wrong key or corrupted (chunk {self._number})"
             ) from None
+        if flags & ZSTD:
+            plain = self._unpack_chunk(plain)
         self._number += 1
-        self._last = last
+        self._last = bool(flags & LAST)
         return plain
+
+    def _unpack_chunk(self, packed: bytes) -> bytes:
+        """A ZSTD chunk's plaintext: one zstd frame that says its size, at most CHUNK bytes."""
+        try:
+            size = zstandard.frame_content_size(packed)
+            if size < 0 or size > CHUNK:
+                raise ImageError(f"corrupted: chunk {self._number} unpacks to {size} bytes")
+            return self._unzstd.decompress(packed, max_output_size=CHUNK)
+        except zstandard.ZstdError as exc:
+            raise ImageError(f"corrupted: chunk {self._number} does not unpack: {exc}") from None
 
     def _take(self, n: int) -> bytes:
         while len(self._buffer) < n:

@@ -1,10 +1,11 @@
 """Connections from this agent to relays: one TLS link per relay, shared by all ranks.
 
 ``relay_links.RelayLinks.get`` opens a relay's link the first time a rank needs it (``Hello`` ->
-``Welcome``). Each connection runs two tasks: a reader that routes what the relay sends (pushed
-``Data`` and ``Det`` into the destination rank's outbox, ``Ack``/``DetAck`` to the depositing
-rank, ``Attached``/``Error`` to whoever waits for an attach, ``Stop`` to the rank's runner) and a
-writer (``relay_writer.FrameWriter``) that drains one bounded queue.
+``Welcome``). Each connection runs two tasks: a reader (``relay_inbound.InboundRouting``) that
+routes what the relay sends (pushed ``Data`` and ``Det`` into the destination rank's outbox,
+``Ack``/``DetAck`` to the depositing rank, ``Attached``/``Error`` to whoever waits for an attach,
+``Stop`` to the rank's runner) and a writer (``relay_writer.FrameWriter``) that drains one
+bounded queue.
 
 Reconnection (docs/internals.md, "Fault tolerance"): every ``Data`` and ``Det`` deposited is kept
 (``unacked.Unacked``) until the relay acknowledges it. When the connection drops while ranks are
@@ -27,23 +28,20 @@ import trio
 from vpool.protocol.api import RelayInfo
 from vpool.protocol.errors import ProtocolError
 from vpool.protocol.messages import (
-    Ack,
     Attach,
     Attached,
     Credit,
     Data,
     Det,
     Detach,
-    DetAck,
-    Error,
     Message,
-    Stop,
     Welcome,
 )
 from vpool.protocol.session import Session
 from vpool.worker_agent.errors import RelayLinkError
 from vpool.worker_agent.local_ranks import LocalRank, RankKey
 from vpool.worker_agent.relay_handshake import handshake
+from vpool.worker_agent.relay_inbound import InboundRouting, _label, _PendingAttach
 from vpool.worker_agent.relay_writer import Dropped, FrameWriter
 from vpool.worker_agent.unacked import Unacked
 from vpool.worker_agent.wire import Buffer, FrameReader, encode_small
@@ -57,18 +55,8 @@ CONNECT_TIMEOUT = 15.0
 ATTACH_TIMEOUT = 30.0
 _RECONNECT_FIRST = 0.1  # s before the first reconnection attempt, doubled up to _RECONNECT_MAX
 _RECONNECT_MAX = 2.0
-# Error codes about one rank (Error.rank >= 0) that leave the shared connection up.
-_RANK_ONLY_ERRORS = frozenset({"fenced", "not_deterministic"})
 
 ProblemCallback = Callable[[LocalRank, str], None]
-
-
-class _PendingAttach:
-    def __init__(self) -> None:
-        self.done = trio.Event()
-        self.result: Attached | str = "no answer"
-        self.dropped = False  # the connection dropped before the answer: try again
-        self.code = ""  # the relay's Error code, or "stopped"
 
 
 class Connection:
@@ -97,7 +85,7 @@ class Connection:
                 pass  # a new connection brings a new window
 
 
-class RelayLink:
+class RelayLink(InboundRouting):
     """The agent's link to one relay, across reconnections."""
 
     def __init__(self, info: RelayInfo, *, owner: RelayLinks) -> None:
@@ -325,107 +313,6 @@ class RelayLink:
         if pending.code == "fenced":
             rank.request_stop(str(pending.result))
 
-    async def _read_loop(self, reader: FrameReader) -> str:
-        session = self._session
-        ranks = self.ranks
-        unacked = self._unacked
-        conn = self.current
-        assert conn is not None
-        while True:
-            frame = await reader.receive()
-            if frame is None:
-                return "the relay closed the connection"
-            msg = frame.message
-            if type(msg) is Error and msg.code in _RANK_ONLY_ERRORS and msg.rank >= 0:
-                self._rank_error(msg)  # the connection, and every other rank here, goes on
-                continue
-            session.receive(msg)
-            if isinstance(msg, Data):
-                rank = ranks.get((msg.job, msg.dst))
-                if rank is not None:
-                    rank.received[msg.src] = msg.seq
-                    rank.outbox.push_data(frame.parts, frame.size, conn)
-            elif isinstance(msg, Ack):
-                key = (msg.job, msg.src)
-                store = unacked.get(key)
-                if store is not None:
-                    store.ack(msg.dst, msg.seq)
-                rank = ranks.get(key)
-                if rank is not None:
-                    rank.outbox.push_ack(msg.dst, bytes(frame.parts[0]))
-            elif isinstance(msg, Det):
-                rank = ranks.get((msg.job, msg.rank))
-                # One the rank has is not given again (a resumed home attachment).
-                if rank is not None and msg.index >= rank.dets_in:
-                    rank.dets_in = msg.index + 1
-                    rank.outbox.push_data(frame.parts, frame.size, None)
-            elif isinstance(msg, DetAck):
-                key = (msg.job, msg.rank)
-                store = unacked.get(key)
-                if store is not None:
-                    store.det_ack(msg.count)
-                rank = ranks.get(key)
-                if rank is not None:
-                    rank.outbox.push_data(frame.parts, frame.size, None)
-            elif isinstance(msg, Attached):
-                self._resolve((msg.job, msg.rank), msg)
-            elif isinstance(msg, Stop):
-                self._stop(msg)
-            elif isinstance(msg, Error):
-                key = (msg.job, msg.rank)
-                text = f"{self.where} refused {_label(key)}: {msg.code}: {msg.message}"
-                # Every other Error ends the connection (the relay closes it); one naming a
-                # rank says why that rank in particular was refused.
-                if key in self._pending:
-                    self._resolve(key, text, code=msg.code)
-                elif (rank := ranks.get(key)) is not None:
-                    self._forget(key)
-                    self._owner.on_problem(rank, text)
-                return f"{self.where} sent {msg.code}: {msg.message}"
-            else:
-                raise RelayLinkError(f"unexpected {type(msg).__name__} from {self.where}")
-
-    def _rank_error(self, msg: Error) -> None:
-        """An Error about one rank that leaves the connection up: ``fenced`` (a newer
-        incarnation holds the rank) or ``not_deterministic`` (the relay drops the rank's
-        further deposits and tells the coordinator, which ends the job)."""
-        key = (msg.job, msg.rank)
-        text = f"{self.where} refused {_label(key)}: {msg.code}: {msg.message}"
-        if key in self._pending:
-            self._resolve(key, text, code=msg.code)
-            return
-        log.warning("%s", text)
-        if msg.code == "fenced" and (rank := self.ranks.get(key)) is not None:
-            self._forget(key)
-            rank.request_stop(text)
-
-    def _forget(self, key: RankKey) -> None:
-        """The relay refused the rank: route nothing more for it, send nothing more of it."""
-        self.ranks.pop(key, None)
-        self.attached.pop(key, None)
-        self._unacked.pop(key, None)
-
-    def _stop(self, msg: Stop) -> None:
-        key = (msg.job, msg.rank)
-        rank = self.ranks.get(key)
-        if rank is None or rank.lease.incarnation != msg.incarnation:
-            return  # an older incarnation, replaced here already
-        self.attached.pop(key, None)
-        text = f"{self.where} stopped it: {msg.reason}"
-        if key in self._pending:
-            self._resolve(key, text, code="stopped")
-        rank.request_stop(text)
-
-    def _resolve(
-        self, key: RankKey, result: Attached | str, *, dropped: bool = False, code: str = ""
-    ) -> None:
-        pending = self._pending.pop(key, None)
-        if pending is not None:
-            pending.result = result
-            pending.dropped = dropped
-            pending.code = code
-            pending.done.set()
-
     def _set_ready(self) -> None:
         self._ready = True
         self._ready_event.set()
@@ -606,7 +493,3 @@ class RelayLink:
             await self._send_msg(Detach(job=rank.lease.job, rank=rank.lease.rank), gated=False)
         except RelayLinkError:
             pass  # the drop is handled by the link itself
-
-
-def _label(key: RankKey) -> str:
-    return f"rank {key[1]} of job {key[0]}" if key[0] >= 0 else "this agent"

@@ -7,8 +7,8 @@ image per connection at a time::
     get:  CkptGet  ->  CkptInfo, CkptChunk (payload) ..., CkptEnd
 
 An ``Error`` from the store becomes ``StoreError`` with its code (``fenced``, ``not_found``...).
-``CkptChunk`` frames carry a payload, which the data path's readers refuse for anything but
-``Data``: this module frames and reads its own.
+Frames are made with ``protocol.framing``; they are read here, one at a time, the payload of a
+``CkptChunk`` (the only message besides ``Data`` that carries one) included.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import trio
 from vpool import __version__
 from vpool.protocol.api import RelayInfo
 from vpool.protocol.errors import ProtocolError, RemoteProtocolError
-from vpool.protocol.framing import PREFIX_SIZE, parse_prefix, raw_frame_parts
+from vpool.protocol.framing import PREFIX_SIZE, frame_parts, parse_prefix
 from vpool.protocol.messages import (
     PROTOCOL_VERSION,
     CkptChunk,
@@ -36,7 +36,6 @@ from vpool.protocol.messages import (
     Message,
     Welcome,
     decode,
-    encode,
 )
 from vpool.worker_agent.errors import AgentError
 
@@ -79,7 +78,7 @@ class StoreConnection:
     # -- frames -----------------------------------------------------------------------------
 
     async def send(self, msg: Message, payload: bytes | bytearray | memoryview = b"") -> None:
-        parts = raw_frame_parts(encode(msg), payload)
+        parts = frame_parts(msg, payload)
         try:
             for part in parts:
                 await self._stream.send_all(part)

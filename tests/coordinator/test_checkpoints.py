@@ -66,6 +66,8 @@ async def _beat(
     free: int = 8,
     wait: float = 0.0,
     restored_from: int = -1,
+    state: str = "running",
+    acks: list[int] | None = None,
 ) -> api.AgentHeartbeatResponse:
     hb = api.AgentHeartbeat(
         ranks=[
@@ -73,7 +75,7 @@ async def _beat(
                 job=x.job,
                 rank=x.rank,
                 incarnation=x.incarnation,
-                state="running",
+                state=state,
                 restored_from=restored_from if x.incarnation > 1 else -1,
             )
             for x in leases
@@ -82,6 +84,7 @@ async def _beat(
         criu=criu,
         fingerprint=fp,
         wait=wait,
+        checkpoint_acks=acks or [],
     )
     r = await pool.post("/api/v1/agents/heartbeat", hb, agent.headers)
     return decode(r, api.AgentHeartbeatResponse)
@@ -282,7 +285,18 @@ async def test_relay_report_is_refused_when_the_relay_should_delete_it(pool: Poo
 # -- users: checkpoint now ------------------------------------------------------------------
 
 
-async def test_checkpoint_order_is_delivered_once(pool: Pool) -> None:
+def _orders(pool: Pool) -> list[tuple[str, int, int, int]]:
+    rows = pool.core.store.db.query(  # type: ignore[attr-defined]
+        "SELECT agent, job, rank, incarnation FROM checkpoint_orders ORDER BY job, rank"
+    )
+    return [(r["agent"], r["job"], r["rank"], r["incarnation"]) for r in rows]
+
+
+def _targets(resp: api.AgentHeartbeatResponse) -> list[tuple[int, int, int]]:
+    return [(o.job, o.rank, o.incarnation) for o in resp.checkpoint]
+
+
+async def test_checkpoint_order_is_handed_out_until_acknowledged(pool: Pool) -> None:
     agent, leases = await _running(pool, ranks=3)
     job = leases[0].job
     r = await pool.post(f"/api/v1/jobs/{job}/checkpoint", api.CheckpointAsk(), pool.user())
@@ -290,9 +304,65 @@ async def test_checkpoint_order_is_delivered_once(pool: Pool) -> None:
     assert decode(r, api.CheckpointAsked) == api.CheckpointAsked(job=job, ranks=[0, 1, 2])
     r = await pool.post(f"/api/v1/jobs/{job}/checkpoint", api.CheckpointAsk(rank=1), pool.user())
     assert decode(r, api.CheckpointAsked).ranks == [1]  # not twice for rank 1
-    hb = await _beat(pool, agent, leases)
-    assert hb.checkpoint == [api.CheckpointOrder(job=job, rank=r, incarnation=1) for r in (0, 1, 2)]
+    first = await _beat(pool, agent, leases)
+    assert _targets(first) == [(job, r, 1) for r in (0, 1, 2)]
+    ids = [o.id for o in first.checkpoint]
+    assert all(i > 0 for i in ids) and len(set(ids)) == 3
+    # Not acknowledged (the answer may never have reached the agent): handed out again.
+    assert (await _beat(pool, agent, leases)).checkpoint == first.checkpoint
+    # Another agent cannot acknowledge them.
+    other = await pool.enroll("agent-2", slots=1)
+    await _beat(pool, other, [], free=1, acks=ids)
+    assert (await _beat(pool, agent, leases)).checkpoint == first.checkpoint
+    again = await _beat(pool, agent, leases, acks=ids[:2])
+    assert again.checkpoint == first.checkpoint[2:]
+    assert (await _beat(pool, agent, leases, acks=ids)).checkpoint == []
     assert (await _beat(pool, agent, leases)).checkpoint == []
+    assert _orders(pool) == []
+
+
+async def test_order_for_a_starting_rank_waits_until_it_runs(pool: Pool) -> None:
+    await pool.register_relay("relay-0")
+    r = await _submit(pool, 2)
+    assert r.status_code == 201, r.text
+    agent = await pool.enroll("agent-1", slots=2)
+    leases = await pool.lease(agent)
+    job = leases[0].job
+    # ``vsdk checkpoint`` asks only running ranks, but one may be leased again before its order
+    # goes out; queue one for the leased (not yet running) rank 0 directly.
+    pool.core.store.db.execute(  # type: ignore[attr-defined]
+        "INSERT INTO checkpoint_orders (agent, job, rank, incarnation) VALUES (?, ?, 0, 1)",
+        [agent.id, job],
+    )
+    assert (await _beat(pool, agent, leases, state="starting", free=0)).checkpoint == []
+    assert _orders(pool) == [(agent.id, job, 0, 1)]  # kept
+    hb = await _beat(pool, agent, leases, free=0)
+    assert _targets(hb) == [(job, 0, 1)]
+    assert (await _beat(pool, agent, leases, free=0, acks=[hb.checkpoint[0].id])).checkpoint == []
+    assert _orders(pool) == []
+
+
+async def test_order_that_can_never_apply_is_dropped(pool: Pool) -> None:
+    agent, leases = await _running(pool)
+    job = leases[0].job
+    r = await pool.post(f"/api/v1/jobs/{job}/checkpoint", api.CheckpointAsk(), pool.user())
+    assert r.status_code == 202, r.text
+    # Rank 0's incarnation 1 is lost before the order went out: its order is stale.
+    await _relay_loses(pool, job, 0)
+    hb = await _beat(pool, agent, leases[1:], free=1)
+    assert _targets(hb) == [(job, 1, 1)]
+    assert _orders(pool) == [(agent.id, job, 1, 1)]
+    # Incarnation 2 runs (here, or anywhere): the stale order never goes out.
+    replacement = await pool.lease(agent, free=1)
+    assert [(x.rank, x.incarnation) for x in replacement] == [(0, 2)]
+    hb = await _beat(pool, agent, [*replacement, leases[1]], free=0)
+    assert _targets(hb) == [(job, 1, 1)]
+    # The job ends before the agent acknowledges rank 1's order; the agent never comes back,
+    # yet its order goes at another agent's heartbeat.
+    await pool.client.post(f"/api/v1/jobs/{job}/cancel", headers=pool.user())
+    other = await pool.enroll("agent-2", slots=1)
+    await _beat(pool, other, [], free=1)
+    assert _orders(pool) == []
 
 
 async def test_checkpoint_ask_errors(pool: Pool) -> None:
@@ -336,8 +406,15 @@ async def test_checkpoint_order_wakes_a_held_heartbeat(tmp_path: Path) -> None:
                 ask = api.CheckpointAsk(rank=0)
                 r = await pool.post(f"/api/v1/jobs/{job}/checkpoint", ask, pool.user())
                 assert r.status_code == 202
-        assert got[0].checkpoint == [api.CheckpointOrder(job=job, rank=0, incarnation=1)]
+        assert _targets(got[0]) == [(job, 0, 1)]
         assert got[0].stop == []
+
+        # The next heartbeat acknowledges the order: with nothing to hand out, it is held.
+        ack = [got[0].checkpoint[0].id]
+        with trio.move_on_after(1) as held:
+            await _beat(pool, agent, leases, wait=30.0, acks=ack)
+        assert held.cancelled_caught
+        assert _orders(pool) == []
 
 
 # -- replacements ---------------------------------------------------------------------------

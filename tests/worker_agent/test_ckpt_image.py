@@ -17,6 +17,7 @@ import trio
 from vpool.worker_agent.ckpt_image import (
     CHUNK,
     TAG_SIZE,
+    ZSTD,
     ImageError,
     ImageReader,
     ImageWriter,
@@ -197,6 +198,55 @@ def test_hash_mismatch(image: bytes, target: tuple[Path, Path]) -> None:
 
 def test_trailing_garbage(image: bytes, target: tuple[Path, Path]) -> None:
     assert_refused(image + b"x", target, "after the last chunk")
+
+
+def frames(image: bytes) -> list[tuple[int, int, int]]:
+    """(offset, length, flags) of each frame of an image."""
+    out, at = [], 13
+    while at < len(image):
+        length, flags = int.from_bytes(image[at : at + 4], "big"), image[at + 4]
+        out.append((at, length, flags))
+        at += 5 + length
+    assert at == len(image)
+    return out
+
+
+def test_chunks_compressed_only_where_it_pays(tmp_path: Path) -> None:
+    """Random bytes (like a rank's floating-point arrays) travel as they are; text and zeros
+    are compressed; both come back intact."""
+    images, rank = tmp_path / "img", tmp_path / "rank"
+    images.mkdir()
+    rank.mkdir()
+    noise = random.Random(5).randbytes(3 * CHUNK)
+    (images / "a-noise.img").write_bytes(noise)
+    (images / "b-zeros.img").write_bytes(bytes(3 * CHUNK))
+    (images / "c-text.img").write_bytes(b"the quick brown fox\n" * (CHUNK // 10))
+    pieces, writer = pack(images, rank)
+    image = b"".join(pieces)
+    found = frames(image)
+    raw = [f for f in found if not f[2] & ZSTD]
+    packed = [f for f in found if f[2] & ZSTD]
+    # The noise chunks (the first three, less the tar header's share) are stored raw: their
+    # ciphertext is CHUNK plus the tag; the zeros and the text shrink to a few KiB each.
+    assert sum(1 for f in raw if f[1] == CHUNK + TAG_SIZE) >= 2
+    assert len(packed) >= 4 and all(f[1] < CHUNK // 4 for f in packed[1:-1])
+    assert len(image) < len(noise) + CHUNK
+    out = tmp_path / "out"
+    ImageReader(KEY, **IDS, size=writer.size, sha256=writer.sha256).unpack(
+        [image], out / "img", out / "rank"
+    )
+    assert (out / "img" / "a-noise.img").read_bytes() == noise
+    assert (out / "img" / "b-zeros.img").read_bytes() == bytes(3 * CHUNK)
+
+
+def test_compression_flag_is_authenticated(image: bytes, target: tuple[Path, Path]) -> None:
+    """A frame's ZSTD flag flipped (say, so that a raw chunk is fed to zstd) fails its tag."""
+    data = bytearray(image)
+    at, _, _ = frames(image)[0]
+    data[at + 4] ^= ZSTD
+    assert_refused(
+        bytes(data), target, "authentication failed", sha256=hashlib.sha256(data).digest()
+    )
 
 
 def seal(tar_bytes: bytes) -> bytes:
