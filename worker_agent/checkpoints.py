@@ -30,7 +30,6 @@ import shutil
 import signal
 import tempfile
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -44,7 +43,7 @@ from vpool.worker_agent import ckpt_image, criu
 from vpool.worker_agent.errors import AgentError, CoordinatorRejected
 from vpool.worker_agent.local_ranks import LocalRank
 from vpool.worker_agent.output import STREAMS, OutputPump
-from vpool.worker_agent.store_client import open_store
+from vpool.worker_agent.store_client import Aborter, open_store, run_in_thread
 from vpool.worker_agent.wire import encode_small
 
 if TYPE_CHECKING:
@@ -338,40 +337,41 @@ class Checkpointer:
             ckpt=taking.ckpt,
             level=svc.settings.checkpoint_zstd_level,
         )
-        conn = await open_store(
-            home,
-            ssl_context=svc.ssl_context,
-            token=svc.client.token,
-            max_payload=svc.settings.max_payload,
+        put = CkptPut(
+            token=lease.token,
+            ckpt=taking.ckpt,
+            received={src: seq for src, seq in enumerate(ready.received) if seq > 0},
+            dets=ready.dets,
+            fingerprint=svc.capability.fingerprint,
+            meta=msgspec.msgpack.encode(manifest),
         )
-        async with conn:
-            await conn.put_begin(
-                CkptPut(
-                    token=lease.token,
-                    ckpt=taking.ckpt,
-                    received={src: seq for src, seq in enumerate(ready.received) if seq > 0},
-                    dets=ready.dets,
-                    fingerprint=svc.capability.fingerprint,
-                    meta=msgspec.msgpack.encode(manifest),
-                )
-            )
-            send, receive = trio.open_memory_channel[bytes](4)
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(_pack, writer, images, self.prepared.rank_dir, send)
-                async with receive:
-                    async for piece in receive:
-                        await conn.put_chunk(taking.ckpt, piece)
-            with trio.move_on_after(ACK_TIMEOUT) as waited:
-                await self._wait_acked(ready)
-            if waited.cancelled_caught:
-                raise CheckpointError(
-                    f"the relays did not acknowledge the rank's messages within {ACK_TIMEOUT:g} s"
-                )
-            with trio.move_on_after(STORE_TIMEOUT) as stored_in_time:
-                await conn.put_end(taking.ckpt, writer.size, writer.sha256)
-            if stored_in_time.cancelled_caught:
-                raise CheckpointError(f"the store did not commit within {STORE_TIMEOUT:g} s")
+        rank_dir = self.prepared.rank_dir
+
+        def upload(aborter: Aborter) -> None:
+            # One thread packs, seals and sends: no hand-over per piece.
+            with open_store(
+                home,
+                ssl_context=svc.ssl_context,
+                token=svc.client.token,
+                max_payload=svc.settings.max_payload,
+                aborter=aborter,
+            ) as conn:
+                conn.put_begin(put)
+                for piece in writer.pack(images, rank_dir):
+                    conn.put_chunk(taking.ckpt, piece)
+                trio.from_thread.run(self._acked_in_time, ready)
+                conn.put_end(taking.ckpt, writer.size, writer.sha256, timeout=STORE_TIMEOUT)
+
+        await run_in_thread(upload, _PACK_LIMITER)
         return int(writer.size)
+
+    async def _acked_in_time(self, ready: CkptForked) -> None:
+        with trio.move_on_after(ACK_TIMEOUT) as waited:
+            await self._wait_acked(ready)
+        if waited.cancelled_caught:
+            raise CheckpointError(
+                f"the relays did not acknowledge the rank's messages within {ACK_TIMEOUT:g} s"
+            )
 
     async def _wait_acked(self, ready: CkptForked) -> None:
         # Polled: acknowledgements land in the relay links' books, which signal nobody.
@@ -409,25 +409,6 @@ def _unacked(rank: LocalRank, link: Any) -> Any:
     if store is None or link.broken is not None:
         raise CheckpointError(f"{link.where} no longer carries the rank ({link.broken or 'gone'})")
     return store
-
-
-async def _pack(
-    writer: ckpt_image.ImageWriter,
-    images: Path,
-    rank_dir: Path,
-    send: trio.MemorySendChannel[bytes],
-) -> None:
-    """Run ``writer.pack`` in a worker thread, handing each piece to ``send``."""
-
-    def work() -> None:
-        pieces: Iterator[bytes] = writer.pack(images, rank_dir)
-        try:
-            for piece in pieces:
-                trio.from_thread.run(send.send, piece)
-        finally:
-            trio.from_thread.run_sync(send.close)
-
-    await trio.to_thread.run_sync(work, limiter=_PACK_LIMITER)
 
 
 def _kill(pid: int | None) -> None:

@@ -27,7 +27,7 @@ import shutil
 import signal
 import subprocess
 import tempfile
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -41,7 +41,7 @@ from vpool.worker_agent.bundle import Snapshot
 from vpool.worker_agent.checkpoints import job_key
 from vpool.worker_agent.errors import AgentError, RelayLinkError
 from vpool.worker_agent.local_ranks import LocalRank, Outbox
-from vpool.worker_agent.store_client import open_store
+from vpool.worker_agent.store_client import Aborter, open_store, run_in_thread
 
 if TYPE_CHECKING:
     from vpool.worker_agent.ranks import Prepared, RankServices
@@ -288,37 +288,27 @@ async def _fetch(
         size=ref.size,
         sha256=bytes.fromhex(ref.sha256),
     )
-    with trio.move_on_after(FETCH_TIMEOUT) as fetched:
-        conn = await open_store(
-            lease.relays[ref.relay],
+    home = lease.relays[ref.relay]
+
+    def fetch(aborter: Aborter) -> None:
+        # One thread reads, checks and unpacks (ImageReader): no hand-over per piece.
+        with open_store(
+            home,
             ssl_context=svc.ssl_context,
             token=svc.client.token,
             max_payload=svc.settings.max_payload,
-        )
-        async with conn:
-            info, chunks = await conn.get(lease.token, ref.ckpt)
+            aborter=aborter,
+        ) as conn:
+            info, chunks = conn.get(lease.token, ref.ckpt)
             if info.size != ref.size or info.sha256.hex() != ref.sha256:
                 raise RestoreError(
                     f"the store holds another image {ref.ckpt} ({info.size} bytes) than the "
                     f"coordinator knows ({ref.size} bytes)"
                 )
-            send, receive = trio.open_memory_channel[bytes](4)
+            reader.unpack(chunks, images, rank_dir)
 
-            def source() -> Iterator[bytes]:
-                while True:
-                    try:
-                        yield trio.from_thread.run(receive.receive)
-                    except trio.EndOfChannel:
-                        return
-
-            async def pump() -> None:
-                async with send:
-                    async for chunk in chunks:
-                        await send.send(chunk)
-
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(pump)
-                await trio.to_thread.run_sync(lambda: reader.unpack(source(), images, rank_dir))
+    with trio.move_on_after(FETCH_TIMEOUT) as fetched:
+        await run_in_thread(fetch)
     if fetched.cancelled_caught:
         raise RestoreError(f"fetching the image took more than {FETCH_TIMEOUT:g} s")
 

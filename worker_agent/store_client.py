@@ -1,27 +1,38 @@
 """The agent's connection to a relay's checkpoint store (docs/internals.md, "Checkpoints").
 
-TCP + TLS 1.3 like a relay link, opened with ``Hello(role="store", token=agent token)``. One
-image per connection at a time::
+Blocking, for one worker thread: a checkpoint's upload packs, encrypts and sends its image in
+the same thread, with no hand-over per piece, and a restore unpacks what it reads there too.
+(Through trio's ``SSLStream`` the relay spent 0.35 s of CPU per 200 MB receiving, one await
+per 16 KiB TLS record; a blocking TLS socket 0.10 s. The agent's side gains less but drops
+the hand-over of every megabyte between threads.)
+
+A store connection goes to the relay's usual address. It sends ``STORE_PREAMBLE`` in plaintext
+first, then TLS 1.3 as for a relay link, then ``Hello(role="store", token=agent token)``.
+One image per connection at a time::
 
     put:  CkptPut, CkptChunk (payload) ..., CkptEnd  ->  CkptStored
     get:  CkptGet  ->  CkptInfo, CkptChunk (payload) ..., CkptEnd
 
-An ``Error`` from the store becomes ``StoreError`` with its code (``fenced``, ``not_found``...).
-Frames are made with ``protocol.framing``; they are read here, one at a time, the payload of a
-``CkptChunk`` (the only message besides ``Data`` that carries one) included.
+Frames are made with ``protocol.framing`` and read here. An ``Error`` from the store becomes
+``StoreError`` with its code (``fenced``, ``not_found``...). ``run_in_thread`` runs such work
+from trio: a cancellation shuts the connection down, so the thread returns at once.
 """
 
 from __future__ import annotations
 
+import socket
 import ssl
-from collections.abc import AsyncIterator
+import threading
+from collections.abc import Callable, Iterator
 from types import TracebackType
+from typing import TypeVar
 
+import outcome
 import trio
 
 from vpool import __version__
 from vpool.protocol.api import RelayInfo
-from vpool.protocol.errors import ProtocolError, RemoteProtocolError
+from vpool.protocol.errors import ProtocolError
 from vpool.protocol.framing import PREFIX_SIZE, frame_parts, parse_prefix
 from vpool.protocol.messages import (
     PROTOCOL_VERSION,
@@ -39,7 +50,12 @@ from vpool.protocol.messages import (
 )
 from vpool.worker_agent.errors import AgentError
 
+# Sent in plaintext before TLS: the relay serves such a connection as a store (relay/ckptstore.py
+# holds the same bytes).
+STORE_PREAMBLE = b"VPSTORE\x01"
+IDLE_TIMEOUT = 60.0  # s any one send or receive may block
 _READ = 1 << 20
+T = TypeVar("T")
 
 
 class StoreError(AgentError):
@@ -52,70 +68,137 @@ class StoreError(AgentError):
         self.message = message
 
 
-class StoreConnection:
-    """One open store connection. Use ``open_store`` to make one."""
+class Aborter:
+    """Lets trio end a worker thread's store I/O: ``abort`` shuts down the socket the thread
+    registered (or the one it registers next), so whatever it blocks in fails at once."""
 
-    def __init__(self, stream: trio.SSLStream[trio.SocketStream], where: str, max_payload: int):
-        self._stream = stream
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._sock: socket.socket | None = None
+        self.aborted = False
+
+    def watch(self, sock: socket.socket) -> None:
+        with self._lock:
+            self._sock = sock
+            if not self.aborted:
+                return
+        _shutdown(sock)
+        raise StoreError("cancelled")
+
+    def abort(self) -> None:
+        with self._lock:
+            self.aborted = True
+            sock = self._sock
+        if sock is not None:
+            _shutdown(sock)
+
+
+def _shutdown(sock: socket.socket) -> None:
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+
+
+async def run_in_thread(
+    work: Callable[[Aborter], T], limiter: trio.CapacityLimiter | None = None
+) -> T:
+    """``work(aborter)`` in a worker thread. When the caller is cancelled the connection is
+    shut down (``Aborter.abort``) and the thread waited for, so none outlives the call."""
+    aborter = Aborter()
+
+    async def on_cancel() -> None:
+        try:
+            await trio.sleep_forever()
+        finally:
+            aborter.abort()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(on_cancel)
+        # Captured, so that an error of ``work`` leaves this nursery as itself, not inside an
+        # exception group; a cancellation still leaves it as one (the cancelled scope's).
+        result = await outcome.acapture(trio.to_thread.run_sync, work, aborter, limiter=limiter)
+        nursery.cancel_scope.cancel()
+    return result.unwrap()
+
+
+class StoreConnection:
+    """One open store connection (``open_store``); use it from one thread."""
+
+    def __init__(self, sock: socket.socket, where: str, max_payload: int) -> None:
+        self._sock = sock
         self._buf = bytearray()
         self.where = where
         self.max_payload = max_payload
 
-    async def __aenter__(self) -> StoreConnection:
+    def __enter__(self) -> StoreConnection:
         return self
 
-    async def __aexit__(
+    def __exit__(
         self,
         exc_type: type[BaseException] | None,
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        await self.aclose()
+        self.close()
 
-    async def aclose(self) -> None:
-        await trio.aclose_forcefully(self._stream)
+    def close(self) -> None:
+        try:
+            self._sock.close()
+        except OSError:
+            pass
 
     # -- frames -----------------------------------------------------------------------------
 
-    async def send(self, msg: Message, payload: bytes | bytearray | memoryview = b"") -> None:
-        parts = frame_parts(msg, payload)
+    def send(self, msg: Message, payload: bytes | bytearray | memoryview = b"") -> None:
         try:
-            for part in parts:
-                await self._stream.send_all(part)
-        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
-            raise StoreError(f"connection to {self.where} broke: {exc}") from exc
+            for part in frame_parts(msg, payload):
+                self._sock.sendall(part)
+        except (OSError, ValueError) as exc:
+            raise StoreError(f"connection to {self.where} broke: {_why(exc)}") from exc
 
-    async def receive(self) -> tuple[Message, bytes]:
+    def receive(self, timeout: float = IDLE_TIMEOUT) -> tuple[Message, bytes]:
         """The next frame (message, payload); an ``Error`` frame raises ``StoreError``."""
         try:
-            await self._fill(PREFIX_SIZE)
+            self._sock.settimeout(timeout)
+            self._fill(PREFIX_SIZE)
             header_len, payload_len = parse_prefix(
                 self._buf[:PREFIX_SIZE], max_payload=self.max_payload
             )
             end = PREFIX_SIZE + header_len + payload_len
-            await self._fill(end)
+            self._fill(end)
             msg = decode(self._buf[PREFIX_SIZE : PREFIX_SIZE + header_len])
             payload = bytes(self._buf[PREFIX_SIZE + header_len : end])
             del self._buf[:end]
-        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
-            raise StoreError(f"connection to {self.where} broke: {exc}") from exc
+        except TimeoutError as exc:
+            raise StoreError(f"{self.where} sent nothing for {timeout:g} s") from exc
+        except (OSError, ValueError) as exc:
+            raise StoreError(f"connection to {self.where} broke: {_why(exc)}") from exc
         except ProtocolError as exc:
             raise StoreError(f"{self.where} sent a bad frame: {exc}", exc.code) from exc
+        finally:
+            self._settimeout(IDLE_TIMEOUT)
         if isinstance(msg, Error):
             raise StoreError(f"{self.where} refused: {msg.code}: {msg.message}", msg.code)
         if payload and not isinstance(msg, CkptChunk):
             raise StoreError(f"{self.where} sent a {type(msg).__name__} with a payload", "protocol")
         return msg, payload
 
-    async def _fill(self, n: int) -> None:
+    def _settimeout(self, seconds: float) -> None:
+        try:
+            self._sock.settimeout(seconds)
+        except OSError:
+            pass  # closed meanwhile (aborted): the next call says so
+
+    def _fill(self, n: int) -> None:
         while len(self._buf) < n:
-            chunk = await self._stream.receive_some(max(_READ, n - len(self._buf)))
+            chunk = self._sock.recv(max(_READ, n - len(self._buf)))
             if not chunk:
-                raise RemoteProtocolError(f"{self.where} closed the connection")
+                raise ConnectionError(f"{self.where} closed the connection")
             self._buf += chunk
 
-    async def _expect(self, kind: type[Message]) -> Message:
-        msg, _ = await self.receive()
+    def _expect(self, kind: type[Message], timeout: float = IDLE_TIMEOUT) -> Message:
+        msg, _ = self.receive(timeout)
         if not isinstance(msg, kind):
             raise StoreError(
                 f"{self.where} sent {type(msg).__name__}, expected {kind.__name__}", "protocol"
@@ -124,16 +207,18 @@ class StoreConnection:
 
     # -- put --------------------------------------------------------------------------------
 
-    async def put_begin(self, put: CkptPut) -> None:
-        await self.send(put)
+    def put_begin(self, put: CkptPut) -> None:
+        self.send(put)
 
-    async def put_chunk(self, ckpt: int, data: bytes | bytearray | memoryview) -> None:
-        await self.send(CkptChunk(ckpt=ckpt), data)
+    def put_chunk(self, ckpt: int, data: bytes | bytearray | memoryview) -> None:
+        self.send(CkptChunk(ckpt=ckpt), data)
 
-    async def put_end(self, ckpt: int, size: int, sha256: bytes) -> CkptStored:
-        """Send ``CkptEnd`` and wait for the store's ``CkptStored``."""
-        await self.send(CkptEnd(ckpt=ckpt, size=size, sha256=sha256))
-        stored = await self._expect(CkptStored)
+    def put_end(
+        self, ckpt: int, size: int, sha256: bytes, timeout: float = IDLE_TIMEOUT
+    ) -> CkptStored:
+        """Send ``CkptEnd`` and wait (``timeout`` s at most) for the store's ``CkptStored``."""
+        self.send(CkptEnd(ckpt=ckpt, size=size, sha256=sha256))
+        stored = self._expect(CkptStored, timeout)
         assert isinstance(stored, CkptStored)
         if stored.ckpt != ckpt:
             raise StoreError(f"{self.where} stored image {stored.ckpt}, not {ckpt}", "protocol")
@@ -141,21 +226,21 @@ class StoreConnection:
 
     # -- get --------------------------------------------------------------------------------
 
-    async def get(self, token: str, ckpt: int) -> tuple[CkptInfo, AsyncIterator[bytes]]:
+    def get(self, token: str, ckpt: int) -> tuple[CkptInfo, Iterator[bytes]]:
         """Ask for image ``ckpt``; its ``CkptInfo`` and an iterator over its bytes, which
         raises ``StoreError`` unless exactly ``info.size`` bytes and a matching ``CkptEnd``
         arrive."""
-        await self.send(CkptGet(token=token, ckpt=ckpt))
-        info = await self._expect(CkptInfo)
+        self.send(CkptGet(token=token, ckpt=ckpt))
+        info = self._expect(CkptInfo)
         assert isinstance(info, CkptInfo)
         if info.ckpt != ckpt:
             raise StoreError(f"{self.where} sent image {info.ckpt}, not {ckpt}", "protocol")
         return info, self._chunks(info)
 
-    async def _chunks(self, info: CkptInfo) -> AsyncIterator[bytes]:
+    def _chunks(self, info: CkptInfo) -> Iterator[bytes]:
         got = 0
         while True:
-            msg, payload = await self.receive()
+            msg, payload = self.receive()
             if isinstance(msg, CkptChunk) and msg.ckpt == info.ckpt:
                 got += len(payload)
                 if got > info.size:
@@ -175,43 +260,59 @@ class StoreConnection:
                 )
 
 
-async def open_store(
+def open_store(
     info: RelayInfo,
     *,
     ssl_context: ssl.SSLContext,
     token: str,
     max_payload: int,
+    aborter: Aborter | None = None,
     seconds: float = 15.0,
 ) -> StoreConnection:
-    """Connect to the store of relay ``info`` within ``seconds`` (raises ``StoreError``)."""
+    """Connect to the store of relay ``info`` within ``seconds`` (blocking; raises
+    ``StoreError``)."""
     where = f"the checkpoint store of relay {info.name or info.host} ({info.host}:{info.port})"
     try:
-        with trio.fail_after(seconds):
-            tcp = await trio.open_tcp_stream(info.host, info.port)
-            stream = trio.SSLStream(tcp, ssl_context, server_hostname=info.host)
-            conn = StoreConnection(stream, where, max_payload)
-            try:
-                await stream.do_handshake()
-                await conn.send(
-                    Hello(
-                        version=PROTOCOL_VERSION,
-                        role="store",
-                        token=token,
-                        software=f"vpool-agent {__version__}",
-                    )
-                )
-                welcome = await conn._expect(Welcome)
-                assert isinstance(welcome, Welcome)
-                if welcome.version != PROTOCOL_VERSION:
-                    raise StoreError(
-                        f"{where} speaks protocol {welcome.version}, this agent {PROTOCOL_VERSION}",
-                        "version",
-                    )
-            except BaseException:
-                await trio.aclose_forcefully(stream)
-                raise
-    except trio.TooSlowError as exc:
+        raw = socket.create_connection((info.host, info.port), timeout=seconds)
+    except OSError as exc:
+        raise StoreError(f"cannot connect to {where}: {_why(exc)}") from exc
+    sock: socket.socket = raw
+    try:
+        if aborter is not None:
+            aborter.watch(raw)
+        raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        raw.sendall(STORE_PREAMBLE)
+        sock = ssl_context.wrap_socket(raw, server_hostname=info.host)
+        if aborter is not None:
+            aborter.watch(sock)
+        conn = StoreConnection(sock, where, max_payload)
+        conn.send(
+            Hello(
+                version=PROTOCOL_VERSION,
+                role="store",
+                token=token,
+                software=f"vpool-agent {__version__}",
+            )
+        )
+        welcome = conn._expect(Welcome, seconds)
+        assert isinstance(welcome, Welcome)
+        if welcome.version != PROTOCOL_VERSION:
+            raise StoreError(
+                f"{where} speaks protocol {welcome.version}, this agent {PROTOCOL_VERSION}",
+                "version",
+            )
+        sock.settimeout(IDLE_TIMEOUT)
+        return conn
+    except TimeoutError as exc:
+        sock.close()
         raise StoreError(f"{where} did not answer within {seconds:g} s") from exc
-    except (OSError, trio.BrokenResourceError, ssl.SSLError) as exc:
-        raise StoreError(f"cannot connect to {where}: {exc}") from exc
-    return conn
+    except (OSError, ValueError) as exc:
+        sock.close()
+        raise StoreError(f"cannot connect to {where}: {_why(exc)}") from exc
+    except BaseException:
+        sock.close()
+        raise
+
+
+def _why(exc: BaseException) -> str:
+    return str(exc) or type(exc).__name__

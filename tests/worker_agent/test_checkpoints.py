@@ -8,6 +8,7 @@ import functools
 import hashlib
 import os
 import signal
+import ssl
 import subprocess
 import sys
 from pathlib import Path
@@ -54,7 +55,14 @@ from vpool.worker_agent.output import OutputPump
 from vpool.worker_agent.proxy import RankProxy
 from vpool.worker_agent.ranks import Prepared, RankServices, rank_env
 from vpool.worker_agent.settings import AgentSettings, load_agent_settings
-from vpool.worker_agent.store_client import StoreError, open_store
+from vpool.worker_agent.store_client import (
+    STORE_PREAMBLE,
+    Aborter,
+    StoreConnection,
+    StoreError,
+    open_store,
+    run_in_thread,
+)
 
 from .conftest import Pki
 
@@ -268,13 +276,24 @@ async def test_restored_process_must_name_the_image(proxy: tuple[LocalRanks, Pat
 
 
 class FakeStore:
-    """A tiny TLS checkpoint store: keeps images in memory, speaks the frames."""
+    """A tiny TLS checkpoint store: keeps images in memory, speaks the preamble and frames."""
 
-    def __init__(self) -> None:
+    def __init__(self, ctx: ssl.SSLContext) -> None:
+        self.ctx = ctx
         self.images: dict[int, tuple[CkptPut, bytes]] = {}
         self.hellos: list[Hello] = []
+        self.preambles: list[bytes] = []
 
-    async def handle(self, stream: trio.SSLStream[trio.SocketStream]) -> None:
+    async def handle(self, tcp: trio.SocketStream) -> None:
+        preamble = b""
+        with trio.fail_after(10):
+            while len(preamble) < len(STORE_PREAMBLE):
+                more = await tcp.receive_some(len(STORE_PREAMBLE) - len(preamble))
+                if not more:
+                    return
+                preamble += more
+        self.preambles.append(preamble)
+        stream = trio.SSLStream(tcp, self.ctx, server_side=True)
         buf = bytearray()
 
         async def frame() -> tuple[Message, bytes]:
@@ -342,12 +361,11 @@ class FakeStore:
 
 @pytest.fixture
 async def store(nursery: trio.Nursery, pool_pki: Pki) -> tuple[FakeStore, api.RelayInfo]:
-    fake = FakeStore()
-    ctx = server_context(pool_pki.cert, pool_pki.key)
+    fake = FakeStore(server_context(pool_pki.cert, pool_pki.key))
     listeners = await nursery.start(
-        functools.partial(trio.serve_ssl_over_tcp, fake.handle, 0, ctx, host="127.0.0.1")
+        functools.partial(trio.serve_tcp, fake.handle, 0, host="127.0.0.1")
     )
-    port = listeners[0].transport_listener.socket.getsockname()[1]
+    port = listeners[0].socket.getsockname()[1]
     return fake, api.RelayInfo(name="r", host="127.0.0.1", port=port)
 
 
@@ -357,25 +375,69 @@ async def test_store_client_put_and_get(
     fake, info = store
     ctx = client_context(pool_pki.ca)
     body = os.urandom(5000)
-    async with await open_store(info, ssl_context=ctx, token="agent", max_payload=1 << 20) as c:
-        await c.put_begin(CkptPut("rank-token", 5, {0: 3}, 2, "fp", b"meta"))
-        for i in range(0, len(body), 1500):
-            await c.put_chunk(5, body[i : i + 1500])
-        stored = await c.put_end(5, len(body), hashlib.sha256(body).digest())
-    assert stored == CkptStored(5, [5])
+
+    def connect() -> StoreConnection:
+        return open_store(info, ssl_context=ctx, token="agent", max_payload=1 << 20)
+
+    def put(_: Aborter) -> CkptStored:
+        with connect() as c:
+            c.put_begin(CkptPut("rank-token", 5, {0: 3}, 2, "fp", b"meta"))
+            for i in range(0, len(body), 1500):
+                c.put_chunk(5, body[i : i + 1500])
+            return c.put_end(5, len(body), hashlib.sha256(body).digest())
+
+    assert await run_in_thread(put) == CkptStored(5, [5])
+    assert fake.preambles == [STORE_PREAMBLE]
     assert fake.hellos[0].role == "store" and fake.hellos[0].token == "agent"
     assert fake.images[5][1] == body
 
-    async with await open_store(info, ssl_context=ctx, token="agent", max_payload=1 << 20) as c:
-        got_info, chunks = await c.get("rank-token", 5)
-        got = b"".join([chunk async for chunk in chunks])
+    def get(_: Aborter) -> tuple[CkptInfo, bytes]:
+        with connect() as c:
+            got_info, chunks = c.get("rank-token", 5)
+            return got_info, b"".join(chunks)
+
+    got_info, got = await run_in_thread(get)
     assert got == body
     assert (got_info.received, got_info.dets, got_info.meta) == ({0: 3}, 2, b"meta")
 
-    async with await open_store(info, ssl_context=ctx, token="agent", max_payload=1 << 20) as c:
-        with pytest.raises(StoreError) as refused:
-            await c.get("rank-token", 6)
+    def missing(_: Aborter) -> None:
+        with connect() as c:
+            c.get("rank-token", 6)
+
+    with pytest.raises(StoreError) as refused:
+        await run_in_thread(missing)
     assert refused.value.code == "not_found"
+
+
+async def test_cancelled_upload_ends_its_thread_at_once(
+    store: tuple[FakeStore, api.RelayInfo], pool_pki: Pki
+) -> None:
+    """A store that never answers CkptEnd: cancelling the caller shuts the connection down,
+    and the worker thread (blocked in recv, its timeout 60 s) ends with it."""
+    _, info = store
+    ctx = client_context(pool_pki.ca)
+    started = trio.Event()
+    ended: list[BaseException] = []
+
+    def hang(aborter: Aborter) -> None:
+        with open_store(
+            info, ssl_context=ctx, token="agent", max_payload=1 << 20, aborter=aborter
+        ) as c:
+            c.put_begin(CkptPut("rank-token", 9, {}, 0, "fp", b""))
+            trio.from_thread.run_sync(started.set)
+            try:
+                c.receive()  # the fake store sends nothing until CkptEnd
+            except BaseException as exc:
+                ended.append(exc)
+                raise
+
+    with trio.move_on_after(30) as deadline:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(run_in_thread, hang)
+            await started.wait()
+            nursery.cancel_scope.cancel()
+    assert not deadline.cancelled_caught
+    assert len(ended) == 1 and isinstance(ended[0], StoreError)
 
 
 # -- a checkpoint that fails at the dump ------------------------------------------------------
