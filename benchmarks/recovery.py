@@ -1,7 +1,8 @@
 """Recovery after a rank is killed late in a run: restored from a checkpoint vs replayed from the
 beginning.
 
-    .venv/bin/python benchmarks/recovery.py [--every S] [--at 0.8] [--victim R] [--json FILE]
+    .venv/bin/python benchmarks/recovery.py [--every S] [--at 0.8] [--victim R] [--repeat N]
+                                            [--json FILE]
 
 Issue 5 asks, for one rank killed at 80% of a 2-minute run, the recovery time with checkpoints
 and with replay from the beginning (with checkpoints at least 3x shorter). This starts a local
@@ -16,6 +17,10 @@ whatever happens) and, for each of the two modes (``vsdk submit --checkpoint-eve
    ``--victim`` (found among the agents' descendants, as ``benchmarks/chaos.py`` does: a rank
    restored earlier runs under ``unshare`` and the restore helper);
 3. recovery = (kill -> job end) - (T - kill time): what the fault added to the run.
+
+``--repeat N`` does steps 1-3 N times per mode (the modes alternating, so that drift of the
+machine hits both alike) and reports the median recovery of each mode: a single pair moves by
+a few seconds from run to run, which is the size of the recovery with checkpoints.
 
 Both runs of a mode must print the same checksum (checked), and the events of the faulty run
 tell how the rank came back (``rank_restored`` or ``rank_replaying``). Every run is cancelled
@@ -120,38 +125,50 @@ def faulty(pool: Pool, opts: argparse.Namespace, every: float, base: dict) -> di
     }
 
 
-def measure(opts: argparse.Namespace) -> dict[str, dict]:
+def measure(opts: argparse.Namespace) -> dict[str, list[dict]]:
     modes = {"checkpoints": opts.every, "replay": 0.0}
     modes = {m: e for m, e in modes.items() if opts.only in ("", m)}
-    out: dict[str, dict] = {}
+    out: dict[str, list[dict]] = {m: [] for m in modes}
     with tempfile.TemporaryDirectory(prefix="vpool-recovery-") as home:
         pool = Pool(home, {**os.environ, "VPOOL_HOME": home})
         pool.vsdk("local", "up", "--agents", str(opts.agents), "--relays", "1", timeout=180)
         try:
-            for mode, every in modes.items():
-                base = fault_free(pool, opts, every)
-                print(f"  {mode}: fault-free {base['seconds']:.1f} s", file=sys.stderr, flush=True)
-                run = faulty(pool, opts, every, base)
-                print(
-                    f"  {mode}: killed at {run['kill_at_s']:.1f} s, ended {run['seconds']:.1f} s",
-                    file=sys.stderr,
-                    flush=True,
-                )
-                out[mode] = {
-                    "checkpoint_every": every,
-                    "fault_free_s": base["seconds"],
-                    **run,
-                }
+            for i in range(opts.repeat):
+                order = list(modes.items()) if i % 2 == 0 else list(reversed(modes.items()))
+                for mode, every in order:
+                    base = fault_free(pool, opts, every)
+                    print(
+                        f"  {mode} #{i}: fault-free {base['seconds']:.1f} s",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+                    run = faulty(pool, opts, every, base)
+                    print(
+                        f"  {mode} #{i}: killed at {run['kill_at_s']:.1f} s, ended "
+                        f"{run['seconds']:.1f} s, recovery {run['recovery_s']:.1f} s",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+                    out[mode].append(
+                        {"checkpoint_every": every, "fault_free_s": base["seconds"], **run}
+                    )
         finally:
             pool.vsdk("local", "down", check=False, timeout=120)
     return out
 
 
-def report(opts: argparse.Namespace, res: dict[str, dict]) -> float | None:
+def _median_run(runs: list[dict]) -> dict:
+    """The run of median recovery (the lower middle one for an even count)."""
+    return sorted(runs, key=lambda r: r["recovery_s"])[(len(runs) - 1) // 2]
+
+
+def report(opts: argparse.Namespace, runs: dict[str, list[dict]]) -> float | None:
     print(
         f"\nrecovery: examples/stencil.py {' '.join(opts.args)} on {opts.ranks} ranks, rank "
-        f"{opts.victim} SIGKILLed at {opts.at:.0%} of the fault-free time"
+        f"{opts.victim} SIGKILLed at {opts.at:.0%} of the fault-free time, {opts.repeat} run(s) "
+        "per mode (the columns: the run of median recovery)"
     )
+    res = {m: _median_run(r) for m, r in runs.items() if r}
     modes = [m for m in ("checkpoints", "replay") if m in res]
     print(f"{'':24}" + "".join(f"{m:>14}" for m in modes))
     rows = [
@@ -169,6 +186,9 @@ def report(opts: argparse.Namespace, res: dict[str, dict]) -> float | None:
     ]
     for label, cell in rows:
         print(f"{label:24}" + "".join(f"{cell(res[m]):>14}" for m in modes))
+    for mode in modes:
+        every = ", ".join(f"{r['recovery_s']:.1f}" for r in runs[mode])
+        print(f"{mode} recovery, every run: {every} s")
     for mode in modes:
         print(f"{mode} events: {res[mode]['events']}")
         for line in res[mode]["victim_events"]:
@@ -195,8 +215,11 @@ def main() -> int:
         "--only", choices=["checkpoints", "replay"], default="", help="run one mode only"
     )
     ap.add_argument("--limit", type=float, default=0.0, help="s before a run is cancelled")
+    ap.add_argument("--repeat", type=int, default=1, help="runs per mode; medians reported")
     ap.add_argument("--json", default="", help="also write the figures here")
     opts = ap.parse_args()
+    if opts.repeat < 1:
+        ap.error("--repeat must be at least 1")
     if not 0 < opts.at < 1 or opts.every <= 0 or not 0 <= opts.victim < opts.ranks:
         ap.error("need 0 < --at < 1, --every > 0 and 0 <= --victim < --ranks")
     opts.args = [str(opts.steps), f"{opts.mb:g}"]
@@ -204,7 +227,7 @@ def main() -> int:
     ratio = report(opts, res)
     if opts.json:
         Path(opts.json).write_text(json.dumps({"runs": res, "ratio": ratio}, indent=1))
-    return 0 if all(r["identical"] for r in res.values()) else 1
+    return 0 if all(r["identical"] for rs in res.values() for r in rs) else 1
 
 
 if __name__ == "__main__":
