@@ -59,8 +59,14 @@ class JobsMixin(FaultsMixin):
                 relay=r["relay"],
                 state=r["state"],
                 exit_code=r["exit_code"],
+                restored_from=-1 if r["restored_from"] is None else r["restored_from"],
             )
-            for r in self.db.query("SELECT * FROM ranks WHERE job = ? ORDER BY rank", [job_id])
+            for r in self.db.query(
+                "SELECT r.*, i.restored_from FROM ranks r LEFT JOIN incarnations i "
+                "ON i.job = r.job AND i.rank = r.rank AND i.incarnation = r.incarnation "
+                "WHERE r.job = ? ORDER BY r.rank",
+                [job_id],
+            )
         ]
         events = [
             api.JobEvent(time=e["time"], kind=e["kind"], message=e["message"], rank=e["rank"])

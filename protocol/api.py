@@ -118,6 +118,9 @@ class RankInfo(msgspec.Struct, frozen=True):
     relay: str | None  # home relay
     state: str  # pending | leased | running | exited | lost | killed
     exit_code: int | None
+    # The checkpoint (id: its wall-clock time in ms) this incarnation was restored from; -1 when
+    # it started from the beginning (or has not said yet).
+    restored_from: int = -1
 
 
 class JobEvent(msgspec.Struct, frozen=True):

@@ -197,7 +197,7 @@ def submit(
 
 
 def _rank_table(detail: JobDetail) -> str:
-    rows = [("RANK", "INC", "STATE", "EXIT", "AGENT", "RELAY")]
+    rows = [("RANK", "INC", "STATE", "EXIT", "AGENT", "RELAY", "RESTORED FROM")]
     for r in detail.ranks:
         rows.append(
             (
@@ -207,9 +207,18 @@ def _rank_table(detail: JobDetail) -> str:
                 "-" if r.exit_code is None else str(r.exit_code),
                 r.agent or "-",
                 r.relay or "-",
+                _image_name(r.restored_from),
             )
         )
     return _table(rows)
+
+
+def _image_name(ckpt: int) -> str:
+    """A checkpoint id (wall-clock ms) as the local time it was taken, "-" for none."""
+    if ckpt < 0:
+        return "-"
+    stamp = time.strftime("%H:%M:%S", time.localtime(ckpt / 1000))
+    return f"image of {stamp}"
 
 
 def _event_table(detail: JobDetail) -> str:

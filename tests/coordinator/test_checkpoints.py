@@ -594,6 +594,11 @@ async def test_restore_reports_are_events(pool: Pool) -> None:
         )
     )
     assert row["restored_from"] == 4
+    # ``vsdk status`` shows it per rank: the current incarnation's image, -1 for the others.
+    assert [(r.rank, r.incarnation, r.restored_from) for r in detail.ranks] == [
+        (0, 1, -1),
+        (1, 2, 4),
+    ]
     # A stale incarnation's report is ignored; one not leased to the agent is refused.
     stale = api.RestoreReport(job=job, rank=1, incarnation=1, ckpt=5)
     assert (await pool.post("/api/v1/agents/restored", stale, one.headers)).status_code == 200

@@ -42,6 +42,7 @@ class Script:
     reason: str = ""
     chunks: list[tuple[int, str, bytes]] = field(default_factory=list)
     events: list[JobEvent] = field(default_factory=list)  # between "submitted" and the end
+    restored_from: dict[int, int] = field(default_factory=dict)  # rank -> checkpoint id
 
 
 @dataclass
@@ -166,6 +167,7 @@ class FakeCoordinator:
                 relay="relay-0",
                 state="exited",
                 exit_code=0,
+                restored_from=job.script.restored_from.get(r, -1),
             )
             for r in range(job.info.ranks)
         ]

@@ -136,6 +136,22 @@ def test_status_human_and_json(coord: Any, app: Path) -> None:
     assert detail["job"]["exit_code"] == 2 and len(detail["ranks"]) == 2
 
 
+def test_status_says_which_image_a_rank_was_restored_from(coord: Any, app: Path) -> None:
+    taken = 1_795_000_000_250  # a checkpoint id: when it was taken, in ms
+    coord.script(restored_from={1: taken})
+    run("submit", str(app), "-n", "2")
+    res = run("status", "1")
+    assert res.exit_code == 0, res.output
+    lines = res.stdout.splitlines()
+    head = next(i for i, line in enumerate(lines) if line.startswith("RANK"))
+    assert lines[head].split()[-2:] == ["RESTORED", "FROM"]
+    assert lines[head + 1].split()[-1] == "-"
+    stamp = time.strftime("%H:%M:%S", time.localtime(taken / 1000))
+    assert lines[head + 2].endswith(f"image of {stamp}")
+    detail = json.loads(run("status", "1", "--json").stdout)
+    assert [r["restored_from"] for r in detail["ranks"]] == [-1, taken]
+
+
 def test_status_shows_fault_events_as_a_table(coord: Any, app: Path) -> None:
     events = [
         JobEvent(time=1001.25, kind="rank_lost", rank=1, message="rank 1 lost: agent a-1 died"),
