@@ -17,7 +17,8 @@ Hops and who sends what::
 
 Checkpoints (docs/internals.md, "Checkpoints"): a rank's second unix connection, opened with
 ``RankHello(control=True)``, carries ``CkptForked`` (rank -> agent). A relay's checkpoint
-store is reached on its own connection (``Hello(role="store")``)::
+store is reached on its own connection: the plaintext preamble ``VPSTORE\x01``, then TLS,
+then ``Hello(role="store")``::
 
     agent -> store:  CkptPut, CkptChunk (payload), CkptEnd, CkptGet
     store -> agent:  CkptStored, CkptInfo, CkptChunk (payload), CkptEnd, Error

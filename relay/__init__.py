@@ -5,13 +5,17 @@ disk, acknowledged, and pushed to the rank's agent in log order under flow contr
 concern:
 
 - ``settings``: ``RelaySettings``, the declared settings (prefix ``VPOOL_RELAY``);
-- ``server``: ``serve_relay``, the TCP/TLS listener around one ``Hub``;
+- ``server``: ``serve_relay``, the TCP/TLS listener around one ``Hub`` (agent and checkpoint
+  store connections on one port, told apart by the store's preamble);
 - ``connection``: one agent connection (handshake, reader, writer: acks and pushes);
 - ``connection_inbound``: what each agent message does (deposits, determinants, credits,
   attachments);
 - ``hub``: shared state: mailboxes (``protocol.mailbox``) with their logs, attachments, fencing,
   lost ranks, group commit;
 - ``log``: the on-disk segment files, their recovery after a crash;
+- ``ckptstore``: the checkpoint store (images of ranks, retention, reports, log trims);
+  ``storethread``: one store connection, served in a worker thread on a blocking socket;
+  ``directwrite``: image files written with ``O_DIRECT``; ``trim``: trimming logs behind images;
 - ``wire``: reading and writing whole frames with few copies;
 - ``registry``: the coordinator client (register, heartbeat, lost ranks);
 - ``cli``: the ``vpool-relay`` command;

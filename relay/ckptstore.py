@@ -1,20 +1,25 @@
 """The relay's checkpoint store: encrypted CRIU images of ranks, uploaded and fetched by agents.
 
-An agent opens a connection with ``Hello(role="store", token=agent token)`` and gets
-``Welcome(max_payload=STORE_MAX_CHUNK)``. Then, one after the other, any number of::
+An agent opens a TCP connection to the relay's port and sends ``STORE_PREAMBLE`` in plain
+bytes; then TLS starts as on an agent connection (none with ``insecure_tcp``), then
+``Hello(role="store", token=agent token)``, answered by ``Welcome(max_payload=STORE_MAX_CHUNK)``.
+Then, one after the other, any number of::
 
     put:  agent CkptPut(token, ckpt, ...), CkptChunk(ckpt)+payload ..., CkptEnd(ckpt, size, sha256)
           store CkptStored(ckpt, retained)      or Error(code, job, rank)
     get:  agent CkptGet(token, ckpt)
           store CkptInfo, CkptChunk(ckpt)+payload (1 MiB) ..., CkptEnd   or Error(code, job, rank)
 
-The session itself is ``storesession.StoreSession``. A refused put (``fenced``,
-``stale_ckpt``, ``busy``, ``job_finished``, ``storage_error``) is answered at once; the store
-then drops that image's chunks and its ``CkptEnd``, and the connection goes on. A put
-whose bytes do not match ``CkptEnd`` gets ``corrupt`` after the end, nothing is committed,
-and the connection goes on too (so does a get's ``not_found`` or ``fenced``). Errors about
-the connection itself (a bad token, a frame out of order, an image over
-``checkpoint_max_bytes``) carry ``rank=-1`` and close it.
+``server`` tells the connections apart by their first byte; ``CheckpointStore.serve`` runs
+each store connection in a worker thread (``storethread.StoreThread``: a blocking socket costs
+a third of the CPU of trio's ``SSLStream`` per image), at most ``store_threads`` at once. A
+refused put (``fenced``, ``stale_ckpt``, ``busy``, ``job_finished``, ``storage_error``) is
+answered at once; the store then drops that image's chunks and its ``CkptEnd``, and the
+connection goes on. A put whose bytes do not match ``CkptEnd`` gets ``corrupt`` after the end,
+nothing is committed, and the connection goes on too (so does a get's ``not_found`` or
+``fenced``). Errors about the connection itself (a bad token, a frame out of order, an image
+over ``checkpoint_max_bytes``, ``store_idle_timeout`` without a frame) carry ``rank=-1`` and
+close it.
 
 On disk, ``data_dir/jobs/<job>/<rank>/ckpt/``: ``<ckpt>.img`` (the bytes as uploaded),
 ``<ckpt>.json`` (the manifest: the commit point, written after the image), and
@@ -34,24 +39,30 @@ import base64
 import json
 import logging
 import os
+import socket
+import ssl
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import trio
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from vpool.protocol.api import RelayCheckpoint
+from vpool.protocol.tokens import RankClaims
 from vpool.relay import log as logfiles
 from vpool.relay import trim
-from vpool.relay.wire import FrameReader, RawFrame
+from vpool.relay.errors import Rejected
 
 if TYPE_CHECKING:
-    from vpool.relay.connection import Connection
     from vpool.relay.hub import Hub
 
 logger = logging.getLogger(__name__)
 
 Key = tuple[int, int]
+# The first bytes of a store connection, before TLS (shared with the agent's store client). A
+# TLS ClientHello starts with 0x16 and an agent's plain frame with a small length: never "V".
+STORE_PREAMBLE = b"VPSTORE\x01"
 # Largest CkptChunk payload an agent may send (it sends 1 MiB ciphertext chunks).
 STORE_MAX_CHUNK = 8 * 1024 * 1024
 # Payload of the chunks the store sends.
@@ -177,6 +188,7 @@ class CheckpointStore:
         self.reporting = bool(hub.settings.coordinator_url)
         self.reports: list[Image] = []
         self.reports_ready = trio.Event()
+        self.limiter = trio.CapacityLimiter(max(1, hub.settings.store_threads))
 
     # -- index ------------------------------------------------------------------------------
 
@@ -336,16 +348,99 @@ class CheckpointStore:
 
     # -- connections ------------------------------------------------------------------------
 
-    async def serve(self, conn: Connection, reader: FrameReader, frames: list[RawFrame]) -> None:
-        """Serve a store connection whose Hello was accepted, until it closes."""
-        from vpool.relay.storesession import StoreSession
+    async def serve(
+        self, tcp: trio.SocketStream, ssl_context: ssl.SSLContext | None, peer: str
+    ) -> None:
+        """Serve a store connection whose preamble was read, in a worker thread, until it
+        ends. Cancelled (the relay stops), the socket is shut down, which ends the thread's
+        blocking calls, and the thread is waited for."""
+        from vpool.relay.storethread import StoreThread
 
-        session = StoreSession(self, conn, reader)
+        fd = tcp.socket.detach()
+        sock = socket.socket(fileno=fd)
+        raw = sock.dup()
+        session = StoreThread(self, sock, raw, ssl_context, peer)
         try:
-            await session.run(frames)
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(_shutdown_when_cancelled, raw)
+                await trio.to_thread.run_sync(session.run, limiter=self.limiter)
+                nursery.cancel_scope.cancel()
         finally:
-            with trio.move_on_after(5, shield=True):
-                await session.abort_upload()
+            up = session.upload
+            if up is not None:
+                self.uploading.discard(up.key)
+            session.close()  # the thread may never have started
+            raw.close()
+
+    async def signing_key(self) -> Ed25519PublicKey | None:
+        """The key tokens are verified with, once the relay has it (``handshake_timeout``)."""
+        with trio.move_on_after(self.hub.settings.handshake_timeout):
+            await self.hub.key_ready.wait()
+        return self.hub.signing_key
+
+    def begin_put(self, claims: RankClaims, ckpt: int) -> Rejected | None:
+        """Why image ``ckpt`` of the rank may not be uploaded now, or None: then the rank is
+        marked as uploading (``busy`` to others) until ``commit_put`` or the upload's end."""
+        job, rank = key = (claims.job, claims.rank)
+        if job in self.hub.finished:
+            return Rejected("job_finished", f"job {job} is over", job=job, rank=rank)
+        imgs = self.images.get(key, {})
+        top = max([self.hub.fence.get(key, 0), *(i.incarnation for i in imgs.values())])
+        if claims.incarnation < top:
+            return Rejected(
+                "fenced",
+                f"image {ckpt} of incarnation {claims.incarnation} of rank {rank} of job "
+                f"{job}: incarnation {top} replaced it",
+                job=job,
+                rank=rank,
+            )
+        if imgs and ckpt <= max(imgs):
+            return Rejected(
+                "stale_ckpt",
+                f"image {ckpt} of rank {rank} of job {job} is not newer than image {max(imgs)}",
+                job=job,
+                rank=rank,
+            )
+        if key in self.uploading:
+            return Rejected(
+                "busy",
+                f"an image of rank {rank} of job {job} is being uploaded",
+                job=job,
+                rank=rank,
+            )
+        self.uploading.add(key)
+        return None
+
+    async def commit_put(self, img: Image) -> Rejected | list[int]:
+        """An uploaded image is durable on disk: commit it (``commit``) and return the images
+        retained, or why it may not be (then the caller deletes it)."""
+        job, rank = key = (img.job, img.rank)
+        self.uploading.discard(key)
+        if job in self.hub.finished:
+            return Rejected("job_finished", f"job {job} is over", job=job, rank=rank)
+        if self.hub.fence.get(key, 0) > img.incarnation:
+            return Rejected(
+                "fenced",
+                f"incarnation {img.incarnation} of rank {rank} of job {job} was replaced while "
+                "its image was uploaded",
+                job=job,
+                rank=rank,
+            )
+        await self.commit(img)
+        return self.retained(key)
+
+    def image(self, key: Key, ckpt: int) -> Image | None:
+        return self.images.get(key, {}).get(ckpt)
+
+
+async def _shutdown_when_cancelled(sock: socket.socket) -> None:
+    try:
+        await trio.sleep_forever()
+    finally:
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
 
 
 def _ids(img: Image) -> tuple[int, int, int]:

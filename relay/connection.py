@@ -17,8 +17,8 @@ depositing reader pushes the new frames itself (``push_now``), saving the writer
 which is a large part of a small message's cost. The push is shielded: abandoned half way it
 would corrupt the receiver's TLS stream.
 
-A connection whose ``Hello`` says ``role="store"`` is handed, after the handshake, to the
-checkpoint store (``ckptstore``), which then owns the stream.
+Checkpoint store connections open with a preamble and never get here (``server``,
+``ckptstore``); a ``Hello(role="store")`` here is refused.
 
 Anything the agent gets wrong ends in ``Rejected``: the writer sends the ``Error``, the relay
 ends its side and drains what the agent still sends for a moment (so the error is not lost to a
@@ -99,8 +99,6 @@ class Connection(InboundMessages):
         self._nursery: trio.Nursery | None = None
         self._round = 0
         self.reason = "the agent closed the connection"
-        # Set by a store Hello: the frames that came with it (the store serves the rest).
-        self._store_frames: list[RawFrame] | None = None
 
     def __repr__(self) -> str:
         return f"<Connection agent={self.agent or '?'} peer={self.peer}>"
@@ -165,9 +163,6 @@ class Connection(InboundMessages):
                         await self._writer_done.wait()
                         await self._linger()
                 nursery.cancel_scope.cancel()
-            if self._store_frames is not None:
-                # The writer had nothing queued and is gone: the store owns the stream.
-                await self.hub.store.serve(self, reader, self._store_frames)
         finally:
             hub.connection_closed(
                 self, f"connection of agent {self.agent or '?'} to relay {hub.name}: {self.reason}"
@@ -192,8 +187,6 @@ class Connection(InboundMessages):
     async def _read_loop(self, reader: FrameReader) -> None:
         try:
             await self._handshake(reader)
-            if self._store_frames is not None:
-                return
             while True:
                 frames = await reader.read_frames()
                 if not frames:
@@ -226,10 +219,10 @@ class Connection(InboundMessages):
                 "bad_version",
                 f"protocol version {msg.version}; this relay speaks {PROTOCOL_VERSION}",
             )
-        if msg.role not in ("agent", "store"):
-            raise Rejected(
-                "bad_role", f"role {msg.role!r}; only agents (and their stores) connect to relays"
-            )
+        if msg.role == "store":
+            raise Rejected("protocol_error", "store connections start with the store preamble")
+        if msg.role != "agent":
+            raise Rejected("bad_role", f"role {msg.role!r}; only agents connect to relays")
         with trio.move_on_after(settings.handshake_timeout):
             await self.hub.key_ready.wait()
         key = self.hub.signing_key
@@ -237,9 +230,6 @@ class Connection(InboundMessages):
             raise Rejected("not_ready", "the relay is not registered with the coordinator yet")
         claims = verify_token(msg.token, key, now=now(), kind=AgentClaims)
         self.agent = claims.agent
-        if msg.role == "store":
-            self._store_frames = frames[1:]
-            return
         reader.max_header = DEFAULT_MAX_HEADER
         reader.max_payload = settings.max_payload
         self.send(

@@ -1,8 +1,17 @@
-"""``serve_relay``: the relay's TCP+TLS server around one ``Hub``."""
+"""``serve_relay``: the relay's TCP+TLS server around one ``Hub``.
+
+Every accepted connection is sorted by its first byte, peeked (``MSG_PEEK``) within
+``handshake_timeout``: ``V`` starts the checkpoint store's preamble (``ckptstore``), anything
+else is an agent connection (a TLS ClientHello starts with 0x16, a plain frame with a small
+big-endian length), which then gets TLS (``trio.SSLStream``) and a ``Connection``. A store
+connection whose 8 bytes are not the preamble is closed.
+"""
 
 from __future__ import annotations
 
 import logging
+import socket
+import ssl
 from pathlib import Path
 
 import httpx
@@ -12,6 +21,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from vpool import tls
 from vpool.protocol.errors import TokenError
 from vpool.protocol.tokens import public_key_from_text
+from vpool.relay.ckptstore import STORE_PREAMBLE
 from vpool.relay.connection import Connection
 from vpool.relay.errors import RelayError, StorageError
 from vpool.relay.hub import Hub
@@ -21,15 +31,36 @@ from vpool.relay.settings import RelaySettings
 logger = logging.getLogger(__name__)
 
 
-def _peer(stream: trio.abc.Stream) -> str:
-    inner = stream.transport_stream if isinstance(stream, trio.SSLStream) else stream
-    if isinstance(inner, trio.SocketStream):
-        try:
-            host, port = inner.socket.getpeername()[:2]
-            return f"{host}:{port}"
-        except OSError:
-            pass
-    return "?"
+def _peer(tcp: trio.SocketStream) -> str:
+    try:
+        host, port = tcp.socket.getpeername()[:2]
+    except OSError:
+        return "?"
+    return f"{host}:{port}"
+
+
+async def _is_store(tcp: trio.SocketStream, peer: str) -> bool | None:
+    """True after a store preamble was read, False for an agent connection (nothing read),
+    None for one to close (closed, or a bad preamble)."""
+    sock = tcp.socket
+    got = b""
+    try:
+        first = await sock.recv(1, socket.MSG_PEEK)
+        if not first:
+            return None
+        if first != STORE_PREAMBLE[:1]:
+            return False
+        for _ in range(len(STORE_PREAMBLE)):
+            data = await sock.recv(len(STORE_PREAMBLE) - len(got))
+            got += data
+            if not data or len(got) == len(STORE_PREAMBLE):
+                break
+    except OSError:
+        return None
+    if got == STORE_PREAMBLE:
+        return True
+    logger.info("connection from %s: %r is not the store preamble; closed", peer, got)
+    return None
 
 
 async def serve_relay(
@@ -61,8 +92,8 @@ async def serve_relay(
     if signing_key is None and not settings.coordinator_url:
         raise RelayError("no coordinator_url and no signing_key: tokens cannot be verified")
 
-    tcp = await trio.open_tcp_listeners(settings.port, host=settings.host or None)
-    host, port = tcp[0].socket.getsockname()[:2]
+    listeners = await trio.open_tcp_listeners(settings.port, host=settings.host or None)
+    host, port = listeners[0].socket.getsockname()[:2]
     name = settings.relay_name(port)
     hub = Hub(settings, settings.data_path(name), name=name, signing_key=signing_key)
     try:
@@ -70,14 +101,21 @@ async def serve_relay(
     except OSError as exc:
         raise StorageError(f"cannot create the data directory {hub.data_dir}: {exc}") from exc
     await trio.to_thread.run_sync(hub.load)
-    listeners: list[trio.abc.Listener[trio.abc.Stream]] = list(tcp)
-    if ssl_context is not None:
-        listeners = [trio.SSLListener(t, ssl_context, https_compatible=False) for t in tcp]
 
-    async def handle(stream: trio.abc.Stream) -> None:
-        peer = _peer(stream)
+    async def handle(tcp: trio.SocketStream) -> None:
+        peer = _peer(tcp)
         try:
-            await Connection(hub, stream, peer=peer).run()
+            store = None
+            with trio.move_on_after(settings.handshake_timeout) as scope:
+                store = await _is_store(tcp, peer)
+            if scope.cancelled_caught:
+                logger.info("connection from %s: nothing received in time; closed", peer)
+            if store is None:
+                await trio.aclose_forcefully(tcp)
+            elif store:
+                await hub.store.serve(tcp, ssl_context, peer)
+            else:
+                await Connection(hub, _secured(tcp, ssl_context), peer=peer).run()
         except* StorageError:
             # The log cannot be written: no connection can be served honestly any more.
             raise
@@ -101,3 +139,10 @@ async def serve_relay(
         if hub_ready is not None:
             hub_ready.send_nowait(hub)
         task_status.started((host, port))
+
+
+def _secured(tcp: trio.SocketStream, ssl_context: ssl.SSLContext | None) -> trio.abc.Stream:
+    if ssl_context is None:
+        return tcp
+    # What trio.SSLListener would do.
+    return trio.SSLStream(tcp, ssl_context, server_side=True, https_compatible=False)

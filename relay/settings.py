@@ -79,6 +79,14 @@ class RelaySettings:
     checkpoint_max_bytes: int = setting(
         64 * GiB, "Largest checkpoint image accepted from an agent, in bytes."
     )
+    store_threads: int = setting(
+        8,
+        "Checkpoint store connections served at once (one thread each); more wait for a "
+        "thread before their TLS handshake.",
+    )
+    store_idle_timeout: float = setting(
+        60.0, "Seconds a checkpoint store connection may stay silent before it is closed."
+    )
 
     def relay_name(self, port: int) -> str:
         return self.name or f"{socket.gethostname()}-{port}"

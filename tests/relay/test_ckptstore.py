@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import hashlib
 import os
+import socket
+import ssl
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import httpx
 import msgspec
+import pytest
 import trio
 from relay_fakes import DEADLINE, FakeAgent, FakeCoordinator, Pool, start_relay
 
@@ -31,43 +34,105 @@ from vpool.protocol.messages import (
     decode,
     encode,
 )
+from vpool.relay.ckptstore import STORE_PREAMBLE
 
 MiB = 1024 * 1024
 
 
-class StoreClient(FakeAgent):
-    """A store connection. ``framing``'s encoder and decoder admit payloads on ``Data`` only,
-    so chunk frames are put together and taken apart here."""
+class BlockingStore:
+    """The store client's side of the wire, blocking as the agent's is: TCP, the preamble, TLS
+    with the pool's CA (none on an ``insecure_tcp`` relay), then frames. ``framing``'s encoder
+    and decoder admit payloads on ``Data`` only, so chunk frames are put together and taken
+    apart here."""
+
+    def __init__(
+        self,
+        addr: tuple[str, int],
+        ssl_context: ssl.SSLContext | None,
+        *,
+        preamble: bytes = STORE_PREAMBLE,
+    ) -> None:
+        sock = socket.create_connection(addr, timeout=DEADLINE)
+        sock.sendall(preamble)
+        if ssl_context is not None:
+            try:
+                sock = ssl_context.wrap_socket(sock, server_hostname=addr[0])
+            except BaseException:
+                sock.close()
+                raise
+        self.sock = sock
+        self.buf = bytearray()
+
+    def send(self, msg: Message, payload: bytes = b"") -> None:
+        self.sock.sendall(b"".join(raw_frame_parts(encode(msg), payload)))
+
+    def recv(self) -> tuple[Message, bytes]:
+        """The next frame; EOFError once the relay closed the connection."""
+        buf = self.buf
+        while True:
+            if len(buf) >= PREFIX_SIZE:
+                hlen, plen = PREFIX.unpack_from(buf)
+                end = PREFIX_SIZE + hlen + plen
+                if len(buf) >= end:
+                    msg = decode(bytes(buf[PREFIX_SIZE : PREFIX_SIZE + hlen]))
+                    payload = bytes(buf[PREFIX_SIZE + hlen : end])
+                    del buf[:end]
+                    return msg, payload
+            try:
+                data = self.sock.recv(1 << 20)
+            except (ConnectionError, ssl.SSLError) as exc:
+                raise EOFError(f"connection broken: {exc}") from exc
+            if not data:
+                raise EOFError("connection closed")
+            buf += data
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+class StoreClient:
+    """A ``BlockingStore`` for trio tests: the relay runs in the test's own trio loop, so each
+    blocking call runs in a thread (the socket's timeout, DEADLINE, bounds it)."""
+
+    def __init__(self, client: BlockingStore, agent: str) -> None:
+        self.client = client
+        self.agent = agent
+        self.welcome: Welcome | None = None
 
     async def send(self, msg: Message, payload: bytes = b"") -> None:
-        await self.stream.send_all(b"".join(raw_frame_parts(encode(msg), payload)))
+        await trio.to_thread.run_sync(self.client.send, msg, payload)
 
     async def recv(self) -> tuple[Message, bytes]:
-        with trio.fail_after(DEADLINE):
-            while True:
-                buf = self.buf
-                if len(buf) >= PREFIX_SIZE:
-                    hlen, plen = PREFIX.unpack_from(buf)
-                    end = PREFIX_SIZE + hlen + plen
-                    if len(buf) >= end:
-                        msg = decode(bytes(buf[PREFIX_SIZE : PREFIX_SIZE + hlen]))
-                        payload = bytes(buf[PREFIX_SIZE + hlen : end])
-                        del buf[:end]
-                        return msg, payload
-                try:
-                    data = await self.stream.receive_some(1 << 20)
-                except trio.BrokenResourceError as exc:
-                    raise EOFError("connection broken") from exc
-                if not data:
-                    raise EOFError("connection closed")
-                buf += data
+        return await trio.to_thread.run_sync(self.client.recv)
+
+    async def expect(self, kind: type[Any]) -> Any:
+        msg, _ = await self.recv()
+        assert isinstance(msg, kind), f"expected {kind.__name__}, got {msg!r}"
+        return msg
+
+    async def expect_error(self, code: str) -> Error:
+        """An Error with ``code`` about the connection, then the connection's end."""
+        err = await self.expect(Error)
+        assert err.code == code, err
+        with pytest.raises(EOFError):
+            await self.recv()
+        return err
+
+    async def aclose(self) -> None:
+        self.client.close()
 
 
-async def store_conn(pool: Pool, addr: tuple[str, int], agent: str = "agent-1") -> StoreClient:
-    stream = await trio.open_ssl_over_tcp_stream(addr[0], addr[1], ssl_context=pool.client_ssl)
-    conn = StoreClient(stream, agent)
-    conn.buf = bytearray()
-    FakeAgent.opened.append(conn)
+async def open_store(
+    addr: tuple[str, int], ssl_context: ssl.SSLContext | None, **kw: Any
+) -> BlockingStore:
+    return await trio.to_thread.run_sync(lambda: BlockingStore(addr, ssl_context, **kw))
+
+
+async def store_conn(
+    pool: Pool, addr: tuple[str, int], agent: str = "agent-1", *, tls: bool = True
+) -> StoreClient:
+    conn = StoreClient(await open_store(addr, pool.client_ssl if tls else None), agent)
+    FakeAgent.opened.append(conn)  # type: ignore[arg-type]
     await conn.send(Hello(version=PROTOCOL_VERSION, role="store", token=pool.agent_token(agent)))
     conn.welcome = await conn.expect(Welcome)
     return conn

@@ -1,0 +1,463 @@
+"""One checkpoint store connection, served by a worker thread on a blocking socket.
+
+An image is hundreds of megabytes. Received through trio's ``SSLStream`` it costs one trio
+await per 16 KiB TLS record: 0.35 s of CPU per 200 MB on the 2-core test machine, against
+0.10 s for ``ssl.SSLSocket.recv_into`` looping in a thread. So a store connection, recognised
+by its preamble (``ckptstore.STORE_PREAMBLE``, read by ``server``), is handed as a plain socket
+to ``StoreThread.run`` in a worker thread (``CheckpointStore.serve``), which does the TLS
+handshake (server side), reads the ``Hello`` and serves puts and gets one after the other.
+
+Frames are read with ``recv_into`` into buffers allocated once per connection; a chunk's
+payload is hashed and written (``DirectFile``, ``O_DIRECT``) right there, and a get is read
+with ``os.preadv`` into the buffer of the frame it is sent in. Everything that touches the
+relay's state (the signing key, the refusals of a put, the ``uploading`` set, the commit and
+its report, the image index) goes through ``trio.from_thread`` into the relay's loop, in the
+``CheckpointStore`` methods named in the calls.
+
+The messages, their order and the error codes are in ``ckptstore``'s docstring. The socket
+has a timeout (``handshake_timeout`` up to the ``Hello``, then ``store_idle_timeout``); the
+trio side shuts the socket down when the relay stops, which ends every blocking call here.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import secrets
+import socket
+import ssl
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import trio
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+
+from vpool.protocol.errors import RemoteProtocolError, TokenError
+from vpool.protocol.framing import DEFAULT_MAX_HEADER, PREFIX, PREFIX_SIZE, parse_prefix
+from vpool.protocol.messages import (
+    PROTOCOL_VERSION,
+    CkptChunk,
+    CkptEnd,
+    CkptGet,
+    CkptInfo,
+    CkptPut,
+    CkptStored,
+    Error,
+    Hello,
+    Message,
+    Welcome,
+    decode,
+    encode,
+)
+from vpool.protocol.tokens import AgentClaims, RankClaims, verify_token
+from vpool.relay.ckptstore import (
+    PART,
+    READ_CHUNK,
+    STORE_MAX_CHUNK,
+    Image,
+    ckpt_dir,
+    delete_image,
+    write_manifest,
+)
+from vpool.relay.directwrite import DirectFile
+from vpool.relay.errors import Rejected
+from vpool.relay.hub import now
+
+if TYPE_CHECKING:
+    from vpool.relay.ckptstore import CheckpointStore
+
+logger = logging.getLogger(__name__)
+
+# A Hello is a version, a role and a token of a few hundred bytes.
+HELLO_MAX_HEADER = 8 * 1024
+# How long a rejected agent gets to read its Error before the connection is closed.
+ERROR_LINGER = 2.0
+EMPTY = memoryview(b"")
+
+
+class Upload:
+    """An image being received into its part file."""
+
+    def __init__(
+        self, put: CkptPut, claims: RankClaims, directory: Path, file: DirectFile, tmp: Path
+    ) -> None:
+        self.put = put
+        self.claims = claims
+        self.key = (claims.job, claims.rank)
+        self.directory = directory
+        self.file = file
+        self.tmp = tmp
+        self.size = 0
+        self.hasher = hashlib.sha256()
+
+    def discard(self) -> None:
+        self.file.close()
+        self.tmp.unlink(missing_ok=True)
+
+
+class StoreThread:
+    """One store connection (module docstring). ``sock`` is the accepted TCP socket after the
+    preamble; ``raw`` a duplicate of it, for the trio side's shutdown and for lingering."""
+
+    def __init__(
+        self,
+        store: CheckpointStore,
+        sock: socket.socket,
+        raw: socket.socket,
+        ssl_context: ssl.SSLContext | None,
+        peer: str,
+    ) -> None:
+        self.store = store
+        self.settings = store.hub.settings
+        self.sock: socket.socket = sock
+        self.raw = raw
+        self.ssl_context = ssl_context
+        self.peer = peer
+        self.agent = ""
+        self.key: Ed25519PublicKey | None = None
+        # Set while an image is received; the trio side releases its ``uploading`` entry if
+        # the thread ends with one.
+        self.upload: Upload | None = None
+        self.discard = -1  # ckpt id of a refused put whose chunks are dropped
+        self._prefix = memoryview(bytearray(PREFIX_SIZE))
+        self._header = memoryview(bytearray(DEFAULT_MAX_HEADER))
+        self._payload: memoryview | None = None  # STORE_MAX_CHUNK, once the agent is known
+        self.reason = "the agent closed the store connection"
+
+    def __repr__(self) -> str:
+        return f"<StoreThread agent={self.agent or '?'} peer={self.peer}>"
+
+    # -- the connection -----------------------------------------------------------------------
+
+    def run(self) -> None:
+        """Serve the connection until it ends (worker thread)."""
+        try:
+            self._serve()
+        except Rejected as rej:
+            logger.info("%r: %s", self, rej.message)
+            self.reason = f"rejected ({rej.code}): {rej.message}"
+            self._fail(Error(code=rej.code, message=rej.message))
+        except TimeoutError:
+            self.reason = "timed out"
+            logger.info("%r: nothing read for %.0f s", self, self.sock.gettimeout() or 0)
+            idle = "the store connection was idle" if self.agent else "no Hello in time"
+            self._fail(Error(code="timeout", message=idle))
+        except (OSError, EOFError) as exc:
+            self.reason = f"the store connection broke: {exc}"
+        finally:
+            up = self.upload
+            if up is not None:
+                up.discard()
+            self.close()
+        logger.debug("%r ended: %s", self, self.reason)
+
+    def close(self) -> None:
+        self.sock.close()
+
+    def _serve(self) -> None:
+        self.sock.settimeout(self.settings.handshake_timeout)
+        if self.ssl_context is not None:
+            try:
+                self.sock = self.ssl_context.wrap_socket(self.sock, server_side=True)
+            except (ssl.SSLError, TimeoutError) as exc:
+                self.reason = f"no TLS handshake: {exc}"
+                return
+        self._hello()
+        self.sock.settimeout(self.settings.store_idle_timeout)
+        self._payload = memoryview(bytearray(STORE_MAX_CHUNK))
+        name = self.store.hub.name
+        self._send(Welcome(version=PROTOCOL_VERSION, relay=name, max_payload=STORE_MAX_CHUNK))
+        while True:
+            frame = self._read_frame(DEFAULT_MAX_HEADER, STORE_MAX_CHUNK)
+            if frame is None:
+                return
+            try:
+                self._frame(*frame)
+            except Rejected as rej:
+                if rej.rank < 0:
+                    raise
+                logger.info("%r: %s", self, rej.message)
+                self._send(Error(code=rej.code, message=rej.message, job=rej.job, rank=rej.rank))
+
+    def _hello(self) -> None:
+        frame = self._read_frame(HELLO_MAX_HEADER, 0)
+        if frame is None:
+            raise EOFError("closed before its Hello")
+        msg = frame[0]
+        if type(msg) is not Hello:
+            raise Rejected("bad_frame", f"{type(msg).__name__} before Hello")
+        if msg.version != PROTOCOL_VERSION:
+            raise Rejected(
+                "bad_version",
+                f"protocol version {msg.version}; this relay speaks {PROTOCOL_VERSION}",
+            )
+        if msg.role != "store":
+            raise Rejected("bad_role", f"role {msg.role!r} on a store connection")
+        self.key = trio.from_thread.run(self.store.signing_key)
+        if self.key is None:
+            raise Rejected("not_ready", "the relay is not registered with the coordinator yet")
+        try:
+            claims = verify_token(msg.token, self.key, now=now(), kind=AgentClaims)
+        except TokenError as exc:
+            raise Rejected(exc.code, exc.message) from exc
+        self.agent = claims.agent
+
+    def _fail(self, err: Error) -> None:
+        """Send a connection-level ``Error``, end our side and read on below TLS until the
+        agent hangs up (closing while its bytes arrive would send a reset, which can throw the
+        Error away before the agent read it)."""
+        try:
+            self._send(err)
+            self.raw.settimeout(ERROR_LINGER)
+            self.raw.shutdown(socket.SHUT_WR)
+            deadline = time.monotonic() + ERROR_LINGER
+            while time.monotonic() < deadline and self.raw.recv(65536):
+                pass
+        except OSError:
+            pass
+
+    # -- frames -------------------------------------------------------------------------------
+
+    def _send(self, msg: Message) -> None:
+        header = encode(msg)
+        self.sock.sendall(PREFIX.pack(len(header), 0) + header)
+
+    def _fill(self, view: memoryview, *, first: bool = False) -> bool:
+        """Read exactly ``len(view)`` bytes; False at a clean end of stream before the first
+        byte of a frame (``first``)."""
+        got, n = 0, len(view)
+        recv_into = self.sock.recv_into
+        while got < n:
+            k = recv_into(view[got:])
+            if not k:
+                if first and got == 0:
+                    return False
+                raise Rejected("protocol_error", "connection closed in the middle of a frame")
+            got += k
+        return True
+
+    def _read_frame(self, max_header: int, max_payload: int) -> tuple[Message, memoryview] | None:
+        if not self._fill(self._prefix, first=True):
+            return None
+        try:
+            header_len, payload_len = parse_prefix(
+                self._prefix, max_header=max_header, max_payload=max_payload
+            )
+            header = self._header[:header_len]
+            self._fill(header)
+            msg = decode(header)
+        except RemoteProtocolError as exc:
+            raise Rejected(exc.code, exc.message) from exc
+        if payload_len and type(msg) is not CkptChunk:
+            raise Rejected("protocol_error", f"{type(msg).__name__} must not carry a payload")
+        if not payload_len:
+            return msg, EMPTY
+        assert self._payload is not None  # max_payload is 0 before the Hello
+        payload = self._payload[:payload_len]
+        self._fill(payload)
+        return msg, payload
+
+    def _frame(self, msg: Message, payload: memoryview) -> None:
+        up = self.upload
+        kind = type(msg)
+        if kind is CkptChunk:
+            assert isinstance(msg, CkptChunk)
+            if up is not None and msg.ckpt == up.put.ckpt:
+                self._chunk(up, payload)
+            elif msg.ckpt != self.discard:
+                raise Rejected("protocol_error", f"CkptChunk of image {msg.ckpt} out of order")
+        elif kind is CkptEnd:
+            assert isinstance(msg, CkptEnd)
+            if up is not None and msg.ckpt == up.put.ckpt:
+                self._finish(up, msg)
+            elif msg.ckpt == self.discard:
+                self.discard = -1
+            else:
+                raise Rejected("protocol_error", f"CkptEnd of image {msg.ckpt} out of order")
+        elif up is not None or self.discard >= 0:
+            raise Rejected("protocol_error", f"{kind.__name__} in the middle of an image upload")
+        elif kind is CkptPut:
+            assert isinstance(msg, CkptPut)
+            self._start(msg)
+        elif kind is CkptGet:
+            assert isinstance(msg, CkptGet)
+            self._get(msg)
+        else:
+            raise Rejected(
+                "protocol_error", f"{kind.__name__} is not allowed on a store connection"
+            )
+
+    def _claims(self, token: str) -> RankClaims:
+        assert self.key is not None
+        try:
+            claims = verify_token(token, self.key, now=now(), kind=RankClaims)
+        except TokenError as exc:
+            raise Rejected(exc.code, f"rank token refused: {exc.message}") from exc
+        if claims.agent != self.agent:
+            raise Rejected(
+                "wrong_token",
+                f"the token of job {claims.job} rank {claims.rank} was issued to agent "
+                f"{claims.agent!r}, not to {self.agent!r}",
+            )
+        return claims
+
+    # -- puts ---------------------------------------------------------------------------------
+
+    def _start(self, put: CkptPut) -> None:
+        claims = self._claims(put.token)
+        rej = trio.from_thread.run_sync(self.store.begin_put, claims, put.ckpt)
+        if rej is not None:
+            self.discard = put.ckpt
+            raise rej
+        directory = ckpt_dir(self.store.hub.data_dir, claims.job, claims.rank)
+        tmp = directory / f"{put.ckpt}.{secrets.token_hex(4)}{PART}"
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            file = DirectFile(tmp)
+        except OSError as exc:
+            trio.from_thread.run_sync(self.store.uploading.discard, (claims.job, claims.rank))
+            self.discard = put.ckpt
+            raise self._storage(claims.job, claims.rank, exc) from exc
+        self.upload = Upload(put, claims, directory, file, tmp)
+
+    def _chunk(self, up: Upload, payload: memoryview) -> None:
+        up.size += len(payload)
+        limit = self.settings.checkpoint_max_bytes
+        if up.size > limit:
+            raise Rejected(
+                "too_large",
+                f"image {up.put.ckpt} of rank {up.key[1]} of job {up.key[0]} exceeds the "
+                f"relay's limit of {limit} bytes",
+            )
+        up.hasher.update(payload)
+        try:
+            up.file.write(payload)
+        except OSError as exc:
+            self._abort(up)
+            self.discard = up.put.ckpt
+            raise self._storage(*up.key, exc) from exc
+
+    def _abort(self, up: Upload) -> None:
+        """Drop the upload: its part file, and its ``uploading`` entry."""
+        self.upload = None
+        up.discard()
+        trio.from_thread.run_sync(self.store.uploading.discard, up.key)
+
+    def _storage(self, job: int, rank: int, exc: OSError) -> Rejected:
+        logger.warning("checkpoint store of job %d rank %d: %s", job, rank, exc)
+        return Rejected(
+            "storage_error", f"the relay cannot store the image: {exc}", job=job, rank=rank
+        )
+
+    def _finish(self, up: Upload, end: CkptEnd) -> None:
+        job, rank = up.key
+        digest = up.hasher.digest()
+        if end.size != up.size or end.sha256 != digest:
+            self._abort(up)
+            raise Rejected(
+                "corrupt",
+                f"image {end.ckpt} of rank {rank} of job {job}: {up.size} bytes with SHA-256 "
+                f"{digest.hex()} arrived, CkptEnd says {end.size} bytes with {end.sha256.hex()}",
+                job=job,
+                rank=rank,
+            )
+        put = up.put
+        img = Image(
+            job=job,
+            rank=rank,
+            ckpt=put.ckpt,
+            incarnation=up.claims.incarnation,
+            size=up.size,
+            sha256=digest,
+            received=dict(put.received),
+            dets=put.dets,
+            fingerprint=put.fingerprint,
+            meta=put.meta,
+            directory=up.directory,
+        )
+        try:
+            up.file.finish()
+            up.file.close()
+            os.rename(up.tmp, img.path)
+            write_manifest(img)  # the commit point; fsyncs the directory
+        except OSError as exc:
+            self._abort(up)
+            if trio.from_thread.run_sync(self.store.hub.finished.__contains__, job):
+                raise Rejected("job_finished", f"job {job} is over", job=job, rank=rank) from exc
+            raise self._storage(job, rank, exc) from exc
+        answer = trio.from_thread.run(self.store.commit_put, img)
+        self.upload = None
+        if isinstance(answer, Rejected):
+            delete_image(img)
+            raise answer
+        logger.info("job %d rank %d: image %d committed (%d bytes)", job, rank, img.ckpt, img.size)
+        self._send(CkptStored(ckpt=img.ckpt, retained=answer))
+
+    # -- gets ---------------------------------------------------------------------------------
+
+    def _get(self, get: CkptGet) -> None:
+        claims = self._claims(get.token)
+        job, rank = claims.job, claims.rank
+        img = trio.from_thread.run_sync(self.store.image, (job, rank), get.ckpt)
+        fd = -1
+        if img is not None:
+            try:
+                fd = os.open(img.path, os.O_RDONLY | os.O_CLOEXEC)
+            except OSError:
+                fd = -1
+        if img is None or fd < 0:
+            raise Rejected(
+                "not_found",
+                f"no image {get.ckpt} of rank {rank} of job {job} in this store",
+                job=job,
+                rank=rank,
+            )
+        try:
+            if claims.incarnation < img.incarnation:
+                raise Rejected(
+                    "fenced",
+                    f"incarnation {claims.incarnation} may not read image {img.ckpt} of "
+                    f"incarnation {img.incarnation}",
+                    job=job,
+                    rank=rank,
+                )
+            self._send(
+                CkptInfo(
+                    ckpt=img.ckpt,
+                    size=img.size,
+                    sha256=img.sha256,
+                    received=img.received,
+                    dets=img.dets,
+                    fingerprint=img.fingerprint,
+                    meta=img.meta,
+                )
+            )
+            self._send_image(img, fd)
+            self._send(CkptEnd(ckpt=img.ckpt, size=img.size, sha256=img.sha256))
+        finally:
+            os.close(fd)
+
+    def _send_image(self, img: Image, fd: int) -> None:
+        """The image as CkptChunk frames, each read from the file into the buffer it is sent
+        from (prefix, header, payload: one ``sendall``)."""
+        header = encode(CkptChunk(ckpt=img.ckpt))
+        start = PREFIX_SIZE + len(header)
+        buf = bytearray(start + READ_CHUNK)
+        buf[PREFIX_SIZE:start] = header
+        view = memoryview(buf)
+        offset = 0
+        while offset < img.size:
+            want = min(READ_CHUNK, img.size - offset)
+            try:
+                n = os.preadv(fd, [view[start : start + want]], offset)
+            except OSError as exc:
+                n = 0
+                logger.warning("cannot read %s: %s", img.path, exc)
+            if not n:
+                # Half an image is out: only closing the connection tells the agent.
+                raise Rejected("storage_error", f"cannot read image {img.ckpt} in full")
+            PREFIX.pack_into(buf, 0, len(header), n)
+            self.sock.sendall(view[: start + n])
+            offset += n
