@@ -35,6 +35,7 @@ import stat
 import struct
 import tarfile
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import IO
 
@@ -103,15 +104,21 @@ class ImageWriter:
         ``exclude(name)`` gets each archive name (``criu/...``, ``rank/...``) and leaves the
         entry (a directory: with its contents) out when it returns true.
         """
-        return self.seal(_tar_stream({"criu": images_dir, "rank": rank_dir}, exclude))
+        items = _tar_items({"criu": images_dir, "rank": rank_dir}, exclude)
+        return self._seal_chunks(_fill_chunks(items))
 
     def seal(self, tar_pieces: Iterable[bytes]) -> Iterator[bytes]:
         """The image of an archive given as pieces (``pack`` with the tar stream made)."""
+        return self._seal_chunks(_rechunk(tar_pieces, CHUNK))
+
+    def _seal_chunks(self, chunks: Iterable[bytes | memoryview]) -> Iterator[bytes]:
+        """The image of the archive cut into ``chunks`` (each CHUNK bytes but the last; a
+        chunk need stay intact only until the next one is asked for)."""
         yield self._count(MAGIC + self._prefix)
         # One piece is held back: only the end of the stream says which piece is the last.
-        held: bytes | None = None
+        held: bytes | memoryview | None = None
         number = 0
-        for piece in _rechunk(tar_pieces, CHUNK):
+        for piece in chunks:
             if held is not None:
                 yield self._count(self._seal(number, held, last=False))
                 number += 1
@@ -119,14 +126,14 @@ class ImageWriter:
         yield self._count(self._seal(number, held or b"", last=True))
         self.sha256 = self._digest.digest()
 
-    def _seal(self, number: int, plain: bytes, *, last: bool) -> bytes:
+    def _seal(self, number: int, plain: bytes | memoryview, *, last: bool) -> bytes:
         body, flags = self._compress(plain)
         flags |= LAST if last else 0
         nonce = self._prefix + number.to_bytes(4, "big")
         sealed = self._aead.encrypt(nonce, body, _aad(*self._ids, number, flags))
         return _FRAME.pack(len(sealed), flags) + sealed
 
-    def _compress(self, plain: bytes) -> tuple[bytes, int]:
+    def _compress(self, plain: bytes | memoryview) -> tuple[bytes | memoryview, int]:
         """``(zstd frame, ZSTD)`` when compressing ``plain`` pays, else ``(plain, 0)``."""
         if len(plain) > SAMPLES * SAMPLE:
             step = (len(plain) - SAMPLE) // (SAMPLES - 1)
@@ -159,8 +166,18 @@ def _rechunk(pieces: Iterable[bytes], size: int) -> Iterator[bytes]:
         yield bytes(buf)
 
 
-def _tar_stream(roots: dict[str, Path], exclude: Callable[[str], bool] | None) -> Iterator[bytes]:
-    """A tar archive of each root under its name, yielded in pieces of at most CHUNK bytes."""
+@dataclass(frozen=True)
+class _FileData:
+    """A regular file's content in the tar stream: ``size`` bytes, then padding to a block."""
+
+    path: Path
+    size: int
+
+
+def _tar_items(
+    roots: dict[str, Path], exclude: Callable[[str], bool] | None
+) -> Iterator[bytes | _FileData]:
+    """A tar archive of each root under its name: headers (bytes) and file contents."""
     for name, root in roots.items():
         yield from _tar_entry(name, root, exclude, top=True)
     yield b"\0" * (2 * _BLOCK)
@@ -168,7 +185,7 @@ def _tar_stream(roots: dict[str, Path], exclude: Callable[[str], bool] | None) -
 
 def _tar_entry(
     name: str, path: Path, exclude: Callable[[str], bool] | None, *, top: bool = False
-) -> Iterator[bytes]:
+) -> Iterator[bytes | _FileData]:
     if not top and exclude is not None and exclude(name):
         return
     st = os.lstat(path)
@@ -189,23 +206,56 @@ def _tar_entry(
     elif stat.S_ISREG(st.st_mode):
         info.size = st.st_size
         yield info.tobuf(tarfile.PAX_FORMAT)
-        yield from _file_data(path, st.st_size)
+        yield _FileData(path, st.st_size)
     # Sockets, FIFOs and devices cannot travel: a restored program meets their absence.
 
 
-def _file_data(path: Path, size: int) -> Iterator[bytes]:
-    """Exactly ``size`` bytes of the file (zero-filled if it shrank meanwhile), padded to a
-    whole tar block."""
-    left = size
-    with open(path, "rb") as f:
-        while left > 0:
-            data = f.read(min(CHUNK, left))
-            if not data:
-                data = b"\0" * min(CHUNK, left)
-            left -= len(data)
-            yield data
-    if size % _BLOCK:
-        yield b"\0" * (_BLOCK - size % _BLOCK)
+def _fill_chunks(items: Iterable[bytes | _FileData]) -> Iterator[memoryview]:
+    """The tar stream of ``items`` as CHUNK-byte pieces (the last one shorter), file contents
+    read straight into two buffers used in turn: a piece stays intact until the one after the
+    next is asked for. One copy per byte, and no memory allocated per piece (fresh pages cost
+    more than the copy on this kind of machine)."""
+    buffers = (bytearray(CHUNK), bytearray(CHUNK))
+    views = (memoryview(buffers[0]), memoryview(buffers[1]))
+    which, fill = 0, 0
+    for item in items:
+        if isinstance(item, bytes):
+            data = memoryview(item)
+            while data:
+                n = min(len(data), CHUNK - fill)
+                views[which][fill : fill + n] = data[:n]
+                fill += n
+                data = data[n:]
+                if fill == CHUNK:
+                    yield views[which]
+                    which, fill = which ^ 1, 0
+            continue
+        left = item.size
+        with open(item.path, "rb", buffering=0) as f:
+            while left > 0:
+                want = min(left, CHUNK - fill)
+                n = f.readinto(views[which][fill : fill + want])
+                if not n:  # the file shrank meanwhile: zero-filled to its announced size
+                    views[which][fill : fill + want] = bytes(want)
+                    n = want
+                fill += n
+                left -= n
+                if fill == CHUNK:
+                    yield views[which]
+                    which, fill = which ^ 1, 0
+        if item.size % _BLOCK:
+            pad = _BLOCK - item.size % _BLOCK
+            # A block's padding never spans more than the rest of the buffer plus one piece.
+            first = min(pad, CHUNK - fill)
+            views[which][fill : fill + first] = bytes(first)
+            fill += first
+            if fill == CHUNK:
+                yield views[which]
+                which, fill = which ^ 1, 0
+                views[which][: pad - first] = bytes(pad - first)
+                fill = pad - first
+    if fill:
+        yield views[which][:fill]
 
 
 # -- reading ------------------------------------------------------------------------------

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import trio
 
+from vpool.worker_agent import ckpt_image
 from vpool.worker_agent.ckpt_image import (
     CHUNK,
     TAG_SIZE,
@@ -353,3 +354,34 @@ async def test_bad_image_from_channel_does_not_block_sender(
             with receive, pytest.raises(ImageError, match="authentication failed"):
                 await trio.to_thread.run_sync(reader(image).unpack, from_channel(receive), *target)
     assert [p.name for p in target[1].iterdir()] == ["mine"]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_chunks_of_the_tar_stream(tmp_path: Path, seed: int) -> None:
+    """The pieces ``pack`` seals are the tar stream cut at exact CHUNK boundaries, whatever
+    the file sizes (padding that straddles a boundary, files ending on one), and a file that
+    shrank after its header was made is zero-filled to its announced size."""
+    rng = random.Random(seed)
+    items: list[bytes | ckpt_image._FileData] = []
+    expected = bytearray()
+    offset = 0
+    for i in range(rng.randint(1, 6)):
+        header = rng.randbytes(rng.choice([512, 1024, 1536]))
+        # Sizes that put the end of the data, or of its padding, near a chunk boundary.
+        to_boundary = (-(offset + len(header))) % CHUNK
+        size = rng.choice([0, 1, 511, to_boundary, to_boundary - 5, to_boundary + 700, CHUNK + 3])
+        size = max(size, 0)
+        path = tmp_path / f"f{i}"
+        content = rng.randbytes(size)
+        shrunk = rng.random() < 0.2 and size > 10
+        path.write_bytes(content[: size // 2] if shrunk else content)
+        items += [header, ckpt_image._FileData(path, size)]
+        expected += header
+        expected += (content[: size // 2] + bytes(size - size // 2)) if shrunk else content
+        expected += bytes(-size % 512)
+        offset = len(expected)
+    items.append(bytes(1024))
+    expected += bytes(1024)
+    pieces = [bytes(p) for p in ckpt_image._fill_chunks(items)]
+    assert b"".join(pieces) == expected
+    assert all(len(p) == CHUNK for p in pieces[:-1]) and 0 < len(pieces[-1]) <= CHUNK
