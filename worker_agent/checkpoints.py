@@ -1,9 +1,8 @@
 """Taking checkpoints of a running rank (docs/internals.md, "Checkpoints", Agent).
 
 One ``Checkpointer`` per running rank, one checkpoint at a time, started by its timer
-(``Lease.checkpoint_every``: first after that many seconds, then that many seconds after the
-previous one ended) or by a ``CheckpointOrder`` from a heartbeat answer
-(``LocalRank.checkpoint_wanted``). One checkpoint:
+(``Lease.checkpoint_every``: a period, ``next_periodic``) or by a ``CheckpointOrder`` from a
+heartbeat answer (``LocalRank.checkpoint_wanted``). One checkpoint:
 
 1. request: hold the rank's output pump (nothing more is read from its pipes) and note how much
    of each stream it read; ``CheckpointRequest(ckpt)`` into the rank's outbox and the
@@ -155,9 +154,11 @@ class Checkpointer:
                     await self.rank.checkpoint_wanted.wait()
                 ordered = self.rank.checkpoint_wanted.is_set()
                 self.rank.checkpoint_wanted = trio.Event()
+                started = trio.current_time()
                 await self.take(ordered=ordered)
                 if every > 0:
-                    next_at = trio.current_time() + every
+                    periodic = None if ordered else started
+                    next_at = next_periodic(every, next_at, periodic, trio.current_time())
 
     # -- the control connection -------------------------------------------------------------
 
@@ -377,6 +378,20 @@ class Checkpointer:
         # Polled: acknowledgements land in the relay links' books, which signal nobody.
         while not acknowledged(self.rank, ready):  # noqa: ASYNC110
             await trio.sleep(_ACK_POLL)
+
+
+def next_periodic(every: float, due: float, started: float | None, now: float) -> float:
+    """When the next periodic checkpoint is due, one having just ended at ``now``.
+
+    ``every`` is a period: a periodic checkpoint that started at ``started`` is followed by
+    one at ``started + every`` (so that on a rank killed at a random moment the newest image
+    is at most ``every`` plus one checkpoint's duration old, not ``every`` plus a whole
+    checkpoint's duration later each time). An ordered one (``started`` None) leaves the
+    schedule (``due``) alone. Either way at least half a period passes between the end of
+    one and the start of the next, so that a checkpoint slower than the period does not take
+    every cycle of the machine."""
+    target = due if started is None else started + every
+    return max(target, now + every / 2)
 
 
 def acknowledged(rank: LocalRank, ready: CkptForked) -> bool:

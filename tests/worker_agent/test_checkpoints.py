@@ -49,6 +49,7 @@ from vpool.worker_agent.checkpoints import (
     Checkpointer,
     checkpoint_signal,
     checkpoints_enabled,
+    next_periodic,
 )
 from vpool.worker_agent.local_ranks import LocalRank, LocalRanks
 from vpool.worker_agent.output import OutputPump
@@ -97,6 +98,16 @@ def test_checkpoint_settings(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) ->
     expected = Path("/dev/shm/vpool-ckpt") if Path("/dev/shm").is_dir() else tmp_path / "ckpt"
     assert s.scratch_path == expected
     assert AgentSettings(checkpoint_scratch=str(tmp_path / "x")).scratch_path == tmp_path / "x"
+
+
+def test_periodic_checkpoints_keep_their_period() -> None:
+    # A 7 s checkpoint started at 30: the next is due at 60, not 30 s after it ended (67).
+    assert next_periodic(30.0, 30.0, 30.0, 37.0) == 60.0
+    # An ordered one (at 41-48) leaves the schedule alone...
+    assert next_periodic(30.0, 60.0, None, 48.0) == 63.0  # ...but half a period of rest
+    assert next_periodic(30.0, 90.0, None, 48.0) == 90.0
+    # Slower than the period: half a period after its end, not at once.
+    assert next_periodic(10.0, 10.0, 10.0, 32.0) == 37.0
 
 
 def test_rank_env_has_checkpoint_variables_only_when_enabled(tmp_path: Path) -> None:
