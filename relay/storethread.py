@@ -35,7 +35,13 @@ import trio
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from vpool.protocol.errors import RemoteProtocolError, TokenError
-from vpool.protocol.framing import DEFAULT_MAX_HEADER, PREFIX, PREFIX_SIZE, parse_prefix
+from vpool.protocol.framing import (
+    DEFAULT_MAX_HEADER,
+    PREFIX,
+    PREFIX_SIZE,
+    encode_frame,
+    parse_prefix,
+)
 from vpool.protocol.messages import (
     PROTOCOL_VERSION,
     CkptChunk,
@@ -221,8 +227,7 @@ class StoreThread:
     # -- frames -------------------------------------------------------------------------------
 
     def _send(self, msg: Message) -> None:
-        header = encode(msg)
-        self.sock.sendall(PREFIX.pack(len(header), 0) + header)
+        self.sock.sendall(encode_frame(msg))
 
     def _fill(self, view: memoryview, *, first: bool = False) -> bool:
         """Read exactly ``len(view)`` bytes; False at a clean end of stream before the first
