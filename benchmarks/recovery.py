@@ -18,6 +18,20 @@ whatever happens) and, for each of the two modes (``vsdk submit --checkpoint-eve
    restored earlier runs under ``unshare`` and the restore helper);
 3. recovery = (kill -> job end) - (T - kill time): what the fault added to the run.
 
+The fault-free run of step 1 is another run, and on this kind of machine two runs of the same
+job differ by up to 20% (15 s of a 2-minute run), as much as the recovery itself. So the faulty
+run is also measured against itself: rank 0 of the stencil notes the time every 10 steps (its
+PROGRESS argument, a file in the pool's directory), which gives
+
+- **in-run recovery** = (rank 0's last step - kill) - (steps left at the kill / rank 0's step
+  rate over the 30 s before the kill): the same definition, with the fault-free remainder taken
+  from the run's own pace instead of from another run;
+- **stall** = how long after the kill rank 0 took to get 20 steps past where it was, minus
+  what 20 steps take at that pace: the time the job stood still while the victim came back.
+
+With checkpoints, ``image age`` is how old the victim's image was when it was killed (the
+checkpoint's id is the wall-clock millisecond it was taken at).
+
 ``--repeat N`` does steps 1-3 N times per mode (the modes alternating, so that drift of the
 machine hits both alike) and reports the median recovery of each mode: a single pair moves by
 a few seconds from run to run, which is the size of the recovery with checkpoints.
@@ -31,6 +45,7 @@ both modes recovered with identical output.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import signal
@@ -44,12 +59,60 @@ from chaos import TERMINAL, Pool, job_state, rank_processes, submit, wait_job
 HERE = Path(__file__).resolve().parent
 STENCIL = str(HERE.parent / "examples" / "stencil.py")
 POLL = 0.2
+PACE_WINDOW = 30.0  # s before the kill over which rank 0's pace is measured
+STALL_STEPS = 20
 COUNTED = ("checkpoint", "rank_lost", "rank_restored", "restore_failed", "rank_replaying")
 
 
 def _times(detail: dict) -> tuple[float, float]:
     job = detail["job"]
     return float(job["started"]), float(job["finished"])
+
+
+def _progress_file(pool: Pool, tag: str) -> str:
+    path = Path(pool.env["VPOOL_HOME"]) / f"progress-{tag}.txt"
+    path.unlink(missing_ok=True)
+    return str(path)
+
+
+def read_progress(path: str) -> list[tuple[int, float]]:
+    """(step, time.time()) pairs rank 0 of the stencil noted, in order."""
+    out = []
+    for line in Path(path).read_text().splitlines():
+        step, at = line.split()
+        out.append((int(step), float(at)))
+    return out
+
+
+def _step_at(samples: list[tuple[int, float]], t: float) -> float:
+    """Rank 0's step at time ``t``, interpolated between the samples around it."""
+    for (s0, t0), (s1, t1) in itertools.pairwise(samples):
+        if t0 <= t <= t1:
+            return s0 + (s1 - s0) * (t - t0) / (t1 - t0) if t1 > t0 else float(s1)
+    return float(samples[0][0] if t < samples[0][1] else samples[-1][0])
+
+
+def in_run(samples: list[tuple[int, float]], killed: float) -> dict:
+    """In-run recovery and stall of a run whose rank 0 noted ``samples``, killed at ``killed``
+    (both time.time()); see the module's docstring."""
+    if len(samples) < 3 or samples[-1][1] <= killed:
+        return {}
+    window = min(PACE_WINDOW, killed - samples[0][1])
+    at_kill = _step_at(samples, killed)
+    pace = (at_kill - _step_at(samples, killed - window)) / window  # steps/s
+    if pace <= 0:
+        return {}
+    last_step, last_t = samples[-1]
+    out = {
+        "pace_steps_per_s": pace,
+        "step_at_kill": at_kill,
+        "in_run_remainder_s": (last_step - at_kill) / pace,
+        "in_run_recovery_s": (last_t - killed) - (last_step - at_kill) / pace,
+    }
+    past = next((t for s, t in samples if s >= at_kill + STALL_STEPS), None)
+    if past is not None:
+        out["stall_s"] = (past - killed) - STALL_STEPS / pace
+    return out
 
 
 def fault_free(pool: Pool, opts: argparse.Namespace, every: float) -> dict:
@@ -93,9 +156,10 @@ def _kill_victim(pool: Pool, job: int, victim: int, at: float, deadline: float) 
     raise RuntimeError(f"rank {victim} of job {job} was not found to kill: {pids}")
 
 
-def faulty(pool: Pool, opts: argparse.Namespace, every: float, base: dict) -> dict:
+def faulty(pool: Pool, opts: argparse.Namespace, every: float, base: dict, tag: str) -> dict:
     limit = opts.limit or 3 * base["seconds"] + 120
-    job = submit(pool, STENCIL, opts.ranks, opts.args, every)
+    progress = _progress_file(pool, tag)
+    job = submit(pool, STENCIL, opts.ranks, [*opts.args, progress], every)
     killed = _kill_victim(
         pool, job, opts.victim, opts.at * base["seconds"], time.monotonic() + limit
     )
@@ -108,7 +172,16 @@ def faulty(pool: Pool, opts: argparse.Namespace, every: float, base: dict) -> di
     kill_at = killed - started
     remainder = base["seconds"] - kill_at
     events = detail.get("events", [])
+    restored = [
+        int(e["message"].rsplit(" ", 1)[1]) / 1000
+        for e in events
+        if e.get("rank") == opts.victim
+        and e.get("kind") == "rank_restored"
+        and e.get("message", "").rsplit(" ", 1)[-1].isdigit()
+    ]
     return {
+        **in_run(read_progress(progress), killed),
+        "image_age_s": killed - restored[0] if restored else None,
         "job": job,
         "seconds": finished - started,
         "kill_at_s": kill_at,
@@ -142,10 +215,12 @@ def measure(opts: argparse.Namespace) -> dict[str, list[dict]]:
                         file=sys.stderr,
                         flush=True,
                     )
-                    run = faulty(pool, opts, every, base)
+                    run = faulty(pool, opts, every, base, f"{mode}-{i}")
                     print(
                         f"  {mode} #{i}: killed at {run['kill_at_s']:.1f} s, ended "
-                        f"{run['seconds']:.1f} s, recovery {run['recovery_s']:.1f} s",
+                        f"{run['seconds']:.1f} s, recovery {run['recovery_s']:.1f} s, in-run "
+                        f"{_s(run.get('in_run_recovery_s'))}, stall {_s(run.get('stall_s'))}, "
+                        f"image age {_s(run.get('image_age_s'))}",
                         file=sys.stderr,
                         flush=True,
                     )
@@ -155,6 +230,15 @@ def measure(opts: argparse.Namespace) -> dict[str, list[dict]]:
         finally:
             pool.vsdk("local", "down", check=False, timeout=120)
     return out
+
+
+def _s(x: float | None) -> str:
+    return "-" if x is None else f"{x:.1f} s"
+
+
+def _median(runs: list[dict], key: str) -> float | None:
+    vals = sorted(r[key] for r in runs if r.get(key) is not None)
+    return vals[(len(vals) - 1) // 2] if vals else None
 
 
 def _median_run(runs: list[dict]) -> dict:
@@ -182,23 +266,41 @@ def report(opts: argparse.Namespace, runs: dict[str, list[dict]]) -> float | Non
         ("kill -> end", lambda r: f"{r['kill_to_end_s']:.1f} s"),
         ("fault-free remainder", lambda r: f"{r['fault_free_remainder_s']:.1f} s"),
         ("recovery", lambda r: f"{r['recovery_s']:.1f} s"),
+        ("in-run remainder", lambda r: _s(r.get("in_run_remainder_s"))),
+        ("in-run recovery", lambda r: _s(r.get("in_run_recovery_s"))),
+        ("stall", lambda r: _s(r.get("stall_s"))),
+        ("image age at the kill", lambda r: _s(r.get("image_age_s"))),
         ("output", lambda r: "identical" if r["identical"] else "DIFFERENT"),
     ]
     for label, cell in rows:
         print(f"{label:24}" + "".join(f"{cell(res[m]):>14}" for m in modes))
     for mode in modes:
-        every = ", ".join(f"{r['recovery_s']:.1f}" for r in runs[mode])
-        print(f"{mode} recovery, every run: {every} s")
+        for key in ("recovery_s", "in_run_recovery_s", "stall_s"):
+            every = ", ".join(_s(r.get(key)) for r in runs[mode])
+            print(f"{mode} {key[:-2].replace('_', ' ')}, every run: {every}")
     for mode in modes:
         print(f"{mode} events: {res[mode]['events']}")
         for line in res[mode]["victim_events"]:
             print(f"  {line}")
     if len(modes) < 2:
         return None
-    ckpt, replay = res["checkpoints"]["recovery_s"], res["replay"]["recovery_s"]
-    ratio = replay / ckpt if ckpt > 0 else None
-    shown = f"{ratio:.2f}" if ratio is not None else f"- (recovery with checkpoints {ckpt:.1f} s)"
-    print(f"replay / checkpoints recovery: {shown} (issue 5 asks at least 3)")
+    ratio = None
+    for key, label in (
+        ("recovery_s", "recovery"),
+        ("in_run_recovery_s", "in-run recovery"),
+        ("stall_s", "stall"),
+    ):
+        ckpt, replay = _median(runs["checkpoints"], key), _median(runs["replay"], key)
+        if ckpt is None or replay is None:
+            continue
+        r = replay / ckpt if ckpt > 0 else None
+        shown = f"{r:.2f}" if r is not None else "-"
+        print(
+            f"replay / checkpoints {label} (medians {replay:.1f} / {ckpt:.1f} s): {shown} "
+            "(issue 5 asks at least 3)"
+        )
+        if key == "recovery_s":
+            ratio = r
     return ratio
 
 

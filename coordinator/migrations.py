@@ -179,6 +179,15 @@ def _m4_checkpoints(db: sqlite_utils.Database) -> None:
         )
 
 
+def _m5_image_digest_blake3(db: sqlite_utils.Database) -> None:
+    """Checkpoint images are digested with BLAKE3-256 instead of SHA-256, so the column is
+    ``digest``. The images recorded before carry a SHA-256 that every restore would refuse:
+    their rows go (relays drop such images too), and a lost rank starts from the beginning
+    when its log still does."""
+    db.execute("DELETE FROM checkpoints")
+    db.execute("ALTER TABLE checkpoints RENAME COLUMN sha256 TO digest")
+
+
 def new_job_uid() -> str:
     return secrets.token_hex(16)
 
@@ -193,6 +202,7 @@ MIGRATIONS: list[Callable[[sqlite_utils.Database], None]] = [
     _m2_fault_tolerance,
     _m3_fault_tolerance_switch,
     _m4_checkpoints,
+    _m5_image_digest_blake3,
 ]
 
 

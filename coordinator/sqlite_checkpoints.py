@@ -30,7 +30,7 @@ MAX_FINGERPRINT = 200
 MAX_CKPT = 2**62
 MAX_ATTEMPTS = 100
 MAX_ACKS = 1024  # order ids one heartbeat acknowledges (as many as an agent remembers)
-SHA256_HEX = re.compile(r"[0-9a-f]{64}")
+DIGEST_HEX = re.compile(r"[0-9a-f]{64}")
 
 
 @dataclass(frozen=True)
@@ -102,12 +102,12 @@ class CheckpointsMixin:
                     code="unknown_incarnation",
                 )
             old = self._one(
-                "SELECT sha256 FROM checkpoints WHERE job = ? AND rank = ? AND ckpt = ?",
+                "SELECT digest FROM checkpoints WHERE job = ? AND rank = ? AND ckpt = ?",
                 [report.job, report.rank, report.ckpt],
             )
             self.db.execute(
                 "INSERT OR REPLACE INTO checkpoints (job, rank, ckpt, incarnation, relay, size, "
-                "sha256, fingerprint, received, dets, meta, pos, created) "
+                "digest, fingerprint, received, dets, meta, pos, created) "
                 "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 0, ?)",
                 [
                     report.job,
@@ -116,7 +116,7 @@ class CheckpointsMixin:
                     report.incarnation,
                     report.name,
                     report.size,
-                    report.sha256,
+                    report.digest,
                     report.fingerprint,
                     msgspec.json.encode(report.received).decode(),
                     report.dets,
@@ -139,7 +139,7 @@ class CheckpointsMixin:
                 "UPDATE ranks SET from_start = 0 WHERE job = ? AND rank = ?",
                 [report.job, report.rank],
             )
-            if old is None or old["sha256"] != report.sha256:
+            if old is None or old["digest"] != report.digest:
                 self._event(
                     report.job,
                     now,
@@ -441,7 +441,7 @@ class CheckpointsMixin:
                 incarnation=i["incarnation"],
                 relay=relays.index(i["relay"]),
                 size=i["size"],
-                sha256=i["sha256"],
+                digest=i["digest"],
                 fingerprint=i["fingerprint"],
                 received=msgspec.json.decode(i["received"], type=dict[int, int]),
                 dets=i["dets"],
@@ -479,8 +479,8 @@ def human_size(n: int) -> str:
 def _check_report(report: api.RelayCheckpoint) -> None:
     if not 0 <= report.ckpt <= MAX_CKPT or report.size < 0 or report.dets < 0:
         raise BadRequest("ckpt, size and dets of a checkpoint report are >= 0")
-    if not SHA256_HEX.fullmatch(report.sha256):
-        raise BadRequest("sha256 of a checkpoint report is 64 lowercase hex digits")
+    if not DIGEST_HEX.fullmatch(report.digest):
+        raise BadRequest("digest of a checkpoint report is 64 lowercase hex digits")
     if not report.fingerprint or len(report.fingerprint) > MAX_FINGERPRINT:
         raise BadRequest(f"fingerprint of a checkpoint report is 1 to {MAX_FINGERPRINT} chars")
     if any(not 0 <= c <= MAX_CKPT for c in report.retained):

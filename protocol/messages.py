@@ -259,11 +259,11 @@ class CkptChunk(_Msg, frozen=True, tag="ckpt_chunk"):
 
 
 class CkptEnd(_Msg, frozen=True, tag="ckpt_end"):
-    """Either way: image ``ckpt`` is complete: ``size`` bytes whose SHA-256 is ``sha256``."""
+    """Either way: image ``ckpt`` is complete: ``size`` bytes whose BLAKE3-256 is ``digest``."""
 
     ckpt: int
     size: int
-    sha256: bytes
+    digest: bytes
 
 
 class CkptStored(_Msg, frozen=True, tag="ckpt_stored"):
@@ -283,11 +283,12 @@ class CkptGet(_Msg, frozen=True, tag="ckpt_get"):
 
 
 class CkptInfo(_Msg, frozen=True, tag="ckpt_info"):
-    """Store -> agent: image ``ckpt`` follows (``CkptChunk``s, then ``CkptEnd``)."""
+    """Store -> agent: image ``ckpt`` follows (``CkptChunk``s, then ``CkptEnd``): ``size`` bytes
+    whose BLAKE3-256 is ``digest``."""
 
     ckpt: int
     size: int
-    sha256: bytes
+    digest: bytes
     received: dict[int, int]
     dets: int
     fingerprint: str

@@ -5,7 +5,7 @@ bytes; then TLS starts as on an agent connection (none with ``insecure_tcp``), t
 ``Hello(role="store", token=agent token)``, answered by ``Welcome(max_payload=STORE_MAX_CHUNK)``.
 Then, one after the other, any number of::
 
-    put:  agent CkptPut(token, ckpt, ...), CkptChunk(ckpt)+payload ..., CkptEnd(ckpt, size, sha256)
+    put:  agent CkptPut(token, ckpt, ...), CkptChunk(ckpt)+payload ..., CkptEnd(ckpt, size, digest)
           store CkptStored(ckpt, retained)      or Error(code, job, rank)
     get:  agent CkptGet(token, ckpt)
           store CkptInfo, CkptChunk(ckpt)+payload (1 MiB) ..., CkptEnd   or Error(code, job, rank)
@@ -85,13 +85,15 @@ class Image:
     ckpt: int
     incarnation: int
     size: int
-    sha256: bytes
+    digest: bytes  # BLAKE3-256 of the image file
     received: dict[int, int]
     dets: int
     fingerprint: str
     meta: bytes
     accepted: bool = False
     directory: Path = field(default=Path("."), repr=False)
+    # Set once the coordinator's answer to its report is in (or the report was dropped).
+    reported: trio.Event | None = field(default=None, repr=False, compare=False)
 
     @property
     def path(self) -> Path:
@@ -108,7 +110,7 @@ class Image:
             "ckpt": self.ckpt,
             "incarnation": self.incarnation,
             "size": self.size,
-            "sha256": self.sha256.hex(),
+            "digest": self.digest.hex(),
             "received": {str(k): v for k, v in self.received.items()},
             "dets": self.dets,
             "fingerprint": self.fingerprint,
@@ -120,13 +122,17 @@ class Image:
     @classmethod
     def from_json(cls, data: bytes, directory: Path) -> Image:
         raw: dict[str, Any] = json.loads(data)
+        if "digest" not in raw and "sha256" in raw:
+            raise ValueError(
+                "its image was digested with SHA-256 (before BLAKE3): no restore takes it"
+            )
         return cls(
             job=int(raw["job"]),
             rank=int(raw["rank"]),
             ckpt=int(raw["ckpt"]),
             incarnation=int(raw["incarnation"]),
             size=int(raw["size"]),
-            sha256=bytes.fromhex(raw["sha256"]),
+            digest=bytes.fromhex(raw["digest"]),
             received={int(k): int(v) for k, v in raw["received"].items()},
             dets=int(raw["dets"]),
             fingerprint=str(raw["fingerprint"]),
@@ -154,6 +160,12 @@ def write_manifest(img: Image) -> None:
         os.close(fd)
     os.rename(tmp, img.manifest)
     _fsync_dir(img.directory)
+
+
+def report_settled(img: Image) -> None:
+    """The report of ``img`` is answered or dropped: whoever waits for it goes on."""
+    if img.reported is not None:
+        img.reported.set()
 
 
 def delete_image(img: Image) -> None:
@@ -212,8 +224,11 @@ class CheckpointStore:
                 try:
                     img = Image.from_json(path.read_bytes(), directory)
                 except (OSError, ValueError, KeyError) as exc:
-                    logger.warning("deleting unreadable checkpoint manifest %s: %s", path, exc)
+                    logger.warning(
+                        "deleting unreadable checkpoint manifest %s and its image: %s", path, exc
+                    )
                     path.unlink()
+                    (directory / f"{stem}{IMAGE}").unlink(missing_ok=True)
                     continue
                 if f"{stem}{IMAGE}" not in names:
                     path.unlink()
@@ -251,6 +266,9 @@ class CheckpointStore:
         """The job is over (its directory is being deleted with the logs)."""
         for key in [k for k in self.images if k[0] == job]:
             self.nbytes -= sum(img.size for img in self.images.pop(key).values())
+        for img in self.reports:
+            if img.job == job:
+                report_settled(img)
         self.reports = [img for img in self.reports if img.job != job]
 
     # -- commit, retention, reports, trims --------------------------------------------------
@@ -267,6 +285,7 @@ class CheckpointStore:
         if old:
             await self._io(lambda: [delete_image(o) for o in old])
         if self.reporting:
+            img.reported = trio.Event()
             self.reports.append(img)
             self.reports_ready.set()
         else:
@@ -280,6 +299,7 @@ class CheckpointStore:
         for img in self.reports:
             key = (img.job, img.rank)
             if self.images.get(key, {}).get(img.ckpt) is not img:
+                report_settled(img)
                 continue
             box = self.hub.boxes.get(key)
             report = RelayCheckpoint(
@@ -289,7 +309,7 @@ class CheckpointStore:
                 incarnation=img.incarnation,
                 ckpt=img.ckpt,
                 size=img.size,
-                sha256=img.sha256.hex(),
+                digest=img.digest.hex(),
                 fingerprint=img.fingerprint,
                 received=img.received,
                 dets=img.dets,
@@ -305,13 +325,27 @@ class CheckpointStore:
     async def accepted(self, img: Image) -> None:
         """The coordinator accepted the report of ``img``: trim the rank's log."""
         if self.images.get((img.job, img.rank), {}).get(img.ckpt) is not img:
+            report_settled(img)
             return
         img.accepted = True
+        report_settled(img)
         await self._io(lambda: write_manifest(img))
         await self._trim((img.job, img.rank))
 
+    async def report_outcome(self, img: Image, wait: float) -> bool | None:
+        """Wait (at most ``wait`` s) for the coordinator's answer to the report of a just
+        committed ``img``: True accepted (or no coordinator), False refused or dropped, None
+        no answer in time (the image stays committed; its report is still retried)."""
+        if img.reported is None:
+            return True
+        with trio.move_on_after(wait):
+            await img.reported.wait()
+            return img.accepted
+        return None
+
     async def refused(self, img: Image) -> None:
         """The coordinator answered 409 (stale incarnation, job over): delete the image."""
+        report_settled(img)
         if self._remove(img):
             logger.info("job %d rank %d: image %d refused by the coordinator", *_ids(img))
             await self._io(lambda: delete_image(img))

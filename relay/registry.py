@@ -32,6 +32,7 @@ from vpool.protocol.api import (
 )
 from vpool.protocol.errors import TokenError
 from vpool.protocol.tokens import public_key_from_text
+from vpool.relay.ckptstore import Image, report_settled
 from vpool.relay.errors import CoordinatorError
 from vpool.relay.hub import Hub
 
@@ -159,38 +160,40 @@ async def _report_checkpoints(hub: Hub, client: CoordinatorClient) -> None:
         if not store.reports:
             await store.reports_ready.wait()
         for img, report in store.take_reports():
-            delay = BACKOFF_FIRST
-            while True:
-                try:
-                    await client.report_checkpoint(report)
-                except CoordinatorError as exc:
-                    if exc.status == 409:
-                        await store.refused(img)
-                        break
-                    if (
-                        exc.status is not None
-                        and 400 <= exc.status < 500
-                        and exc.status
-                        not in (
-                            401,
-                            404,
-                        )
-                    ):
-                        logger.warning(
-                            "checkpoint report of job %d rank %d refused: %s",
-                            report.job,
-                            report.rank,
-                            exc.message,
-                        )
-                        break
-                    logger.warning("cannot report a checkpoint, retrying: %s", exc.message)
-                    await trio.sleep(delay)
-                    delay = min(delay * 2, BACKOFF_MAX)
-                    if report.job in hub.finished:
-                        break
-                    continue
-                await store.accepted(img)
-                break
+            try:
+                await _report_one(hub, client, img, report)
+            finally:
+                report_settled(img)  # refused for good, or the job ended meanwhile
+
+
+async def _report_one(
+    hub: Hub, client: CoordinatorClient, img: Image, report: RelayCheckpoint
+) -> None:
+    store = hub.store
+    delay = BACKOFF_FIRST
+    while True:
+        try:
+            await client.report_checkpoint(report)
+        except CoordinatorError as exc:
+            if exc.status == 409:
+                await store.refused(img)
+                return
+            if exc.status is not None and 400 <= exc.status < 500 and exc.status not in (401, 404):
+                logger.warning(
+                    "checkpoint report of job %d rank %d refused: %s",
+                    report.job,
+                    report.rank,
+                    exc.message,
+                )
+                return
+            logger.warning("cannot report a checkpoint, retrying: %s", exc.message)
+            await trio.sleep(delay)
+            delay = min(delay * 2, BACKOFF_MAX)
+            if report.job in hub.finished:
+                return
+            continue
+        await store.accepted(img)
+        return
 
 
 async def run_registry(hub: Hub, client: CoordinatorClient, req: RelayRegister) -> None:

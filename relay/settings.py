@@ -87,6 +87,12 @@ class RelaySettings:
     store_idle_timeout: float = setting(
         60.0, "Seconds a checkpoint store connection may stay silent before it is closed."
     )
+    store_report_wait: float = setting(
+        10.0,
+        "Seconds a committed image's CkptStored waits for the coordinator to accept its "
+        "report (so that a replacement placed after it restores from it); past that the "
+        "image counts as stored and its report is still retried.",
+    )
 
     def relay_name(self, port: int) -> str:
         return self.name or f"{socket.gethostname()}-{port}"

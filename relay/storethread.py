@@ -8,7 +8,7 @@ to ``StoreThread.run`` in a worker thread (``CheckpointStore.serve``), which doe
 handshake (server side), reads the ``Hello`` and serves puts and gets one after the other.
 
 Frames are read with ``recv_into`` into buffers allocated once per connection; a chunk's
-payload is hashed and written (``DirectFile``, ``O_DIRECT``) right there, and a get is read
+payload is hashed (BLAKE3) and written (``DirectFile``, ``O_DIRECT``) right there, and a get is read
 with ``os.preadv`` into the buffer of the frame it is sent in. Everything that touches the
 relay's state (the signing key, the refusals of a put, the ``uploading`` set, the commit and
 its report, the image index) goes through ``trio.from_thread`` into the relay's loop, in the
@@ -21,7 +21,6 @@ trio side shuts the socket down when the relay stops, which ends every blocking 
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import secrets
@@ -31,6 +30,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import blake3
 import trio
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
@@ -96,7 +96,7 @@ class Upload:
         self.file = file
         self.tmp = tmp
         self.size = 0
-        self.hasher = hashlib.sha256()
+        self.hasher = blake3.blake3()
 
     def discard(self) -> None:
         self.file.close()
@@ -359,12 +359,12 @@ class StoreThread:
     def _finish(self, up: Upload, end: CkptEnd) -> None:
         job, rank = up.key
         digest = up.hasher.digest()
-        if end.size != up.size or end.sha256 != digest:
+        if end.size != up.size or end.digest != digest:
             self._abort(up)
             raise Rejected(
                 "corrupt",
-                f"image {end.ckpt} of rank {rank} of job {job}: {up.size} bytes with SHA-256 "
-                f"{digest.hex()} arrived, CkptEnd says {end.size} bytes with {end.sha256.hex()}",
+                f"image {end.ckpt} of rank {rank} of job {job}: {up.size} bytes with BLAKE3 "
+                f"{digest.hex()} arrived, CkptEnd says {end.size} bytes with {end.digest.hex()}",
                 job=job,
                 rank=rank,
             )
@@ -375,7 +375,7 @@ class StoreThread:
             ckpt=put.ckpt,
             incarnation=up.claims.incarnation,
             size=up.size,
-            sha256=digest,
+            digest=digest,
             received=dict(put.received),
             dets=put.dets,
             fingerprint=put.fingerprint,
@@ -398,6 +398,25 @@ class StoreThread:
             delete_image(img)
             raise answer
         logger.info("job %d rank %d: image %d committed (%d bytes)", job, rank, img.ckpt, img.size)
+        # CkptStored once the coordinator has the image too: an agent that then reports its
+        # rank lost gets a replacement that restores from this image.
+        wait = self.settings.store_report_wait
+        known = trio.from_thread.run(self.store.report_outcome, img, wait)
+        if known is False:
+            raise Rejected(
+                "refused",
+                f"the coordinator refused image {img.ckpt} of rank {rank} of job {job}",
+                job=job,
+                rank=rank,
+            )
+        if known is None:
+            logger.info(
+                "job %d rank %d: image %d not reported within %g s; stored all the same",
+                job,
+                rank,
+                img.ckpt,
+                wait,
+            )
         self._send(CkptStored(ckpt=img.ckpt, retained=answer))
 
     # -- gets ---------------------------------------------------------------------------------
@@ -432,7 +451,7 @@ class StoreThread:
                 CkptInfo(
                     ckpt=img.ckpt,
                     size=img.size,
-                    sha256=img.sha256,
+                    digest=img.digest,
                     received=img.received,
                     dets=img.dets,
                     fingerprint=img.fingerprint,
@@ -440,7 +459,7 @@ class StoreThread:
                 )
             )
             self._send_image(img, fd)
-            self._send(CkptEnd(ckpt=img.ckpt, size=img.size, sha256=img.sha256))
+            self._send(CkptEnd(ckpt=img.ckpt, size=img.size, digest=img.digest))
         finally:
             os.close(fd)
 

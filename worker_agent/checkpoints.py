@@ -126,6 +126,7 @@ class _Taking:
     clone: int = -1  # the clone's pid until it was dumped (criu kills it) or killed
     scratch: Path | None = None
     got: trio.Event = field(default_factory=trio.Event)
+    done: trio.Event = field(default_factory=trio.Event)  # stored, failed or given up
 
 
 class Checkpointer:
@@ -142,6 +143,7 @@ class Checkpointer:
         self.last_ckpt = max(rank.restored_from, 0)
         self.taking: _Taking | None = None
         self.pauses: list[float] = []  # the rank's pause (s) of each checkpoint taken
+        self.closing = False  # the rank's process ended: no new checkpoint starts
 
     async def run(self) -> None:
         """Serve the control connection and take checkpoints until cancelled."""
@@ -152,6 +154,8 @@ class Checkpointer:
             while True:
                 with trio.move_on_at(next_at):
                     await self.rank.checkpoint_wanted.wait()
+                if self.closing:
+                    return
                 ordered = self.rank.checkpoint_wanted.is_set()
                 self.rank.checkpoint_wanted = trio.Event()
                 started = trio.current_time()
@@ -159,6 +163,14 @@ class Checkpointer:
                 if every > 0:
                     periodic = None if ordered else started
                     next_at = next_periodic(every, next_at, periodic, trio.current_time())
+
+    def forked_in_flight(self) -> tuple[int, trio.Event] | None:
+        """The id and end event of the checkpoint in flight once the rank forked its clone
+        (the clone holds the rank's state even if the rank dies now); None otherwise."""
+        taking = self.taking
+        if taking is None or taking.forked is None or taking.forked.pid <= 0:
+            return None
+        return taking.ckpt, taking.done
 
     # -- the control connection -------------------------------------------------------------
 
@@ -235,6 +247,7 @@ class Checkpointer:
             self.pump.release()
             _kill(taking.clone)
             self.taking = None
+            taking.done.set()
             if taking.scratch is not None:
                 with trio.move_on_after(10, shield=True):
                     await _remove(taking.scratch)
@@ -361,7 +374,7 @@ class Checkpointer:
                 for piece in writer.pack(images, rank_dir):
                     conn.put_chunk(taking.ckpt, piece)
                 trio.from_thread.run(self._acked_in_time, ready)
-                conn.put_end(taking.ckpt, writer.size, writer.sha256, timeout=STORE_TIMEOUT)
+                conn.put_end(taking.ckpt, writer.size, writer.digest, timeout=STORE_TIMEOUT)
 
         await run_in_thread(upload, _PACK_LIMITER)
         return int(writer.size)

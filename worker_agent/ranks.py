@@ -125,6 +125,7 @@ def rank_env(
     rank_dir: Path | None = None,
     checkpoints: bool = False,
     clone_timeout: float = 600.0,
+    orphan_wait: float = 0.0,
 ) -> dict[str, str]:
     """The rank's environment. ``checkpoints``: the runtime takes them (it gets the signal to
     expect and its rank directory)."""
@@ -152,6 +153,7 @@ def rank_env(
             VPOOL_RANK_DIR=str(rank_dir),
             VPOOL_CKPT_SIGNAL=str(checkpoint_signal()),
             VPOOL_CKPT_CLONE_TIMEOUT=f"{clone_timeout:g}",
+            VPOOL_CKPT_ORPHAN_WAIT=f"{orphan_wait:g}",
         )
     return env
 
@@ -361,6 +363,9 @@ async def execute(
                 watch.start_soon(_stop_when_asked, rank, launched, settings.stop_grace)
                 watch.start_soon(checkpointer.run)
                 await process.wait()
+                checkpointer.closing = True  # no new checkpoint of a process that is gone
+                grace = settings.lost_checkpoint_grace
+                await _finish_lost_checkpoint(grace, rank, launched, checkpointer)
                 watch.cancel_scope.cancel()
             # Whatever the rank left running would keep its pipes (and maybe a slot) busy.
             launched.signal(signal.SIGKILL)
@@ -384,6 +389,37 @@ async def execute(
     return _describe_exit(rank, -signal.SIGKILL if returncode is None else returncode)
 
 
+async def _finish_lost_checkpoint(
+    grace: float, rank: LocalRank, launched: _Launched, checkpointer: Checkpointer
+) -> None:
+    """A rank killed from outside while a checkpoint of it was past its fork: the clone holds
+    the freshest state there is. Let that checkpoint finish (for at most ``grace`` seconds, or
+    until the rank is told to stop) before the loss is reported, so that the replacement
+    restores from it instead of from an older image or the beginning."""
+    flight = checkpointer.forked_in_flight()
+    returncode = launched.returncode()
+    if grace <= 0 or flight is None or returncode is None:
+        return
+    if not _describe_exit(rank, returncode)[2]:
+        return
+    ckpt, done = flight
+    log.info(
+        "%s lost with checkpoint %d in flight: letting it finish (at most %g s)",
+        rank.label,
+        ckpt,
+        grace,
+    )
+    with trio.move_on_after(grace):
+        async with trio.open_nursery() as race:
+
+            async def first(event: trio.Event) -> None:
+                await event.wait()
+                race.cancel_scope.cancel()
+
+            race.start_soon(first, done)
+            race.start_soon(first, rank.stop_requested)
+
+
 async def _spawn(
     svc: RankServices, rank: LocalRank, prepared: Prepared
 ) -> _Launched | tuple[int, str, bool]:
@@ -398,6 +434,7 @@ async def _spawn(
         rank_dir=prepared.rank_dir,
         checkpoints=not _ckpt_disabled_because(svc.capability, lease),
         clone_timeout=settings.checkpoint_clone_timeout,
+        orphan_wait=settings.lost_checkpoint_grace,
     )
     stdin = open(prepared.stdin or os.devnull, "rb")  # noqa: ASYNC230 - only an fd for the child
     try:

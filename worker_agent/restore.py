@@ -286,7 +286,7 @@ async def _fetch(
         rank=lease.rank,
         ckpt=ref.ckpt,
         size=ref.size,
-        sha256=bytes.fromhex(ref.sha256),
+        digest=bytes.fromhex(ref.digest),
     )
     home = lease.relays[ref.relay]
 
@@ -300,7 +300,7 @@ async def _fetch(
             aborter=aborter,
         ) as conn:
             info, chunks = conn.get(lease.token, ref.ckpt)
-            if info.size != ref.size or info.sha256.hex() != ref.sha256:
+            if info.size != ref.size or info.digest.hex() != ref.digest:
                 raise RestoreError(
                     f"the store holds another image {ref.ckpt} ({info.size} bytes) than the "
                     f"coordinator knows ({ref.size} bytes)"

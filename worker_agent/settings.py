@@ -77,6 +77,12 @@ class AgentSettings:
     checkpoint_clone_timeout: float = setting(
         600.0, "Seconds a checkpoint clone waits to be dumped before it exits by itself."
     )
+    lost_checkpoint_grace: float = setting(
+        30.0,
+        "Seconds the agent lets a lost rank's checkpoint in flight (forked before the rank "
+        "died) finish before it reports the loss, so the replacement restores from it; 0: "
+        "report at once and drop it.",
+    )
 
     # Resolved values: the empty defaults above mean "the platform's choice".
 

@@ -214,10 +214,10 @@ class StoreConnection:
         self.send(CkptChunk(ckpt=ckpt), data)
 
     def put_end(
-        self, ckpt: int, size: int, sha256: bytes, timeout: float = IDLE_TIMEOUT
+        self, ckpt: int, size: int, digest: bytes, timeout: float = IDLE_TIMEOUT
     ) -> CkptStored:
         """Send ``CkptEnd`` and wait (``timeout`` s at most) for the store's ``CkptStored``."""
-        self.send(CkptEnd(ckpt=ckpt, size=size, sha256=sha256))
+        self.send(CkptEnd(ckpt=ckpt, size=size, digest=digest))
         stored = self._expect(CkptStored, timeout)
         assert isinstance(stored, CkptStored)
         if stored.ckpt != ckpt:
@@ -247,10 +247,10 @@ class StoreConnection:
                     raise StoreError(f"{self.where} sent more than {info.size} bytes", "protocol")
                 yield payload
             elif isinstance(msg, CkptEnd) and msg.ckpt == info.ckpt:
-                if got != info.size or msg.size != info.size or msg.sha256 != info.sha256:
+                if got != info.size or msg.size != info.size or msg.digest != info.digest:
                     raise StoreError(
                         f"{self.where} ended image {info.ckpt} after {got} of {info.size} "
-                        "bytes or with another checksum",
+                        "bytes or with another digest",
                         "protocol",
                     )
                 return

@@ -18,7 +18,9 @@ parent reports ``CkptForked(ckpt, pid, counters, pending, pause)`` and returns: 
 to the agent, so its pause is the flushes and the fork. The clone leaves the agent's sockets
 and stdio and waits while its parent lives; then it is either a restored process
 (``$VPOOL_RANK_DIR/.vpool-restore.json`` names its checkpoint: it reconnects and resumes the
-replay from its counters, ``FT.resume``) or an orphan (it exits).
+replay from its counters, ``FT.resume``) or an orphan: the rank died, and the agent may still
+dump the clone, the freshest state there is, so it exits only after ``$VPOOL_CKPT_ORPHAN_WAIT``
+seconds (the agent's ``lost_checkpoint_grace``; at once without it) if nobody does.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ CLONE_TIMEOUT_ENV = "VPOOL_CKPT_CLONE_TIMEOUT"
 CLONE_TIMEOUT = 600.0  # seconds a clone waits to be dumped and restored, or orphaned
 RESTORE_FILE = ".vpool-restore.json"
 CLONE_POLL = 0.01  # seconds between the clone's looks at its parent
+ORPHAN_WAIT_ENV = "VPOOL_CKPT_ORPHAN_WAIT"  # s an orphaned clone still waits to be dumped
 SIGNAL_READS = 256  # reads at most, looking for the request frame from the signal handler
 # Modules whose frames on the interrupted stack mean "inside an MPI call": not a safe point.
 _RUNTIME = ("vpool.sdk.mpi", "vpool.protocol", "mpi4py")
@@ -66,11 +69,12 @@ def start(eng: Any, transport: Any, secret: str) -> Checkpointer | None:
     try:
         num = int(signum)
         timeout = float(os.environ.get(CLONE_TIMEOUT_ENV) or CLONE_TIMEOUT)
+        orphan_wait = float(os.environ.get(ORPHAN_WAIT_ENV) or 0.0)
     except ValueError:
-        die(f"{SIGNAL_ENV}={signum!r} / {CLONE_TIMEOUT_ENV}: expected numbers")
+        die(f"{SIGNAL_ENV}={signum!r} / {CLONE_TIMEOUT_ENV} / {ORPHAN_WAIT_ENV}: expected numbers")
         raise
     path = os.environ.get("VPOOL_AGENT_SOCKET", "")
-    ckpt = Checkpointer(eng, transport, path, secret, rank_dir, num, timeout)
+    ckpt = Checkpointer(eng, transport, path, secret, rank_dir, num, timeout, orphan_wait)
     ckpt.connect_control(-1)
     ckpt.install()
     return ckpt
@@ -88,6 +92,7 @@ class Checkpointer:
         rank_dir: str,
         signum: int,
         clone_timeout: float = CLONE_TIMEOUT,
+        orphan_wait: float = 0.0,
     ) -> None:
         self.eng = eng
         self.transport = transport
@@ -96,6 +101,7 @@ class Checkpointer:
         self.rank_dir = rank_dir
         self.signum = signum
         self.clone_timeout = clone_timeout
+        self.orphan_wait = orphan_wait  # the agent's lost_checkpoint_grace; 0 without an agent
         self.control: socket.socket | None = None
         self.taken: list[int] = []  # checkpoints this process forked a clone for
         self.clones: list[int] = []  # pids of clones not reaped yet (CRIU ends them: zombies)
@@ -226,14 +232,22 @@ class Checkpointer:
             t.acked = list(t.sent)
             t.det_acked = t.det_sent
             deadline = time.monotonic() + self.clone_timeout
-            while os.getppid() == parent:
+            orphaned = False
+            while True:
+                if os.getppid() != parent:
+                    info = self._restore_info(ckpt)
+                    if info is not None:
+                        self._restore(ckpt, info)
+                        return
+                    if not orphaned:
+                        # The rank died before this clone was dumped. The agent may still
+                        # dump it (the rank's freshest state, for its replacement) or kill
+                        # it; if neither comes, it exits by itself.
+                        orphaned = True
+                        deadline = min(deadline, time.monotonic() + self.orphan_wait)
                 if time.monotonic() > deadline:
                     os._exit(0)
                 time.sleep(CLONE_POLL)
-            info = self._restore_info(ckpt)
-            if info is None:
-                os._exit(0)  # orphaned: the rank died before this clone was dumped
-            self._restore(ckpt, info)
         except BaseException:
             os._exit(1)  # never back into the program as a half-restored process
 

@@ -30,7 +30,7 @@ RELAY = {"Authorization": f"Bearer {RELAY_SECRET}"}
 FP_X = "x" * 64
 FP_Y = "y" * 64
 FP_Z = "z" * 64
-SHA = "ab" * 32
+DIGEST = "ab" * 32
 
 
 @asynccontextmanager
@@ -100,7 +100,7 @@ def _image(
         incarnation=incarnation,
         ckpt=ckpt,
         size=210_000_000,
-        sha256=SHA,
+        digest=DIGEST,
         fingerprint=fp,
         received={0: 5 * ckpt, 1: 0},
         dets=ckpt,
@@ -232,6 +232,34 @@ def test_migration_gives_older_jobs_a_uid_and_key(tmp_path: Path) -> None:
     db.close()
 
 
+def test_migration_to_blake3_drops_the_sha256_images(tmp_path: Path) -> None:
+    """Step 5 renames ``checkpoints.sha256`` to ``digest`` and deletes the images recorded
+    before (SHA-256 digests no restore would accept); the rest of the rank is kept."""
+    db = sqlite_utils.Database(tmp_path / "old.db")
+    db.execute("CREATE TABLE schema_version (version INTEGER NOT NULL)")
+    db.execute("INSERT INTO schema_version (version) VALUES (4)")
+    for step in migrations.MIGRATIONS[:4]:
+        step(db)
+    db.execute(
+        "INSERT INTO jobs (user, name, state, ranks, bundle, entry, args, created) "
+        "VALUES ('alice', 'a', 'running', 1, 'b', 'app.py', '[]', 0)"
+    )
+    db.execute("INSERT INTO ranks (job, rank, state) VALUES (1, 0, 'running')")
+    for ckpt in (1, 2):
+        db.execute(
+            "INSERT INTO checkpoints (job, rank, ckpt, incarnation, relay, size, sha256, "
+            "fingerprint, received, dets, meta, pos, created) "
+            "VALUES (1, 0, ?, 1, 'relay-0', 10, ?, 'fp', '{}', 0, x'', ?, 0)",
+            [ckpt, "cd" * 32, 2 - ckpt],
+        )
+    assert migrations.migrate(db) == len(migrations.MIGRATIONS) >= 5
+    assert "digest" in db["checkpoints"].columns_dict
+    assert "sha256" not in db["checkpoints"].columns_dict
+    assert list(db.query("SELECT * FROM checkpoints")) == []
+    assert [r["state"] for r in db.query("SELECT state FROM ranks")] == ["running"]
+    db.close()
+
+
 # -- relays: committed images ---------------------------------------------------------------
 
 
@@ -261,7 +289,7 @@ async def test_relay_report_is_refused_when_the_relay_should_delete_it(pool: Poo
         (_image(job, 5, 1, [1]), 409, "unknown_rank"),
         (_image(job, 0, 1, [1], incarnation=2), 409, "unknown_incarnation"),
         (msgspec.structs.replace(_image(job, 0, 1, [1]), name="relay-9"), 403, "not_your_job"),
-        (msgspec.structs.replace(_image(job, 0, 1, [1]), sha256="zz"), 422, "bad_request"),
+        (msgspec.structs.replace(_image(job, 0, 1, [1]), digest="zz"), 422, "bad_request"),
     ]
     for report, status, code in cases:
         r = await _commit(pool, report)
@@ -445,9 +473,9 @@ async def test_replacement_goes_to_an_agent_that_can_restore(pool: Pool) -> None
         (1, 1, 0, FP_X),
     ]
     ref = lease.restore[0]
-    assert (ref.size, ref.sha256, ref.received, ref.dets, ref.meta) == (
+    assert (ref.size, ref.digest, ref.received, ref.dets, ref.meta) == (
         210_000_000,
-        SHA,
+        DIGEST,
         {0: 10, 1: 0},
         2,
         b"\x00meta",
@@ -572,7 +600,7 @@ async def test_restore_reports_are_events(pool: Pool) -> None:
     await _relay_loses(pool, job, 1)
     (lease,) = await pool.lease(three)
     await _beat(pool, three, [lease], criu="4.1.1", fp=FP_X, free=0)  # starting, restoring
-    tried = [api.RestoreAttempt(ckpt=5, reason="sha256 mismatch")]
+    tried = [api.RestoreAttempt(ckpt=5, reason="hash mismatch")]
     report = api.RestoreReport(job=job, rank=1, incarnation=2, ckpt=4, tried=tried)
     for _ in range(2):  # a repeat is no new event
         r = await pool.post("/api/v1/agents/restored", report, three.headers)
@@ -580,7 +608,7 @@ async def test_restore_reports_are_events(pool: Pool) -> None:
     await _beat(pool, three, [lease], criu="4.1.1", fp=FP_X, free=0, restored_from=4)
     detail = await pool.job(job)
     assert _events(detail, "restore_failed") == [
-        "rank 1 incarnation 2: checkpoint 5 not used: sha256 mismatch"
+        "rank 1 incarnation 2: checkpoint 5 not used: hash mismatch"
     ]
     assert _events(detail, "rank_restored") == ["rank 1 incarnation 2 restored from checkpoint 4"]
     assert _events(detail, "rank_replaying") == []  # the restore said it

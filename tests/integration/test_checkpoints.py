@@ -220,6 +220,19 @@ def agent_id(pool: Pool, name: str) -> str:
     return str(info["agent_id"])
 
 
+def wait_clone(rank: int, timeout: float = 30) -> int:
+    """The checkpoint clone of the rank process ``rank`` (pid): its child with the same rank
+    environment whose stdout is /dev/null (what the clone points it at)."""
+    want = _environ(rank).get(b"VPOOL_RANK")
+    deadline = time.monotonic() + timeout
+    while True:
+        for child in _children(rank):
+            if _environ(child).get(b"VPOOL_RANK") == want and _stdout(child) == "/dev/null":
+                return child
+        assert time.monotonic() < deadline, f"no checkpoint clone of {rank} after {timeout} s"
+        time.sleep(0.005)
+
+
 # -- tests -------------------------------------------------------------------------------------
 
 
@@ -400,3 +413,24 @@ def test_image_is_never_restored_on_a_mismatched_fingerprint(pool: Pool) -> None
     for r in d["ranks"]:
         if events(d, "rank_restored", r["rank"]) and not events(d, "rank_replaying", r["rank"]):
             assert r["agent"] not in mismatched, (r, d["events"])
+
+
+def test_rank_killed_with_its_checkpoint_in_flight_restores_from_it(pool: Pool) -> None:
+    ref = reference(pool, 4, "600")
+    job = submit(pool, 4, "600")  # no periodic checkpoints: the ordered one is the only one
+    wait_until(pool, job, all_running, "all ranks running")
+    pid = rank_pid(pool, 1, job)
+    checkpoint_now(pool, job, 1)
+    wait_clone(pid)
+    os.kill(pid, signal.SIGKILL)  # right after the fork, before the image is stored
+    d = finish(pool, job, ref)
+    made = [ckpt_id(e["message"]) for e in events(d, "checkpoint", 1)]
+    restored = [ckpt_id(e["message"]) for e in events(d, "rank_restored", 1)]
+    assert len(made) == 1, d["events"]
+    assert restored == made, d["events"]  # not replayed from the beginning
+    assert not events(d, "rank_replaying", 1), d["events"]
+    lost = events(d, "rank_lost", 1)
+    assert len(lost) == 1, d["events"]
+    # The loss was reported after the image was committed, not before.
+    committed = events(d, "checkpoint", 1)[0]
+    assert committed["time"] <= lost[0]["time"], d["events"]

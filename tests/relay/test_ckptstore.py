@@ -4,6 +4,8 @@ retention, reports to the coordinator and what their answers do."""
 from __future__ import annotations
 
 import hashlib
+import json
+import logging
 import os
 import socket
 import ssl
@@ -11,6 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import blake3
 import httpx
 import msgspec
 import pytest
@@ -164,7 +167,7 @@ async def put(
     incarnation: int = 1,
     received: dict[int, int] | None = None,
     dets: int = 0,
-    sha256: bytes | None = None,
+    digest: bytes | None = None,
 ) -> Any:
     """Upload one image in 1 MiB chunks; the store's answer (CkptStored or Error)."""
     token = pool.rank_token(job, rank, agent=conn.agent, size=size, incarnation=incarnation)
@@ -180,8 +183,8 @@ async def put(
     )
     for pos in range(0, len(data), MiB):
         await conn.send(CkptChunk(ckpt=ckpt), data[pos : pos + MiB])
-    digest = hashlib.sha256(data).digest() if sha256 is None else sha256
-    await conn.send(CkptEnd(ckpt=ckpt, size=len(data), sha256=digest))
+    digest = blake3.blake3(data).digest() if digest is None else digest
+    await conn.send(CkptEnd(ckpt=ckpt, size=len(data), digest=digest))
     msg, _ = await conn.recv()
     return msg
 
@@ -205,8 +208,8 @@ async def get(
         assert len(payload) <= MiB
         parts.append(payload)
     data = b"".join(parts)
-    assert (msg.size, msg.sha256) == (len(data), hashlib.sha256(data).digest())
-    assert (info.size, info.sha256) == (msg.size, msg.sha256)
+    assert (msg.size, msg.digest) == (len(data), blake3.blake3(data).digest())
+    assert (info.size, info.digest) == (msg.size, msg.digest)
     return info, data
 
 
@@ -249,7 +252,10 @@ async def test_refusals(pool: Pool, relay: Any, tmp_path: Path, agents: object) 
     conn = await store_conn(pool, relay.addr)
     data = image(5, 2 * MiB + 3)
     # Bytes that do not match CkptEnd: nothing is committed, the connection goes on.
-    err = await put(conn, pool, 4, 0, 5, data, sha256=b"\0" * 32)
+    err = await put(conn, pool, 4, 0, 5, data, digest=b"\0" * 32)
+    assert isinstance(err, Error) and (err.code, err.job, err.rank) == ("corrupt", 4, 0)
+    # Nor does the bytes' SHA-256 (the digest images had before BLAKE3).
+    err = await put(conn, pool, 4, 0, 5, data, digest=hashlib.sha256(data).digest())
     assert isinstance(err, Error) and (err.code, err.job, err.rank) == ("corrupt", 4, 0)
     assert ckpt_files(tmp_path / "relay", 4, 0) == []
     assert await put(conn, pool, 4, 0, 5, data, incarnation=2) == CkptStored(ckpt=5, retained=[5])
@@ -318,7 +324,11 @@ async def test_too_large_and_truncated(
 
 
 async def test_keep_n_and_restart_sweeps(
-    pool: Pool, nursery: trio.Nursery, tmp_path: Path, agents: object
+    pool: Pool,
+    nursery: trio.Nursery,
+    tmp_path: Path,
+    agents: object,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     settings = pool.settings(tmp_path / "relay", checkpoint_keep=2)
     relay = await start_relay(nursery, settings, signing_key=pool.key.public_key())
@@ -341,6 +351,21 @@ async def test_keep_n_and_restart_sweeps(
     got = await get(conn, pool, 2, 1, 3)
     assert not isinstance(got, Error) and got[1][:MiB] == image(3, MiB + 3)[:MiB]
     assert relay.hub.store.nbytes == 2 * MiB + 5
+    await conn.aclose()
+    await relay.stop()
+    # A record from before BLAKE3 (key ``sha256``): its image is dropped, with a log line.
+    record = json.loads((d / "2.json").read_bytes())
+    record["sha256"] = hashlib.sha256((d / "2.img").read_bytes()).hexdigest()
+    del record["digest"]
+    (d / "2.json").write_text(json.dumps(record))
+    with caplog.at_level(logging.WARNING, logger="vpool.relay.ckptstore"):
+        relay = await start_relay(nursery, settings, signing_key=pool.key.public_key())
+    assert ckpt_files(tmp_path / "relay", 2, 1) == ["3.img", "3.json"]
+    assert relay.hub.store.retained((2, 1)) == [3] and relay.hub.store.nbytes == MiB + 3
+    assert any("2.json" in r.getMessage() and "SHA-256" in r.getMessage() for r in caplog.records)
+    conn = await store_conn(pool, relay.addr)
+    err = await get(conn, pool, 2, 1, 2)
+    assert isinstance(err, Error) and err.code == "not_found"
 
 
 class CkptCoordinator(FakeCoordinator):
@@ -350,6 +375,8 @@ class CkptCoordinator(FakeCoordinator):
         super().__init__(pool)
         self.checkpoints: list[api.RelayCheckpoint] = []
         self.status = 503
+        self.seen = 0  # reports received, answered or not
+        self.gate: trio.Event | None = None  # when set up, answers wait for it
         self.transport = httpx.MockTransport(self.handle_ckpt)
 
     async def handle_ckpt(self, request: httpx.Request) -> httpx.Response:
@@ -357,6 +384,11 @@ class CkptCoordinator(FakeCoordinator):
             return await self.handle(request)
         try:
             report = msgspec.json.decode(request.content, type=api.RelayCheckpoint)
+            self.seen += 1
+            self.changed.set()
+            self.changed = trio.Event()
+            if self.gate is not None:
+                await self.gate.wait()
             if self.status != 200:
                 return self._json(api.ErrorBody(api.ErrorDetail("no", "not now")), self.status)
             self.checkpoints.append(report)
@@ -366,12 +398,47 @@ class CkptCoordinator(FakeCoordinator):
             self.changed = trio.Event()
 
 
+async def test_ckpt_stored_comes_once_the_coordinator_has_the_image(
+    pool: Pool, nursery: trio.Nursery, tmp_path: Path, agents: object
+) -> None:
+    # The agent of a rank that just died reports the loss right after CkptStored: the
+    # coordinator must know the image by then, or the replacement starts from an older one.
+    coord = CkptCoordinator(pool)
+    coord.status = 200
+    coord.gate = trio.Event()
+    settings = pool.settings(
+        tmp_path / "relay", coordinator_url="http://coord", relay_secret="s3cret"
+    )
+    relay = await start_relay(nursery, settings, coordinator_transport=coord.transport)
+    conn = await store_conn(pool, relay.addr)
+    answers: list[object] = []
+    done = trio.Event()
+
+    async def upload() -> None:
+        answers.append(await put(conn, pool, 6, 1, 1, b"img-1"))
+        done.set()
+
+    nursery.start_soon(upload)
+    await coord.wait_for(lambda: coord.seen == 1)
+    with trio.move_on_after(0.3):  # the coordinator has not answered: no CkptStored yet
+        await done.wait()
+    assert not answers, answers
+    coord.gate.set()
+    with trio.fail_after(10):
+        await done.wait()
+    assert answers == [CkptStored(1, [1])]
+    assert [r.ckpt for r in coord.checkpoints] == [1]
+
+
 async def test_reports_trim_only_once_accepted_and_409_deletes(
     pool: Pool, nursery: trio.Nursery, tmp_path: Path, agents: object
 ) -> None:
     coord = CkptCoordinator(pool)
     settings = pool.settings(
-        tmp_path / "relay", coordinator_url="http://coord", relay_secret="s3cret"
+        tmp_path / "relay",
+        coordinator_url="http://coord",
+        relay_secret="s3cret",
+        store_report_wait=0.5,
     )
     relay = await start_relay(nursery, settings, coordinator_transport=coord.transport)
     a = await FakeAgent.connect(pool, relay.addr, "agent-1")
@@ -381,8 +448,9 @@ async def test_reports_trim_only_once_accepted_and_409_deletes(
     await a.acks_until(6, 0, 1, 10)
     box = relay.hub.boxes[(6, 1)]
     conn = await store_conn(pool, relay.addr)
+    # The coordinator is down: CkptStored after store_report_wait all the same (the image is
+    # durable), the report is retried, the log stays whole.
     assert await put(conn, pool, 6, 1, 1, b"img-1", received={0: 6}) == CkptStored(1, [1])
-    # The coordinator is down: the report is retried, the log stays whole.
     await coord.wait_for(lambda: len(coord.heartbeats) >= 3)
     assert len(box.mailbox) == 10 and not box.trim
     coord.status = 200
@@ -396,17 +464,18 @@ async def test_reports_trim_only_once_accepted_and_409_deletes(
         1,
         5,
     )
-    assert (rep.sha256, rep.received, rep.retained, rep.trimmed) == (
-        hashlib.sha256(b"img-1").hexdigest(),
+    assert (rep.digest, rep.received, rep.retained, rep.trimmed) == (
+        blake3.blake3(b"img-1").hexdigest(),
         {0: 6},
         [1],
         False,
     )
     await until(lambda: len(box.mailbox) == 4)
     assert box.trim.received == {0: 6}
-    # A 409: the image is deleted, the log not trimmed further.
+    # A 409: the image is deleted, the agent told, the log not trimmed further.
     coord.status = 409
-    assert await put(conn, pool, 6, 1, 2, b"img-2", received={0: 9}) == CkptStored(2, [2, 1])
+    refused = await put(conn, pool, 6, 1, 2, b"img-2", received={0: 9})
+    assert isinstance(refused, Error) and refused.code == "refused", refused
     await until(lambda: ckpt_files(tmp_path / "relay", 6, 1) == ["1.img", "1.json"])
     assert ckpt_files(tmp_path / "relay", 6, 1) == ["1.img", "1.json"]
     assert box.trim.received == {0: 6}

@@ -5,7 +5,6 @@ fails at the dump (the clone is killed, the coordinator told)."""
 from __future__ import annotations
 
 import functools
-import hashlib
 import os
 import signal
 import ssl
@@ -13,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import blake3
 import pytest
 import trio
 
@@ -114,10 +114,13 @@ def test_rank_env_has_checkpoint_variables_only_when_enabled(tmp_path: Path) -> 
     cap = Capability(criu="4.1.1", fingerprint="f")
     kw = {"secret": "s", "socket_path": tmp_path / "a.sock", "shim": tmp_path, "home": tmp_path}
     assert checkpoints_enabled(cap, LEASE) == ""
-    env = rank_env(LEASE, **kw, rank_dir=tmp_path / "r", checkpoints=True, clone_timeout=42)
+    env = rank_env(
+        LEASE, **kw, rank_dir=tmp_path / "r", checkpoints=True, clone_timeout=42, orphan_wait=7
+    )
     assert env["VPOOL_RANK_DIR"] == str(tmp_path / "r")
     assert env["VPOOL_CKPT_SIGNAL"] == str(int(signal.SIGRTMIN) + 4) == str(checkpoint_signal())
     assert env["VPOOL_CKPT_CLONE_TIMEOUT"] == "42"
+    assert env["VPOOL_CKPT_ORPHAN_WAIT"] == "7"
     env = rank_env(LEASE, **kw, rank_dir=tmp_path / "r", checkpoints=False)
     assert "VPOOL_RANK_DIR" not in env and "VPOOL_CKPT_SIGNAL" not in env
     # Each missing condition turns checkpoints off, with the reason.
@@ -342,7 +345,7 @@ class FakeStore:
                             body += chunk
                             continue
                         assert isinstance(more, CkptEnd) and more.size == len(body)
-                        assert more.sha256 == hashlib.sha256(body).digest()
+                        assert more.digest == blake3.blake3(body).digest()
                         break
                     self.images[msg.ckpt] = (msg, bytes(body))
                     await send(CkptStored(msg.ckpt, [msg.ckpt]))
@@ -351,12 +354,12 @@ class FakeStore:
                         await send(Error("not_found", "no such image"))
                         return
                     put, body = self.images[msg.ckpt]
-                    sha = hashlib.sha256(body).digest()
+                    digest = blake3.blake3(body).digest()
                     await send(
                         CkptInfo(
                             msg.ckpt,
                             len(body),
-                            sha,
+                            digest,
                             put.received,
                             put.dets,
                             put.fingerprint,
@@ -365,7 +368,7 @@ class FakeStore:
                     )
                     for i in range(0, len(body), 1000):
                         await send(CkptChunk(msg.ckpt), body[i : i + 1000])
-                    await send(CkptEnd(msg.ckpt, len(body), sha))
+                    await send(CkptEnd(msg.ckpt, len(body), digest))
         except (trio.EndOfChannel, trio.BrokenResourceError):
             pass  # the agent closed the connection (it sends no TLS goodbye)
 
@@ -395,7 +398,7 @@ async def test_store_client_put_and_get(
             c.put_begin(CkptPut("rank-token", 5, {0: 3}, 2, "fp", b"meta"))
             for i in range(0, len(body), 1500):
                 c.put_chunk(5, body[i : i + 1500])
-            return c.put_end(5, len(body), hashlib.sha256(body).digest())
+            return c.put_end(5, len(body), blake3.blake3(body).digest())
 
     assert await run_in_thread(put) == CkptStored(5, [5])
     assert fake.preambles == [STORE_PREAMBLE]

@@ -11,6 +11,7 @@ import tarfile
 from collections.abc import Iterator
 from pathlib import Path
 
+import blake3
 import pytest
 import trio
 
@@ -85,7 +86,7 @@ def reader(data: bytes, **overrides: object) -> ImageReader:
     args: dict[str, object] = {
         **IDS,
         "size": len(data),
-        "sha256": hashlib.sha256(data).digest(),
+        "digest": blake3.blake3(data).digest(),
         **overrides,
     }
     key = args.pop("key", KEY)
@@ -97,7 +98,7 @@ def test_round_trip(tmp_path: Path) -> None:
     pieces, writer = pack(images, rank)
     data = b"".join(pieces)
     assert writer.size == len(data)
-    assert writer.sha256 == hashlib.sha256(data).digest()
+    assert writer.digest == blake3.blake3(data).digest()
     assert max(len(p) for p in pieces) <= CHUNK + FRAME_OVERHEAD
     assert len(pieces) >= 4  # the random file alone makes more than three chunks
 
@@ -159,7 +160,7 @@ def test_corrupted_byte(image: bytes, target: tuple[Path, Path], where: float) -
         bytes(data),
         target,
         "authentication failed: wrong key or corrupted",
-        sha256=hashlib.sha256(image).digest(),
+        digest=blake3.blake3(image).digest(),
     )
 
 
@@ -190,11 +191,13 @@ def test_truncated_at_frame_boundary(tmp_path: Path, target: tuple[Path, Path]) 
 def test_frame_length_corrupted(image: bytes, target: tuple[Path, Path]) -> None:
     data = bytearray(image)
     data[13 + 1] ^= 0x01  # the first frame's length, now past the end of the image
-    assert_refused(bytes(data), target, "corrupted", sha256=hashlib.sha256(image).digest())
+    assert_refused(bytes(data), target, "corrupted", digest=blake3.blake3(image).digest())
 
 
 def test_hash_mismatch(image: bytes, target: tuple[Path, Path]) -> None:
-    assert_refused(image, target, "hash mismatch", sha256=bytes(32))
+    assert_refused(image, target, "hash mismatch", digest=bytes(32))
+    # The image's SHA-256 (what a store recorded before BLAKE3) is no match either.
+    assert_refused(image, target, "hash mismatch", digest=hashlib.sha256(image).digest())
 
 
 def test_trailing_garbage(image: bytes, target: tuple[Path, Path]) -> None:
@@ -233,7 +236,7 @@ def test_chunks_compressed_only_where_it_pays(tmp_path: Path) -> None:
     assert len(packed) >= 4 and all(f[1] < CHUNK // 4 for f in packed[1:-1])
     assert len(image) < len(noise) + CHUNK
     out = tmp_path / "out"
-    ImageReader(KEY, **IDS, size=writer.size, sha256=writer.sha256).unpack(
+    ImageReader(KEY, **IDS, size=writer.size, digest=writer.digest).unpack(
         [image], out / "img", out / "rank"
     )
     assert (out / "img" / "a-noise.img").read_bytes() == noise
@@ -246,7 +249,7 @@ def test_compression_flag_is_authenticated(image: bytes, target: tuple[Path, Pat
     at, _, _ = frames(image)[0]
     data[at + 4] ^= ZSTD
     assert_refused(
-        bytes(data), target, "authentication failed", sha256=hashlib.sha256(data).digest()
+        bytes(data), target, "authentication failed", digest=blake3.blake3(data).digest()
     )
 
 

@@ -271,7 +271,7 @@ def make_checkpoint(
 
     started = time.monotonic()
     images = tmp_path / "restored-img"
-    reader = ImageReader(bytes(32), job=1, rank=0, ckpt=1, size=writer.size, sha256=writer.sha256)
+    reader = ImageReader(bytes(32), job=1, rank=0, ckpt=1, size=writer.size, digest=writer.digest)
     reader.unpack(pieces(), images, rank_dir)
     timings["unpack"] = time.monotonic() - started
     assert (rank_dir / "work" / "journal.txt").read_text() == "forked\n"

@@ -11,6 +11,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+import blake3
 import httpx
 import msgspec
 import pytest
@@ -38,7 +39,7 @@ def _ref(ckpt: int, **kw: Any) -> api.CheckpointRef:
         "incarnation": 1,
         "relay": 0,
         "size": 10,
-        "sha256": "00" * 32,
+        "digest": "00" * 32,
         "fingerprint": "fp",
         "received": {0: 4},
         "dets": 2,
@@ -152,7 +153,8 @@ async def test_fetch_unpack_then_a_failed_restore(
     tmp_path: Path,
 ) -> None:
     """A good image is fetched and unpacked, the rank's counters are set for the attach, then
-    CRIU fails (a CRIU that is not one): the attempt is reported, the rank reset."""
+    CRIU fails (a CRIU that is not one): the attempt is reported, the rank reset. An image the
+    coordinator knows by another digest (here the SHA-256 of images before BLAKE3) is not used."""
     fake, info = store
     root = tmp_path / "ranks"
     maker = tmp_path / "maker"
@@ -178,7 +180,7 @@ async def test_fetch_unpack_then_a_failed_restore(
     (rank_dir / "work").mkdir(parents=True)
     (rank_dir / "work" / "stale.txt").write_text("old")
     ref = _ref(
-        11, size=len(body), sha256=hashlib.sha256(body).hexdigest(), meta=meta, received={0: 4}
+        11, size=len(body), digest=blake3.blake3(body).hexdigest(), meta=meta, received={0: 4}
     )
     settings = AgentSettings(
         work_dir=str(tmp_path / "w"),
@@ -189,7 +191,10 @@ async def test_fetch_unpack_then_a_failed_restore(
     (tmp_path / "w").mkdir()
     cap = Capability(criu="4.1.1", fingerprint="fp")
     cap.ready.set()
-    rank = LocalRank(_lease([info], [ref, _ref(3, size=1, sha256="ab" * 32, meta=meta)]))
+    fake.images[12] = (CkptPut("t", 12, {0: 4}, 2, "fp", meta), body)
+    old = _ref(12, size=len(body), digest=hashlib.sha256(body).hexdigest(), meta=meta)
+    refs = [old, ref, _ref(3, size=1, digest="ab" * 32, meta=meta)]
+    rank = LocalRank(_lease([info], refs))
     seen: list[tuple[dict[int, int], int, int]] = []
 
     async def attach(svc: RankServices, rank: LocalRank) -> None:
@@ -207,9 +212,10 @@ async def test_fetch_unpack_then_a_failed_restore(
         got, tried = await restore.restore_rank(_services(settings, cap, pool_pki), rank, attach)
     assert got is None
     assert seen == [({0: 4}, 2, 11)]
-    assert [t.ckpt for t in tried] == [11, 3]
-    assert "restore ended" in tried[0].reason
-    assert "not_found" in tried[1].reason  # the store has no image 3
+    assert [t.ckpt for t in tried] == [12, 11, 3]
+    assert "holds another image 12" in tried[0].reason
+    assert "restore ended" in tried[1].reason
+    assert "not_found" in tried[2].reason  # the store has no image 3
     # The rank is reset for a start from the beginning; nothing is left in the scratch.
     assert (rank.received, rank.dets_in, rank.restored_from) == ({}, 0, -1)
     assert not any((tmp_path / "scratch").iterdir())
