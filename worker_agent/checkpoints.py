@@ -172,6 +172,31 @@ class Checkpointer:
             return None
         return taking.ckpt, taking.done
 
+    async def finish_in_flight(self, grace: float, stop: trio.Event) -> None:
+        """The rank was lost (killed from outside): if a checkpoint of it is past its fork,
+        the clone holds the freshest state there is. Let that checkpoint finish (for at most
+        ``grace`` seconds, or until ``stop``) before the loss is reported, so that the
+        replacement restores from it instead of from an older image or the beginning."""
+        flight = self.forked_in_flight()
+        if grace <= 0 or flight is None:
+            return
+        ckpt, done = flight
+        log.info(
+            "%s lost with checkpoint %d in flight: letting it finish (at most %g s)",
+            self.rank.label,
+            ckpt,
+            grace,
+        )
+        with trio.move_on_after(grace):
+            async with trio.open_nursery() as race:
+
+                async def first(event: trio.Event) -> None:
+                    await event.wait()
+                    race.cancel_scope.cancel()
+
+                race.start_soon(first, done)
+                race.start_soon(first, stop)
+
     # -- the control connection -------------------------------------------------------------
 
     async def _control_reader(self) -> None:

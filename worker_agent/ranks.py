@@ -364,8 +364,10 @@ async def execute(
                 watch.start_soon(checkpointer.run)
                 await process.wait()
                 checkpointer.closing = True  # no new checkpoint of a process that is gone
-                grace = settings.lost_checkpoint_grace
-                await _finish_lost_checkpoint(grace, rank, launched, checkpointer)
+                returncode = launched.returncode()
+                if returncode is not None and _describe_exit(rank, returncode)[2]:
+                    grace = settings.lost_checkpoint_grace
+                    await checkpointer.finish_in_flight(grace, rank.stop_requested)
                 watch.cancel_scope.cancel()
             # Whatever the rank left running would keep its pipes (and maybe a slot) busy.
             launched.signal(signal.SIGKILL)
@@ -387,37 +389,6 @@ async def execute(
         return -signal.SIGKILL, "the restored process ended without an exit status", True
     # None only if even SIGKILL did not end it within the cleanup time: report it as killed.
     return _describe_exit(rank, -signal.SIGKILL if returncode is None else returncode)
-
-
-async def _finish_lost_checkpoint(
-    grace: float, rank: LocalRank, launched: _Launched, checkpointer: Checkpointer
-) -> None:
-    """A rank killed from outside while a checkpoint of it was past its fork: the clone holds
-    the freshest state there is. Let that checkpoint finish (for at most ``grace`` seconds, or
-    until the rank is told to stop) before the loss is reported, so that the replacement
-    restores from it instead of from an older image or the beginning."""
-    flight = checkpointer.forked_in_flight()
-    returncode = launched.returncode()
-    if grace <= 0 or flight is None or returncode is None:
-        return
-    if not _describe_exit(rank, returncode)[2]:
-        return
-    ckpt, done = flight
-    log.info(
-        "%s lost with checkpoint %d in flight: letting it finish (at most %g s)",
-        rank.label,
-        ckpt,
-        grace,
-    )
-    with trio.move_on_after(grace):
-        async with trio.open_nursery() as race:
-
-            async def first(event: trio.Event) -> None:
-                await event.wait()
-                race.cancel_scope.cancel()
-
-            race.start_soon(first, done)
-            race.start_soon(first, rank.stop_requested)
 
 
 async def _spawn(

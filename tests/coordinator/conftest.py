@@ -1,6 +1,6 @@
-"""Fixtures of the coordinator tests. The helpers live in ``coord_helpers.py`` next to this
-file; pytest runs with --import-mode=importlib, so it is registered here by path before any test
-module imports it."""
+"""Fixtures of the coordinator tests. The helpers live in ``coord_helpers.py`` and
+``ckpt_helpers.py`` next to this file; pytest runs with --import-mode=importlib, so they are
+registered here by path before any test module imports them."""
 
 from __future__ import annotations
 
@@ -16,19 +16,18 @@ from vpool.coordinator.app import create_app
 from vpool.coordinator.service import Coordinator
 
 
-def _load_helpers() -> None:
-    if "coord_helpers" in sys.modules:
+def _load_helpers(name: str) -> None:
+    if name in sys.modules:
         return
-    spec = importlib.util.spec_from_file_location(
-        "coord_helpers", Path(__file__).with_name("coord_helpers.py")
-    )
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name(f"{name}.py"))
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
-    sys.modules["coord_helpers"] = module
+    sys.modules[name] = module
     spec.loader.exec_module(module)
 
 
-_load_helpers()
+_load_helpers("coord_helpers")
+_load_helpers("ckpt_helpers")  # imports coord_helpers
 from coord_helpers import FakeClock, Pool, test_settings  # noqa: E402
 
 

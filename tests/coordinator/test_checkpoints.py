@@ -7,147 +7,38 @@ agent that can restore one of them, never with an image made for another fingerp
 from __future__ import annotations
 
 import base64
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any
 
-import httpx
 import msgspec
 import pytest
 import sqlite_utils
-import trio
-from coord_helpers import HELLO, RELAY_SECRET, Agent, FakeClock, Pool, decode, make_zip
-from coord_helpers import test_settings as make_settings
+from ckpt_helpers import (
+    DIGEST,
+    FP_X,
+    FP_Y,
+    beat,
+    commit,
+    events,
+    from_start,
+    image,
+    open_pool,
+    relay_loses,
+    running,
+    submit,
+)
+from coord_helpers import Agent, Pool, decode
 
 from vpool.config import SettingsError
 from vpool.coordinator import migrations, settings
-from vpool.coordinator.app import create_app
-from vpool.coordinator.service import Coordinator
 from vpool.protocol import api
-
-RELAY = {"Authorization": f"Bearer {RELAY_SECRET}"}
-FP_X = "x" * 64
-FP_Y = "y" * 64
-FP_Z = "z" * 64
-DIGEST = "ab" * 32
-
-
-@asynccontextmanager
-async def open_pool(tmp_path: Path, **overrides: Any) -> AsyncIterator[Pool]:
-    clock = FakeClock()
-    core = Coordinator(make_settings(tmp_path, **overrides), clock=clock)
-    app = create_app(core.settings, coordinator=core)
-    transport = httpx.ASGITransport(app=app)
-    try:
-        async with httpx.AsyncClient(transport=transport, base_url="http://coordinator") as c:
-            yield Pool(c, core, clock)
-    finally:
-        core.close()
-
-
-async def _submit(
-    pool: Pool, ranks: int = 2, *, every: float = 0.0, ft: bool = True
-) -> httpx.Response:
-    bundle = await pool.upload(make_zip({"app.py": HELLO}))
-    sub = api.JobSubmit(
-        ranks=ranks, bundle=bundle, entry="app.py", fault_tolerance=ft, checkpoint_every=every
-    )
-    return await pool.post("/api/v1/jobs", sub, pool.user())
-
-
-async def _beat(
-    pool: Pool,
-    agent: Agent,
-    leases: list[api.Lease],
-    *,
-    criu: str = "4.1.1",
-    fp: str = FP_Z,
-    free: int = 8,
-    wait: float = 0.0,
-    restored_from: int = -1,
-    state: str = "running",
-    acks: list[int] | None = None,
-) -> api.AgentHeartbeatResponse:
-    hb = api.AgentHeartbeat(
-        ranks=[
-            api.RankState(
-                job=x.job,
-                rank=x.rank,
-                incarnation=x.incarnation,
-                state=state,
-                restored_from=restored_from if x.incarnation > 1 else -1,
-            )
-            for x in leases
-        ],
-        free_slots=free,
-        criu=criu,
-        fingerprint=fp,
-        wait=wait,
-        checkpoint_acks=acks or [],
-    )
-    r = await pool.post("/api/v1/agents/heartbeat", hb, agent.headers)
-    return decode(r, api.AgentHeartbeatResponse)
-
-
-def _image(
-    job: int, rank: int, ckpt: int, retained: list[int], *, fp: str = FP_X, incarnation: int = 1
-) -> api.RelayCheckpoint:
-    return api.RelayCheckpoint(
-        name="relay-0",
-        job=job,
-        rank=rank,
-        incarnation=incarnation,
-        ckpt=ckpt,
-        size=210_000_000,
-        digest=DIGEST,
-        fingerprint=fp,
-        received={0: 5 * ckpt, 1: 0},
-        dets=ckpt,
-        meta=b"\x00meta",
-        retained=retained,
-    )
-
-
-async def _commit(pool: Pool, report: api.RelayCheckpoint) -> httpx.Response:
-    return await pool.post("/api/v1/relays/checkpoint", report, RELAY)
-
-
-async def _running(pool: Pool, ranks: int = 2) -> tuple[Agent, list[api.Lease]]:
-    """A job whose ranks run on agent-1 (CRIU, fingerprint Z, no free slot left)."""
-    await pool.register_relay("relay-0")
-    r = await _submit(pool, ranks, every=30)
-    assert r.status_code == 201, r.text
-    agent = await pool.enroll("agent-1", slots=ranks)
-    leases = await pool.lease(agent)
-    await _beat(pool, agent, leases, free=0)
-    return agent, leases
-
-
-async def _relay_loses(pool: Pool, job: int, rank: int, incarnation: int = 1) -> None:
-    lost = api.RankLost(job=job, rank=rank, incarnation=incarnation, reason="dropped")
-    r = await pool.post("/api/v1/relays/lost", api.RelayLost(name="relay-0", lost=[lost]), RELAY)
-    assert r.status_code == 200, r.text
-
-
-def _events(detail: api.JobDetail, kind: str) -> list[str]:
-    return [e.message for e in detail.events if e.kind == kind]
-
-
-def _from_start(pool: Pool, job: int, rank: int) -> bool:
-    rows = pool.core.store.db.query(  # type: ignore[attr-defined]
-        "SELECT from_start FROM ranks WHERE job = ? AND rank = ?", [job, rank]
-    )
-    return bool(next(iter(rows))["from_start"])
-
 
 # -- the job: uid, key, period --------------------------------------------------------------
 
 
 async def test_uid_and_key_are_in_leases_only(pool: Pool) -> None:
     await pool.register_relay("relay-0")
-    first = decode(await _submit(pool, 2, every=30), api.JobInfo)
-    second = decode(await _submit(pool, 1), api.JobInfo)
+    first = decode(await submit(pool, 2, every=30), api.JobInfo)
+    second = decode(await submit(pool, 1), api.JobInfo)
     assert (first.checkpoint_every, second.checkpoint_every) == (30.0, 0.0)
     agent = await pool.enroll("agent-1", slots=4)
     leases = await pool.lease(agent)
@@ -173,7 +64,7 @@ async def test_uid_and_key_are_in_leases_only(pool: Pool) -> None:
             assert lease.ckpt_key not in text and lease.job_uid not in text
     detail = await pool.job(first.id)
     assert detail.job.checkpoint_every == 30.0
-    assert _events(detail, "queued") == ["submitted by alice: 2 ranks, a checkpoint every 30 s"]
+    assert events(detail, "queued") == ["submitted by alice: 2 ranks, a checkpoint every 30 s"]
 
 
 @pytest.mark.parametrize(
@@ -186,15 +77,15 @@ async def test_uid_and_key_are_in_leases_only(pool: Pool) -> None:
     ],
 )
 async def test_checkpoint_every_is_checked(pool: Pool, every: float, ft: bool, needle: str) -> None:
-    r = await _submit(pool, every=every, ft=ft)
+    r = await submit(pool, every=every, ft=ft)
     assert r.status_code == 422, r.text
     error = r.json()["error"]
     assert error["code"] == "bad_checkpoint_every" and needle in error["message"]
 
 
 async def test_no_checkpoints_without_fault_tolerance_is_fine(pool: Pool) -> None:
-    assert (await _submit(pool, every=0, ft=False)).status_code == 201
-    assert (await _submit(pool, every=1, ft=True)).status_code == 201
+    assert (await submit(pool, every=0, ft=False)).status_code == 201
+    assert (await submit(pool, every=1, ft=True)).status_code == 201
 
 
 def test_settings_are_checked() -> None:
@@ -207,8 +98,8 @@ def test_settings_are_checked() -> None:
 
 async def test_agents_capability_is_kept(pool: Pool) -> None:
     agent = await pool.enroll("agent-1")
-    await _beat(pool, agent, [], criu="4.1.1", fp=FP_X)
-    await _beat(pool, agent, [], criu="4.1.1", fp=FP_Y)
+    await beat(pool, agent, [], criu="4.1.1", fp=FP_X)
+    await beat(pool, agent, [], criu="4.1.1", fp=FP_Y)
     (row,) = pool.core.store.list_agents()
     assert (row["criu"], row["fingerprint"]) == ("4.1.1", FP_Y)
 
@@ -264,185 +155,50 @@ def test_migration_to_blake3_drops_the_sha256_images(tmp_path: Path) -> None:
 
 
 async def test_relay_report_is_stored_and_retained_replaces_the_list(pool: Pool) -> None:
-    _, leases = await _running(pool)
+    _, leases = await running(pool)
     job = leases[0].job
-    assert _from_start(pool, job, 1)
+    assert from_start(pool, job, 1)
     for ckpt, retained in ((1, [1]), (2, [2, 1]), (3, [3, 2])):
-        r = await _commit(pool, _image(job, 1, ckpt, retained))
+        r = await commit(pool, image(job, 1, ckpt, retained))
         assert r.status_code == 200 and r.json() == {}, r.text
-    assert (await _commit(pool, _image(job, 1, 3, [3, 2]))).status_code == 200  # a retry
+    assert (await commit(pool, image(job, 1, 3, [3, 2]))).status_code == 200  # a retry
     images = pool.core.store.rank_images(job, 1)  # type: ignore[attr-defined]
     assert [i["ckpt"] for i in images] == [3, 2]
-    assert not _from_start(pool, job, 1) and _from_start(pool, job, 0)
+    assert not from_start(pool, job, 1) and from_start(pool, job, 0)
     detail = await pool.job(job)
-    assert _events(detail, "checkpoint") == [
+    assert events(detail, "checkpoint") == [
         f"rank 1: checkpoint {c} committed (210 MB)" for c in (1, 2, 3)
     ]
     assert [e.rank for e in detail.events if e.kind == "checkpoint"] == [1, 1, 1]
 
 
 async def test_relay_report_is_refused_when_the_relay_should_delete_it(pool: Pool) -> None:
-    _, leases = await _running(pool)
+    _, leases = await running(pool)
     job = leases[0].job
     cases = [
-        (_image(999, 0, 1, [1]), 409, "unknown_job"),
-        (_image(job, 5, 1, [1]), 409, "unknown_rank"),
-        (_image(job, 0, 1, [1], incarnation=2), 409, "unknown_incarnation"),
-        (msgspec.structs.replace(_image(job, 0, 1, [1]), name="relay-9"), 403, "not_your_job"),
-        (msgspec.structs.replace(_image(job, 0, 1, [1]), digest="zz"), 422, "bad_request"),
+        (image(999, 0, 1, [1]), 409, "unknown_job"),
+        (image(job, 5, 1, [1]), 409, "unknown_rank"),
+        (image(job, 0, 1, [1], incarnation=2), 409, "unknown_incarnation"),
+        (msgspec.structs.replace(image(job, 0, 1, [1]), name="relay-9"), 403, "not_your_job"),
+        (msgspec.structs.replace(image(job, 0, 1, [1]), digest="zz"), 422, "bad_request"),
     ]
     for report, status, code in cases:
-        r = await _commit(pool, report)
+        r = await commit(pool, report)
         assert (r.status_code, r.json()["error"]["code"]) == (status, code), r.text
-    r = await pool.post("/api/v1/relays/checkpoint", _image(job, 0, 1, [1]), {})
+    r = await pool.post("/api/v1/relays/checkpoint", image(job, 0, 1, [1]), {})
     assert r.status_code == 401
     assert pool.core.store.rank_images(job, 0) == []  # type: ignore[attr-defined]
 
     # An older incarnation's image still counts while the job runs.
-    await _relay_loses(pool, job, 0)
-    assert (await _commit(pool, _image(job, 0, 1, [1], incarnation=1))).status_code == 200
+    await relay_loses(pool, job, 0)
+    assert (await commit(pool, image(job, 0, 1, [1], incarnation=1))).status_code == 200
     assert [i["ckpt"] for i in pool.core.store.rank_images(job, 0)] == [1]  # type: ignore[attr-defined]
 
     r = await pool.client.post(f"/api/v1/jobs/{job}/cancel", headers=pool.user())
     assert r.status_code == 200
-    r = await _commit(pool, _image(job, 1, 2, [2]))
+    r = await commit(pool, image(job, 1, 2, [2]))
     assert (r.status_code, r.json()["error"]["code"]) == (409, "job_over")
     assert "cancelled" in r.json()["error"]["message"]
-
-
-# -- users: checkpoint now ------------------------------------------------------------------
-
-
-def _orders(pool: Pool) -> list[tuple[str, int, int, int]]:
-    rows = pool.core.store.db.query(  # type: ignore[attr-defined]
-        "SELECT agent, job, rank, incarnation FROM checkpoint_orders ORDER BY job, rank"
-    )
-    return [(r["agent"], r["job"], r["rank"], r["incarnation"]) for r in rows]
-
-
-def _targets(resp: api.AgentHeartbeatResponse) -> list[tuple[int, int, int]]:
-    return [(o.job, o.rank, o.incarnation) for o in resp.checkpoint]
-
-
-async def test_checkpoint_order_is_handed_out_until_acknowledged(pool: Pool) -> None:
-    agent, leases = await _running(pool, ranks=3)
-    job = leases[0].job
-    r = await pool.post(f"/api/v1/jobs/{job}/checkpoint", api.CheckpointAsk(), pool.user())
-    assert r.status_code == 202, r.text
-    assert decode(r, api.CheckpointAsked) == api.CheckpointAsked(job=job, ranks=[0, 1, 2])
-    r = await pool.post(f"/api/v1/jobs/{job}/checkpoint", api.CheckpointAsk(rank=1), pool.user())
-    assert decode(r, api.CheckpointAsked).ranks == [1]  # not twice for rank 1
-    first = await _beat(pool, agent, leases)
-    assert _targets(first) == [(job, r, 1) for r in (0, 1, 2)]
-    ids = [o.id for o in first.checkpoint]
-    assert all(i > 0 for i in ids) and len(set(ids)) == 3
-    # Not acknowledged (the answer may never have reached the agent): handed out again.
-    assert (await _beat(pool, agent, leases)).checkpoint == first.checkpoint
-    # Another agent cannot acknowledge them.
-    other = await pool.enroll("agent-2", slots=1)
-    await _beat(pool, other, [], free=1, acks=ids)
-    assert (await _beat(pool, agent, leases)).checkpoint == first.checkpoint
-    again = await _beat(pool, agent, leases, acks=ids[:2])
-    assert again.checkpoint == first.checkpoint[2:]
-    assert (await _beat(pool, agent, leases, acks=ids)).checkpoint == []
-    assert (await _beat(pool, agent, leases)).checkpoint == []
-    assert _orders(pool) == []
-
-
-async def test_order_for_a_starting_rank_waits_until_it_runs(pool: Pool) -> None:
-    await pool.register_relay("relay-0")
-    r = await _submit(pool, 2)
-    assert r.status_code == 201, r.text
-    agent = await pool.enroll("agent-1", slots=2)
-    leases = await pool.lease(agent)
-    job = leases[0].job
-    # ``vsdk checkpoint`` asks only running ranks, but one may be leased again before its order
-    # goes out; queue one for the leased (not yet running) rank 0 directly.
-    pool.core.store.db.execute(  # type: ignore[attr-defined]
-        "INSERT INTO checkpoint_orders (agent, job, rank, incarnation) VALUES (?, ?, 0, 1)",
-        [agent.id, job],
-    )
-    assert (await _beat(pool, agent, leases, state="starting", free=0)).checkpoint == []
-    assert _orders(pool) == [(agent.id, job, 0, 1)]  # kept
-    hb = await _beat(pool, agent, leases, free=0)
-    assert _targets(hb) == [(job, 0, 1)]
-    assert (await _beat(pool, agent, leases, free=0, acks=[hb.checkpoint[0].id])).checkpoint == []
-    assert _orders(pool) == []
-
-
-async def test_order_that_can_never_apply_is_dropped(pool: Pool) -> None:
-    agent, leases = await _running(pool)
-    job = leases[0].job
-    r = await pool.post(f"/api/v1/jobs/{job}/checkpoint", api.CheckpointAsk(), pool.user())
-    assert r.status_code == 202, r.text
-    # Rank 0's incarnation 1 is lost before the order went out: its order is stale.
-    await _relay_loses(pool, job, 0)
-    hb = await _beat(pool, agent, leases[1:], free=1)
-    assert _targets(hb) == [(job, 1, 1)]
-    assert _orders(pool) == [(agent.id, job, 1, 1)]
-    # Incarnation 2 runs (here, or anywhere): the stale order never goes out.
-    replacement = await pool.lease(agent, free=1)
-    assert [(x.rank, x.incarnation) for x in replacement] == [(0, 2)]
-    hb = await _beat(pool, agent, [*replacement, leases[1]], free=0)
-    assert _targets(hb) == [(job, 1, 1)]
-    # The job ends before the agent acknowledges rank 1's order; the agent never comes back,
-    # yet its order goes at another agent's heartbeat.
-    await pool.client.post(f"/api/v1/jobs/{job}/cancel", headers=pool.user())
-    other = await pool.enroll("agent-2", slots=1)
-    await _beat(pool, other, [], free=1)
-    assert _orders(pool) == []
-
-
-async def test_checkpoint_ask_errors(pool: Pool) -> None:
-    agent, leases = await _running(pool)
-    job = leases[0].job
-    url = f"/api/v1/jobs/{job}/checkpoint"
-    r = await pool.post(url, api.CheckpointAsk(rank=2), pool.user())
-    assert (r.status_code, r.json()["error"]["code"]) == (422, "bad_rank")
-    r = await pool.post("/api/v1/jobs/999/checkpoint", api.CheckpointAsk(), pool.user())
-    assert (r.status_code, r.json()["error"]["code"]) == (404, "unknown_job")
-    r = await pool.post(url, api.CheckpointAsk(), pool.user("bob"))
-    assert r.status_code == 404  # someone else's job does not exist
-    await _beat(pool, agent, leases, criu="", fp=FP_Z, free=0)
-    r = await pool.post(url, api.CheckpointAsk(), pool.user())
-    assert (r.status_code, r.json()["error"]["code"]) == (409, "cannot_checkpoint")
-    assert "its ranks run on agents without CRIU" in r.json()["error"]["message"]
-    await _beat(pool, agent, leases, free=0)
-    await _relay_loses(pool, job, 1)
-    r = await pool.post(url, api.CheckpointAsk(rank=1), pool.user())
-    assert (r.status_code, r.json()["error"]["code"]) == (409, "not_running")
-    assert "rank 1 is pending" in r.json()["error"]["message"]
-    await pool.client.post(f"/api/v1/jobs/{job}/cancel", headers=pool.user())
-    r = await pool.post(url, api.CheckpointAsk(), pool.user())
-    assert (r.status_code, r.json()["error"]["code"]) == (409, "job_not_running")
-    assert (await _beat(pool, agent, leases)).checkpoint == []
-
-
-async def test_checkpoint_order_wakes_a_held_heartbeat(tmp_path: Path) -> None:
-    async with open_pool(tmp_path, heartbeat_interval=30.0) as pool:
-        agent, leases = await _running(pool)
-        job = leases[0].job
-        got: list[api.AgentHeartbeatResponse] = []
-
-        async def beat() -> None:
-            got.append(await _beat(pool, agent, leases, wait=30.0))
-
-        with trio.fail_after(10):  # held for 30 s if the order did not wake it
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(beat)
-                await trio.testing.wait_all_tasks_blocked()
-                ask = api.CheckpointAsk(rank=0)
-                r = await pool.post(f"/api/v1/jobs/{job}/checkpoint", ask, pool.user())
-                assert r.status_code == 202
-        assert _targets(got[0]) == [(job, 0, 1)]
-        assert got[0].stop == []
-
-        # The next heartbeat acknowledges the order: with nothing to hand out, it is held.
-        ack = [got[0].checkpoint[0].id]
-        with trio.move_on_after(1) as held:
-            await _beat(pool, agent, leases, wait=30.0, acks=ack)
-        assert held.cancelled_caught
-        assert _orders(pool) == []
 
 
 # -- replacements ---------------------------------------------------------------------------
@@ -451,11 +207,11 @@ async def test_checkpoint_order_wakes_a_held_heartbeat(tmp_path: Path) -> None:
 async def _pool_of_three(pool: Pool) -> tuple[Agent, Agent, Agent, list[api.Lease]]:
     """agent-1 (fingerprint Z, full) runs the job; agent-2 (CRIU, fingerprint Y, 4 slots)
     and agent-3 (CRIU, fingerprint X, 1 slot) are idle."""
-    one, leases = await _running(pool)
+    one, leases = await running(pool)
     two = await pool.enroll("agent-2", slots=4)
-    await _beat(pool, two, [], criu="4.1.1", fp=FP_Y, free=4)
+    await beat(pool, two, [], criu="4.1.1", fp=FP_Y, free=4)
     three = await pool.enroll("agent-3", slots=1)
-    await _beat(pool, three, [], criu="4.1.1", fp=FP_X, free=1)
+    await beat(pool, three, [], criu="4.1.1", fp=FP_X, free=1)
     return one, two, three, leases
 
 
@@ -463,8 +219,8 @@ async def test_replacement_goes_to_an_agent_that_can_restore(pool: Pool) -> None
     _, two, three, leases = await _pool_of_three(pool)
     job = leases[0].job
     for ckpt, retained in ((1, [1]), (2, [2, 1])):
-        assert (await _commit(pool, _image(job, 1, ckpt, retained))).status_code == 200
-    await _relay_loses(pool, job, 1)
+        assert (await commit(pool, image(job, 1, ckpt, retained))).status_code == 200
+    await relay_loses(pool, job, 1)
     assert await pool.lease(two) == []  # most free slots, but the wrong environment
     (lease,) = await pool.lease(three)
     assert (lease.rank, lease.incarnation, lease.from_start) == (1, 2, False)
@@ -482,7 +238,7 @@ async def test_replacement_goes_to_an_agent_that_can_restore(pool: Pool) -> None
     )
     assert lease.homes[1] == ref.relay and lease.relays[ref.relay].name == "relay-0"
     assert lease.ckpt_key and lease.job_uid == leases[0].job_uid
-    assert _events(await pool.job(job), "rank_restarted") == [
+    assert events(await pool.job(job), "rank_restarted") == [
         "rank 1 incarnation 2 on agent agent-3, to restore from checkpoint 2, 1"
     ]
 
@@ -491,27 +247,27 @@ async def test_images_go_only_to_their_own_fingerprint(pool: Pool) -> None:
     _, two, three, leases = await _pool_of_three(pool)
     job = leases[0].job
     # Two images of rank 0 made in different environments (two incarnations ago).
-    assert (await _commit(pool, _image(job, 0, 1, [1], fp=FP_X))).status_code == 200
-    assert (await _commit(pool, _image(job, 0, 2, [2, 1], fp=FP_Y))).status_code == 200
-    await _relay_loses(pool, job, 0)
+    assert (await commit(pool, image(job, 0, 1, [1], fp=FP_X))).status_code == 200
+    assert (await commit(pool, image(job, 0, 2, [2, 1], fp=FP_Y))).status_code == 200
+    await relay_loses(pool, job, 0)
     assert await pool.lease(three) == []
     (lease,) = await pool.lease(two)  # both can restore one; agent-2 has more room
     assert [(x.ckpt, x.fingerprint) for x in lease.restore] == [(2, FP_Y)]
 
 
 async def test_rank_waits_for_a_restorer_then_starts(pool: Pool) -> None:
-    one, leases = await _running(pool)
+    one, leases = await running(pool)
     job = leases[0].job
     two = await pool.enroll("agent-2", slots=4)
-    await _beat(pool, two, [], criu="4.1.1", fp=FP_Y, free=4)
-    assert (await _commit(pool, _image(job, 1, 3, [3]))).status_code == 200
-    await _relay_loses(pool, job, 1)
+    await beat(pool, two, [], criu="4.1.1", fp=FP_Y, free=4)
+    assert (await commit(pool, image(job, 1, 3, [3]))).status_code == 200
+    await relay_loses(pool, job, 1)
     for _ in range(3):
         await pool.core.schedule()
     assert await pool.lease(two) == [] and await pool.lease(one) == []
     detail = await pool.job(job)
     assert detail.job.state == "running" and detail.ranks[1].state == "pending"
-    (waiting,) = _events(detail, "rank_waiting_restore")
+    (waiting,) = events(detail, "rank_waiting_restore")
     assert waiting.startswith(
         "rank 1 incarnation 2 waits: it can only restart from a checkpoint image"
     )
@@ -519,28 +275,28 @@ async def test_rank_waits_for_a_restorer_then_starts(pool: Pool) -> None:
     assert "within 600 s" in waiting
     # An agent without CRIU but with the fingerprint is no better.
     three = await pool.enroll("agent-3", slots=1)
-    await _beat(pool, three, [], criu="", fp=FP_X, free=1)
+    await beat(pool, three, [], criu="", fp=FP_X, free=1)
     assert await pool.lease(three) == []
-    await _beat(pool, three, [], criu="4.1.1", fp=FP_X, free=1)
+    await beat(pool, three, [], criu="4.1.1", fp=FP_X, free=1)
     (lease,) = await pool.lease(three)
     assert [x.ckpt for x in lease.restore] == [3] and not lease.from_start
-    assert len(_events(await pool.job(job), "rank_waiting_restore")) == 1
+    assert len(events(await pool.job(job), "rank_waiting_restore")) == 1
 
 
 async def test_rank_that_finds_no_restorer_fails_the_job(tmp_path: Path) -> None:
     async with open_pool(tmp_path, restore_wait_timeout=5.0) as pool:
-        one, leases = await _running(pool)
+        one, leases = await running(pool)
         job = leases[0].job
         two = await pool.enroll("agent-2", slots=4)
-        await _beat(pool, two, [], criu="4.1.1", fp=FP_Y, free=4)
-        assert (await _commit(pool, _image(job, 1, 3, [3]))).status_code == 200
-        await _relay_loses(pool, job, 1)
+        await beat(pool, two, [], criu="4.1.1", fp=FP_Y, free=4)
+        assert (await commit(pool, image(job, 1, 3, [3]))).status_code == 200
+        await relay_loses(pool, job, 1)
         await pool.core.schedule()
         pool.clock.advance(4)
         await pool.core.check_timeouts()
         assert (await pool.job(job)).job.state == "running"
         pool.clock.advance(2)
-        await _beat(pool, two, [], criu="4.1.1", fp=FP_Y, free=4)
+        await beat(pool, two, [], criu="4.1.1", fp=FP_Y, free=4)
         await pool.core.check_timeouts()
         detail = await pool.job(job)
         assert detail.job.state == "failed" and detail.job.exit_code is None
@@ -549,24 +305,24 @@ async def test_rank_that_finds_no_restorer_fails_the_job(tmp_path: Path) -> None
             "agent with CRIU and its environment fingerprint (xxxxxxxxxxxx) had a free slot "
             "within 5 s"
         )
-        hb = await _beat(pool, one, leases[:1], free=0)
+        hb = await beat(pool, one, leases[:1], free=0)
         assert [s.rank for s in hb.stop] == [0]
 
 
 async def test_rank_starts_from_the_beginning_when_it_still_can(pool: Pool) -> None:
-    _, leases = await _running(pool)
+    _, leases = await running(pool)
     job = leases[0].job
     two = await pool.enroll("agent-2", slots=4)
-    await _beat(pool, two, [], criu="4.1.1", fp=FP_Y, free=4)
-    assert (await _commit(pool, _image(job, 1, 3, [3]))).status_code == 200
+    await beat(pool, two, [], criu="4.1.1", fp=FP_Y, free=4)
+    assert (await commit(pool, image(job, 1, 3, [3]))).status_code == 200
     # A relay that kept the whole log: the rank may still start from the beginning.
     pool.core.store.db.execute(  # type: ignore[attr-defined]
         "UPDATE ranks SET from_start = 1 WHERE job = ? AND rank = 1", [job]
     )
-    await _relay_loses(pool, job, 1)
+    await relay_loses(pool, job, 1)
     (lease,) = await pool.lease(two)
     assert (lease.rank, lease.restore, lease.from_start) == (1, [], True)
-    assert _events(await pool.job(job), "rank_replaying") == [
+    assert events(await pool.job(job), "rank_replaying") == [
         "rank 1 incarnation 2 starts from the beginning: its checkpoint images (3) were made "
         "for another environment than agent agent-2's (fingerprint yyyyyyyyyyyy)"
     ]
@@ -576,7 +332,7 @@ async def test_rank_starts_from_the_beginning_when_it_still_can(pool: Pool) -> N
 
 
 async def test_checkpoint_failed_is_an_event(pool: Pool) -> None:
-    agent, leases = await _running(pool)
+    agent, leases = await running(pool)
     job = leases[0].job
     failed = api.CheckpointFailed(job=job, rank=0, incarnation=1, ckpt=4, message="criu dump\n 1")
     r = await pool.post("/api/v1/agents/checkpoint-failed", failed, agent.headers)
@@ -584,10 +340,10 @@ async def test_checkpoint_failed_is_an_event(pool: Pool) -> None:
     stranger = await pool.enroll("agent-9")
     r = await pool.post("/api/v1/agents/checkpoint-failed", failed, stranger.headers)
     assert (r.status_code, r.json()["error"]["code"]) == (403, "not_your_rank")
-    await _relay_loses(pool, job, 0)
+    await relay_loses(pool, job, 0)
     r = await pool.post("/api/v1/agents/checkpoint-failed", failed, agent.headers)
     assert r.status_code == 200  # stale: ignored
-    assert _events(await pool.job(job), "checkpoint_failed") == [
+    assert events(await pool.job(job), "checkpoint_failed") == [
         "rank 0 incarnation 1: checkpoint 4 failed on agent agent-1: criu dump 1"
     ]
 
@@ -596,22 +352,22 @@ async def test_restore_reports_are_events(pool: Pool) -> None:
     one, two, three, leases = await _pool_of_three(pool)
     job = leases[0].job
     for ckpt, retained in ((4, [4]), (5, [5, 4])):
-        assert (await _commit(pool, _image(job, 1, ckpt, retained))).status_code == 200
-    await _relay_loses(pool, job, 1)
+        assert (await commit(pool, image(job, 1, ckpt, retained))).status_code == 200
+    await relay_loses(pool, job, 1)
     (lease,) = await pool.lease(three)
-    await _beat(pool, three, [lease], criu="4.1.1", fp=FP_X, free=0)  # starting, restoring
+    await beat(pool, three, [lease], criu="4.1.1", fp=FP_X, free=0)  # starting, restoring
     tried = [api.RestoreAttempt(ckpt=5, reason="hash mismatch")]
     report = api.RestoreReport(job=job, rank=1, incarnation=2, ckpt=4, tried=tried)
     for _ in range(2):  # a repeat is no new event
         r = await pool.post("/api/v1/agents/restored", report, three.headers)
         assert r.status_code == 200, r.text
-    await _beat(pool, three, [lease], criu="4.1.1", fp=FP_X, free=0, restored_from=4)
+    await beat(pool, three, [lease], criu="4.1.1", fp=FP_X, free=0, restored_from=4)
     detail = await pool.job(job)
-    assert _events(detail, "restore_failed") == [
+    assert events(detail, "restore_failed") == [
         "rank 1 incarnation 2: checkpoint 5 not used: hash mismatch"
     ]
-    assert _events(detail, "rank_restored") == ["rank 1 incarnation 2 restored from checkpoint 4"]
-    assert _events(detail, "rank_replaying") == []  # the restore said it
+    assert events(detail, "rank_restored") == ["rank 1 incarnation 2 restored from checkpoint 4"]
+    assert events(detail, "rank_replaying") == []  # the restore said it
     row = next(
         iter(
             pool.core.store.db.query(  # type: ignore[attr-defined]
@@ -632,14 +388,14 @@ async def test_restore_reports_are_events(pool: Pool) -> None:
     assert (await pool.post("/api/v1/agents/restored", stale, one.headers)).status_code == 200
     r = await pool.post("/api/v1/agents/restored", report, two.headers)
     assert r.status_code == 403
-    assert len(_events(await pool.job(job), "rank_restored")) == 1
+    assert len(events(await pool.job(job), "rank_restored")) == 1
 
 
 async def test_failed_restore_replays_from_the_beginning(pool: Pool) -> None:
     _, _, three, leases = await _pool_of_three(pool)
     job = leases[0].job
-    assert (await _commit(pool, _image(job, 0, 2, [2]))).status_code == 200
-    await _relay_loses(pool, job, 0)
+    assert (await commit(pool, image(job, 0, 2, [2]))).status_code == 200
+    await relay_loses(pool, job, 0)
     assert [x.rank for x in await pool.lease(three)] == [0]
     hb = api.AgentHeartbeat(
         ranks=[api.RankState(job=job, rank=0, incarnation=2, state="starting")],
@@ -647,7 +403,7 @@ async def test_failed_restore_replays_from_the_beginning(pool: Pool) -> None:
     )
     # Restoring: no replay event before the restore report says how it started.
     assert (await pool.post("/api/v1/agents/heartbeat", hb, three.headers)).status_code == 200
-    assert _events(await pool.job(job), "rank_replaying") == []
+    assert events(await pool.job(job), "rank_replaying") == []
     tried = [api.RestoreAttempt(ckpt=2, reason="criu restore failed: exit 1")]
     report = api.RestoreReport(job=job, rank=0, incarnation=2, ckpt=-1, tried=tried)
     assert (await pool.post("/api/v1/agents/restored", report, three.headers)).status_code == 200
@@ -657,11 +413,11 @@ async def test_failed_restore_replays_from_the_beginning(pool: Pool) -> None:
     )
     assert (await pool.post("/api/v1/agents/heartbeat", hb, three.headers)).status_code == 200
     detail = await pool.job(job)
-    assert _events(detail, "restore_failed") == [
+    assert events(detail, "restore_failed") == [
         "rank 0 incarnation 2: checkpoint 2 not used: criu restore failed: exit 1"
     ]
-    assert _events(detail, "rank_restored") == []
-    assert _events(detail, "rank_replaying") == [
+    assert events(detail, "rank_restored") == []
+    assert events(detail, "rank_replaying") == [
         "rank 0 incarnation 2 replays its logged messages and 3 determinant frames"
     ]
 

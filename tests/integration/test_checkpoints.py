@@ -220,7 +220,7 @@ def agent_id(pool: Pool, name: str) -> str:
     return str(info["agent_id"])
 
 
-def wait_clone(rank: int, timeout: float = 30) -> int:
+def wait_clone(pool: Pool, job: int, rank: int, timeout: float = 30) -> int:
     """The checkpoint clone of the rank process ``rank`` (pid): its child with the same rank
     environment whose stdout is /dev/null (what the clone points it at)."""
     want = _environ(rank).get(b"VPOOL_RANK")
@@ -229,8 +229,12 @@ def wait_clone(rank: int, timeout: float = 30) -> int:
         for child in _children(rank):
             if _environ(child).get(b"VPOOL_RANK") == want and _stdout(child) == "/dev/null":
                 return child
-        assert time.monotonic() < deadline, f"no checkpoint clone of {rank} after {timeout} s"
-        time.sleep(0.005)
+        if time.monotonic() > deadline:
+            d = detail(pool, job)
+            raise AssertionError(
+                f"no checkpoint clone of {rank} after {timeout} s: {d}\n{pool.logs()}"
+            )
+        time.sleep(0.002)
 
 
 # -- tests -------------------------------------------------------------------------------------
@@ -421,7 +425,7 @@ def test_rank_killed_with_its_checkpoint_in_flight_restores_from_it(pool: Pool) 
     wait_until(pool, job, all_running, "all ranks running")
     pid = rank_pid(pool, 1, job)
     checkpoint_now(pool, job, 1)
-    wait_clone(pid)
+    wait_clone(pool, job, pid)
     os.kill(pid, signal.SIGKILL)  # right after the fork, before the image is stored
     d = finish(pool, job, ref)
     made = [ckpt_id(e["message"]) for e in events(d, "checkpoint", 1)]
