@@ -14,6 +14,7 @@ import json
 import os
 import signal
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -424,9 +425,17 @@ def test_rank_killed_with_its_checkpoint_in_flight_restores_from_it(pool: Pool) 
     job = submit(pool, 4, "600")  # no periodic checkpoints: the ordered one is the only one
     wait_until(pool, job, all_running, "all ranks running")
     pid = rank_pid(pool, 1, job)
-    checkpoint_now(pool, job, 1)
-    wait_clone(pool, job, pid)
-    os.kill(pid, signal.SIGKILL)  # right after the fork, before the image is stored
+
+    def kill_at_the_fork() -> None:
+        wait_clone(pool, job, pid)
+        os.kill(pid, signal.SIGKILL)  # right after the fork, before the image is stored
+
+    # The watch starts before the order: the clone lives a few hundred ms (CRIU dumps 5 MB in
+    # ~0.15 s), less than `vsdk checkpoint` may take to return on a busy machine.
+    with ThreadPoolExecutor(1) as watch:
+        killed = watch.submit(kill_at_the_fork)
+        checkpoint_now(pool, job, 1)
+        killed.result()
     d = finish(pool, job, ref)
     made = [ckpt_id(e["message"]) for e in events(d, "checkpoint", 1)]
     restored = [ckpt_id(e["message"]) for e in events(d, "rank_restored", 1)]
