@@ -186,12 +186,15 @@ class RankHello(_Msg, frozen=True, tag="rank_hello"):
     """Rank -> agent, first frame on the unix socket. ``secret`` is the per-lease secret the
     agent put in the rank's environment. ``control``: this is the rank's checkpoint control
     connection, not its data connection. ``checkpoint``: the id of the image this process was
-    restored from (-1: a process started from the beginning)."""
+    restored from (-1: a process started from the beginning). ``orphan``: a checkpoint clone
+    whose rank died before the agent knew of it; it sends its own ``CkptForked`` on this
+    connection and closes it (the agent may still dump it for the rank's replacement)."""
 
     version: int
     secret: str
     control: bool = False
     checkpoint: int = -1
+    orphan: bool = False
 
 
 class RankWelcome(_Msg, frozen=True, tag="rank_welcome"):
@@ -225,7 +228,9 @@ class CkptForked(_Msg, frozen=True, tag="ckpt_forked"):
     ``dets`` the Det frames written (all of them: nothing pending); ``pending`` the bytes of
     stdout and stderr still in their pipes (written, flushed, not read by the agent yet);
     ``pause_us`` how long the rank stood still for it (flushes and the fork, wall clock: on a
-    busy machine this includes waiting for a CPU), ``pause_cpu_us`` the CPU time it spent on it."""
+    busy machine this includes waiting for a CPU), ``pause_cpu_us`` the CPU time it spent on it.
+    ``orphan``: sent by the clone itself (``RankHello.orphan``): the rank died before it could
+    say it forked, and the pauses are unknown (0)."""
 
     ckpt: int
     pid: int
@@ -236,6 +241,7 @@ class CkptForked(_Msg, frozen=True, tag="ckpt_forked"):
     pause_us: int = 0
     message: str = ""
     pause_cpu_us: int = 0
+    orphan: bool = False
 
 
 class CkptPut(_Msg, frozen=True, tag="ckpt_put"):

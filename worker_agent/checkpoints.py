@@ -56,7 +56,21 @@ DUMP_TIMEOUT = 120.0
 ACK_TIMEOUT = 120.0  # s the relays may take to acknowledge what the rank sent
 STORE_TIMEOUT = 300.0  # s for CkptEnd -> CkptStored
 _ACK_POLL = 0.01
+# s to wait for the orphaned clone's own CkptForked when the rank died with a request out
+ORPHAN_REPORT_WAIT = 2.0
 _PACK_LIMITER = trio.CapacityLimiter(2)
+
+
+async def _first(*events: trio.Event) -> None:
+    """Wait until one of ``events`` is set."""
+    async with trio.open_nursery() as race:
+
+        async def one(event: trio.Event) -> None:
+            await event.wait()
+            race.cancel_scope.cancel()
+
+        for event in events:
+            race.start_soon(one, event)
 
 
 def checkpoint_signal() -> int:
@@ -177,25 +191,25 @@ class Checkpointer:
         the clone holds the freshest state there is. Let that checkpoint finish (for at most
         ``grace`` seconds, or until ``stop``) before the loss is reported, so that the
         replacement restores from it instead of from an older image or the beginning."""
-        flight = self.forked_in_flight()
-        if grace <= 0 or flight is None:
+        taking = self.taking
+        if grace <= 0 or taking is None:
             return
-        ckpt, done = flight
-        log.info(
-            "%s lost with checkpoint %d in flight: letting it finish (at most %g s)",
-            self.rank.label,
-            ckpt,
-            grace,
-        )
         with trio.move_on_after(grace):
-            async with trio.open_nursery() as race:
-
-                async def first(event: trio.Event) -> None:
-                    await event.wait()
-                    race.cancel_scope.cancel()
-
-                race.start_soon(first, done)
-                race.start_soon(first, stop)
+            if taking.forked is None:
+                # Asked, no answer yet: the rank may have forked just before it died (its
+                # orphaned clone then says so), or not (``_take`` gives up soon).
+                await _first(taking.got, taking.done, stop)
+            flight = self.forked_in_flight()
+            if flight is None or stop.is_set():
+                return
+            ckpt, done = flight
+            log.info(
+                "%s lost with checkpoint %d in flight: letting it finish (at most %g s)",
+                self.rank.label,
+                ckpt,
+                grace,
+            )
+            await _first(done, stop)
 
     # -- the control connection -------------------------------------------------------------
 
@@ -214,10 +228,14 @@ class Checkpointer:
                 }
                 self.pump.release()
                 taking.forked = msg
-                if msg.pid > 0:
+                if msg.orphan:
+                    taking.clone = msg.pid  # the agent's own view of it (SO_PEERCRED)
+                elif msg.pid > 0:
                     # A restored rank names its clone by its own PID namespace's pid.
                     taking.clone = self._host_pid(msg.pid)
                 taking.got.set()
+            elif taking is not None and msg.ckpt == taking.ckpt:
+                pass  # the orphaned clone of the one in flight says what its rank said already
             elif msg.pid > 0:
                 _kill(self._host_pid(msg.pid))
 
@@ -299,24 +317,37 @@ class Checkpointer:
         taking.read = dict(self.pump.read)
         rank.outbox.push_control(encode_small(CheckpointRequest(request=taking.ckpt)))
         sig = checkpoint_signal()
+        gone = False
         with trio.move_on_after(HOLD_MAX):
             while not taking.got.is_set():
-                if rank.pid is None:
-                    raise CheckpointError("the rank's process is gone")
+                # ``closing``: the process was reaped, its pid may be another process's now.
+                if self.closing or rank.pid is None:
+                    gone = True
+                    break
                 try:
                     os.kill(rank.pid, sig)
-                except ProcessLookupError as exc:
-                    raise CheckpointError("the rank's process is gone") from exc
+                except ProcessLookupError:
+                    gone = True
+                    break
                 with trio.move_on_after(SIGNAL_EVERY):
                     await taking.got.wait()
+        if gone and not taking.got.is_set():
+            # It may have died right after its fork, before it said so: then the orphaned clone
+            # connects and says it (``RankHello.orphan``), if the agent waits for lost ranks'
+            # checkpoints at all.
+            with trio.move_on_after(min(ORPHAN_REPORT_WAIT, settings.lost_checkpoint_grace)):
+                await taking.got.wait()
         forked = taking.forked
         if forked is None:
+            if gone:
+                raise CheckpointError("the rank's process is gone")
             raise CheckpointError(
                 f"the rank reached no safe point within {HOLD_MAX:g} s (busy replaying, "
                 "blocking the signal, or blocked writing output)"
             )
         pause = forked.pause_us / 1e6
-        self.pauses.append(pause)
+        if not forked.orphan:
+            self.pauses.append(pause)
         if forked.pid <= 0:
             raise CheckpointError(f"the rank could not fork: {forked.message}")
         ready = forked
@@ -334,7 +365,7 @@ class Checkpointer:
             criu=settings.criu,
             log_dir=taking.scratch,
             timeout=DUMP_TIMEOUT,
-            enter=self._namespace_of(),
+            enter=None if forked.orphan else self._namespace_of(),
         )
         taking.clone = -1  # criu ends the dumped process
         # 4. store
@@ -347,18 +378,22 @@ class Checkpointer:
             "incarnation": lease.incarnation,
             "python": settings.python_path,
             "created": time.time(),
-            "pause_ms": round(pause * 1000, 3),
-            "pause_cpu_ms": round(forked.pause_cpu_us / 1000, 3),
             "dump_s": round(dump_s, 3),
         }
+        if forked.orphan:
+            manifest["orphan"] = True  # its rank died: the pauses are unknown
+        else:
+            manifest["pause_ms"] = round(pause * 1000, 3)
+            manifest["pause_cpu_ms"] = round(forked.pause_cpu_us / 1000, 3)
         started = trio.current_time()
         size = await self._store(taking, ready, images, manifest)
         log.info(
-            "checkpoint %d of %s: pause %.1f ms (cpu %.1f ms), dump %.2f s, %.1f MB in %.2f s",
+            "checkpoint %d of %s: %s, dump %.2f s, %.1f MB in %.2f s",
             taking.ckpt,
             rank.label,
-            pause * 1000,
-            forked.pause_cpu_us / 1000,
+            "from the orphaned clone"
+            if forked.orphan
+            else f"pause {pause * 1000:.1f} ms (cpu {forked.pause_cpu_us / 1000:.1f} ms)",
             dump_s,
             size / 1e6,
             trio.current_time() - started,

@@ -22,9 +22,11 @@ import logging
 import os
 import socket as stdlib_socket
 import stat
+import struct
 import tempfile
 from pathlib import Path
 
+import msgspec
 import trio
 
 from vpool.protocol.errors import ProtocolError
@@ -152,7 +154,7 @@ class RankProxy:
             reader = FrameReader(stream, max_payload=self.max_payload)
             session = Session("rank", "server")
             try:
-                rank = await self._greet(stream, reader, session)
+                greeted = await self._greet(stream, reader, session)
             except ProtocolError as exc:
                 with trio.move_on_after(1):
                     await _refuse(stream, exc.code, exc.message)
@@ -160,10 +162,14 @@ class RankProxy:
             except (trio.BrokenResourceError, trio.TooSlowError) as exc:
                 log.debug("rank connection dropped before its hello: %s", exc)
                 return
-            if rank is None:
+            if greeted is None:
                 return
+            rank, orphan = greeted
             if rank.control is stream:
                 await self._control_loop(reader, rank, stream)
+                return
+            if orphan:
+                await self._orphan_report(reader, rank, stream)
                 return
             try:
                 async with trio.open_nursery() as nursery:
@@ -179,7 +185,8 @@ class RankProxy:
 
     async def _greet(
         self, stream: trio.SocketStream, reader: FrameReader, session: Session
-    ) -> LocalRank | None:
+    ) -> tuple[LocalRank, bool] | None:
+        """The rank that said hello, and whether the hello came from an orphaned clone."""
         with trio.fail_after(HELLO_TIMEOUT):
             frame = await reader.receive()
         if frame is None:
@@ -198,7 +205,9 @@ class RankProxy:
         if rank is None or rank.ended:
             await _refuse(stream, "unknown_secret", "no rank of this agent has that secret")
             return None
-        if hello.control:
+        if hello.orphan:
+            pass  # a clone's own report (handle), not the rank's control connection
+        elif hello.control:
             if rank.control is not None:
                 await _refuse(
                     stream, "already_connected", f"{rank.label} has a control connection already"
@@ -239,9 +248,43 @@ class RankProxy:
             if rank.control is stream:
                 rank.control = None
             raise
-        if rank.state == "starting" and not hello.control:
+        if rank.state == "starting" and not hello.control and not hello.orphan:
             rank.state = "running"
-        return rank
+        return rank, hello.orphan
+
+    async def _orphan_report(
+        self, reader: FrameReader, rank: LocalRank, stream: trio.SocketStream
+    ) -> None:
+        """The ``CkptForked`` of a clone whose rank died before saying it forked, handed on
+        once the clone closed the connection (CRIU cannot dump a process holding a socket to
+        the agent)."""
+        forked: CkptForked | None = None
+        try:
+            with trio.move_on_after(HELLO_TIMEOUT):
+                while (frame := await reader.receive()) is not None:
+                    msg = frame.message
+                    if forked is not None or not isinstance(msg, CkptForked) or msg.pid <= 0:
+                        raise ProtocolError(
+                            f"{type(msg).__name__} from an orphaned clone of {rank.label}",
+                            code="unexpected_message",
+                        )
+                    forked = msg
+                if forked is not None:
+                    # The pid as this agent sees it (the clone may name itself in the PID
+                    # namespace of a restored rank), from the kernel, not from the clone.
+                    peer = _peer_pid(stream)
+                    if peer is None:
+                        raise ProtocolError("no peer credentials", code="unexpected_message")
+                    forked = msgspec.structs.replace(forked, pid=peer, orphan=True)
+                    rank.control_send.send_nowait(forked)
+        except ProtocolError as exc:
+            log.warning("an orphaned clone of %s broke the protocol: %s", rank.label, exc)
+            with trio.move_on_after(1):
+                await _refuse(stream, exc.code, exc.message)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
+        except trio.WouldBlock:
+            log.warning("%s: dropped %s (nobody takes them)", rank.label, forked)
 
     async def _control_loop(
         self, reader: FrameReader, rank: LocalRank, stream: trio.SocketStream
@@ -380,3 +423,15 @@ async def _refuse(stream: trio.SocketStream, code: str, message: str) -> None:
         await stream.send_all(encode_small(Error(code=code, message=message)))
     except (trio.BrokenResourceError, trio.ClosedResourceError):
         pass  # the rank is gone already; nobody to explain it to
+
+
+def _peer_pid(stream: trio.SocketStream) -> int | None:
+    """The pid of the process at the other end of a unix connection (SO_PEERCRED)."""
+    try:
+        cred = stream.socket.getsockopt(
+            stdlib_socket.SOL_SOCKET, stdlib_socket.SO_PEERCRED, struct.calcsize("3i")
+        )
+    except OSError:
+        return None
+    pid = struct.unpack("3i", cred)[0]
+    return pid if pid > 0 else None

@@ -38,6 +38,8 @@ import time
 from types import FrameType
 from typing import Any
 
+import msgspec
+
 from vpool.protocol.messages import PROTOCOL_VERSION, CkptForked, RankHello
 from vpool.sdk.mpi.hugepages import collapse_huge_pages
 from vpool.sdk.mpi.transport import die, open_connection, write_message
@@ -209,10 +211,10 @@ class Checkpointer:
             write_message(control, forked)
             threading.Thread(target=_after_clone, args=(pid,), daemon=True).start()
             return True
-        self._clone(request, parent)
+        self._clone(request, parent, CkptForked(request, 0, received, sent, dets, pending))
         return True
 
-    def _clone(self, ckpt: int, parent: int) -> None:
+    def _clone(self, ckpt: int, parent: int, forked: CkptForked) -> None:
         """The forked clone: wait to be dumped, then restored (return) or orphaned (exit)."""
         try:
             os.setsid()
@@ -245,11 +247,31 @@ class Checkpointer:
                         # it; if neither comes, it exits by itself.
                         orphaned = True
                         deadline = min(deadline, time.monotonic() + self.orphan_wait)
+                        if self.orphan_wait > 0:
+                            self._report_orphan(forked)
                 if time.monotonic() > deadline:
                     os._exit(0)
                 time.sleep(CLONE_POLL)
         except BaseException:
             os._exit(1)  # never back into the program as a half-restored process
+
+    def _report_orphan(self, forked: CkptForked) -> None:
+        """Say ``CkptForked`` to the agent in the dead rank's place: it may have died between
+        the fork and its own report. Closed before the agent dumps this process (CRIU would
+        not take a socket to the agent); a duplicate of the rank's own report is ignored."""
+        hello = RankHello(PROTOCOL_VERSION, self.secret, orphan=True)
+        try:
+            # An agent that is gone or refuses (it no longer knows the rank) ends this
+            # process here (``die``): nobody would dump it.
+            sock, _ = open_connection(self.path, hello)
+        except OSError:
+            return
+        try:
+            write_message(sock, msgspec.structs.replace(forked, pid=os.getpid(), orphan=True))
+        except OSError:
+            pass
+        finally:
+            sock.close()
 
     def _restore_info(self, ckpt: int) -> dict[str, Any] | None:
         try:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import re
+from pathlib import Path
 
 import pytest
 import trio
@@ -144,3 +145,49 @@ def test_checkpoints_are_off_without_the_agent_settings() -> None:
         assert checkpoint.start(None, None, "") is None
     finally:
         os.environ.update({k: v for k, v in saved.items() if v is not None})
+
+
+def test_orphaned_clone_reports_its_own_fork(tmp_path: Path) -> None:
+    # The rank died before its CkptForked: the clone says it, as itself, on a connection of its
+    # own, then closes it (CRIU will not dump a socket to the agent).
+    import socket
+    import threading
+    from types import SimpleNamespace
+
+    from vpool.protocol.framing import FrameDecoder, encode_frame
+    from vpool.protocol.messages import CkptForked, RankHello, RankWelcome
+    from vpool.sdk.mpi import checkpoint
+
+    path = str(tmp_path / "agent.sock")
+    server = socket.socket(socket.AF_UNIX)
+    server.bind(path)
+    server.listen(1)
+    got: list[object] = []
+
+    def agent() -> None:
+        conn, _ = server.accept()
+        with conn:
+            conn.settimeout(10)
+            dec = FrameDecoder()
+            while True:
+                data = conn.recv(65536)
+                dec.receive_data(data)
+                while (frame := dec.next_frame()) is not None:
+                    got.append(frame.message)
+                    if isinstance(frame.message, RankHello):
+                        welcome = RankWelcome(job=1, rank=0, size=2, incarnation=1)
+                        conn.sendall(encode_frame(welcome))
+                if not data:
+                    return  # the clone closed it
+
+    thread = threading.Thread(target=agent, daemon=True)
+    thread.start()
+    fake = SimpleNamespace(path=path, secret="s3cret")
+    forked = CkptForked(9, 0, [0, 4], [2, 0], 3, [5, 1])
+    checkpoint.Checkpointer._report_orphan(fake, forked)  # type: ignore[arg-type]
+    thread.join(10)
+    server.close()
+    assert not thread.is_alive()
+    hello, report = got
+    assert isinstance(hello, RankHello) and hello.orphan and hello.secret == "s3cret"
+    assert report == CkptForked(9, os.getpid(), [0, 4], [2, 0], 3, [5, 1], orphan=True)
