@@ -191,9 +191,13 @@ class CheckpointsMixin:
             )
             running = [r for r in rows if r["state"] == "running" and r["agent"]]
             if not running:
-                what = f"rank {rank} is {rows[0]['state']}" if rank is not None else "no rank is"
+                what = (
+                    f"rank {rank} is {rows[0]['state']}, not running"
+                    if rank is not None
+                    else "no rank is running"
+                )
                 raise Conflict(
-                    f"job {job_id}: {what} running, nothing to checkpoint", code="not_running"
+                    f"job {job_id}: {what}: nothing to checkpoint now", code="not_running"
                 )
             # An agent without CRIU cannot make images: its ranks are not asked.
             running = [r for r in running if r["criu"]]

@@ -214,6 +214,8 @@ async def _restore_one(
             os.mkfifo(path, 0o600)
             readers.append(os.open(path, os.O_RDONLY | os.O_NONBLOCK))
             holders.append(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+        # Rank 0's stdin file (the restored process reopens it where it stood at the fork).
+        stdin = await svc.blobs.get(lease.stdin) if lease.stdin and lease.rank == 0 else None
         (rank_dir / RESTORE_FILE).write_text(
             json.dumps(
                 {
@@ -223,6 +225,7 @@ async def _restore_one(
                     "incarnation": lease.incarnation,
                     "stdout": str(paths[0]),
                     "stderr": str(paths[1]),
+                    "stdin": str(stdin) if stdin is not None else None,
                 }
             )
         )
@@ -248,7 +251,7 @@ async def _restore_one(
         out_offsets = manifest.get("out_offsets") or {}
         restored = Restored(
             ckpt=ref.ckpt,
-            prepared=Prepared(rank_dir, work, home, work, None, before),
+            prepared=Prepared(rank_dir, work, home, work, stdin, before),
             process=process,
             pid=pid,
             scratch=scratch,

@@ -194,6 +194,7 @@ class Checkpointer:
         assert control is not None
         pending = [_pipe_pending(1), _pipe_pending(2)]
         received, sent, dets = list(t.received), list(t.sent), t.det_sent
+        stdin_at = _stdin_offset()  # before the fork: the clone shares the file offset
         parent = os.getpid()
         try:
             pid = os.fork()
@@ -211,10 +212,11 @@ class Checkpointer:
             write_message(control, forked)
             threading.Thread(target=_after_clone, args=(pid,), daemon=True).start()
             return True
-        self._clone(request, parent, CkptForked(request, 0, received, sent, dets, pending))
+        forked = CkptForked(request, 0, received, sent, dets, pending)
+        self._clone(request, parent, forked, stdin_at)
         return True
 
-    def _clone(self, ckpt: int, parent: int, forked: CkptForked) -> None:
+    def _clone(self, ckpt: int, parent: int, forked: CkptForked, stdin_at: int) -> None:
         """The forked clone: wait to be dumped, then restored (return) or orphaned (exit)."""
         try:
             os.setsid()
@@ -239,7 +241,7 @@ class Checkpointer:
                 if os.getppid() != parent:
                     info = self._restore_info(ckpt)
                     if info is not None:
-                        self._restore(ckpt, info)
+                        self._restore(ckpt, info, stdin_at)
                         return
                     if not orphaned:
                         # The rank died before this clone was dumped. The agent may still
@@ -283,13 +285,22 @@ class Checkpointer:
             return None
         return info
 
-    def _restore(self, ckpt: int, info: dict[str, Any]) -> None:
-        """A restored process: output to the agent's FIFOs, new connections, resume replay."""
+    def _restore(self, ckpt: int, info: dict[str, Any], stdin_at: int) -> None:
+        """A restored process: output to the agent's FIFOs, its stdin file where it was at
+        the fork (what the program had read ahead is in its buffers, restored with it), new
+        connections, resume replay."""
         for fd, key in ((1, "stdout"), (2, "stderr")):
             w = os.open(str(info[key]), os.O_WRONLY)
             if w != fd:
                 os.dup2(w, fd)
                 os.close(w)
+        stdin = info.get("stdin")
+        if stdin and stdin_at >= 0:
+            r = os.open(str(stdin), os.O_RDONLY)
+            os.lseek(r, stdin_at, os.SEEK_SET)
+            if r != 0:
+                os.dup2(r, 0)
+                os.close(r)
         self.path = str(info["socket"])
         self.secret = str(info["secret"])
         t = self.transport
@@ -309,6 +320,14 @@ class Checkpointer:
         )
         self.restored = ckpt
         self.eng.ft.resume(t, welcome.replay_dets, welcome.replay_sent)
+
+
+def _stdin_offset() -> int:
+    """Where fd 0 stands in its file (-1: not a file, a pipe or a terminal)."""
+    try:
+        return os.lseek(0, 0, os.SEEK_CUR)
+    except OSError:
+        return -1
 
 
 def _after_clone(pid: int) -> None:

@@ -120,7 +120,7 @@ async def test_checkpoint_ask_errors(pool: Pool) -> None:
     await relay_loses(pool, job, 1)
     r = await pool.post(url, api.CheckpointAsk(rank=1), pool.user())
     assert (r.status_code, r.json()["error"]["code"]) == (409, "not_running")
-    assert "rank 1 is pending" in r.json()["error"]["message"]
+    assert f"job {job}: rank 1 is pending, not running: nothing" in r.json()["error"]["message"]
     await pool.client.post(f"/api/v1/jobs/{job}/cancel", headers=pool.user())
     r = await pool.post(url, api.CheckpointAsk(), pool.user())
     assert (r.status_code, r.json()["error"]["code"]) == (409, "job_not_running")

@@ -40,8 +40,11 @@ def pool(fresh_pool: Pool) -> Pool:
 # -- helpers ---------------------------------------------------------------------------------
 
 
-def submit(pool: Pool, ranks: int, *args: str, every: float = 0.0) -> int:
+def submit(
+    pool: Pool, ranks: int, *args: str, every: float = 0.0, stdin: Path | None = None
+) -> int:
     flags = ["--checkpoint-every", f"{every:g}"] if every > 0 else []
+    flags += ["--stdin", str(stdin)] if stdin is not None else []
     res = pool.vsdk("submit", PROGRAM, "--ranks", str(ranks), *flags, "--json", "--", *args)
     assert res.returncode == 0, res.stderr.decode()
     return int(json.loads(res.stdout)["id"])
@@ -94,8 +97,8 @@ def output(pool: Pool, job: int) -> bytes:
     return res.stdout
 
 
-def reference(pool: Pool, ranks: int, *args: str) -> bytes:
-    job = submit(pool, ranks, *args)
+def reference(pool: Pool, ranks: int, *args: str, stdin: Path | None = None) -> bytes:
+    job = submit(pool, ranks, *args, stdin=stdin)
     d = wait_until(pool, job, ended, "fault-free run")
     assert d["job"]["state"] == "succeeded", d
     return output(pool, job)
@@ -241,9 +244,14 @@ def wait_clone(pool: Pool, job: int, rank: int, timeout: float = 30) -> int:
 # -- tests -------------------------------------------------------------------------------------
 
 
-def test_killed_rank_is_restored_from_its_checkpoint(pool: Pool) -> None:
-    ref = reference(pool, 4, "600")
-    job = submit(pool, 4, "600", every=2)
+def test_killed_rank_is_restored_from_its_checkpoint(pool: Pool, tmp_path: Path) -> None:
+    # Rank 0 reads a line of stdin per step, 100 bytes each: Python reads ahead 8 KiB at a
+    # time, so each restored rank 0 must find its stdin file where its image left it.
+    stdin = tmp_path / "stdin.txt"
+    stdin.write_text("".join(f"line {i:04d} {'x' * 89}\n" for i in range(1, 601)))
+    ref = reference(pool, 4, "600", stdin=stdin)
+    assert b"step 600: " in ref and b" line 0600 x" in ref, ref[-300:]
+    job = submit(pool, 4, "600", every=2, stdin=stdin)
     d = wait_until(pool, job, checkpoints_of(0, 2), "2 checkpoints of rank 0")
     assert not ended(d), f"the job ended before 2 checkpoints of rank 0: {d['events']}"
     os.kill(rank_pid(pool, 0, job), signal.SIGKILL)  # rank 0 prints: its output must go on

@@ -6,7 +6,10 @@ Each rank holds 16 rows of COLS doubles (default 1024); every step it swaps its 
 both neighbours (``Sendrecv``: messages of COLS x 8 bytes), averages, and sleeps DELAY seconds
 (default 0.05: computation time, in which a checkpoint signal finds no MPI call on the stack).
 Rank 0 alone prints a line every 10 steps (so the merged output does not depend on timing, and
-a restored rank 0 must neither repeat nor lose lines) and a checksum at the end.
+a restored rank 0 must neither repeat nor lose lines) and a checksum at the end. Rank 0 also reads
+one line of its stdin per step and prints the last one read with its line: given a file larger
+than Python's read-ahead buffer (``vsdk submit --stdin``), a restored rank 0 must read on from
+where its image stood.
 """
 
 import sys
@@ -32,8 +35,9 @@ for step in range(1, steps + 1):
     comm.Sendrecv(u[-2], dest=down, sendtag=2, recvbuf=u[0], source=up, recvtag=2)
     u[1:-1] = 0.5 * u[1:-1] + 0.25 * (u[:-2] + u[2:])
     time.sleep(delay)
+    line = sys.stdin.readline().strip() if rank == 0 else ""
     if rank == 0 and step % 10 == 0:
-        print(f"step {step}: {float(u[1:-1].sum()):.12e}", flush=True)
+        print(f"step {step}: {float(u[1:-1].sum()):.12e} {line}".rstrip(), flush=True)
 parts = comm.gather(float((u[1:-1] * np.arange(1, cols + 1)).sum()), root=0)
 if rank == 0:
     print(f"checksum {sum(parts):.12e}")
