@@ -325,10 +325,9 @@ class CheckpointStore:
     async def accepted(self, img: Image) -> None:
         """The coordinator accepted the report of ``img``: trim the rank's log."""
         if self.images.get((img.job, img.rank), {}).get(img.ckpt) is not img:
-            report_settled(img)
             return
         img.accepted = True
-        report_settled(img)
+        report_settled(img)  # before the trim: the put's CkptStored need not wait for it
         await self._io(lambda: write_manifest(img))
         await self._trim((img.job, img.rank))
 
@@ -345,7 +344,6 @@ class CheckpointStore:
 
     async def refused(self, img: Image) -> None:
         """The coordinator answered 409 (stale incarnation, job over): delete the image."""
-        report_settled(img)
         if self._remove(img):
             logger.info("job %d rank %d: image %d refused by the coordinator", *_ids(img))
             await self._io(lambda: delete_image(img))

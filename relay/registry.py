@@ -163,7 +163,7 @@ async def _report_checkpoints(hub: Hub, client: CoordinatorClient) -> None:
             try:
                 await _report_one(hub, client, img, report)
             finally:
-                report_settled(img)  # refused for good, or the job ended meanwhile
+                report_settled(img)  # accepted, refused, given up, or the job ended meanwhile
 
 
 async def _report_one(

@@ -3,17 +3,9 @@ test_checkpoint_orders.py)."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
-from pathlib import Path
-from typing import Any
-
 import httpx
-from coord_helpers import HELLO, RELAY_SECRET, Agent, FakeClock, Pool, decode, make_zip
-from coord_helpers import test_settings as make_settings
+from coord_helpers import HELLO, RELAY_SECRET, Agent, Pool, decode, make_zip
 
-from vpool.coordinator.app import create_app
-from vpool.coordinator.service import Coordinator
 from vpool.protocol import api
 
 RELAY = {"Authorization": f"Bearer {RELAY_SECRET}"}
@@ -21,19 +13,6 @@ FP_X = "x" * 64
 FP_Y = "y" * 64
 FP_Z = "z" * 64
 DIGEST = "ab" * 32
-
-
-@asynccontextmanager
-async def open_pool(tmp_path: Path, **overrides: Any) -> AsyncIterator[Pool]:
-    clock = FakeClock()
-    core = Coordinator(make_settings(tmp_path, **overrides), clock=clock)
-    app = create_app(core.settings, coordinator=core)
-    transport = httpx.ASGITransport(app=app)
-    try:
-        async with httpx.AsyncClient(transport=transport, base_url="http://coordinator") as c:
-            yield Pool(c, core, clock)
-    finally:
-        core.close()
 
 
 async def submit(

@@ -9,11 +9,7 @@ import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-import httpx
 import pytest
-
-from vpool.coordinator.app import create_app
-from vpool.coordinator.service import Coordinator
 
 
 def _load_helpers(name: str) -> None:
@@ -28,15 +24,10 @@ def _load_helpers(name: str) -> None:
 
 _load_helpers("coord_helpers")
 _load_helpers("ckpt_helpers")  # imports coord_helpers
-from coord_helpers import FakeClock, Pool, test_settings  # noqa: E402
+from coord_helpers import Pool, open_pool  # noqa: E402
 
 
 @pytest.fixture
 async def pool(tmp_path: Path) -> AsyncIterator[Pool]:
-    clock = FakeClock()
-    core = Coordinator(test_settings(tmp_path), clock=clock)
-    app = create_app(core.settings, coordinator=core)
-    transport = httpx.ASGITransport(app=app)
-    async with httpx.AsyncClient(transport=transport, base_url="http://coordinator") as client:
-        yield Pool(client, core, clock)
-    core.close()
+    async with open_pool(tmp_path) as pool:
+        yield pool

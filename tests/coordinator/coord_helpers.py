@@ -6,6 +6,8 @@ import hashlib
 import io
 import time
 import zipfile
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -15,6 +17,7 @@ import msgspec
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from vpool.coordinator import keys
+from vpool.coordinator.app import create_app
 from vpool.coordinator.service import Coordinator
 from vpool.coordinator.settings import CoordinatorSettings
 from vpool.protocol import api
@@ -211,3 +214,20 @@ def test_settings(tmp_path: Path, **overrides: Any) -> CoordinatorSettings:
 
 
 test_settings.__test__ = False  # type: ignore[attr-defined]
+
+
+@asynccontextmanager
+async def open_pool(
+    tmp_path: Path, clock: FakeClock | None = None, **overrides: Any
+) -> AsyncIterator[Pool]:
+    """A coordinator on ``tmp_path`` (``test_settings`` plus ``overrides``) behind an
+    in-process HTTP client, closed at the end."""
+    clock = clock or FakeClock()
+    core = Coordinator(test_settings(tmp_path, **overrides), clock=clock)
+    app = create_app(core.settings, coordinator=core)
+    transport = httpx.ASGITransport(app=app)
+    try:
+        async with httpx.AsyncClient(transport=transport, base_url="http://coordinator") as c:
+            yield Pool(c, core, clock)
+    finally:
+        core.close()

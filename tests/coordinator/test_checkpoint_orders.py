@@ -10,12 +10,11 @@ import trio
 from ckpt_helpers import (
     FP_Z,
     beat,
-    open_pool,
     relay_loses,
     running,
     submit,
 )
-from coord_helpers import Pool, decode
+from coord_helpers import Pool, decode, open_pool
 
 from vpool.protocol import api
 

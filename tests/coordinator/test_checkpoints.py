@@ -21,12 +21,11 @@ from ckpt_helpers import (
     events,
     from_start,
     image,
-    open_pool,
     relay_loses,
     running,
     submit,
 )
-from coord_helpers import Agent, Pool, decode
+from coord_helpers import Agent, Pool, decode, open_pool
 
 from vpool.config import SettingsError
 from vpool.coordinator import migrations, settings

@@ -4,36 +4,26 @@ coordinator restart over the same state directory."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any
 
-import httpx
 import msgspec
 import pytest
 import trio
-from coord_helpers import RELAY_SECRET, Agent, FakeClock, Pool, decode, make_zip, test_settings
+from coord_helpers import (
+    RELAY_SECRET,
+    Agent,
+    FakeClock,
+    Pool,
+    decode,
+    make_zip,
+    open_pool,
+)
 
 from vpool.config import SettingsError
 from vpool.coordinator import scheduler, settings
-from vpool.coordinator.app import create_app
-from vpool.coordinator.service import Coordinator
 from vpool.protocol import api
 
 RELAY = {"Authorization": f"Bearer {RELAY_SECRET}"}
-
-
-@asynccontextmanager
-async def open_pool(tmp_path: Path, clock: FakeClock, **overrides: Any) -> AsyncIterator[Pool]:
-    core = Coordinator(test_settings(tmp_path, **overrides), clock=clock)
-    app = create_app(core.settings, coordinator=core)
-    transport = httpx.ASGITransport(app=app)
-    try:
-        async with httpx.AsyncClient(transport=transport, base_url="http://coordinator") as c:
-            yield Pool(c, core, clock)
-    finally:
-        core.close()
 
 
 async def _running(pool: Pool, ranks: int = 2, slots: int = 3) -> tuple[Agent, list[api.Lease]]:

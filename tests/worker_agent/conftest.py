@@ -32,6 +32,8 @@ from vpool.protocol.framing import FrameDecoder, encode_frame, raw_frame_parts
 from vpool.protocol.messages import Message
 from vpool.tls import server_context
 from vpool.worker_agent.agent import AgentStarted, run_agent
+from vpool.worker_agent.local_ranks import LocalRanks
+from vpool.worker_agent.proxy import RankProxy
 from vpool.worker_agent.settings import AgentSettings
 
 AGENT_TOKEN = "agent-token-1"
@@ -577,3 +579,13 @@ async def https_coordinator(
         functools.partial(serve, asgi_app(coordinator), config, mode="asgi")  # type: ignore[arg-type]
     )
     return str(url)
+
+
+@pytest.fixture
+async def proxy(nursery: trio.Nursery, tmp_path: Path) -> tuple[LocalRanks, Path]:
+    """A rank proxy serving ``tmp_path/a.sock`` for the ranks added to its LocalRanks."""
+    ranks = LocalRanks()
+    path = await nursery.start(
+        RankProxy(ranks, processor="host", max_payload=1 << 20).serve, tmp_path / "a.sock"
+    )
+    return ranks, path

@@ -10,7 +10,9 @@ import signal
 import ssl
 import subprocess
 import sys
+from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 import blake3
 import pytest
@@ -53,7 +55,6 @@ from vpool.worker_agent.checkpoints import (
 )
 from vpool.worker_agent.local_ranks import LocalRank, LocalRanks
 from vpool.worker_agent.output import OutputPump
-from vpool.worker_agent.proxy import RankProxy
 from vpool.worker_agent.ranks import Prepared, RankServices, rank_env
 from vpool.worker_agent.settings import AgentSettings, load_agent_settings
 from vpool.worker_agent.store_client import (
@@ -230,15 +231,6 @@ async def _connect(path: Path, hello: RankHello) -> tuple[FakeRankConn, Message]
     conn = FakeRankConn(await trio.open_unix_socket(str(path)))
     await conn.send(hello)
     return conn, await conn.receive()
-
-
-@pytest.fixture
-async def proxy(nursery: trio.Nursery, tmp_path: Path) -> tuple[LocalRanks, Path]:
-    ranks = LocalRanks()
-    path = await nursery.start(
-        RankProxy(ranks, processor="host", max_payload=1 << 20).serve, tmp_path / "a.sock"
-    )
-    return ranks, path
 
 
 async def test_control_connection_handshake(proxy: tuple[LocalRanks, Path]) -> None:
@@ -473,6 +465,47 @@ class _Client:
         self.failed.append(report)
 
 
+def checkpointer(
+    ranks: LocalRanks, path: Path, rank: LocalRank, tmp_path: Path, **settings: Any
+) -> tuple[Checkpointer, _Client]:
+    """A Checkpointer of ``rank`` behind the proxy at ``path``, with no usable CRIU (its dumps
+    fail, which the failure report says), and the fake coordinator client it reports to."""
+    client = _Client()
+    svc = RankServices(
+        settings=AgentSettings(
+            criu=str(tmp_path / "no-criu"),
+            checkpoint_scratch=str(tmp_path / "scratch"),
+            work_dir=str(tmp_path / "w"),
+            **settings,
+        ),
+        client=client,  # type: ignore[arg-type]
+        links=None,  # type: ignore[arg-type]
+        blobs=None,  # type: ignore[arg-type]
+        ranks=ranks,
+        socket_path=path,
+        report_problem=None,  # type: ignore[arg-type]
+        capability=Capability(criu="4.1.1", fingerprint="fp"),
+    )
+    prepared = Prepared(tmp_path, tmp_path, tmp_path, tmp_path / "app.py", None, {})
+    pump = OutputPump(LEASE, client.post_checkpoint_failed)  # type: ignore[arg-type]
+    return Checkpointer(svc, rank, prepared, pump), client
+
+
+async def take_once(ckpt: Checkpointer, rank_side: Callable[[], Awaitable[None]]) -> bool:
+    """``ckpt.take(ordered=True)`` with its control reader and ``rank_side`` running beside it."""
+    result: list[bool] = []
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(ckpt._control_reader)
+        nursery.start_soon(rank_side)
+
+        async def take() -> None:
+            result.append(await ckpt.take(ordered=True))
+            nursery.cancel_scope.cancel()
+
+        nursery.start_soon(take)
+    return result[0]
+
+
 async def test_failed_dump_kills_the_clone_and_is_reported(
     proxy: tuple[LocalRanks, Path], tmp_path: Path
 ) -> None:
@@ -490,26 +523,7 @@ async def test_failed_dump_kills_the_clone_and_is_reported(
         rank.pid = rank_proc.pid
         data, _ = await _connect(path, RankHello(PROTOCOL_VERSION, rank.secret))
         control, _ = await _connect(path, RankHello(PROTOCOL_VERSION, rank.secret, control=True))
-        settings = AgentSettings(
-            criu=str(tmp_path / "no-criu"),
-            checkpoint_scratch=str(tmp_path / "scratch"),
-            work_dir=str(tmp_path / "w"),
-        )
-        client = _Client()
-        svc = RankServices(
-            settings=settings,
-            client=client,  # type: ignore[arg-type]
-            links=None,  # type: ignore[arg-type]
-            blobs=None,  # type: ignore[arg-type]
-            ranks=ranks,
-            socket_path=path,
-            report_problem=None,  # type: ignore[arg-type]
-            capability=Capability(criu="4.1.1", fingerprint="fp"),
-        )
-        prepared = Prepared(tmp_path, tmp_path, tmp_path, tmp_path / "app.py", None, {})
-        pump = OutputPump(LEASE, client.post_checkpoint_failed)  # type: ignore[arg-type]
-        ckpt = Checkpointer(svc, rank, prepared, pump)
-        result: list[bool] = []
+        ckpt, client = checkpointer(ranks, path, rank, tmp_path)
 
         async def fake_rank() -> None:
             # The request arrives on the data connection; the rank answers on control.
@@ -517,23 +531,13 @@ async def test_failed_dump_kills_the_clone_and_is_reported(
             assert isinstance(req, CheckpointRequest)
             await control.send(CkptForked(req.request, clone.pid, [0, 0], [0, 0], 0, [0, 0], 1500))
 
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(ckpt._control_reader)
-            nursery.start_soon(fake_rank)
-
-            async def take() -> None:
-                result.append(await ckpt.take(ordered=True))
-                nursery.cancel_scope.cancel()
-
-            nursery.start_soon(take)
-        assert result == [False]
+        assert await take_once(ckpt, fake_rank) is False
         [failed] = client.failed
         assert (failed.job, failed.rank, failed.incarnation) == (3, 1, 2)
         assert failed.ckpt > 0 and "criu" in failed.message
         assert ckpt.pauses == [0.0015]  # as the rank measured it
         with trio.fail_after(5):
-            while clone.poll() is None:  # noqa: ASYNC110
-                await trio.sleep(0.01)
+            await trio.to_thread.run_sync(clone.wait, abandon_on_cancel=True)
         assert clone.returncode == -signal.SIGKILL
         assert rank_proc.poll() is None  # the rank runs on
         assert not any((tmp_path / "scratch").iterdir())  # the scratch dir is gone
