@@ -16,7 +16,7 @@ from collections import deque
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, find, given, settings
+from hypothesis import HealthCheck, example, find, given, settings
 from hypothesis import strategies as st
 
 from vpool.protocol.errors import ProtocolError
@@ -260,6 +260,13 @@ def test_faults_change_nothing(name: str, schedule: Schedule) -> None:
 
 @many
 @given(schedule=schedules)
+# Found by CI (2026-11-21), not fixed yet: rank 1.1's message, in flight when it crashed, is
+# written by relay 0 after rank 1.2 started; the relay's Ack of that seq then tells rank 1.2
+# its own (differently stamped) message 1 is logged, so it is never sent and never compared.
+# The relay should not count a dead incarnation's Data towards a newer one's seqs.
+@example(
+    Schedule((0, 0, 1, 1), ((4, 0), (5, 0), (11, 0), (12, 1), (14, 0)), 26, 150)
+).xfail(raises=AssertionError, reason="a dead incarnation's in-flight Data acks its successor")
 def test_nondeterminism_is_detected_never_silent(schedule: Schedule) -> None:
     programs = [stamped] * 3
     outcome = run(programs, schedule)
