@@ -168,16 +168,19 @@ def test_restore_command(tmp_path: Path) -> None:
 
 
 def test_process_tree_pids() -> None:
-    script = "import subprocess, sys; p = subprocess.Popen(['sleep', '60']); sys.stdin.read()"
-    with subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE) as proc:
-        deadline = time.monotonic() + 20
-        while not (children := criu.process_tree_pids(proc.pid)):
-            assert time.monotonic() < deadline, "the grandchild never appeared"
-            time.sleep(0.01)
-        assert len(children) == 1
-        assert Path(f"/proc/{children[0]}/cmdline").read_bytes().startswith(b"sleep")
-        for child in children:
-            os.kill(child, signal.SIGKILL)
+    # Popen returns once the child has exec'd, so the printed pid is already `sleep`.
+    script = (
+        "import subprocess, sys; p = subprocess.Popen(['sleep', '60']); "
+        "print(p.pid, flush=True); sys.stdin.read()"
+    )
+    with subprocess.Popen(
+        [sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE
+    ) as proc:
+        assert proc.stdout is not None
+        grandchild = int(proc.stdout.readline())
+        assert criu.process_tree_pids(proc.pid) == [grandchild]
+        assert Path(f"/proc/{grandchild}/cmdline").read_bytes().startswith(b"sleep")
+        os.kill(grandchild, signal.SIGKILL)
         proc.kill()
     assert criu.process_tree_pids(proc.pid) == []
 
