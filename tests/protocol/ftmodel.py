@@ -24,9 +24,11 @@ The pieces:
 - **A relay** (``SimRelay``) holds the mailboxes of the ranks it is home to and their determinant
   logs. Deposits and determinants are appended at once and become durable when the scheduler
   writes them (in any order; the state machines make durability a prefix); acks go out when they
-  do. Re-sent messages are checked against the logged digest. A crash loses everything not yet
-  durable and every connection; the restarted relay rebuilds its mailboxes and logs from the
-  durable entries, and every live rank re-attaches and resends what was not acknowledged.
+  do, to the rank's current attachment and never for more than it deposited or re-sent itself
+  (a successor is not told a dead incarnation's message is its own). Re-sent messages are
+  checked against the logged digest. A crash loses everything not yet durable and every
+  connection; the restarted relay rebuilds its mailboxes and logs from the durable entries, and
+  every live rank re-attaches and resends what was not acknowledged.
 - **Links** are FIFO queues of frames, one per direction per (rank incarnation, relay)
   connection. A rank's crash kills the links towards it; frames it already sent may still land,
   and the relay drops them once a newer incarnation attached (fencing).

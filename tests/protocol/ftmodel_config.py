@@ -21,6 +21,10 @@ class Config:
     # relay says it holds (seq <= Attached.stored): the logged copy may come from an older
     # incarnation, and the relay's digest check is the only place a different one shows.
     resend_held: bool = True
+    # Acks name no more than the current attachment deposited or re-sent (the relay's
+    # ``Attachment.offered``): a dead incarnation's message, written after its successor
+    # attached, must not acknowledge the successor's message of that seq unseen.
+    acks_by_attachment: bool = True
 
 
 class Divergence(Exception):

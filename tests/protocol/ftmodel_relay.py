@@ -27,10 +27,15 @@ class SimRelay:
         self.unwritten: dict[int, set[int]] = {r: set() for r in self.homed}  # dets being written
         self.fence: dict[int, int] = {}  # rank -> newest incarnation attached
         self.down: dict[int, Link] = {}  # rank -> link to its current incarnation
+        # rank -> dst -> the highest seq its current attachment deposited or re-sent: acks never
+        # claim more (the product's ``Attachment.offered``), so a successor is not told that
+        # a dead incarnation's message is its own.
+        self.offered: dict[int, dict[int, int]] = {}
 
     def attach(self, rank: SimRank, received: dict[int, int]) -> None:
         """``Attach`` from ``rank``'s agent (fresh incarnation or re-attach after our restart)."""
         self.fence[rank.rank] = rank.inc
+        self.offered[rank.rank] = {}
         rank.up[self.index] = self.world.link(
             Link(f"{rank}->relay {self.index}", self, rank, False)
         )
@@ -49,11 +54,18 @@ class SimRelay:
             events += [("write_det", self.index, rank, i) for i in sorted(indexes)]
         return events
 
+    def _ackable(self, src: int, dst: int, seq: int) -> int:
+        if not self.world.config.acks_by_attachment:
+            return seq
+        return min(seq, self.offered.get(src, {}).get(dst, 0))
+
     def written(self, dst: int, entry: Any) -> str:
         box = self.mailboxes[dst]
         box.written(entry)
         for e in box.advance():  # acked in log order, cumulative per channel
-            self._to(e.src, Ack(dst, e.seq))
+            seq = self._ackable(e.src, dst, e.seq)
+            if seq > 0:
+                self._to(e.src, Ack(dst, seq))
         self.pump()
         return f"relay {self.index}: {entry.src}->{dst}#{entry.seq} written"
 
@@ -82,6 +94,8 @@ class SimRelay:
         box = self.mailboxes[frame.dst]
         mark = digest(frame.src, frame.dst, frame.seq, frame.payload)
         offer = box.offer(frame.src, frame.seq)
+        offered = self.offered.setdefault(frame.src, {})
+        offered[frame.dst] = max(offered.get(frame.dst, 0), frame.seq)
         if offer is Offer.NEW:
             box.append(frame.src, frame.seq, 1, frame.payload, mark)
             return
@@ -94,7 +108,9 @@ class SimRelay:
                 f"({frame.payload!r}, logged {logged.ref!r})"
             )
         if offer is Offer.DUPLICATE:
-            self._to(frame.src, Ack(frame.dst, box.acked(frame.src)))
+            self._to(
+                frame.src, Ack(frame.dst, self._ackable(frame.src, frame.dst, box.acked(frame.src)))
+            )
 
     def _det(self, frame: Det) -> None:
         log = self.detlogs[frame.rank]
@@ -135,5 +151,6 @@ class SimRelay:
             self.detlogs[rank] = rebuilt
             self.unwritten[rank].clear()
         self.fence.clear()
+        self.offered.clear()
         self.down.clear()
         self.world.cut(self)

@@ -4,23 +4,28 @@ different one means the program is not deterministic (an Error for that rank, on
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
+from typing import Any
 
+import pytest
 import trio
-from relay_fakes import FakeAgent, FakeCoordinator, Pool, start_relay
+from relay_fakes import DEADLINE, FakeAgent, FakeCoordinator, Pool, start_relay
 
 from vpool.protocol.framing import encode_frame
 from vpool.protocol.messages import Data
+from vpool.relay import connection
 from vpool.relay import hub as hubmod
+from vpool.relay import log as logfiles
 from vpool.relay.log import digest
 
 
 async def _relay_with_coordinator(
-    pool: Pool, nursery: trio.Nursery, tmp_path: Path
+    pool: Pool, nursery: trio.Nursery, tmp_path: Path, **settings_kw: Any
 ) -> tuple[object, FakeCoordinator]:
     coord = FakeCoordinator(pool)
     settings = pool.settings(
-        tmp_path / "relay", coordinator_url="http://coord", relay_secret="s3cret"
+        tmp_path / "relay", coordinator_url="http://coord", relay_secret="s3cret", **settings_kw
     )
     relay = await start_relay(nursery, settings, coordinator_transport=coord.transport)
     return relay, coord
@@ -111,3 +116,51 @@ async def test_big_resend_that_differs_before_its_digest_is_known(
     err = await a.expect_rank_error("not_deterministic")
     assert "re-sent message 1 to rank 1" in err.message
     await coord.wait_for(lambda: bool(coord.diverged))
+
+
+async def test_dead_incarnations_message_is_not_acked_to_its_successor(
+    pool: Pool,
+    nursery: trio.Nursery,
+    tmp_path: Path,
+    agents: object,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Incarnation 1's message is in the log but not yet written when incarnation 2 attaches.
+    Written, it must not be acked to incarnation 2: that would tell it its own message 1 is
+    logged, so it would never send it and a different copy would never be compared (the
+    fault-tolerance model's test_acks_for_a_dead_incarnations_message_hide_nondeterminism)."""
+    release = threading.Event()
+    real_write = logfiles.write_runs
+
+    def slow_write(runs: list[logfiles.Run], *, fsync: bool) -> None:
+        release.wait(DEADLINE)
+        real_write(runs, fsync=fsync)
+
+    acks: list[tuple[str, int, int, int, int]] = []
+    real_queue_ack = connection.Connection.queue_ack
+
+    def queue_ack(self: connection.Connection, job: int, src: int, dst: int, seq: int) -> None:
+        acks.append((self.agent, job, src, dst, seq))
+        real_queue_ack(self, job, src, dst, seq)
+
+    monkeypatch.setattr(logfiles, "write_runs", slow_write)
+    monkeypatch.setattr(connection.Connection, "queue_ack", queue_ack)
+    relay, coord = await _relay_with_coordinator(pool, nursery, tmp_path, fsync=True)
+    old = await FakeAgent.connect(pool, relay.addr, "agent-old")  # type: ignore[attr-defined]
+    await old.attach(pool, 1, 0, size=2)
+    await old.deposit(1, 0, 1, 1, b"stamp 1")
+    new = await FakeAgent.connect(pool, relay.addr, "agent-new")  # type: ignore[attr-defined]
+    await new.attach(pool, 1, 0, size=2, incarnation=2)
+    mailbox = relay.hub.boxes[(1, 1)].mailbox  # type: ignore[attr-defined]
+    assert (len(mailbox), mailbox.durable_count) == (1, 0)
+    release.set()
+    receiver = await FakeAgent.connect(pool, relay.addr, "agent-r")  # type: ignore[attr-defined]
+    await receiver.attach(pool, 1, 1, size=2, home=True)
+    _, payload = await receiver.next_data()  # pushed once durable, after its acks were queued
+    assert payload == b"stamp 1"
+    assert [a for a in acks if a[0] == "agent-new"] == []
+    await new.deposit(1, 0, 1, 1, b"stamp 2")  # so its own copy is compared
+    err = await new.expect_rank_error("not_deterministic")
+    assert "rank 0 re-sent message 1 to rank 1" in err.message
+    await coord.wait_for(lambda: bool(coord.diverged))
+    assert [a for a in acks if a[0] == "agent-new"] == []
