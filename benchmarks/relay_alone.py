@@ -10,6 +10,7 @@ frame credited back. Same figures as the bare relay: 64 B and 1 MiB round trips,
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as dt
 import json
 import multiprocessing as mp
@@ -19,6 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
@@ -129,11 +131,14 @@ def _client(
         out.put({**result, "msgs_per_s_64": n / (time.perf_counter() - t0)})
 
 
-def measure(
-    iters: tuple[int, int, int], *, fsync: bool = False, profile: str = ""
-) -> dict[str, float]:
+@contextlib.contextmanager
+def running_relay(
+    key: Ed25519PrivateKey, *, fsync: bool = False, profile: str = ""
+) -> Iterator[tuple[subprocess.Popen[bytes], int, Path]]:
+    """A real ``vpool-relay`` process on 127.0.0.1 (TLS with a fresh CA, tokens signed by
+    ``key``, its log in a temporary directory): the process, its port and the CA file. Ended
+    when the block ends."""
     now = dt.datetime.now(dt.UTC)
-    key = Ed25519PrivateKey.generate()
     with tempfile.TemporaryDirectory() as tmp:
         ca_cert, ca_key = make_ca("bench", now=now)
         cert, cert_key = issue_server_cert(
@@ -172,27 +177,36 @@ def measure(
                 if time.monotonic() > deadline or relay.poll() is not None:
                     raise RuntimeError("the relay did not start")
                 time.sleep(0.02)
-            port = json.loads(ready.read_text())["port"]
-            ctx = mp.get_context("spawn")
-            out: mp.Queue = ctx.Queue()
-            clients = [
-                ctx.Process(
-                    target=_client,
-                    args=(r, port, str(Path(tmp, "ca.pem")), private_key_bytes(key), iters, out),
-                )
-                for r in (0, 1)
-            ]
-            for c in clients:
-                c.start()
-            result = out.get(timeout=600)
-            for c in clients:
-                c.join(timeout=30)
-            fields = Path(f"/proc/{relay.pid}/stat").read_text().rsplit(")", 1)[1].split()
-            result["relay_cpu_s"] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-            return result
+            yield relay, json.loads(ready.read_text())["port"], Path(tmp, "ca.pem")
         finally:
             relay.terminate()
             relay.wait(timeout=30)
+
+
+def process_cpu(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def measure(
+    iters: tuple[int, int, int], *, fsync: bool = False, profile: str = ""
+) -> dict[str, float]:
+    key = Ed25519PrivateKey.generate()
+    with running_relay(key, fsync=fsync, profile=profile) as (relay, port, ca):
+        ctx = mp.get_context("spawn")
+        out: mp.Queue = ctx.Queue()
+        clients = [
+            ctx.Process(target=_client, args=(r, port, str(ca), private_key_bytes(key), iters, out))
+            for r in (0, 1)
+        ]
+        for c in clients:
+            c.start()
+        result = out.get(timeout=600)
+        for c in clients:
+            c.join(timeout=30)
+        result["relay_cpu_s"] = process_cpu(relay.pid)
+        return result
 
 
 def main() -> None:

@@ -64,6 +64,9 @@ class Welcome(_Msg, frozen=True, tag="welcome"):
     relay: str = ""
     max_payload: int = 0
     push_window: int = 0
+    # Store connections: the store reads the payloads of a put with ``CkptPut.bulk`` from the
+    # TCP stream beneath TLS (``relay.ckptstore``, "Bulk payloads").
+    bulk: bool = False
 
 
 class Error(_Msg, frozen=True, tag="error"):
@@ -248,7 +251,9 @@ class CkptPut(_Msg, frozen=True, tag="ckpt_put"):
     """Agent -> store: an image of (job, rank) follows as ``CkptChunk`` frames, then ``CkptEnd``.
     ``token`` is the rank token of the incarnation that made it. ``received``/``dets`` are its
     counters (what the home relay may drop once it is committed); ``fingerprint`` the agent's
-    environment fingerprint; ``meta`` the agent's manifest (opaque to the store)."""
+    environment fingerprint; ``meta`` the agent's manifest (opaque to the store). ``bulk``
+    (only to a store whose ``Welcome`` said ``bulk``): each ``CkptChunk`` payload of this image
+    follows its TLS-borne prefix and header on the TCP stream beneath TLS."""
 
     token: str
     ckpt: int
@@ -256,6 +261,7 @@ class CkptPut(_Msg, frozen=True, tag="ckpt_put"):
     dets: int
     fingerprint: str
     meta: bytes = b""
+    bulk: bool = False
 
 
 class CkptChunk(_Msg, frozen=True, tag="ckpt_chunk"):

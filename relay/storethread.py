@@ -7,7 +7,8 @@ by its preamble (``ckptstore.STORE_PREAMBLE``, read by ``server``), is handed as
 to ``StoreThread.run`` in a worker thread (``CheckpointStore.serve``), which does the TLS
 handshake (server side), reads the ``Hello`` and serves puts and gets one after the other.
 
-Frames are read with ``recv_into`` into buffers allocated once per connection; a chunk's
+Frames are read with ``recv_into`` into buffers allocated once per connection (a bulk put's
+payloads from ``raw``, beneath TLS: ``ckptstore``, "Bulk payloads"); a chunk's
 payload is hashed (BLAKE3) and written (``DirectFile``, ``O_DIRECT``) right there, and a get is read
 with ``os.preadv`` into the buffer of the frame it is sent in. Everything that touches the
 relay's state (the signing key, the refusals of a put, the ``uploading`` set, the commit and
@@ -127,6 +128,7 @@ class StoreThread:
         # the thread ends with one.
         self.upload: Upload | None = None
         self.discard = -1  # ckpt id of a refused put whose chunks are dropped
+        self.bulk = -1  # ckpt id of the put whose payloads come beneath TLS (``CkptPut.bulk``)
         self._prefix = memoryview(bytearray(PREFIX_SIZE))
         self._header = memoryview(bytearray(DEFAULT_MAX_HEADER))
         self._payload: memoryview | None = None  # STORE_MAX_CHUNK, once the agent is known
@@ -172,9 +174,12 @@ class StoreThread:
                 return
         self._hello()
         self.sock.settimeout(self.settings.store_idle_timeout)
+        self.raw.settimeout(self.settings.store_idle_timeout)  # bulk payloads are read with it
         self._payload = memoryview(bytearray(STORE_MAX_CHUNK))
         name = self.store.hub.name
-        self._send(Welcome(version=PROTOCOL_VERSION, relay=name, max_payload=STORE_MAX_CHUNK))
+        self._send(
+            Welcome(version=PROTOCOL_VERSION, relay=name, max_payload=STORE_MAX_CHUNK, bulk=True)
+        )
         while True:
             frame = self._read_frame(DEFAULT_MAX_HEADER, STORE_MAX_CHUNK)
             if frame is None:
@@ -229,11 +234,11 @@ class StoreThread:
     def _send(self, msg: Message) -> None:
         self.sock.sendall(encode_frame(msg))
 
-    def _fill(self, view: memoryview, *, first: bool = False) -> bool:
-        """Read exactly ``len(view)`` bytes; False at a clean end of stream before the first
-        byte of a frame (``first``)."""
+    def _fill(self, view: memoryview, *, first: bool = False, bulk: bool = False) -> bool:
+        """Read exactly ``len(view)`` bytes (``bulk``: from beneath TLS); False at a clean end
+        of stream before the first byte of a frame (``first``)."""
         got, n = 0, len(view)
-        recv_into = self.sock.recv_into
+        recv_into = (self.raw if bulk else self.sock).recv_into
         while got < n:
             k = recv_into(view[got:])
             if not k:
@@ -261,7 +266,8 @@ class StoreThread:
             return msg, EMPTY
         assert self._payload is not None  # max_payload is 0 before the Hello
         payload = self._payload[:payload_len]
-        self._fill(payload)
+        assert isinstance(msg, CkptChunk)
+        self._fill(payload, bulk=msg.ckpt == self.bulk)
         return msg, payload
 
     def _frame(self, msg: Message, payload: memoryview) -> None:
@@ -275,6 +281,8 @@ class StoreThread:
                 raise Rejected("protocol_error", f"CkptChunk of image {msg.ckpt} out of order")
         elif kind is CkptEnd:
             assert isinstance(msg, CkptEnd)
+            if msg.ckpt == self.bulk:
+                self.bulk = -1
             if up is not None and msg.ckpt == up.put.ckpt:
                 self._finish(up, msg)
             elif msg.ckpt == self.discard:
@@ -285,6 +293,8 @@ class StoreThread:
             raise Rejected("protocol_error", f"{kind.__name__} in the middle of an image upload")
         elif kind is CkptPut:
             assert isinstance(msg, CkptPut)
+            # Refused or not, its chunks come the way it says.
+            self.bulk = msg.ckpt if msg.bulk else -1
             self._start(msg)
         elif kind is CkptGet:
             assert isinstance(msg, CkptGet)

@@ -20,6 +20,7 @@ from trio: a cancellation shuts the connection down, so the thread returns at on
 
 from __future__ import annotations
 
+import os
 import socket
 import ssl
 import threading
@@ -27,6 +28,7 @@ from collections.abc import Callable, Iterator
 from types import TracebackType
 from typing import TypeVar
 
+import msgspec
 import outcome
 import trio
 
@@ -130,6 +132,9 @@ class StoreConnection:
         self._buf = bytearray()
         self.where = where
         self.max_payload = max_payload
+        # The TCP stream beneath TLS, for the payloads of bulk puts (``enable_bulk``).
+        self._raw: socket.socket | None = None
+        self._bulk = -1  # the ckpt id of the put in progress that sends its payloads beneath
 
     def __enter__(self) -> StoreConnection:
         return self
@@ -143,10 +148,22 @@ class StoreConnection:
         self.close()
 
     def close(self) -> None:
-        try:
-            self._sock.close()
-        except OSError:
-            pass
+        for sock in (self._sock, self._raw):
+            try:
+                if sock is not None:
+                    sock.close()
+            except OSError:
+                pass
+
+    def enable_bulk(self) -> None:
+        """The store said ``Welcome.bulk``: puts send their payloads beneath TLS (the image is
+        sealed already; ``relay.ckptstore``, "Bulk payloads")."""
+        self._raw = socket.socket(fileno=os.dup(self._sock.fileno()))
+        self._raw.settimeout(self._sock.gettimeout())
+
+    @property
+    def bulk(self) -> bool:
+        return self._raw is not None
 
     # -- frames -----------------------------------------------------------------------------
 
@@ -208,10 +225,21 @@ class StoreConnection:
     # -- put --------------------------------------------------------------------------------
 
     def put_begin(self, put: CkptPut) -> None:
+        if self._raw is not None:
+            put = msgspec.structs.replace(put, bulk=True)
+        self._bulk = put.ckpt if put.bulk else -1
         self.send(put)
 
     def put_chunk(self, ckpt: int, data: bytes | bytearray | memoryview) -> None:
-        self.send(CkptChunk(ckpt=ckpt), data)
+        if ckpt != self._bulk or self._raw is None or not data:
+            self.send(CkptChunk(ckpt=ckpt), data)
+            return
+        head, payload = frame_parts(CkptChunk(ckpt=ckpt), data)
+        try:
+            self._sock.sendall(head)
+            self._raw.sendall(payload)
+        except (OSError, ValueError) as exc:
+            raise StoreError(f"connection to {self.where} broke: {_why(exc)}") from exc
 
     def put_end(
         self, ckpt: int, size: int, digest: bytes, timeout: float = IDLE_TIMEOUT
@@ -302,6 +330,8 @@ def open_store(
                 "version",
             )
         sock.settimeout(IDLE_TIMEOUT)
+        if welcome.bulk:
+            conn.enable_bulk()  # an abort's shutdown of ``sock`` ends the stream beneath too
         return conn
     except TimeoutError as exc:
         sock.close()

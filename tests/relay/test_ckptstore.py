@@ -65,9 +65,18 @@ class BlockingStore:
                 raise
         self.sock = sock
         self.buf = bytearray()
+        # The TCP stream beneath TLS, for bulk payloads (``send_bulk``).
+        self.raw = socket.socket(fileno=os.dup(sock.fileno()))
+        self.raw.settimeout(DEADLINE)
 
     def send(self, msg: Message, payload: bytes = b"") -> None:
         self.sock.sendall(b"".join(raw_frame_parts(encode(msg), payload)))
+
+    def send_bulk(self, msg: Message, payload: bytes) -> None:
+        """A frame whose payload goes beneath TLS (``CkptPut.bulk``)."""
+        head, body = raw_frame_parts(encode(msg), payload)
+        self.sock.sendall(head)
+        self.raw.sendall(body)
 
     def recv(self) -> tuple[Message, bytes]:
         """The next frame; EOFError once the relay closed the connection."""
@@ -91,6 +100,7 @@ class BlockingStore:
 
     def close(self) -> None:
         self.sock.close()
+        self.raw.close()
 
 
 class StoreClient:
@@ -104,6 +114,9 @@ class StoreClient:
 
     async def send(self, msg: Message, payload: bytes = b"") -> None:
         await trio.to_thread.run_sync(self.client.send, msg, payload)
+
+    async def send_bulk(self, msg: Message, payload: bytes) -> None:
+        await trio.to_thread.run_sync(self.client.send_bulk, msg, payload)
 
     async def recv(self) -> tuple[Message, bytes]:
         return await trio.to_thread.run_sync(self.client.recv)
@@ -168,8 +181,12 @@ async def put(
     received: dict[int, int] | None = None,
     dets: int = 0,
     digest: bytes | None = None,
+    bulk: bool = False,
+    sent: bytes | None = None,
 ) -> Any:
-    """Upload one image in 1 MiB chunks; the store's answer (CkptStored or Error)."""
+    """Upload one image in 1 MiB chunks (``bulk``: their payloads beneath TLS; ``sent``: bytes
+    sent in place of ``data``, which the digest covers); the store's answer (CkptStored or
+    Error)."""
     token = pool.rank_token(job, rank, agent=conn.agent, size=size, incarnation=incarnation)
     await conn.send(
         CkptPut(
@@ -179,10 +196,13 @@ async def put(
             dets=dets,
             fingerprint="fp-1",
             meta=b"manifest",
+            bulk=bulk,
         )
     )
-    for pos in range(0, len(data), MiB):
-        await conn.send(CkptChunk(ckpt=ckpt), data[pos : pos + MiB])
+    wire = data if sent is None else sent
+    send = conn.send_bulk if bulk else conn.send
+    for pos in range(0, len(wire), MiB):
+        await send(CkptChunk(ckpt=ckpt), wire[pos : pos + MiB])
     digest = blake3.blake3(data).digest() if digest is None else digest
     await conn.send(CkptEnd(ckpt=ckpt, size=len(data), digest=digest))
     msg, _ = await conn.recv()

@@ -1,0 +1,128 @@
+"""Bulk puts: an image's chunk payloads beneath TLS, their prefixes and headers and everything
+else through it (``relay.ckptstore``, "Bulk payloads"); the agent's store client uses them when
+the store offers them, and not otherwise."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import blake3
+import pytest
+import trio
+from relay_fakes import Pool
+
+from vpool.protocol.api import RelayInfo
+from vpool.protocol.messages import CkptPut, CkptStored, Error, Welcome
+from vpool.relay import storethread
+from vpool.worker_agent import store_client
+
+
+def _sibling(name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(f"_{name}", Path(__file__).parent / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+_store = _sibling("test_ckptstore")
+store_conn, put, get, image, ckpt_files = (
+    _store.store_conn,
+    _store.put,
+    _store.get,
+    _store.image,
+    _store.ckpt_files,
+)
+MiB = _store.MiB
+
+
+async def test_bulk_put_round_trip(pool: Pool, relay: Any, tmp_path: Path, agents: object) -> None:
+    conn = await store_conn(pool, relay.addr)
+    assert conn.welcome is not None and conn.welcome.bulk
+    data = image(1, 5 * MiB + 12345)
+    assert await put(conn, pool, 3, 1, 1, data, bulk=True) == CkptStored(ckpt=1, retained=[1])
+    # Bulk and TLS-borne puts mix on one connection.
+    data2 = image(2, 2 * MiB + 7)
+    assert await put(conn, pool, 3, 1, 2, data2) == CkptStored(ckpt=2, retained=[2, 1])
+    for ckpt, want in ((1, data), (2, data2)):
+        got = await get(conn, pool, 3, 1, ckpt)
+        assert not isinstance(got, Error) and got[1] == want
+    stored = tmp_path / "relay" / "jobs" / "3" / "1" / "ckpt" / "1.img"
+    assert stored.read_bytes() == data
+    data3 = image(3, MiB // 2)  # smaller than one chunk
+    assert await put(conn, pool, 3, 1, 3, data3, bulk=True) == CkptStored(ckpt=3, retained=[3, 2])
+    got = await get(conn, pool, 3, 1, 3)
+    assert not isinstance(got, Error) and got[1] == data3
+
+
+async def test_bulk_bytes_changed_on_the_way_are_corrupt(
+    pool: Pool, relay: Any, tmp_path: Path, agents: object
+) -> None:
+    """Beneath TLS nothing checks the bytes as they come: the digest in CkptEnd (through TLS)
+    does, and nothing is committed; the connection goes on."""
+    conn = await store_conn(pool, relay.addr)
+    data = image(4, 3 * MiB)
+    changed = bytearray(data)
+    changed[2 * MiB + 100] ^= 0x40
+    err = await put(conn, pool, 4, 0, 4, data, bulk=True, sent=bytes(changed))
+    assert isinstance(err, Error) and (err.code, err.job, err.rank) == ("corrupt", 4, 0)
+    assert ckpt_files(tmp_path / "relay", 4, 0) == []
+    assert await put(conn, pool, 4, 0, 4, data, bulk=True) == CkptStored(ckpt=4, retained=[4])
+
+
+async def test_refused_bulk_put_drops_its_payloads_from_beneath(
+    pool: Pool, relay: Any, agents: object
+) -> None:
+    """A refused put's chunks still come beneath TLS: the store reads them from there to drop
+    them, so the frames after them are read where they are."""
+    conn = await store_conn(pool, relay.addr)
+    data = image(5, 2 * MiB + 3)
+    assert await put(conn, pool, 5, 0, 5, data, bulk=True) == CkptStored(ckpt=5, retained=[5])
+    err = await put(conn, pool, 5, 0, 5, data, bulk=True)  # not newer than the newest
+    assert isinstance(err, Error) and err.code == "stale_ckpt"
+    assert await put(conn, pool, 5, 0, 6, data, bulk=True) == CkptStored(ckpt=6, retained=[6, 5])
+
+
+def _agent_put(
+    info: RelayInfo, pool: Pool, data: bytes, ckpt: int
+) -> tuple[bool, CkptStored, bytes]:
+    """The agent's store client: one put in 1 MiB pieces and the image back."""
+    token = pool.rank_token(7, 1, agent="agent-1", size=2)
+    with store_client.open_store(
+        info, ssl_context=pool.client_ssl, token=pool.agent_token("agent-1"), max_payload=MiB
+    ) as conn:
+        conn.put_begin(CkptPut(token, ckpt, {}, 0, "fp", b"meta"))
+        for pos in range(0, len(data), MiB):
+            conn.put_chunk(ckpt, data[pos : pos + MiB])
+        stored = conn.put_end(ckpt, len(data), blake3.blake3(data).digest())
+        restoring = pool.rank_token(7, 1, agent="agent-1", size=2, incarnation=2)
+        _, chunks = conn.get(restoring, ckpt)
+        return conn.bulk, stored, b"".join(chunks)
+
+
+async def test_agent_sends_bulk_when_the_store_offers_it(
+    pool: Pool, relay: Any, agents: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    info = RelayInfo(name="r", host=relay.addr[0], port=relay.addr[1])
+    data = image(8, 3 * MiB + 99)
+    bulk, stored, back = await trio.to_thread.run_sync(_agent_put, info, pool, data, 1)
+    assert (bulk, stored, back == data) == (True, CkptStored(ckpt=1, retained=[1]), True)
+    # A store that does not offer it (an older relay) gets every byte through TLS.
+    seen: list[CkptPut] = []
+    real_start = storethread.StoreThread._start
+
+    def start(self: storethread.StoreThread, put: CkptPut) -> None:
+        seen.append(put)
+        real_start(self, put)
+
+    def welcome(**kw: Any) -> Welcome:
+        return Welcome(**{**kw, "bulk": False})
+
+    monkeypatch.setattr(storethread.StoreThread, "_start", start)
+    monkeypatch.setattr(storethread, "Welcome", welcome)
+    bulk, stored, back = await trio.to_thread.run_sync(_agent_put, info, pool, data, 2)
+    assert (bulk, stored, back == data) == (False, CkptStored(ckpt=2, retained=[2, 1]), True)
+    assert [p.bulk for p in seen] == [False]
