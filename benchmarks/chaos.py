@@ -217,9 +217,7 @@ def _state_of(detail: dict) -> str:
 TERMINAL = {"succeeded", "failed", "cancelled"}
 
 
-def wait_job(
-    pool: Pool, job: int, limit: float, tick=None, poll: float = POLL
-) -> tuple[str, dict]:
+def wait_job(pool: Pool, job: int, limit: float, tick=None, poll: float = POLL) -> tuple[str, dict]:
     """The job's terminal state and detail, asking every ``poll`` s. Each ask is a ``vsdk``
     process: about 0.3 s of CPU, so a run that times the job by the coordinator's stamps polls
     seldom, or the asking competes with the ranks for the cores."""

@@ -128,8 +128,16 @@ def ensure_sdist() -> Path:
     with tempfile.TemporaryDirectory() as tmp:
         subprocess.run(
             [
-                sys.executable, "-m", "pip", "download", "--no-binary", ":all:", "--no-deps",
-                "--dest", tmp, f"mpi4py=={VERSION}",
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "--no-binary",
+                ":all:",
+                "--no-deps",
+                "--dest",
+                tmp,
+                f"mpi4py=={VERSION}",
             ],
             check=True,
         )
@@ -149,9 +157,17 @@ def all_modules(sdist: Path) -> list[str]:
 def run_module(sdist: Path, module: str, ranks: int, timeout: float) -> dict:
     with tempfile.TemporaryDirectory(prefix="conformance-") as logdir:
         cmd = [
-            str(VSDK), "mpiexec", "-n", str(ranks), "--",
-            str(Path(__file__).resolve()), "--rank-log", logdir,
-            str(sdist / "test" / "main.py"), "-v", module,
+            str(VSDK),
+            "mpiexec",
+            "-n",
+            str(ranks),
+            "--",
+            str(Path(__file__).resolve()),
+            "--rank-log",
+            logdir,
+            str(sdist / "test" / "main.py"),
+            "-v",
+            module,
         ]
         start = time.monotonic()
         proc = subprocess.Popen(

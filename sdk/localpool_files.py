@@ -25,6 +25,7 @@ DEFAULT_SLOTS = 8  # a trial pool oversubscribes so 8 ranks fit on a small machi
 HOST = "127.0.0.1"
 LOCAL_USER = "local"
 
+
 def _quiet(_msg: str) -> None:
     pass
 

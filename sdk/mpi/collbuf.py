@@ -244,9 +244,7 @@ def Alltoallw(h: Any, sendbuf: Any, recvbuf: Any, nb: bool = False) -> Any:
     return _go(h, collalg.pairwise(h, sblocks, rblocks, new_tag(h)), nb, *rmsgs)
 
 
-def Scan(
-    h: Any, sendbuf: Any, recvbuf: Any, op: Any, exclusive: bool, nb: bool = False
-) -> Any:
+def Scan(h: Any, sendbuf: Any, recvbuf: Any, op: Any, exclusive: bool, nb: bool = False) -> Any:
     r = parse(recvbuf, writable=True)
     if in_place(sendbuf):
         src, dt = r.view, r.datatype

@@ -29,8 +29,17 @@ class Datatype:
     their base type and multiplicity so reductions still apply."""
 
     __slots__ = (
-        "_attrs", "_base", "_code", "_committed", "_count", "_env", "_extent", "_lb", "_name",
-        "_segs", "_size",
+        "_attrs",
+        "_base",
+        "_code",
+        "_committed",
+        "_count",
+        "_env",
+        "_extent",
+        "_lb",
+        "_name",
+        "_segs",
+        "_size",
     )
 
     def __init__(
@@ -253,7 +262,10 @@ class Datatype:
         pairs = derived.zip_args(blocklengths, displacements)
         dt = derived.build([(d * ext, b, self) for b, d in pairs])
         return envelope.record(
-            dt, "INDEXED", self, blocklengths=[b for b, _ in pairs],
+            dt,
+            "INDEXED",
+            self,
+            blocklengths=[b for b, _ in pairs],
             displacements=[d for _, d in pairs],
         )
 
@@ -261,7 +273,10 @@ class Datatype:
         pairs = derived.zip_args(blocklengths, displacements)
         dt = derived.build([(d, b, self) for b, d in pairs])
         return envelope.record(
-            dt, "HINDEXED", self, blocklengths=[b for b, _ in pairs],
+            dt,
+            "HINDEXED",
+            self,
+            blocklengths=[b for b, _ in pairs],
             displacements=[d for _, d in pairs],
         )
 
@@ -289,17 +304,23 @@ class Datatype:
         dt = derived.build([(d, b, t) for (b, d), t in zip(pairs, types, strict=True)])
         envelope.pad_struct(dt, types)
         return envelope.record(
-            dt, "STRUCT", types, blocklengths=[b for b, _ in pairs],
+            dt,
+            "STRUCT",
+            types,
+            blocklengths=[b for b, _ in pairs],
             displacements=[d for _, d in pairs],
         )
 
-    def Create_subarray(
-        self, sizes: Any, subsizes: Any, starts: Any, order: int = 56
-    ) -> Datatype:
+    def Create_subarray(self, sizes: Any, subsizes: Any, starts: Any, order: int = 56) -> Datatype:
         dt = envelope.subarray(self, sizes, subsizes, starts, order)
         return envelope.record(
-            dt, "SUBARRAY", self, sizes=[int(n) for n in sizes],
-            subsizes=[int(n) for n in subsizes], starts=[int(n) for n in starts], order=order,
+            dt,
+            "SUBARRAY",
+            self,
+            sizes=[int(n) for n in sizes],
+            subsizes=[int(n) for n in subsizes],
+            starts=[int(n) for n in starts],
+            order=order,
         )
 
     @classmethod

@@ -136,9 +136,8 @@ def _index(dt: Datatype, count: int) -> Any:
     import numpy as np
 
     one = np.concatenate(
-        [np.arange(off, off + n, dtype=np.intp) for off, n in segs_of(dt)] or [
-            np.empty(0, dtype=np.intp)
-        ]
+        [np.arange(off, off + n, dtype=np.intp) for off, n in segs_of(dt)]
+        or [np.empty(0, dtype=np.intp)]
     )
     steps = np.arange(count, dtype=np.intp) * dt._extent
     return (steps[:, None] + one[None, :]).ravel()

@@ -72,6 +72,7 @@ class WirePickle:
             pos += n
         return pickle.loads(view[: parts[0]], buffers=buffers)
 
+
 pickle_ = WirePickle()
 
 

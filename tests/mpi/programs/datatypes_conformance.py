@@ -68,8 +68,9 @@ n = 2
 sbuf = np.full((size, n), rank, dtype="i")
 rbuf = np.full((size, n), -1, dtype="i")
 displs = [i * n * 4 for i in range(size)]
-comm.Alltoallw([sbuf, ([n] * size, displs), [MPI.INT] * size],
-               [rbuf, ([n] * size, displs), [MPI.INT] * size])
+comm.Alltoallw(
+    [sbuf, ([n] * size, displs), [MPI.INT] * size], [rbuf, ([n] * size, displs), [MPI.INT] * size]
+)
 assert rbuf.tolist() == [[i] * n for i in range(size)], rbuf
 assert MPI.Get_address(sbuf) == sbuf.ctypes.data
 
