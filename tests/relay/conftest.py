@@ -1,8 +1,9 @@
 """Fixtures of the relay tests: a pool's keys and a relay running in the test's nursery.
 
-The fakes live in ``relay_fakes.py`` next to this file, loaded by path and registered as the
-module ``relay_fakes`` (pytest runs with --import-mode=importlib, so test folders are not on
-sys.path); test modules then ``from relay_fakes import ...``.
+The fakes live in ``relay_fakes.py`` (and the store client's in ``store_fakes.py``) next to
+this file, loaded by path and registered as modules of those names (pytest runs with
+--import-mode=importlib, so test folders are not on sys.path); test modules then ``from
+relay_fakes import ...``.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ def _load(name: str) -> ModuleType:
 
 
 fakes = _load("relay_fakes")
+_load("store_fakes")  # uses relay_fakes
 
 
 @pytest.fixture(autouse=True)

@@ -4,6 +4,7 @@ over TLS, a relay running in the test's nursery and a fake coordinator (an httpx
 from __future__ import annotations
 
 import datetime as dt
+import threading
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
@@ -12,6 +13,7 @@ from typing import Any
 
 import httpx
 import msgspec
+import pytest
 import trio
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
@@ -34,6 +36,7 @@ from vpool.protocol.messages import (
     Welcome,
 )
 from vpool.protocol.tokens import AgentClaims, RankClaims, public_key_text, sign_token
+from vpool.relay import log as logfiles
 from vpool.relay.hub import Hub
 from vpool.relay.server import serve_relay
 from vpool.relay.settings import RelaySettings
@@ -355,3 +358,17 @@ class FakeCoordinator:
 
 
 __all__ = ["DEADLINE", "FakeAgent", "FakeCoordinator", "Pool", "RunningRelay", "start_relay"]
+
+
+def hold_log_writes(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
+    """Make the relay's log writes wait (at most DEADLINE) until the returned event is set.
+    They run in a worker thread only on a relay with ``fsync=True``: start it so."""
+    release = threading.Event()
+    real_write = logfiles.write_runs
+
+    def slow_write(runs: list[logfiles.Run], *, fsync: bool) -> None:
+        release.wait(DEADLINE)
+        real_write(runs, fsync=fsync)
+
+    monkeypatch.setattr(logfiles, "write_runs", slow_write)
+    return release

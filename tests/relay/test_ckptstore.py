@@ -6,10 +6,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
-import socket
-import ssl
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -18,224 +14,17 @@ import httpx
 import msgspec
 import pytest
 import trio
-from relay_fakes import DEADLINE, FakeAgent, FakeCoordinator, Pool, start_relay
+from relay_fakes import FakeAgent, FakeCoordinator, Pool, start_relay
+from store_fakes import MiB, ckpt_files, get, image, put, store_conn, until
 
 from vpool.protocol import api
-from vpool.protocol.framing import PREFIX, PREFIX_SIZE, raw_frame_parts
 from vpool.protocol.messages import (
-    PROTOCOL_VERSION,
     CkptChunk,
-    CkptEnd,
     CkptGet,
-    CkptInfo,
     CkptPut,
     CkptStored,
     Error,
-    Hello,
-    Message,
-    Welcome,
-    decode,
-    encode,
 )
-from vpool.relay.ckptstore import STORE_PREAMBLE
-
-MiB = 1024 * 1024
-
-
-class BlockingStore:
-    """The store client's side of the wire, blocking as the agent's is: TCP, the preamble, TLS
-    with the pool's CA (none on an ``insecure_tcp`` relay), then frames. ``framing``'s encoder
-    and decoder admit payloads on ``Data`` only, so chunk frames are put together and taken
-    apart here."""
-
-    def __init__(
-        self,
-        addr: tuple[str, int],
-        ssl_context: ssl.SSLContext | None,
-        *,
-        preamble: bytes = STORE_PREAMBLE,
-    ) -> None:
-        sock = socket.create_connection(addr, timeout=DEADLINE)
-        sock.sendall(preamble)
-        if ssl_context is not None:
-            try:
-                sock = ssl_context.wrap_socket(sock, server_hostname=addr[0])
-            except BaseException:
-                sock.close()
-                raise
-        self.sock = sock
-        self.buf = bytearray()
-        # The TCP stream beneath TLS, for bulk payloads (``send_bulk``).
-        self.raw = socket.socket(fileno=os.dup(sock.fileno()))
-        self.raw.settimeout(DEADLINE)
-
-    def send(self, msg: Message, payload: bytes = b"") -> None:
-        self.sock.sendall(b"".join(raw_frame_parts(encode(msg), payload)))
-
-    def send_bulk(self, msg: Message, payload: bytes) -> None:
-        """A frame whose payload goes beneath TLS (``CkptPut.bulk``)."""
-        head, body = raw_frame_parts(encode(msg), payload)
-        self.sock.sendall(head)
-        self.raw.sendall(body)
-
-    def recv(self) -> tuple[Message, bytes]:
-        """The next frame; EOFError once the relay closed the connection."""
-        buf = self.buf
-        while True:
-            if len(buf) >= PREFIX_SIZE:
-                hlen, plen = PREFIX.unpack_from(buf)
-                end = PREFIX_SIZE + hlen + plen
-                if len(buf) >= end:
-                    msg = decode(bytes(buf[PREFIX_SIZE : PREFIX_SIZE + hlen]))
-                    payload = bytes(buf[PREFIX_SIZE + hlen : end])
-                    del buf[:end]
-                    return msg, payload
-            try:
-                data = self.sock.recv(1 << 20)
-            except (ConnectionError, ssl.SSLError) as exc:
-                raise EOFError(f"connection broken: {exc}") from exc
-            if not data:
-                raise EOFError("connection closed")
-            buf += data
-
-    def close(self) -> None:
-        self.sock.close()
-        self.raw.close()
-
-
-class StoreClient:
-    """A ``BlockingStore`` for trio tests: the relay runs in the test's own trio loop, so each
-    blocking call runs in a thread (the socket's timeout, DEADLINE, bounds it)."""
-
-    def __init__(self, client: BlockingStore, agent: str) -> None:
-        self.client = client
-        self.agent = agent
-        self.welcome: Welcome | None = None
-
-    async def send(self, msg: Message, payload: bytes = b"") -> None:
-        await trio.to_thread.run_sync(self.client.send, msg, payload)
-
-    async def send_bulk(self, msg: Message, payload: bytes) -> None:
-        await trio.to_thread.run_sync(self.client.send_bulk, msg, payload)
-
-    async def recv(self) -> tuple[Message, bytes]:
-        return await trio.to_thread.run_sync(self.client.recv)
-
-    async def expect(self, kind: type[Any]) -> Any:
-        msg, _ = await self.recv()
-        assert isinstance(msg, kind), f"expected {kind.__name__}, got {msg!r}"
-        return msg
-
-    async def expect_error(self, code: str) -> Error:
-        """An Error with ``code`` about the connection, then the connection's end."""
-        err = await self.expect(Error)
-        assert err.code == code, err
-        with pytest.raises(EOFError):
-            await self.recv()
-        return err
-
-    async def aclose(self) -> None:
-        self.client.close()
-
-
-async def open_store(
-    addr: tuple[str, int], ssl_context: ssl.SSLContext | None, **kw: Any
-) -> BlockingStore:
-    return await trio.to_thread.run_sync(lambda: BlockingStore(addr, ssl_context, **kw))
-
-
-async def store_conn(
-    pool: Pool, addr: tuple[str, int], agent: str = "agent-1", *, tls: bool = True
-) -> StoreClient:
-    conn = StoreClient(await open_store(addr, pool.client_ssl if tls else None), agent)
-    FakeAgent.opened.append(conn)  # type: ignore[arg-type]
-    await conn.send(Hello(version=PROTOCOL_VERSION, role="store", token=pool.agent_token(agent)))
-    conn.welcome = await conn.expect(Welcome)
-    return conn
-
-
-async def until(check: Callable[[], bool]) -> None:
-    """Poll ``check`` (state the relay changes in the background) up to DEADLINE."""
-    with trio.fail_after(DEADLINE):
-        for _ in range(int(DEADLINE / 0.01)):
-            if check():
-                return
-            await trio.sleep(0.01)
-    raise AssertionError("the relay did not get there in time")
-
-
-def image(ckpt: int, size: int) -> bytes:
-    return hashlib.sha256(b"%d" % ckpt).digest() * (size // 32) + os.urandom(size % 32)
-
-
-async def put(
-    conn: StoreClient,
-    pool: Pool,
-    job: int,
-    rank: int,
-    ckpt: int,
-    data: bytes,
-    *,
-    size: int = 2,
-    incarnation: int = 1,
-    received: dict[int, int] | None = None,
-    dets: int = 0,
-    digest: bytes | None = None,
-    bulk: bool = False,
-    sent: bytes | None = None,
-) -> Any:
-    """Upload one image in 1 MiB chunks (``bulk``: their payloads beneath TLS; ``sent``: bytes
-    sent in place of ``data``, which the digest covers); the store's answer (CkptStored or
-    Error)."""
-    token = pool.rank_token(job, rank, agent=conn.agent, size=size, incarnation=incarnation)
-    await conn.send(
-        CkptPut(
-            token=token,
-            ckpt=ckpt,
-            received=received or {},
-            dets=dets,
-            fingerprint="fp-1",
-            meta=b"manifest",
-            bulk=bulk,
-        )
-    )
-    wire = data if sent is None else sent
-    send = conn.send_bulk if bulk else conn.send
-    for pos in range(0, len(wire), MiB):
-        await send(CkptChunk(ckpt=ckpt), wire[pos : pos + MiB])
-    digest = blake3.blake3(data).digest() if digest is None else digest
-    await conn.send(CkptEnd(ckpt=ckpt, size=len(data), digest=digest))
-    msg, _ = await conn.recv()
-    return msg
-
-
-async def get(
-    conn: StoreClient, pool: Pool, job: int, rank: int, ckpt: int, *, incarnation: int = 2
-) -> tuple[CkptInfo, bytes] | Error:
-    """Fetch one image as a restoring incarnation would; its info and bytes, or the Error."""
-    token = pool.rank_token(job, rank, agent=conn.agent, size=2, incarnation=incarnation)
-    await conn.send(CkptGet(token=token, ckpt=ckpt))
-    info, _ = await conn.recv()
-    if isinstance(info, Error):
-        return info
-    assert isinstance(info, CkptInfo), info
-    parts = []
-    while True:
-        msg, payload = await conn.recv()
-        if isinstance(msg, CkptEnd):
-            break
-        assert isinstance(msg, CkptChunk) and msg.ckpt == ckpt, msg
-        assert len(payload) <= MiB
-        parts.append(payload)
-    data = b"".join(parts)
-    assert (msg.size, msg.digest) == (len(data), blake3.blake3(data).digest())
-    assert (info.size, info.digest) == (msg.size, msg.digest)
-    return info, data
-
-
-def ckpt_files(relay_dir: Path, job: int, rank: int) -> list[str]:
-    d = relay_dir / "jobs" / str(job) / str(rank) / "ckpt"
-    return sorted(p.name for p in d.iterdir()) if d.is_dir() else []
 
 
 async def test_put_get_round_trip(pool: Pool, relay: Any, tmp_path: Path, agents: object) -> None:

@@ -3,18 +3,16 @@ gaps, refused senders, replay on a home attach (before any message), rebuilt aft
 
 from __future__ import annotations
 
-import threading
 from pathlib import Path
 
 import pytest
 import trio
 import trio.testing
-from relay_fakes import DEADLINE, FakeAgent, Pool, RunningRelay, start_relay
+from relay_fakes import DEADLINE, FakeAgent, Pool, RunningRelay, hold_log_writes, start_relay
 
 from vpool.protocol.framing import PREFIX
 from vpool.protocol.messages import Ack, Attach, Attached, Data, Det, DetAck, Stop
 from vpool.relay import connection
-from vpool.relay import log as logfiles
 
 
 async def test_det_is_logged_and_acked_at_once(
@@ -187,14 +185,7 @@ async def test_home_attach_waits_for_dets_being_written(
 ) -> None:
     # A new incarnation must be told only durable determinants: one it obeyed and the relay
     # then lost in a crash would leave its replay inconsistent with the log.
-    release = threading.Event()
-    real_write = logfiles.write_runs
-
-    def slow_write(runs: list[logfiles.Run], *, fsync: bool) -> None:
-        release.wait(DEADLINE)
-        real_write(runs, fsync=fsync)
-
-    monkeypatch.setattr(logfiles, "write_runs", slow_write)
+    release = hold_log_writes(monkeypatch)
     settings = pool.settings(tmp_path / "relay", fsync=True)  # every write in a thread
     relay = await start_relay(nursery, settings, signing_key=pool.key.public_key())
     old = await FakeAgent.connect(pool, relay.addr, "agent-old")

@@ -4,19 +4,17 @@ different one means the program is not deterministic (an Error for that rank, on
 from __future__ import annotations
 
 import os
-import threading
 from pathlib import Path
 from typing import Any
 
 import pytest
 import trio
-from relay_fakes import DEADLINE, FakeAgent, FakeCoordinator, Pool, start_relay
+from relay_fakes import FakeAgent, FakeCoordinator, Pool, hold_log_writes, start_relay
 
 from vpool.protocol.framing import encode_frame
 from vpool.protocol.messages import Data
 from vpool.relay import connection
 from vpool.relay import hub as hubmod
-from vpool.relay import log as logfiles
 from vpool.relay.log import digest
 
 
@@ -129,13 +127,7 @@ async def test_dead_incarnations_message_is_not_acked_to_its_successor(
     Written, it must not be acked to incarnation 2: that would tell it its own message 1 is
     logged, so it would never send it and a different copy would never be compared (the
     fault-tolerance model's test_acks_for_a_dead_incarnations_message_hide_nondeterminism)."""
-    release = threading.Event()
-    real_write = logfiles.write_runs
-
-    def slow_write(runs: list[logfiles.Run], *, fsync: bool) -> None:
-        release.wait(DEADLINE)
-        real_write(runs, fsync=fsync)
-
+    release = hold_log_writes(monkeypatch)
     acks: list[tuple[str, int, int, int, int]] = []
     real_queue_ack = connection.Connection.queue_ack
 
@@ -143,7 +135,6 @@ async def test_dead_incarnations_message_is_not_acked_to_its_successor(
         acks.append((self.agent, job, src, dst, seq))
         real_queue_ack(self, job, src, dst, seq)
 
-    monkeypatch.setattr(logfiles, "write_runs", slow_write)
     monkeypatch.setattr(connection.Connection, "queue_ack", queue_ack)
     relay, coord = await _relay_with_coordinator(pool, nursery, tmp_path, fsync=True)
     old = await FakeAgent.connect(pool, relay.addr, "agent-old")  # type: ignore[attr-defined]

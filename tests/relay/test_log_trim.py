@@ -5,34 +5,20 @@ accepted at once (``ckptstore``)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import signal
 import subprocess
 import sys
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import trio
 from relay_fakes import DEADLINE, FakeAgent, Pool, start_relay
+from store_fakes import put, store_conn, until
 
 from vpool.protocol.messages import Attach, CkptChunk, CkptPut, CkptStored
 
-
-def _sibling(name: str) -> ModuleType:
-    """A test module of this folder (not on sys.path: pytest runs with --import-mode=importlib),
-    for its store client helpers."""
-    spec = importlib.util.spec_from_file_location(f"_{name}", Path(__file__).parent / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-_store = _sibling("test_ckptstore")
-put, store_conn, until = _store.put, _store.store_conn, _store.until
 BIN = Path(sys.executable).parent
 KiB = 1024
 

@@ -4,39 +4,19 @@ the store offers them, and not otherwise."""
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import blake3
 import pytest
 import trio
 from relay_fakes import Pool
+from store_fakes import MiB, ckpt_files, get, image, put, store_conn
 
 from vpool.protocol.api import RelayInfo
 from vpool.protocol.messages import CkptPut, CkptStored, Error, Welcome
 from vpool.relay import storethread
 from vpool.worker_agent import store_client
-
-
-def _sibling(name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(f"_{name}", Path(__file__).parent / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-_store = _sibling("test_ckptstore")
-store_conn, put, get, image, ckpt_files = (
-    _store.store_conn,
-    _store.put,
-    _store.get,
-    _store.image,
-    _store.ckpt_files,
-)
-MiB = _store.MiB
 
 
 async def test_bulk_put_round_trip(pool: Pool, relay: Any, tmp_path: Path, agents: object) -> None:

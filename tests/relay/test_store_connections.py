@@ -3,15 +3,14 @@ bounded worker threads, unblocked when the relay stops, closed when idle; plain 
 
 from __future__ import annotations
 
-import importlib.util
 import ssl
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
 import trio
 from relay_fakes import DEADLINE, FakeAgent, Pool, start_relay
+from store_fakes import MiB, get, image, open_store, put, store_conn, until
 
 from vpool.protocol.framing import PREFIX
 from vpool.protocol.messages import (
@@ -23,22 +22,6 @@ from vpool.protocol.messages import (
     Hello,
     Welcome,
 )
-
-
-def _sibling(name: str) -> ModuleType:
-    """A test module of this folder (not on sys.path: pytest runs with --import-mode=importlib),
-    for its store client helpers."""
-    spec = importlib.util.spec_from_file_location(f"_{name}", Path(__file__).parent / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-_store = _sibling("test_ckptstore")
-open_store, store_conn, put, get = _store.open_store, _store.store_conn, _store.put, _store.get
-image, until = _store.image, _store.until
-MiB = 1024 * 1024
 
 
 async def test_preamble_sorts_connections_on_one_port(
