@@ -42,7 +42,7 @@ from vpool.worker_agent import ckpt_image, criu
 from vpool.worker_agent.errors import AgentError, CoordinatorRejected
 from vpool.worker_agent.local_ranks import LocalRank
 from vpool.worker_agent.output import STREAMS, OutputPump
-from vpool.worker_agent.store_client import Aborter, open_store, run_in_thread
+from vpool.worker_agent.store_client import Aborter, run_in_thread
 from vpool.worker_agent.wire import encode_small
 
 if TYPE_CHECKING:
@@ -423,13 +423,7 @@ class Checkpointer:
 
         def upload(aborter: Aborter) -> None:
             # One thread packs, seals and sends: no hand-over per piece.
-            with open_store(
-                home,
-                ssl_context=svc.ssl_context,
-                token=svc.client.token,
-                max_payload=svc.settings.max_payload,
-                aborter=aborter,
-            ) as conn:
+            with svc.open_store(home, aborter) as conn:
                 conn.put_begin(put)
                 for piece in writer.pack(images, rank_dir):
                     conn.put_chunk(taking.ckpt, piece)

@@ -44,6 +44,7 @@ from vpool.protocol.api import (
     OutputBatch,
     RankExit,
     RankProblem,
+    RelayInfo,
     RestoreAttempt,
     RestoreReport,
 )
@@ -57,6 +58,7 @@ from vpool.worker_agent.local_ranks import LocalRank, LocalRanks
 from vpool.worker_agent.output import OutputPump
 from vpool.worker_agent.relay_links import RelayLinks
 from vpool.worker_agent.settings import AgentSettings
+from vpool.worker_agent.store_client import Aborter, StoreConnection, StoreError, open_store
 from vpool.worker_agent.wire import encode_small
 
 log = logging.getLogger("vpool.agent")
@@ -103,6 +105,19 @@ class RankServices:
     # for the relays' checkpoint stores.
     capability: Capability = field(default_factory=Capability)
     ssl_context: ssl.SSLContext | None = None
+
+    def open_store(self, relay: RelayInfo, aborter: Aborter) -> StoreConnection:
+        """A connection to ``relay``'s checkpoint store as this agent (blocking: open it in
+        the worker thread that uses it; ``aborter`` lets trio end it)."""
+        if self.ssl_context is None:
+            raise StoreError("no TLS context for the relays' checkpoint stores")
+        return open_store(
+            relay,
+            ssl_context=self.ssl_context,
+            token=self.client.token,
+            max_payload=self.settings.max_payload,
+            aborter=aborter,
+        )
 
 
 @dataclass

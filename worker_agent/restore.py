@@ -41,7 +41,7 @@ from vpool.worker_agent.bundle import Snapshot
 from vpool.worker_agent.checkpoints import job_key
 from vpool.worker_agent.errors import AgentError, RelayLinkError
 from vpool.worker_agent.local_ranks import LocalRank, Outbox
-from vpool.worker_agent.store_client import Aborter, open_store, run_in_thread
+from vpool.worker_agent.store_client import Aborter, run_in_thread
 
 if TYPE_CHECKING:
     from vpool.worker_agent.ranks import Prepared, RankServices
@@ -295,13 +295,7 @@ async def _fetch(
 
     def fetch(aborter: Aborter) -> None:
         # One thread reads, checks and unpacks (ImageReader): no hand-over per piece.
-        with open_store(
-            home,
-            ssl_context=svc.ssl_context,
-            token=svc.client.token,
-            max_payload=svc.settings.max_payload,
-            aborter=aborter,
-        ) as conn:
+        with svc.open_store(home, aborter) as conn:
             info, chunks = conn.get(lease.token, ref.ckpt)
             if info.size != ref.size or info.digest.hex() != ref.digest:
                 raise RestoreError(
