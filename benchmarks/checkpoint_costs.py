@@ -27,6 +27,7 @@ measured overhead sits on (the rest is memory bandwidth and the ranks waiting fo
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import resource
@@ -36,7 +37,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -207,7 +207,7 @@ def main() -> None:
     parser.add_argument("--json", default="")
     args = parser.parse_args()
     out: dict[str, object] = {"mb": args.mb}
-    say: Callable[[str], None] = lambda line: print(line, flush=True)  # noqa: E731
+    say = functools.partial(print, flush=True)
 
     stencil = Stencil(args.mb)
     step = step_cpu(stencil, args.repeat)

@@ -225,19 +225,21 @@ class StoreConnection:
     # -- put --------------------------------------------------------------------------------
 
     def put_begin(self, put: CkptPut) -> None:
-        if self._raw is not None:
-            put = msgspec.structs.replace(put, bulk=True)
+        # The connection decides, not the caller: the store reads the payloads where the put
+        # says they are.
+        put = msgspec.structs.replace(put, bulk=self._raw is not None)
         self._bulk = put.ckpt if put.bulk else -1
         self.send(put)
 
     def put_chunk(self, ckpt: int, data: bytes | bytearray | memoryview) -> None:
-        if ckpt != self._bulk or self._raw is None or not data:
+        raw = self._raw
+        if ckpt != self._bulk or raw is None or not data:  # an empty payload has no bytes
             self.send(CkptChunk(ckpt=ckpt), data)
             return
         head, payload = frame_parts(CkptChunk(ckpt=ckpt), data)
         try:
             self._sock.sendall(head)
-            self._raw.sendall(payload)
+            raw.sendall(payload)
         except (OSError, ValueError) as exc:
             raise StoreError(f"connection to {self.where} broke: {_why(exc)}") from exc
 
