@@ -61,6 +61,7 @@ from typing import TYPE_CHECKING, Any
 import trio
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
+from vpool.niceness import run_niced
 from vpool.protocol.api import RelayCheckpoint
 from vpool.protocol.tokens import RankClaims
 from vpool.relay import log as logfiles
@@ -408,7 +409,9 @@ class CheckpointStore:
         try:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(_shutdown_when_cancelled, raw)
-                await trio.to_thread.run_sync(session.run, limiter=self.limiter)
+                await trio.to_thread.run_sync(
+                    run_niced, session.run, self.hub.settings.store_nice, limiter=self.limiter
+                )
                 nursery.cancel_scope.cancel()
         finally:
             up = session.upload

@@ -71,6 +71,11 @@ class RelaySettings:
         10.0, "Seconds an agent has to complete TLS and Hello after connecting."
     )
     write_threads: int = setting(4, "Threads doing large log writes and reads at once.")
+    store_nice: int = setting(
+        19,
+        "Niceness added to the threads receiving and sending checkpoint images, so that on a "
+        "machine that also runs ranks they take the CPU the ranks leave idle (0: the relay's).",
+    )
     checkpoint_keep: int = setting(
         2,
         "Checkpoint images kept per rank (newest first); older ones are deleted and the "

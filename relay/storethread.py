@@ -28,8 +28,9 @@ import secrets
 import socket
 import ssl
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import blake3
 import trio
@@ -71,6 +72,8 @@ from vpool.relay.ckptstore import (
 from vpool.relay.directwrite import DirectFile
 from vpool.relay.errors import Rejected
 from vpool.relay.hub import now
+
+T = TypeVar("T")
 
 if TYPE_CHECKING:
     from vpool.relay.ckptstore import CheckpointStore
@@ -133,9 +136,18 @@ class StoreThread:
         self._header = memoryview(bytearray(DEFAULT_MAX_HEADER))
         self._payload: memoryview | None = None  # STORE_MAX_CHUNK, once the agent is known
         self.reason = "the agent closed the store connection"
+        # ``run`` may be in a thread of its own (``vpool.niceness.run_niced``), not one of
+        # trio's: calls into the loop name it.
+        self.token = trio.lowlevel.current_trio_token()
 
     def __repr__(self) -> str:
         return f"<StoreThread agent={self.agent or '?'} peer={self.peer}>"
+
+    def _loop(self, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
+        return trio.from_thread.run(fn, *args, trio_token=self.token)
+
+    def _loop_sync(self, fn: Callable[..., T], *args: Any) -> T:
+        return trio.from_thread.run_sync(fn, *args, trio_token=self.token)
 
     # -- the connection -----------------------------------------------------------------------
 
@@ -206,7 +218,7 @@ class StoreThread:
             )
         if msg.role != "store":
             raise Rejected("bad_role", f"role {msg.role!r} on a store connection")
-        self.key = trio.from_thread.run(self.store.signing_key)
+        self.key = self._loop(self.store.signing_key)
         if self.key is None:
             raise Rejected("not_ready", "the relay is not registered with the coordinator yet")
         try:
@@ -322,7 +334,7 @@ class StoreThread:
 
     def _start(self, put: CkptPut) -> None:
         claims = self._claims(put.token)
-        rej = trio.from_thread.run_sync(self.store.begin_put, claims, put.ckpt)
+        rej = self._loop_sync(self.store.begin_put, claims, put.ckpt)
         if rej is not None:
             self.discard = put.ckpt
             raise rej
@@ -332,7 +344,7 @@ class StoreThread:
             directory.mkdir(parents=True, exist_ok=True)
             file = DirectFile(tmp)
         except OSError as exc:
-            trio.from_thread.run_sync(self.store.uploading.discard, (claims.job, claims.rank))
+            self._loop_sync(self.store.uploading.discard, (claims.job, claims.rank))
             self.discard = put.ckpt
             raise self._storage(claims.job, claims.rank, exc) from exc
         self.upload = Upload(put, claims, directory, file, tmp)
@@ -358,7 +370,7 @@ class StoreThread:
         """Drop the upload: its part file, and its ``uploading`` entry."""
         self.upload = None
         up.discard()
-        trio.from_thread.run_sync(self.store.uploading.discard, up.key)
+        self._loop_sync(self.store.uploading.discard, up.key)
 
     def _storage(self, job: int, rank: int, exc: OSError) -> Rejected:
         logger.warning("checkpoint store of job %d rank %d: %s", job, rank, exc)
@@ -399,10 +411,10 @@ class StoreThread:
             write_manifest(img)  # the commit point; fsyncs the directory
         except OSError as exc:
             self._abort(up)
-            if trio.from_thread.run_sync(self.store.hub.finished.__contains__, job):
+            if self._loop_sync(self.store.hub.finished.__contains__, job):
                 raise Rejected("job_finished", f"job {job} is over", job=job, rank=rank) from exc
             raise self._storage(job, rank, exc) from exc
-        answer = trio.from_thread.run(self.store.commit_put, img)
+        answer = self._loop(self.store.commit_put, img)
         self.upload = None
         if isinstance(answer, Rejected):
             delete_image(img)
@@ -411,7 +423,7 @@ class StoreThread:
         # CkptStored once the coordinator has the image too: an agent that then reports its
         # rank lost gets a replacement that restores from this image.
         wait = self.settings.store_report_wait
-        known = trio.from_thread.run(self.store.report_outcome, img, wait)
+        known = self._loop(self.store.report_outcome, img, wait)
         if known is False:
             raise Rejected(
                 "refused",
@@ -434,7 +446,7 @@ class StoreThread:
     def _get(self, get: CkptGet) -> None:
         claims = self._claims(get.token)
         job, rank = claims.job, claims.rank
-        img = trio.from_thread.run_sync(self.store.image, (job, rank), get.ckpt)
+        img = self._loop_sync(self.store.image, (job, rank), get.ckpt)
         fd = -1
         if img is not None:
             try:

@@ -366,6 +366,7 @@ class Checkpointer:
             log_dir=taking.scratch,
             timeout=DUMP_TIMEOUT,
             enter=None if forked.orphan else self._namespace_of(),
+            nice=settings.checkpoint_nice,
         )
         taking.clone = -1  # criu ends the dumped process
         # 4. store
@@ -421,16 +422,18 @@ class Checkpointer:
         )
         rank_dir = self.prepared.rank_dir
 
+        token = trio.lowlevel.current_trio_token()  # ``upload`` may run in a niced thread
+
         def upload(aborter: Aborter) -> None:
             # One thread packs, seals and sends: no hand-over per piece.
             with svc.open_store(home, aborter) as conn:
                 conn.put_begin(put)
                 for piece in writer.pack(images, rank_dir):
                     conn.put_chunk(taking.ckpt, piece)
-                trio.from_thread.run(self._acked_in_time, ready)
+                trio.from_thread.run(self._acked_in_time, ready, trio_token=token)
                 conn.put_end(taking.ckpt, writer.size, writer.digest, timeout=STORE_TIMEOUT)
 
-        await run_in_thread(upload, _PACK_LIMITER)
+        await run_in_thread(upload, _PACK_LIMITER, nice=svc.settings.checkpoint_nice)
         return int(writer.size)
 
     async def _acked_in_time(self, ready: CkptForked) -> None:

@@ -30,6 +30,7 @@ from pathlib import Path
 
 import trio
 
+from vpool.niceness import nice_command
 from vpool.worker_agent.errors import AgentError
 from vpool.worker_agent.restore_init import PIDFILE_NAME, RESTORE_LOG_NAME, log_tail
 
@@ -217,13 +218,15 @@ async def dump(
     log_dir: Path | None = None,
     timeout: float = 120,  # noqa: ASYNC109 (the agent's API: one knob per dump)
     enter: int | None = None,
+    nice: int = 0,
 ) -> float:
     """``criu dump`` process ``pid`` (a session leader with no terminal) into ``images_dir``.
 
     ``enter``: a host pid whose PID and mount namespaces CRIU runs in (``nsenter``), ``pid``
     being a pid of that namespace: the clone of a restored rank lives in the rank's namespace,
     and CRIU cannot dump it from outside (its files are on the namespace's mounts).
-    CRIU kills the process once it is dumped. Returns the seconds it took; raises CriuError.
+    CRIU kills the process once it is dumped. ``nice``: CRIU runs that much nicer than the
+    agent (``vpool.niceness``). Returns the seconds it took; raises CriuError.
     """
     await trio.Path(images_dir).mkdir(parents=True, exist_ok=True)
     log_file = (log_dir if log_dir is not None else images_dir) / DUMP_LOG_NAME
@@ -241,6 +244,7 @@ async def dump(
     ]
     if enter is not None:
         command = ["nsenter", "-t", str(enter), "-p", "-m", *command]
+    command = nice_command(command, nice)
     started = time.monotonic()
     try:
         with trio.fail_after(timeout):

@@ -74,6 +74,11 @@ class AgentSettings:
         "/dev/shm exists, else <work dir>/ckpt.",
     )
     checkpoint_zstd_level: int = setting(1, "zstd level of checkpoint images.")
+    checkpoint_nice: int = setting(
+        19,
+        "Niceness added to a checkpoint's dump, packing and upload, so that they take the CPU "
+        "the ranks leave idle rather than the ranks' own (0: the agent's priority).",
+    )
     checkpoint_clone_timeout: float = setting(
         600.0, "Seconds a checkpoint clone waits to be dumped before it exits by itself."
     )

@@ -25,6 +25,7 @@ import socket
 import ssl
 import threading
 from collections.abc import Callable, Iterator
+from functools import partial
 from types import TracebackType
 from typing import TypeVar
 
@@ -33,6 +34,7 @@ import outcome
 import trio
 
 from vpool import __version__
+from vpool.niceness import run_niced
 from vpool.protocol.api import RelayInfo
 from vpool.protocol.errors import ProtocolError
 from vpool.protocol.framing import PREFIX_SIZE, frame_parts, parse_prefix
@@ -103,10 +105,14 @@ def _shutdown(sock: socket.socket) -> None:
 
 
 async def run_in_thread(
-    work: Callable[[Aborter], T], limiter: trio.CapacityLimiter | None = None
+    work: Callable[[Aborter], T], limiter: trio.CapacityLimiter | None = None, *, nice: int = 0
 ) -> T:
     """``work(aborter)`` in a worker thread. When the caller is cancelled the connection is
-    shut down (``Aborter.abort``) and the thread waited for, so none outlives the call."""
+    shut down (``Aborter.abort``) and the thread waited for, so none outlives the call.
+
+    ``nice`` > 0: in a thread of its own that much nicer (``vpool.niceness.run_niced``), not
+    one of trio's, so ``work`` reaches the loop with ``trio.from_thread.*(...,
+    trio_token=...)``."""
     aborter = Aborter()
 
     async def on_cancel() -> None:
@@ -119,7 +125,9 @@ async def run_in_thread(
         nursery.start_soon(on_cancel)
         # Captured, so that an error of ``work`` leaves this nursery as itself, not inside an
         # exception group; a cancellation still leaves it as one (the cancelled scope's).
-        result = await outcome.acapture(trio.to_thread.run_sync, work, aborter, limiter=limiter)
+        result = await outcome.acapture(
+            trio.to_thread.run_sync, run_niced, partial(work, aborter), nice, limiter=limiter
+        )
         nursery.cancel_scope.cancel()
     return result.unwrap()
 

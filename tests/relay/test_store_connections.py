@@ -3,7 +3,9 @@ bounded worker threads, unblocked when the relay stops, closed when idle; plain 
 
 from __future__ import annotations
 
+import os
 import ssl
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -129,3 +131,33 @@ async def test_thread_bound_and_idle_timeout(
         await first.aclose()
     assert second[0].welcome is not None
     assert await put(second[0], pool, 1, 0, 1, b"img") == CkptStored(ckpt=1, retained=[1])
+
+
+async def test_store_sessions_run_nicer_than_the_relay(
+    pool: Pool, relay: Any, agents: list[Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``store_nice`` (default 19): each store connection is served by a thread of its own at
+    that niceness, and the relay's loop and pooled threads keep theirs; puts and gets still
+    reach the loop from there (``StoreThread.token``)."""
+    from vpool.relay import storethread
+
+    seen: list[tuple[int, int]] = []
+    real_run = storethread.StoreThread.run
+
+    def run(self: storethread.StoreThread) -> None:
+        tid = threading.get_native_id()
+        seen.append((tid, os.getpriority(os.PRIO_PROCESS, tid)))
+        real_run(self)
+
+    monkeypatch.setattr(storethread.StoreThread, "run", run)
+    conn = await store_conn(pool, relay.addr)
+    data = image(1, MiB + 5)
+    assert await put(conn, pool, 6, 0, 1, data) == CkptStored(ckpt=1, retained=[1])
+    got = await get(conn, pool, 6, 0, 1)
+    assert not isinstance(got, Error) and got[1] == data
+    loop = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    assert seen == [(seen[0][0], min(loop + 19, 19))]
+    pooled = await trio.to_thread.run_sync(
+        lambda: os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    )
+    assert pooled == loop

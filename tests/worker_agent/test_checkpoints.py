@@ -10,6 +10,7 @@ import signal
 import ssl
 import subprocess
 import sys
+import threading
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -415,8 +416,43 @@ async def test_store_client_put_and_get(
     assert refused.value.code == "not_found"
 
 
-async def test_cancelled_upload_ends_its_thread_at_once(
+async def test_niced_upload_reaches_the_loop_by_its_token(
     store: tuple[FakeStore, api.RelayInfo], pool_pki: Pki
+) -> None:
+    """The agent uploads at ``checkpoint_nice``: the work runs in a thread of its own that
+    much nicer, and calls into trio (the wait for the relays' acks) with the loop's token."""
+    fake, info = store
+    ctx = client_context(pool_pki.ca)
+    body = os.urandom(3000)
+    token = trio.lowlevel.current_trio_token()
+    seen: list[int] = []
+
+    async def in_loop() -> int:
+        await trio.lowlevel.checkpoint()
+        return threading.get_native_id()
+
+    def put(aborter: Aborter) -> tuple[int, CkptStored]:
+        tid = threading.get_native_id()
+        seen.append(os.getpriority(os.PRIO_PROCESS, tid))
+        with open_store(
+            info, ssl_context=ctx, token="agent", max_payload=1 << 20, aborter=aborter
+        ) as c:
+            c.put_begin(CkptPut("rank-token", 3, {}, 0, "fp", b""))
+            c.put_chunk(3, body)
+            loop_tid = trio.from_thread.run(in_loop, trio_token=token)
+            return loop_tid, c.put_end(3, len(body), blake3.blake3(body).digest())
+
+    loop_tid, stored = await run_in_thread(put, nice=9)
+    assert stored == CkptStored(3, [3])
+    assert loop_tid == threading.get_native_id()
+    mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    assert seen == [min(mine + 9, 19)]
+    assert fake.images[3][1] == body
+
+
+@pytest.mark.parametrize("nice", [0, 9])
+async def test_cancelled_upload_ends_its_thread_at_once(
+    store: tuple[FakeStore, api.RelayInfo], pool_pki: Pki, nice: int
 ) -> None:
     """A store that never answers CkptEnd: cancelling the caller shuts the connection down,
     and the worker thread (blocked in recv, its timeout 60 s) ends with it."""
@@ -424,13 +460,14 @@ async def test_cancelled_upload_ends_its_thread_at_once(
     ctx = client_context(pool_pki.ca)
     started = trio.Event()
     ended: list[BaseException] = []
+    token = trio.lowlevel.current_trio_token()
 
     def hang(aborter: Aborter) -> None:
         with open_store(
             info, ssl_context=ctx, token="agent", max_payload=1 << 20, aborter=aborter
         ) as c:
             c.put_begin(CkptPut("rank-token", 9, {}, 0, "fp", b""))
-            trio.from_thread.run_sync(started.set)
+            trio.from_thread.run_sync(started.set, trio_token=token)
             try:
                 c.receive()  # the fake store sends nothing until CkptEnd
             except BaseException as exc:
@@ -439,7 +476,7 @@ async def test_cancelled_upload_ends_its_thread_at_once(
 
     with trio.move_on_after(30) as deadline:
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(run_in_thread, hang)
+            nursery.start_soon(functools.partial(run_in_thread, hang, nice=nice))
             await started.wait()
             nursery.cancel_scope.cancel()
     assert not deadline.cancelled_caught

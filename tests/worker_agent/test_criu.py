@@ -203,6 +203,26 @@ async def test_dump_failure(tmp_path: Path) -> None:
         await criu.dump(4_194_305, tmp_path / "img", criu=CRIU)
 
 
+async def test_dump_runs_criu_nicer_than_the_agent(tmp_path: Path) -> None:
+    """The agent's ``checkpoint_nice`` reaches the CRIU process itself: a stand-in for criu
+    writes down its own niceness and arguments, and fails like a dump of a missing pid."""
+    tool = tmp_path / "criu"
+    seen = tmp_path / "seen"
+    tool.write_text(
+        f"#!{sys.executable}\n"
+        "import os, sys\n"
+        "nice = os.getpriority(os.PRIO_PROCESS, 0)\n"
+        f"open({str(seen)!r}, 'w').write(f'{{nice}} {{sys.argv[1]}}')\n"
+        "sys.exit(1)\n"
+    )
+    tool.chmod(0o755)
+    mine = os.getpriority(os.PRIO_PROCESS, 0)
+    for nice, want in ((0, mine), (6, min(mine + 6, 19))):
+        with pytest.raises(criu.CriuError, match="failed \\(exit 1\\)"):
+            await criu.dump(4_194_305, tmp_path / "img", criu=str(tool), nice=nice)
+        assert seen.read_text() == f"{want} dump"
+
+
 # -- dump, pack, unpack, restore ----------------------------------------------------------
 
 
