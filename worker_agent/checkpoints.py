@@ -22,6 +22,7 @@ Any failure kills the clone and is reported as ``CheckpointFailed``; the rank ru
 from __future__ import annotations
 
 import base64
+import functools
 import logging
 import math
 import os
@@ -29,11 +30,13 @@ import shutil
 import signal
 import tempfile
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import msgspec
+import outcome
 import trio
 
 from vpool.protocol.api import CheckpointFailed, Lease
@@ -359,7 +362,8 @@ class Checkpointer:
         )
         images = taking.scratch / "images"
         images.mkdir()
-        dump_s = await criu.dump(
+        dump = functools.partial(
+            criu.dump,
             forked.pid,
             images,
             criu=settings.criu,
@@ -368,7 +372,6 @@ class Checkpointer:
             enter=None if forked.orphan else self._namespace_of(),
             nice=settings.checkpoint_nice,
         )
-        taking.clone = -1  # criu ends the dumped process
         # 4. store
         manifest: dict[str, Any] = {
             "rank_dir": str(self.prepared.rank_dir),
@@ -379,7 +382,6 @@ class Checkpointer:
             "incarnation": lease.incarnation,
             "python": settings.python_path,
             "created": time.time(),
-            "dump_s": round(dump_s, 3),
         }
         if forked.orphan:
             manifest["orphan"] = True  # its rank died: the pauses are unknown
@@ -387,7 +389,13 @@ class Checkpointer:
             manifest["pause_ms"] = round(pause * 1000, 3)
             manifest["pause_cpu_ms"] = round(forked.pause_cpu_us / 1000, 3)
         started = trio.current_time()
-        size = await self._store(taking, ready, images, manifest)
+        if settings.checkpoint_stream_pages:
+            dump_s, size = await self._dump_streaming(taking, ready, images, manifest, dump)
+        else:
+            dump_s = await dump()
+            taking.clone = -1  # criu ends the dumped process
+            manifest["dump_s"] = round(dump_s, 3)
+            size = await self._store(taking, ready, images, manifest, None, _PACK_LIMITER)
         log.info(
             "checkpoint %d of %s: %s, dump %.2f s, %.1f MB in %.2f s",
             taking.ckpt,
@@ -400,11 +408,56 @@ class Checkpointer:
             trio.current_time() - started,
         )
 
+    async def _dump_streaming(
+        self,
+        taking: _Taking,
+        ready: CkptForked,
+        images: Path,
+        manifest: dict[str, Any],
+        dump: Callable[[], Awaitable[float]],
+    ) -> tuple[float, int]:
+        """Dump and store at once: CRIU writes the clone's pages into a pipe
+        (``criu.PagesPipe``) that the upload reads, then the rest of the images follow. Returns
+        the dump's seconds and the image's size."""
+        pipe = criu.PagesPipe(images)
+        dumped: list[float] = []
+
+        async def run_dump() -> None:
+            error: BaseException | None = None
+            try:
+                dumped.append(await dump())
+                taking.clone = -1  # criu ends the dumped process
+            except BaseException as exc:
+                error = exc  # the upload raises it (``PagesPipe.wait_dump``)
+                if not isinstance(exc, Exception):
+                    pipe.abandoned = True
+                    raise
+            finally:
+                pipe.ended(error)
+
+        try:
+            # The limit covers the dump too: a dump whose pipe nobody reads stands still.
+            async with _PACK_LIMITER, trio.open_nursery() as nursery:
+                nursery.start_soon(run_dump)
+                stored = await outcome.acapture(
+                    self._store, taking, ready, images, manifest, pipe, None
+                )
+                if isinstance(stored, outcome.Error):
+                    nursery.cancel_scope.cancel()  # CRIU may wait for room in the pipe
+        finally:
+            pipe.close()
+        return dumped[0] if dumped else 0.0, stored.unwrap()
+
     async def _store(
-        self, taking: _Taking, ready: CkptForked, images: Path, manifest: dict[str, Any]
+        self,
+        taking: _Taking,
+        ready: CkptForked,
+        images: Path,
+        manifest: dict[str, Any],
+        pipe: criu.PagesPipe | None,
+        limiter: trio.CapacityLimiter | None,
     ) -> int:
         lease, svc = self.rank.lease, self.svc
-        home = lease.relays[lease.homes[lease.rank]]
         writer = ckpt_image.ImageWriter(
             job_key(lease),
             job=lease.job,
@@ -425,15 +478,25 @@ class Checkpointer:
         token = trio.lowlevel.current_trio_token()  # ``upload`` may run in a niced thread
 
         def upload(aborter: Aborter) -> None:
+            if pipe is not None:
+                # Nothing is sent before CRIU writes pages: a dump that fails before that
+                # fails alone, and no store sees a put for it.
+                pipe.wait_pages()
+            home = lease.relays[lease.homes[lease.rank]]
             # One thread packs, seals and sends: no hand-over per piece.
             with svc.open_store(home, aborter) as conn:
                 conn.put_begin(put)
-                for piece in writer.pack(images, rank_dir):
+                if pipe is None:
+                    pieces = writer.pack(images, rank_dir)
+                else:
+                    stream = ckpt_image.Stream(criu.PAGES_NAME, pipe.read_into)
+                    pieces = writer.pack(images, rank_dir, streams=[stream], then=pipe.wait_dump)
+                for piece in pieces:
                     conn.put_chunk(taking.ckpt, piece)
                 trio.from_thread.run(self._acked_in_time, ready, trio_token=token)
                 conn.put_end(taking.ckpt, writer.size, writer.digest, timeout=STORE_TIMEOUT)
 
-        await run_in_thread(upload, _PACK_LIMITER, nice=svc.settings.checkpoint_nice)
+        await run_in_thread(upload, limiter, nice=svc.settings.checkpoint_nice)
         return int(writer.size)
 
     async def _acked_in_time(self, ready: CkptForked) -> None:

@@ -8,6 +8,10 @@ An image is the CRIU images directory (archived under ``criu/``) and the rank di
 
 The plaintext is a POSIX tar stream (PAX headers: directories, regular files, symlinks, with
 modes and mtimes; sockets, FIFOs and devices are left out) cut into ``CHUNK``-byte pieces.
+A file whose size is not known when it is archived (``Stream``: CRIU's pages, read from a pipe
+while CRIU writes them) is a regular member of at most ``PART`` bytes followed by more of the
+same name, each with the PAX record ``VPOOL.append=1``: the reader appends those to the member
+just before them, and to nothing else.
 Each piece is compressed on its own with zstd (flag ZSTD) when a sample of it shows that
 pays, and stored as it is otherwise: a rank's big arrays of floating-point numbers gain about
 5% at level 1 for 0.3 s of CPU per 200 MB, while the interpreter's heap and zero pages shrink
@@ -33,7 +37,8 @@ import shutil
 import stat
 import struct
 import tarfile
-from collections.abc import Callable, Iterable, Iterator
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import IO
@@ -61,10 +66,21 @@ _AAD = struct.Struct(">qqqIB")
 _HEADER_SIZE = len(MAGIC) + 8
 _BLOCK = tarfile.BLOCKSIZE
 _ROOTS = ("criu", "rank")
+PART = 4 << 20  # bytes of a Stream per tar member
+APPEND = "VPOOL.append"
 
 
 class ImageError(AgentError):
     """A checkpoint image is unusable (tampered, truncated, wrong key, unsafe content)."""
+
+
+@dataclass(frozen=True)
+class Stream:
+    """A file archived while it is being made: ``read_into(view)`` fills the start of ``view``
+    and returns how many bytes it put there, 0 at the end (it may block, or raise)."""
+
+    name: str  # under the criu/ root
+    read_into: Callable[[memoryview], int]
 
 
 def _aad(job: int, rank: int, ckpt: int, number: int, flags: int) -> bytes:
@@ -98,13 +114,18 @@ class ImageWriter:
         rank_dir: Path,
         *,
         exclude: Callable[[str], bool] | None = None,
+        streams: Sequence[Stream] = (),
+        then: Callable[[], None] | None = None,
     ) -> Iterator[bytes]:
         """The image's bytes, a header then one frame at a time (CPU bound: run in a thread).
 
         ``exclude(name)`` gets each archive name (``criu/...``, ``rank/...``) and leaves the
-        entry (a directory: with its contents) out when it returns true.
+        entry (a directory: with its contents) out when it returns true. ``streams`` come
+        first, read to their end (their names in ``images_dir`` are not archived again); then
+        ``then()`` is called (it may wait for the rest of ``images_dir`` to be written, or
+        raise) and the trees are archived.
         """
-        items = _tar_items({"criu": images_dir, "rank": rank_dir}, exclude)
+        items = _tar_items({"criu": images_dir, "rank": rank_dir}, exclude, streams, then)
         return self._seal_chunks(_fill_chunks(items))
 
     def seal(self, tar_pieces: Iterable[bytes]) -> Iterator[bytes]:
@@ -175,16 +196,68 @@ class _FileData:
 
 
 def _tar_items(
-    roots: dict[str, Path], exclude: Callable[[str], bool] | None
-) -> Iterator[bytes | _FileData]:
-    """A tar archive of each root under its name: headers (bytes) and file contents."""
+    roots: dict[str, Path],
+    exclude: Callable[[str], bool] | None,
+    streams: Sequence[Stream] = (),
+    then: Callable[[], None] | None = None,
+) -> Iterator[bytes | memoryview | _FileData]:
+    """A tar archive of each root under its name: headers (bytes) and file contents; the
+    ``streams`` first, under criu/."""
+    streamed = {f"criu/{s.name}" for s in streams}
+    if streams:
+        yield _header("criu", os.lstat(roots["criu"]))
+    for stream in streams:
+        yield from _stream_members(f"criu/{stream.name}", stream)
+    if then is not None:
+        then()
+
+    def skip(name: str) -> bool:
+        return name in streamed or (exclude is not None and exclude(name))
+
     for name, root in roots.items():
-        yield from _tar_entry(name, root, exclude, top=True)
+        yield from _tar_entry(name, root, skip, top=True, header=not (streams and name == "criu"))
     yield b"\0" * (2 * _BLOCK)
 
 
+def _stream_members(name: str, stream: Stream) -> Iterator[bytes | memoryview]:
+    """``stream`` as members of at most PART bytes, the first plain, the rest appended."""
+    part = memoryview(bytearray(PART))
+    first = True
+    while True:
+        n = 0
+        while n < PART and (got := stream.read_into(part[n:])):
+            n += got
+        if n == 0 and not first:
+            return
+        info = tarfile.TarInfo(name)
+        info.size, info.mode, info.mtime = n, 0o600, int(time.time())
+        if not first:
+            info.pax_headers = {APPEND: "1"}
+        yield info.tobuf(tarfile.PAX_FORMAT)
+        yield part[:n]  # copied out before the next item is asked for
+        if n % _BLOCK:
+            yield bytes(_BLOCK - n % _BLOCK)
+        if n < PART:
+            return
+        first = False
+
+
+def _header(name: str, st: os.stat_result) -> bytes:
+    info = tarfile.TarInfo(name)
+    info.mode = stat.S_IMODE(st.st_mode)
+    info.mtime = st.st_mtime_ns // 1_000_000_000
+    info.pax_headers = {"mtime": f"{info.mtime}.{st.st_mtime_ns % 1_000_000_000:09d}"}
+    info.type = tarfile.DIRTYPE
+    return info.tobuf(tarfile.PAX_FORMAT)
+
+
 def _tar_entry(
-    name: str, path: Path, exclude: Callable[[str], bool] | None, *, top: bool = False
+    name: str,
+    path: Path,
+    exclude: Callable[[str], bool] | None,
+    *,
+    top: bool = False,
+    header: bool = True,
 ) -> Iterator[bytes | _FileData]:
     if not top and exclude is not None and exclude(name):
         return
@@ -195,8 +268,8 @@ def _tar_entry(
     info.mtime = st.st_mtime_ns // 1_000_000_000
     info.pax_headers = {"mtime": f"{info.mtime}.{st.st_mtime_ns % 1_000_000_000:09d}"}
     if stat.S_ISDIR(st.st_mode):
-        info.type = tarfile.DIRTYPE
-        yield info.tobuf(tarfile.PAX_FORMAT)
+        if header:
+            yield _header(name, st)
         for entry in sorted(os.listdir(path)):
             yield from _tar_entry(f"{name}/{entry}", path / entry, exclude)
     elif stat.S_ISLNK(st.st_mode):
@@ -210,7 +283,7 @@ def _tar_entry(
     # Sockets, FIFOs and devices cannot travel: a restored program meets their absence.
 
 
-def _fill_chunks(items: Iterable[bytes | _FileData]) -> Iterator[memoryview]:
+def _fill_chunks(items: Iterable[bytes | memoryview | _FileData]) -> Iterator[memoryview]:
     """The tar stream of ``items`` as CHUNK-byte pieces (the last one shorter), file contents
     read straight into two buffers used in turn: a piece stays intact until the one after the
     next is asked for. One copy per byte, and no memory allocated per piece (fresh pages cost
@@ -219,7 +292,7 @@ def _fill_chunks(items: Iterable[bytes | _FileData]) -> Iterator[memoryview]:
     views = (memoryview(buffers[0]), memoryview(buffers[1]))
     which, fill = 0, 0
     for item in items:
-        if isinstance(item, bytes):
+        if not isinstance(item, _FileData):
             data = memoryview(item)
             while data:
                 n = min(len(data), CHUNK - fill)
@@ -453,6 +526,7 @@ class _Extractor:
         self._kinds: dict[PurePosixPath, bool] = {PurePosixPath(r): True for r in roots}
         self._dirs: list[tuple[Path, int, int]] = []
         self._links: dict[PurePosixPath, tuple[str, int]] = {}
+        self._last_file: PurePosixPath | None = None  # the one an APPEND member may extend
 
     def run(self, archive: tarfile.TarFile) -> None:
         for member in archive:
@@ -469,6 +543,10 @@ class _Extractor:
 
     def _extract(self, archive: tarfile.TarFile, member: tarfile.TarInfo) -> None:
         rel = _safe_name(member.name)
+        if APPEND in member.pax_headers:
+            self._append(archive, member, rel)
+            return
+        self._last_file = None
         for parent in list(reversed(rel.parents))[1:]:
             kind = self._kinds.get(parent)
             if kind is None:
@@ -501,6 +579,22 @@ class _Extractor:
         with os.fdopen(fd, "wb") as out:
             _copy(data, out)
         os.chmod(target, mode)
+        os.utime(target, ns=(mtime_ns, mtime_ns))
+        self._last_file = rel
+
+    def _append(
+        self, archive: tarfile.TarFile, member: tarfile.TarInfo, rel: PurePosixPath
+    ) -> None:
+        """More of the regular file extracted just before (``Stream``), and of no other."""
+        if not member.isreg() or rel != self._last_file or member.pax_headers[APPEND] != "1":
+            raise ImageError(f"unsafe image: {member.name!r} appends to what it may not")
+        data = archive.extractfile(member)
+        assert data is not None
+        target = self._target(rel)
+        mtime_ns = os.stat(target).st_mtime_ns
+        fd = os.open(target, os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW)
+        with os.fdopen(fd, "wb") as out:
+            _copy(data, out)
         os.utime(target, ns=(mtime_ns, mtime_ns))
 
     def _resolve(self, where: list[str], linkname: str, depth: int) -> list[str] | None:

@@ -16,14 +16,17 @@ Errors: ``CriuError`` (a dump failed; its message ends with the tail of CRIU's l
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import importlib.util
 import json
 import logging
 import os
 import re
+import select
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -65,6 +68,94 @@ _HASH_CACHE: dict[str, tuple[int, int, str]] = {}
 
 class CriuError(AgentError):
     """A CRIU operation failed; the message ends with the relevant tail of CRIU's log."""
+
+
+# -- pages through a pipe -------------------------------------------------------------------
+
+PAGES_NAME = "pages-1.img"  # the dumped tree's first process: a rank's clone is that process
+_F_SETPIPE_SZ = 1031
+_PIPE_SIZE = 1 << 20
+_WAIT = 0.1  # s between looks at ``abandon``/the end of the dump while nothing comes
+
+
+class PagesPipe:
+    """``pages-1.img`` of a dump as a FIFO the agent reads while CRIU writes it.
+
+    CRIU writes a process's memory with ``splice`` from the pipes it filled with ``vmsplice``
+    into the pages image; into a FIFO that moves page references instead of copying 200 MB into
+    freshly allocated tmpfs pages, which was most of CRIU's CPU under load (and half its
+    memory traffic), and the agent reads the pages once, as it did from the file. CRIU opens
+    and writes the image like a file (``open(O_CREAT|O_TRUNC)`` of an existing FIFO opens it;
+    it never seeks in it). Processes after the first get regular ``pages-N.img`` files.
+
+    ``read_into`` (a ``ckpt_image.Stream``) blocks until CRIU writes, and returns 0 once CRIU
+    closed the image, or when the dump ``ended`` without opening it; ``wait_pages`` waits for
+    the first of those, ``wait_dump`` for ``ended``, and both raise the dump's error. Reading
+    must go on while the dump runs: CRIU waits for room in the pipe.
+    """
+
+    def __init__(self, images_dir: Path) -> None:
+        self.path = images_dir / PAGES_NAME
+        os.mkfifo(self.path, 0o600)
+        # Non-blocking: opening does not wait for CRIU, and neither does anything else here.
+        self.fd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK)
+        try:
+            fcntl.fcntl(self.fd, _F_SETPIPE_SZ, _PIPE_SIZE)
+        except OSError:
+            pass  # a smaller pipe: more, shorter reads
+        self._poll = select.poll()
+        self._poll.register(self.fd, select.POLLIN)
+        self._connected = False
+        self._ended = threading.Event()
+        self._error: BaseException | None = None
+        self.abandoned = False
+        self.size = 0
+
+    def wait_pages(self) -> bool:
+        """Wait until CRIU writes the pages (True) or the dump ended without (False: raises
+        the dump's error if it failed)."""
+        while not self._connected:
+            if self.abandoned:
+                raise CriuError("the checkpoint was abandoned before CRIU wrote its pages")
+            # Until CRIU opens it, a read would say "end": poll says nothing instead (a FIFO
+            # that never had a writer reports no hang-up).
+            if self._poll.poll(_WAIT * 1000):
+                self._connected = True
+            elif self._ended.is_set():
+                if self._error is not None:
+                    raise self._error
+                return False
+        return True
+
+    def read_into(self, view: memoryview) -> int:
+        while True:
+            if self.abandoned:
+                raise CriuError("the checkpoint was abandoned while CRIU wrote its pages")
+            if not self.wait_pages():
+                return 0
+            try:
+                n = os.readv(self.fd, [view])
+            except BlockingIOError:
+                self._poll.poll(_WAIT * 1000)
+                continue
+            self.size += n
+            return n
+
+    def ended(self, error: BaseException | None) -> None:
+        """The dump is over (``error``: why it failed); from any thread."""
+        self._error = error
+        self._ended.set()
+
+    def wait_dump(self) -> None:
+        """Wait for the dump's end; raise its error."""
+        while not self._ended.wait(_WAIT):
+            if self.abandoned:
+                raise CriuError("the checkpoint was abandoned while CRIU dumped")
+        if self._error is not None:
+            raise self._error
+
+    def close(self) -> None:
+        os.close(self.fd)
 
 
 # -- capability ---------------------------------------------------------------------------

@@ -74,6 +74,11 @@ class AgentSettings:
         "/dev/shm exists, else <work dir>/ckpt.",
     )
     checkpoint_zstd_level: int = setting(1, "zstd level of checkpoint images.")
+    checkpoint_stream_pages: bool = setting(
+        True,
+        "CRIU writes a checkpoint's memory pages into a pipe that the upload reads while the "
+        "dump runs, instead of into a file in the scratch directory first.",
+    )
     checkpoint_nice: int = setting(
         19,
         "Niceness added to a checkpoint's dump, packing and upload, so that they take the CPU "

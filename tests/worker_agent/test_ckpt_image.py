@@ -17,12 +17,15 @@ import trio
 
 from vpool.worker_agent import ckpt_image
 from vpool.worker_agent.ckpt_image import (
+    APPEND,
     CHUNK,
+    PART,
     TAG_SIZE,
     ZSTD,
     ImageError,
     ImageReader,
     ImageWriter,
+    Stream,
     from_channel,
 )
 
@@ -112,6 +115,65 @@ def test_round_trip(tmp_path: Path) -> None:
     assert snapshot(out_images) == snapshot(images)
     assert (out_rank / "home" / "up" / ".." / "data.txt").read_text().startswith("hello")
     assert sorted(p.name for p in (tmp_path / "dst").iterdir()) == ["img", "rank"]
+
+
+def reads_of(data: bytes, seed: int) -> Stream:
+    """A Stream of ``data`` handing out reads of random sizes, as a pipe does."""
+    rng = random.Random(seed)
+    at = 0
+
+    def read_into(view: memoryview) -> int:
+        nonlocal at
+        n = min(len(view), len(data) - at, rng.choice([1, 4096, 65536, CHUNK]))
+        view[:n] = data[at : at + n]
+        at += n
+        return n
+
+    return Stream("pages-1.img", read_into)
+
+
+@pytest.mark.parametrize("size", [0, 1, PART - 1, PART, 2 * PART + 513])
+def test_stream_round_trip(tmp_path: Path, size: int) -> None:
+    """A Stream (CRIU's pages through a pipe) comes out as the file it would have been; the
+    file of that name in the directory is not archived again; ``then`` runs after the
+    stream's end and before the trees."""
+    images, rank = make_trees(tmp_path / "src")
+    pages = random.Random(size).randbytes(size)
+    stale = (images / "pages-1.img").read_bytes()
+    order: list[str] = []
+    stream = reads_of(pages, size)
+
+    def read_into(view: memoryview) -> int:
+        n = stream.read_into(view)
+        order.append("read" if n else "end")
+        return n
+
+    def then() -> None:
+        order.append("then")
+        (images / "late.img").write_bytes(b"written while the stream was read")
+
+    writer = ImageWriter(KEY, **IDS)
+    data = b"".join(
+        writer.pack(images, rank, streams=[Stream("pages-1.img", read_into)], then=then)
+    )
+    assert order[-2:] == ["end", "then"] and "then" not in order[:-1]
+    assert writer.size == len(data) and writer.digest == blake3.blake3(data).digest()
+    out_images, out_rank = tmp_path / "dst" / "img", tmp_path / "dst" / "rank"
+    reader(data).unpack(pieces_of(data, 2), out_images, out_rank)
+    assert (out_images / "pages-1.img").read_bytes() == pages != stale
+    assert (out_images / "late.img").read_bytes() == b"written while the stream was read"
+    assert (out_images / "core-1.img").read_bytes() == b"core" * 1000
+    assert snapshot(out_rank) == snapshot(rank)
+
+
+def test_stream_error_ends_the_image(tmp_path: Path) -> None:
+    images, rank = make_trees(tmp_path / "src")
+
+    def broken(view: memoryview) -> int:
+        raise OSError("the dump failed")
+
+    with pytest.raises(OSError, match="the dump failed"):
+        list(ImageWriter(KEY, **IDS).pack(images, rank, streams=[Stream("pages-1.img", broken)]))
 
 
 def test_exclude_and_nonce_differ(tmp_path: Path) -> None:
@@ -275,6 +337,28 @@ def info(name: str, kind: bytes = tarfile.REGTYPE, link: str = "") -> tarfile.Ta
     return member
 
 
+def appended(name: str, value: str = "1") -> tarfile.TarInfo:
+    member = info(name)
+    member.pax_headers = {APPEND: value}
+    return member
+
+
+def test_appended_parts_make_one_file(tmp_path: Path) -> None:
+    data = seal(
+        tar_of(
+            (info("rank/f"), b"ab"),
+            (appended("rank/f"), b"cd"),
+            (appended("rank/f"), b""),
+            (appended("rank/f"), b"e"),
+            (info("rank/g"), b"g"),
+        )
+    )
+    out_images, out_rank = tmp_path / "img", tmp_path / "rank"
+    reader(data).unpack([data], out_images, out_rank)
+    assert (out_rank / "f").read_bytes() == b"abcde"
+    assert (out_rank / "g").read_bytes() == b"g"
+
+
 UNSAFE = {
     "absolute": [(info("/etc/evil"), b"x")],
     "dotdot": [(info("rank/../evil"), b"x")],
@@ -294,6 +378,12 @@ UNSAFE = {
     "device": [(info("rank/dev", tarfile.CHRTYPE), None)],
     "fifo": [(info("rank/p", tarfile.FIFOTYPE), None)],
     "twice": [(info("rank/f"), b"x"), (info("rank/f"), b"y")],
+    # A Stream's continuation extends the file just before it, and nothing else.
+    "append first": [(appended("rank/f"), b"x")],
+    "append to another": [(info("rank/f"), b"x"), (appended("rank/g"), b"y")],
+    "append later": [(info("rank/f"), b"x"), (info("rank/g"), b"y"), (appended("rank/f"), b"z")],
+    "append to a link": [(info("rank/l", tarfile.SYMTYPE, "f"), None), (appended("rank/l"), b"z")],
+    "append other value": [(info("rank/f"), b"x"), (appended("rank/f", "yes"), b"y")],
 }
 
 

@@ -14,17 +14,19 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
+import outcome
 import pytest
 import trio
 
 from vpool.worker_agent import criu
-from vpool.worker_agent.ckpt_image import ImageReader, ImageWriter
+from vpool.worker_agent.ckpt_image import ImageReader, ImageWriter, Stream
 
 CRIU = shutil.which("criu") or "/usr/local/sbin/criu"
 needs_criu = pytest.mark.skipif(
@@ -223,6 +225,64 @@ async def test_dump_runs_criu_nicer_than_the_agent(tmp_path: Path) -> None:
         assert seen.read_text() == f"{want} dump"
 
 
+def test_pages_pipe_reads_what_a_writer_wrote(tmp_path: Path) -> None:
+    """Before any writer opens the FIFO there is no end yet; the writer's close is the end."""
+    pipe = criu.PagesPipe(tmp_path)
+    data = os.urandom(3 << 20)
+    go = threading.Event()
+
+    def write() -> None:
+        go.wait(10)
+        with open(tmp_path / criu.PAGES_NAME, "wb") as f:  # as CRIU opens it
+            f.write(data)
+
+    writer = threading.Thread(target=write)
+    writer.start()
+    buf = memoryview(bytearray(1 << 20))
+    got = bytearray()
+    go.set()
+    while n := pipe.read_into(buf):
+        got += buf[:n]
+    writer.join()
+    pipe.ended(None)
+    pipe.wait_dump()
+    pipe.close()
+    assert bytes(got) == data and pipe.size == len(data)
+
+
+def test_pages_pipe_of_a_dump_that_failed_before_writing(tmp_path: Path) -> None:
+    pipe = criu.PagesPipe(tmp_path)
+    pipe.ended(criu.CriuError("criu dump of 1 failed"))
+    with pytest.raises(criu.CriuError, match="dump of 1 failed"):
+        pipe.wait_pages()
+    with pytest.raises(criu.CriuError, match="dump of 1 failed"):
+        pipe.wait_dump()
+    pipe.close()
+    (tmp_path / "x").mkdir()
+    quiet = criu.PagesPipe(tmp_path / "x")
+    quiet.ended(None)  # ended without writing and without an error: an empty stream
+    assert quiet.read_into(memoryview(bytearray(10))) == 0
+    quiet.close()
+
+
+def test_pages_pipe_abandoned_unblocks_the_reader(tmp_path: Path) -> None:
+    pipe = criu.PagesPipe(tmp_path)
+    raised: list[BaseException] = []
+
+    def read() -> None:
+        try:
+            pipe.read_into(memoryview(bytearray(10)))
+        except criu.CriuError as exc:
+            raised.append(exc)
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    pipe.abandoned = True
+    reader.join(10)
+    assert not reader.is_alive() and "abandoned" in str(raised[0])
+    pipe.close()
+
+
 # -- dump, pack, unpack, restore ----------------------------------------------------------
 
 
@@ -253,10 +313,16 @@ def processes() -> Iterator[list[subprocess.Popen[bytes]]]:
 
 
 def make_checkpoint(
-    tmp_path: Path, processes: list[subprocess.Popen[bytes]], mode: str, mb: int = 0
+    tmp_path: Path,
+    processes: list[subprocess.Popen[bytes]],
+    mode: str,
+    mb: int = 0,
+    *,
+    streamed: bool = False,
 ) -> Checkpoint:
     """Fork a clone, dump it, let its parent die, and bring the image back through the
-    image stream at the same rank directory (as a restoring agent does)."""
+    image stream at the same rank directory (as a restoring agent does). ``streamed``: CRIU
+    writes the pages into a ``PagesPipe`` packed while the dump runs, as the agent does."""
     rank_dir = tmp_path / "rank"
     (rank_dir / "work").mkdir(parents=True)
     (rank_dir / "home").mkdir()
@@ -276,17 +342,47 @@ def make_checkpoint(
     timings: dict[str, float] = {}
 
     dumped = tmp_path / "dumped"
-    timings["dump"] = trio.run(partial(criu.dump, clone, dumped, criu=CRIU))
-    parent.kill()
-    parent.wait(timeout=30)
-
-    started = time.monotonic()
     writer = ImageWriter(bytes(32), job=1, rank=0, ckpt=1)
     stored = tmp_path / "stored.img"
-    with stored.open("wb") as f:
-        for piece in writer.pack(dumped, rank_dir):
-            f.write(piece)
-    timings["pack"] = time.monotonic() - started
+    if streamed:
+        dumped.mkdir()
+        pipe = criu.PagesPipe(dumped)
+        stream = Stream(criu.PAGES_NAME, pipe.read_into)
+        packed: list[outcome.Outcome[None]] = []
+
+        def pack() -> None:
+            with stored.open("wb") as f:
+                for piece in writer.pack(dumped, rank_dir, streams=[stream], then=pipe.wait_dump):
+                    f.write(piece)
+
+        packer = threading.Thread(target=lambda: packed.append(outcome.capture(pack)))
+        packer.start()
+        started = time.monotonic()
+        try:
+            timings["dump"] = trio.run(partial(criu.dump, clone, dumped, criu=CRIU))
+        except BaseException as exc:
+            pipe.ended(exc)
+            raise
+        else:
+            pipe.ended(None)
+        finally:
+            packer.join()
+            pipe.close()
+        packed[0].unwrap()
+        timings["dump+pack"] = time.monotonic() - started
+        timings["pipe_mb"] = pipe.size / 1e6
+        assert not (dumped / criu.PAGES_NAME).is_file()  # still the FIFO: nothing on disk
+        parent.kill()
+        parent.wait(timeout=30)
+    else:
+        timings["dump"] = trio.run(partial(criu.dump, clone, dumped, criu=CRIU))
+        parent.kill()
+        parent.wait(timeout=30)
+        started = time.monotonic()
+        with stored.open("wb") as f:
+            for piece in writer.pack(dumped, rank_dir):
+                f.write(piece)
+        timings["pack"] = time.monotonic() - started
     timings["image_mb"] = writer.size / 1e6
     shutil.rmtree(rank_dir)
     shutil.rmtree(dumped)
@@ -335,8 +431,11 @@ def wait_for_file(path: Path, proc: subprocess.Popen[bytes]) -> dict[str, object
 
 
 @needs_criu
-def test_dump_restore_exit_code(tmp_path: Path, processes: list[subprocess.Popen[bytes]]) -> None:
-    checkpoint = make_checkpoint(tmp_path, processes, "exit")
+@pytest.mark.parametrize("streamed", [False, True], ids=["file", "pipe"])
+def test_dump_restore_exit_code(
+    tmp_path: Path, processes: list[subprocess.Popen[bytes]], streamed: bool
+) -> None:
+    checkpoint = make_checkpoint(tmp_path, processes, "exit", mb=20, streamed=streamed)
     status = tmp_path / "status.json"
     proc = start_restore(checkpoint, status, processes)
     assert finish(proc) == 7
@@ -344,6 +443,9 @@ def test_dump_restore_exit_code(tmp_path: Path, processes: list[subprocess.Popen
     restored = json.loads((checkpoint.rank_dir / "work" / "restored.json").read_text())
     assert restored["parent"] == checkpoint.parent
     assert restored["ppid"] != checkpoint.parent
+    assert restored["data_ok"] is True  # 20 MB of numbers, through the pipe or the file
+    if streamed:
+        assert checkpoint.timings["pipe_mb"] > 20
     # The file the clone held open came back with it, at its offset.
     assert (checkpoint.rank_dir / "work" / "journal.txt").read_text() == "forked\nrestored\n"
 
