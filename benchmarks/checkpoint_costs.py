@@ -11,6 +11,8 @@ every part is printed in CPU seconds and in those steps:
 - ``criu``: ``criu dump`` (the agent's ``criu.dump``) of a process holding the stencil's two
   arrays: CRIU's CPU and wall time. Needs root and CRIU; without them a synthetic image of the
   same size stands in for the next two parts, and this one is reported missing.
+- ``criu_pipe``: the same with the pages written into a ``criu.PagesPipe``, as the agent does
+  (``checkpoint_stream_pages``); this one, not ``criu``, counts in the sum.
 - ``pack``: ``ImageWriter.pack`` over those images (tar, sampled zstd, AES-GCM, BLAKE3).
 - ``upload``: the same packed and sent with the agent's store client (``open_store``) to a real
   ``vpool-relay`` on 127.0.0.1: the agent thread's CPU (pack and TLS) and the relay's.
@@ -36,6 +38,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -120,8 +123,12 @@ def cow_cpu(stencil: Stencil, steps: int, hold: float, repeat: int) -> tuple[flo
     return statistics.median(forked), statistics.median(plain)
 
 
-def dump_holder(mb: float, images: Path, criu_bin: str) -> tuple[float, float]:
-    """``criu dump`` a process holding a stencil rank's arrays into ``images``: (CPU, wall)."""
+def dump_holder(
+    mb: float, images: Path, criu_bin: str, *, streamed: bool = False
+) -> tuple[float, float]:
+    """``criu dump`` a process holding a stencil rank's arrays into ``images``: (CPU, wall).
+    ``streamed``: the pages into a ``criu.PagesPipe`` (as the agent does) that a thread reads
+    and drops, its reads not counted (the pack reads the pages file instead)."""
     ready = images.parent / "ready"
     ready.unlink(missing_ok=True)
     holder = subprocess.Popen(
@@ -137,7 +144,25 @@ def dump_holder(mb: float, images: Path, criu_bin: str) -> tuple[float, float]:
                 raise RuntimeError("the stencil process did not start")
             time.sleep(0.02)
         before = cpu_children()
-        wall = trio.run(lambda: criu.dump(holder.pid, images, criu=criu_bin, timeout=300))
+        if not streamed:
+            wall = trio.run(lambda: criu.dump(holder.pid, images, criu=criu_bin, timeout=300))
+            return cpu_children() - before, wall
+        images.mkdir(parents=True)
+        pipe = criu.PagesPipe(images)
+        buf = memoryview(bytearray(1 << 20))
+
+        def drain() -> None:
+            while pipe.read_into(buf):
+                pass
+
+        reader = threading.Thread(target=drain)
+        reader.start()
+        try:
+            wall = trio.run(lambda: criu.dump(holder.pid, images, criu=criu_bin, timeout=300))
+        finally:
+            pipe.ended(None)
+            reader.join()
+            pipe.close()
         return cpu_children() - before, wall
     finally:
         if holder.poll() is None:
@@ -231,6 +256,17 @@ def main() -> None:
             out["criu_dumps"] = dumps
             size = sum(f.stat().st_size for f in images.iterdir())
             say(f"criu dump: {cpu:.3f} s CPU, {hold:.3f} s wall, {size / 1e6:.1f} MB of images")
+            piped = []
+            for i in range(args.repeat):
+                d_images = Path(d, f"piped-{i}")
+                piped.append(dump_holder(args.mb, d_images, criu_bin, streamed=True))
+                shutil.rmtree(d_images)
+            parts["criu_pipe"] = statistics.median(c for c, _ in piped)
+            out["criu_pipe_dumps"] = piped
+            say(
+                f"criu dump, pages into a pipe: {parts['criu_pipe']:.3f} s CPU, "
+                f"{statistics.median(w for _, w in piped):.3f} s wall"
+            )
         else:
             synthetic_images(args.mb, images)
             say("criu dump: not measured (needs root and criu); a synthetic image stands in")
@@ -248,7 +284,9 @@ def main() -> None:
         f"copy-on-write: {steps} steps with a clone alive {hold:.2f} s: {forked:.3f} s CPU, "
         f"without {plain:.3f} s ({forked / plain:.2f}x)"
     )
-    per_ckpt = parts.get("criu", 0.0) + parts["upload_agent"] + parts["upload_relay"] + parts["cow"]
+    # The agent streams the pages (checkpoint_stream_pages): CRIU's cost is the pipe's.
+    dump_cpu = parts.get("criu_pipe", parts.get("criu", 0.0))
+    per_ckpt = dump_cpu + parts["upload_agent"] + parts["upload_relay"] + parts["cow"]
     out["parts_cpu_s"] = parts
     out["per_checkpoint_cpu_s"] = per_ckpt
     checkpoints = args.ranks * int(args.run_s // args.every)
@@ -256,9 +294,13 @@ def main() -> None:
     out["projected_floor"] = floor
     say("")
     say("part            CPU s   in steps")
-    for name in ("criu", "pack", "upload_agent", "upload_relay", "cow"):
+    notes = {
+        "criu": " (pages into a file: not counted below)" if "criu_pipe" in parts else "",
+        "pack": " (part of upload_agent)",
+    }
+    for name in ("criu", "criu_pipe", "pack", "upload_agent", "upload_relay", "cow"):
         if name in parts:
-            note = " (part of upload_agent)" if name == "pack" else ""
+            note = notes.get(name, "")
             say(f"{name:<14} {parts[name]:6.3f}   {parts[name] / step:7.1f}{note}")
     say(f"{'one checkpoint':<14} {per_ckpt:6.3f}   {per_ckpt / step:7.1f}")
     say(
