@@ -7,7 +7,8 @@ An image is the CRIU images directory (archived under ``criu/``) and the rank di
     frame  = length (4 bytes, big-endian) | flags (1 byte: LAST = 1, ZSTD = 2) | ciphertext
 
 The plaintext is a POSIX tar stream (PAX headers: directories, regular files, symlinks, with
-modes and mtimes; sockets, FIFOs and devices are left out) cut into ``CHUNK``-byte pieces.
+modes and mtimes; sockets, FIFOs and devices are left out; made by ``ckpt_tar``) cut into
+``CHUNK``-byte pieces.
 A file whose size is not known when it is archived (``Stream``: CRIU's pages, read from a pipe
 while CRIU writes them) is a regular member of at most ``PART`` bytes followed by more of the
 same name, each with the PAX record ``VPOOL.append=1``: the reader appends those to the member
@@ -37,9 +38,7 @@ import shutil
 import stat
 import struct
 import tarfile
-import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import IO
 
@@ -49,9 +48,9 @@ import zstandard
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
+from vpool.worker_agent.ckpt_tar import APPEND, CHUNK, Stream, fill_chunks, rechunk, tar_items
 from vpool.worker_agent.errors import AgentError
 
-CHUNK = 1 << 20
 MAGIC = b"VPCK\x02"
 LAST = 1
 ZSTD = 2
@@ -64,23 +63,11 @@ TAG_SIZE = 16
 _FRAME = struct.Struct(">IB")
 _AAD = struct.Struct(">qqqIB")
 _HEADER_SIZE = len(MAGIC) + 8
-_BLOCK = tarfile.BLOCKSIZE
 _ROOTS = ("criu", "rank")
-PART = 4 << 20  # bytes of a Stream per tar member
-APPEND = "VPOOL.append"
 
 
 class ImageError(AgentError):
     """A checkpoint image is unusable (tampered, truncated, wrong key, unsafe content)."""
-
-
-@dataclass(frozen=True)
-class Stream:
-    """A file archived while it is being made: ``read_into(view)`` fills the start of ``view``
-    and returns how many bytes it put there, 0 at the end (it may block, or raise)."""
-
-    name: str  # under the criu/ root
-    read_into: Callable[[memoryview], int]
 
 
 def _aad(job: int, rank: int, ckpt: int, number: int, flags: int) -> bytes:
@@ -125,12 +112,12 @@ class ImageWriter:
         ``then()`` is called (it may wait for the rest of ``images_dir`` to be written, or
         raise) and the trees are archived.
         """
-        items = _tar_items({"criu": images_dir, "rank": rank_dir}, exclude, streams, then)
-        return self._seal_chunks(_fill_chunks(items))
+        items = tar_items({"criu": images_dir, "rank": rank_dir}, exclude, streams, then)
+        return self._seal_chunks(fill_chunks(items))
 
     def seal(self, tar_pieces: Iterable[bytes]) -> Iterator[bytes]:
         """The image of an archive given as pieces (``pack`` with the tar stream made)."""
-        return self._seal_chunks(_rechunk(tar_pieces, CHUNK))
+        return self._seal_chunks(rechunk(tar_pieces, CHUNK))
 
     def _seal_chunks(self, chunks: Iterable[bytes | memoryview]) -> Iterator[bytes]:
         """The image of the archive cut into ``chunks`` (each CHUNK bytes but the last; a
@@ -170,165 +157,6 @@ class ImageWriter:
         self.size += len(data)
         self._hasher.update(data)
         return data
-
-
-def _rechunk(pieces: Iterable[bytes], size: int) -> Iterator[bytes]:
-    """The bytes of ``pieces`` again, as pieces of exactly ``size`` bytes (the last: at most)."""
-    buf = bytearray()
-    for piece in pieces:
-        if not buf and len(piece) == size:
-            yield piece
-            continue
-        buf += piece
-        while len(buf) >= size:
-            yield bytes(buf[:size])
-            del buf[:size]
-    if buf:
-        yield bytes(buf)
-
-
-@dataclass(frozen=True)
-class _FileData:
-    """A regular file's content in the tar stream: ``size`` bytes, then padding to a block."""
-
-    path: Path
-    size: int
-
-
-def _tar_items(
-    roots: dict[str, Path],
-    exclude: Callable[[str], bool] | None,
-    streams: Sequence[Stream] = (),
-    then: Callable[[], None] | None = None,
-) -> Iterator[bytes | memoryview | _FileData]:
-    """A tar archive of each root under its name: headers (bytes) and file contents; the
-    ``streams`` first, under criu/."""
-    streamed = {f"criu/{s.name}" for s in streams}
-    if streams:
-        yield _header("criu", os.lstat(roots["criu"]))
-    for stream in streams:
-        yield from _stream_members(f"criu/{stream.name}", stream)
-    if then is not None:
-        then()
-
-    def skip(name: str) -> bool:
-        return name in streamed or (exclude is not None and exclude(name))
-
-    for name, root in roots.items():
-        yield from _tar_entry(name, root, skip, top=True, header=not (streams and name == "criu"))
-    yield b"\0" * (2 * _BLOCK)
-
-
-def _stream_members(name: str, stream: Stream) -> Iterator[bytes | memoryview]:
-    """``stream`` as members of at most PART bytes, the first plain, the rest appended."""
-    part = memoryview(bytearray(PART))
-    first = True
-    while True:
-        n = 0
-        while n < PART and (got := stream.read_into(part[n:])):
-            n += got
-        if n == 0 and not first:
-            return
-        info = tarfile.TarInfo(name)
-        info.size, info.mode, info.mtime = n, 0o600, int(time.time())
-        if not first:
-            info.pax_headers = {APPEND: "1"}
-        yield info.tobuf(tarfile.PAX_FORMAT)
-        yield part[:n]  # copied out before the next item is asked for
-        if n % _BLOCK:
-            yield bytes(_BLOCK - n % _BLOCK)
-        if n < PART:
-            return
-        first = False
-
-
-def _header(name: str, st: os.stat_result) -> bytes:
-    info = tarfile.TarInfo(name)
-    info.mode = stat.S_IMODE(st.st_mode)
-    info.mtime = st.st_mtime_ns // 1_000_000_000
-    info.pax_headers = {"mtime": f"{info.mtime}.{st.st_mtime_ns % 1_000_000_000:09d}"}
-    info.type = tarfile.DIRTYPE
-    return info.tobuf(tarfile.PAX_FORMAT)
-
-
-def _tar_entry(
-    name: str,
-    path: Path,
-    exclude: Callable[[str], bool] | None,
-    *,
-    top: bool = False,
-    header: bool = True,
-) -> Iterator[bytes | _FileData]:
-    if not top and exclude is not None and exclude(name):
-        return
-    st = os.lstat(path)
-    info = tarfile.TarInfo(name)
-    info.mode = stat.S_IMODE(st.st_mode)
-    # Exact to the nanosecond: tarfile's float mtime is not.
-    info.mtime = st.st_mtime_ns // 1_000_000_000
-    info.pax_headers = {"mtime": f"{info.mtime}.{st.st_mtime_ns % 1_000_000_000:09d}"}
-    if stat.S_ISDIR(st.st_mode):
-        if header:
-            yield _header(name, st)
-        for entry in sorted(os.listdir(path)):
-            yield from _tar_entry(f"{name}/{entry}", path / entry, exclude)
-    elif stat.S_ISLNK(st.st_mode):
-        info.type = tarfile.SYMTYPE
-        info.linkname = os.readlink(path)
-        yield info.tobuf(tarfile.PAX_FORMAT)
-    elif stat.S_ISREG(st.st_mode):
-        info.size = st.st_size
-        yield info.tobuf(tarfile.PAX_FORMAT)
-        yield _FileData(path, st.st_size)
-    # Sockets, FIFOs and devices cannot travel: a restored program meets their absence.
-
-
-def _fill_chunks(items: Iterable[bytes | memoryview | _FileData]) -> Iterator[memoryview]:
-    """The tar stream of ``items`` as CHUNK-byte pieces (the last one shorter), file contents
-    read straight into two buffers used in turn: a piece stays intact until the one after the
-    next is asked for. One copy per byte, and no memory allocated per piece (fresh pages cost
-    more than the copy on this kind of machine)."""
-    buffers = (bytearray(CHUNK), bytearray(CHUNK))
-    views = (memoryview(buffers[0]), memoryview(buffers[1]))
-    which, fill = 0, 0
-    for item in items:
-        if not isinstance(item, _FileData):
-            data = memoryview(item)
-            while data:
-                n = min(len(data), CHUNK - fill)
-                views[which][fill : fill + n] = data[:n]
-                fill += n
-                data = data[n:]
-                if fill == CHUNK:
-                    yield views[which]
-                    which, fill = which ^ 1, 0
-            continue
-        left = item.size
-        with open(item.path, "rb", buffering=0) as f:
-            while left > 0:
-                want = min(left, CHUNK - fill)
-                n = f.readinto(views[which][fill : fill + want])
-                if not n:  # the file shrank meanwhile: zero-filled to its announced size
-                    views[which][fill : fill + want] = bytes(want)
-                    n = want
-                fill += n
-                left -= n
-                if fill == CHUNK:
-                    yield views[which]
-                    which, fill = which ^ 1, 0
-        if item.size % _BLOCK:
-            pad = _BLOCK - item.size % _BLOCK
-            # A block's padding never spans more than the rest of the buffer plus one piece.
-            first = min(pad, CHUNK - fill)
-            views[which][fill : fill + first] = bytes(first)
-            fill += first
-            if fill == CHUNK:
-                yield views[which]
-                which, fill = which ^ 1, 0
-                views[which][: pad - first] = bytes(pad - first)
-                fill = pad - first
-    if fill:
-        yield views[which][:fill]
 
 
 # -- reading ------------------------------------------------------------------------------

@@ -15,11 +15,10 @@ import blake3
 import pytest
 import trio
 
-from vpool.worker_agent import ckpt_image
+from vpool.worker_agent import ckpt_tar
 from vpool.worker_agent.ckpt_image import (
     APPEND,
     CHUNK,
-    PART,
     TAG_SIZE,
     ZSTD,
     ImageError,
@@ -28,6 +27,7 @@ from vpool.worker_agent.ckpt_image import (
     Stream,
     from_channel,
 )
+from vpool.worker_agent.ckpt_tar import PART
 
 KEY = bytes(range(32))
 IDS = {"job": 7, "rank": 3, "ckpt": 2}
@@ -455,7 +455,7 @@ def test_chunks_of_the_tar_stream(tmp_path: Path, seed: int) -> None:
     the file sizes (padding that straddles a boundary, files ending on one), and a file that
     shrank after its header was made is zero-filled to its announced size."""
     rng = random.Random(seed)
-    items: list[bytes | ckpt_image._FileData] = []
+    items: list[bytes | ckpt_tar._FileData] = []
     expected = bytearray()
     offset = 0
     for i in range(rng.randint(1, 6)):
@@ -468,13 +468,13 @@ def test_chunks_of_the_tar_stream(tmp_path: Path, seed: int) -> None:
         content = rng.randbytes(size)
         shrunk = rng.random() < 0.2 and size > 10
         path.write_bytes(content[: size // 2] if shrunk else content)
-        items += [header, ckpt_image._FileData(path, size)]
+        items += [header, ckpt_tar._FileData(path, size)]
         expected += header
         expected += (content[: size // 2] + bytes(size - size // 2)) if shrunk else content
         expected += bytes(-size % 512)
         offset = len(expected)
     items.append(bytes(1024))
     expected += bytes(1024)
-    pieces = [bytes(p) for p in ckpt_image._fill_chunks(items)]
+    pieces = [bytes(p) for p in ckpt_tar.fill_chunks(items)]
     assert b"".join(pieces) == expected
     assert all(len(p) == CHUNK for p in pieces[:-1]) and 0 < len(pieces[-1]) <= CHUNK
