@@ -70,6 +70,17 @@ class Run:
     detail: dict = field(default_factory=dict)
 
 
+def stop_cleanly_on_sigterm() -> None:
+    """SIGTERM (and SIGINT, which a shell's background job ignores) end the benchmark like an
+    error: its ``finally`` stops the pool it started and removes the pool's directory."""
+
+    def leave(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, leave)
+    signal.signal(signal.SIGINT, leave)
+
+
 class Pool:
     """The local pool this runner started, known by its recorded pids."""
 
@@ -462,4 +473,5 @@ def main() -> int:
 
 
 if __name__ == "__main__":
+    stop_cleanly_on_sigterm()
     sys.exit(main())

@@ -41,7 +41,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from chaos import Pool, submit, wait_job
+from chaos import Pool, stop_cleanly_on_sigterm, submit, wait_job
 
 HERE = Path(__file__).resolve().parent
 STENCIL = str(HERE.parent / "examples" / "stencil.py")
@@ -203,4 +203,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    stop_cleanly_on_sigterm()
     main()

@@ -54,7 +54,15 @@ import tempfile
 import time
 from pathlib import Path
 
-from chaos import TERMINAL, Pool, job_state, rank_processes, submit, wait_job
+from chaos import (
+    TERMINAL,
+    Pool,
+    job_state,
+    rank_processes,
+    stop_cleanly_on_sigterm,
+    submit,
+    wait_job,
+)
 
 HERE = Path(__file__).resolve().parent
 STENCIL = str(HERE.parent / "examples" / "stencil.py")
@@ -333,4 +341,5 @@ def main() -> int:
 
 
 if __name__ == "__main__":
+    stop_cleanly_on_sigterm()
     sys.exit(main())
