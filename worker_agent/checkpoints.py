@@ -446,7 +446,8 @@ class Checkpointer:
                     nursery.cancel_scope.cancel()  # CRIU may wait for room in the pipe
         finally:
             pipe.close()
-        return dumped[0] if dumped else 0.0, stored.unwrap()
+        size = stored.unwrap()  # raises the dump's error too (``PagesPipe.wait_dump``)
+        return dumped[0], size
 
     async def _store(
         self,

@@ -73,7 +73,6 @@ class CriuError(AgentError):
 # -- pages through a pipe -------------------------------------------------------------------
 
 PAGES_NAME = "pages-1.img"  # the dumped tree's first process: a rank's clone is that process
-_F_SETPIPE_SZ = 1031
 _PIPE_SIZE = 1 << 20
 _WAIT = 0.1  # s between looks at ``abandon``/the end of the dump while nothing comes
 
@@ -100,7 +99,7 @@ class PagesPipe:
         # Non-blocking: opening does not wait for CRIU, and neither does anything else here.
         self.fd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK)
         try:
-            fcntl.fcntl(self.fd, _F_SETPIPE_SZ, _PIPE_SIZE)
+            fcntl.fcntl(self.fd, fcntl.F_SETPIPE_SZ, _PIPE_SIZE)
         except OSError:
             pass  # a smaller pipe: more, shorter reads
         self._poll = select.poll()
