@@ -202,7 +202,10 @@ class _Starter:
                     stderr=subprocess.STDOUT,
                     cwd=self.lay.root,
                     env=self.env,
-                    start_new_session=True,
+                    # Out of the terminal's foreground group (its Ctrl-C and hangup), but in
+                    # this session: one scheduler autogroup for the whole pool and its ranks,
+                    # where the niceness of the checkpoint chores counts (docs/internals.md).
+                    process_group=0,
                 )
             except OSError as exc:
                 raise LocalPoolError(f"cannot start {name} ({argv[0]}): {exc}") from exc

@@ -432,8 +432,10 @@ async def _spawn(
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             # Its own process group: signals for the agent's terminal do not reach it, and
-            # the agent can end whatever the rank itself started.
-            start_new_session=True,
+            # the agent can end whatever the rank itself started. Not its own session: a new
+            # session is a new scheduler autogroup, and niceness only weighs threads within
+            # one, so the agent's niced checkpoint chores would take a rank's share of the CPU.
+            process_group=0,
         )
     except OSError as exc:
         return 127, f"cannot start {settings.python_path}: {exc}", False
@@ -518,7 +520,7 @@ async def _stop_when_asked(rank: LocalRank, launched: _Launched, grace: float) -
 
 
 def _signal_group(process: trio.Process, sig: int) -> None:
-    """Signal the rank's process group, whose id is the rank's pid (start_new_session).
+    """Signal the rank's process group, whose id is the rank's pid (``process_group=0``).
 
     Safe after the rank was reaped: the kernel does not hand out a pid that is still some
     process group's id, so the group is ours for as long as it exists."""

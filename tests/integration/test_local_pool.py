@@ -136,3 +136,40 @@ def test_agents_make_only_outbound_connections(pool: Pool) -> None:
     # The relays and the coordinator do listen: the check can see listeners.
     relay = pool.pid_of("relay")
     assert _socket_inodes(relay) & listening
+
+
+def _autogroup(pid: int | str) -> str | None:
+    """The scheduler autogroup of a process (None where the kernel has none)."""
+    try:
+        return Path(f"/proc/{pid}/autogroup").read_text().split()[0]
+    except OSError:
+        return None
+
+
+def test_the_pool_and_its_ranks_share_one_scheduling_group(pool: Pool, tmp_path) -> None:
+    """Niceness only weighs threads against others of their autogroup, and a new session makes
+    a new autogroup: the components and the ranks must stay in the session that started the
+    pool, each in a process group of its own, or the niced checkpoint chores (CRIU, packing,
+    the relay's store sessions) compete with every rank as an equal."""
+    prog = tmp_path / "groups.py"
+    prog.write_text(
+        "import os\nfrom pathlib import Path\nfrom mpi4py import MPI\n"
+        "try:\n    group = Path('/proc/self/autogroup').read_text().split()[0]\n"
+        "except OSError:\n    group = None\n"
+        "print(MPI.COMM_WORLD.rank, os.getpid(), os.getpgid(0), os.getsid(0), group)\n"
+    )
+    res = pool.vsdk("submit", str(prog), "--ranks", "2", "--wait", timeout=60)
+    assert res.returncode == 0, res.stderr.decode()
+    session, group = os.getsid(0), _autogroup("self")
+    components = pool.pids()
+    assert len(components) >= 4
+    for p in components:
+        assert os.getpgid(p["pid"]) == p["pid"], p  # its own process group...
+        assert os.getsid(p["pid"]) == session, p  # ... in the session that ran `local up`
+        assert _autogroup(p["pid"]) == group, p
+    ranks = [line.split() for line in res.stdout.decode().splitlines()]
+    assert sorted(r[0] for r in ranks) == ["0", "1"]
+    for _rank, pid, pgid, sid, rank_group in ranks:
+        assert pgid == pid  # the agent ends a rank's whole group
+        assert int(sid) == session
+        assert rank_group == str(group)
