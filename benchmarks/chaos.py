@@ -75,6 +75,9 @@ def stop_cleanly_on_sigterm() -> None:
     error: its ``finally`` stops the pool it started and removes the pool's directory."""
 
     def leave(signum: int, frame: object) -> None:
+        # Once: `timeout` passes its SIGTERM on, and a second one would cut the cleanup short.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         raise SystemExit(128 + signum)
 
     signal.signal(signal.SIGTERM, leave)

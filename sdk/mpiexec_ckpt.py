@@ -198,10 +198,10 @@ class CheckpointBench(_Router):
             done.set()
 
     def kill_clones(self) -> None:
-        """Kill clones still alive (each leads its own session: a reused pid does not)."""
+        """Kill clones still alive (each leads its own process group: a reused pid seldom)."""
         for pid in self.clones:
             try:
-                if os.getsid(pid) == pid:
+                if os.getpgid(pid) == pid:
                     os.kill(pid, signal.SIGKILL)
             except OSError:
                 pass

@@ -310,7 +310,7 @@ async def dump(
     enter: int | None = None,
     nice: int = 0,
 ) -> float:
-    """``criu dump`` process ``pid`` (a session leader with no terminal) into ``images_dir``.
+    """``criu dump`` process ``pid`` (a process group leader) into ``images_dir``.
 
     ``enter``: a host pid whose PID and mount namespaces CRIU runs in (``nsenter``), ``pid``
     being a pid of that namespace: the clone of a restored rank lives in the rank's namespace,
@@ -331,6 +331,9 @@ async def dump(
         str(log_file.absolute()),
         # Cgroups differ between machines; the restored rank joins its agent's instead.
         "--manage-cgroups=ignore",
+        # The clone's session is its agent's (the rank's): the restore puts it in the
+        # restoring agent's session instead of making one (restore_init).
+        "--shell-job",
     ]
     if enter is not None:
         command = ["nsenter", "-t", str(enter), "-p", "-m", *command]

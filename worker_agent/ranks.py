@@ -7,7 +7,8 @@
 2. attach the rank to every relay of its job (home on ``relays[homes[rank]]``), so that what
    the rank sends can be deposited the moment it starts; the home relay's ``Attached.dets``
    (determinants logged by earlier incarnations) becomes ``RankWelcome.replay_dets``;
-3. spawn ``[python, entry, *args]`` in its own session with the environment of
+3. spawn ``[python, entry, *args]`` in its own process group (in the agent's session, see
+   ``_spawn``) with the environment of
    docs/internals.md, pump its output, and stop it when asked (``Stop`` to the rank, SIGTERM,
    then SIGKILL after ``stop_grace``);
 4. once it is gone: post the remaining output, upload the files it created or changed, report

@@ -245,7 +245,8 @@ async def _restore_one(
                 stdin=subprocess.DEVNULL,
                 stdout=restore_log,
                 stderr=subprocess.STDOUT,
-                start_new_session=True,
+                # Its own process group, in the agent's session: see ranks.py.
+                process_group=0,
             )
         pid = await _wait_restored(process, images, status_file, scratch / "restore.log")
         out_offsets = manifest.get("out_offsets") or {}

@@ -10,7 +10,7 @@ nothing about the restored process: that is why this exists.
 
 A failed restore writes no status file, prints the tail of CRIU's log on stderr and exits 2.
 SIGTERM, SIGINT, SIGHUP and SIGQUIT sent to this process (the agent signals the process group
-of ``unshare``, which this process shares; the restored process has a session of its own) are
+of ``unshare``, which this process shares; the restored process has a group of its own) are
 passed on to the restored process. When this process dies the kernel kills the whole namespace.
 """
 
@@ -81,6 +81,9 @@ def main(argv: list[str] | None = None) -> int:
         "-o",
         RESTORE_LOG_NAME,
         "--manage-cgroups=ignore",
+        # Into this process's session (the agent's), as it was dumped: one scheduler
+        # autogroup with the agent's other ranks and its niced checkpoint chores.
+        "--shell-job",
     ]
     try:
         criu = subprocess.run(

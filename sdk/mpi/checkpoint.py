@@ -219,7 +219,15 @@ class Checkpointer:
     def _clone(self, ckpt: int, parent: int, forked: CkptForked, stdin_at: int) -> None:
         """The forked clone: wait to be dumped, then restored (return) or orphaned (exit)."""
         try:
-            os.setsid()
+            # A process group of its own (the signals for the rank's group must not end the
+            # checkpoint), in the rank's session: CRIU dumps and restores it with --shell-job,
+            # so the restored rank too shares its agent's scheduler group (docs/internals.md).
+            # CRIU refuses a session whose leader is outside the PID namespace (sid 0 there),
+            # which is where a restored rank's session is: its clone leads one of its own.
+            if os.getsid(0) == 0:
+                os.setsid()
+            else:
+                os.setpgid(0, 0)
             self.clones = []
             t = self.transport
             for sock in (t.sock, self.control):

@@ -1,8 +1,9 @@
 """CRIU pieces of checkpoints, with real CRIU and real processes.
 
-The clone program forks the way the runtime does (setsid, fds 0-2 on /dev/null, an open file
-in its cwd, polling its parent pid); the tests dump it, pack and unpack the image, restore it
-in a fresh PID namespace and watch its exit status come back through ``restore_init``.
+The clone program forks the way the runtime does (own process group, fds 0-2 on /dev/null, an
+open file in its cwd, polling its parent pid); the tests dump it, pack and unpack the image,
+restore it in a fresh PID namespace and watch its exit status come back through
+``restore_init``.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ if mb:
 r, w = os.pipe()
 parent = os.getpid()
 if os.fork() == 0:
-    os.setsid()
+    os.setpgid(0, 0)
     os.chdir(os.path.join(rank_dir, "work"))
     null = os.open("/dev/null", os.O_RDWR)
     for fd in (0, 1, 2):
@@ -64,8 +65,14 @@ if os.fork() == 0:
     journal.write("restored\n")
     journal.flush()
     ok = data is None or float(data.sum()) == expect
+    try:
+        group = open("/proc/self/autogroup").read().split()[0]
+    except OSError:
+        group = None
+    info = {"ppid": os.getppid(), "parent": parent, "data_ok": ok, "autogroup": group}
+    info.update(sid=os.getsid(0), own_group=os.getpgid(0) == os.getpid())
     with open("restored.tmp", "w") as f:
-        json.dump({"ppid": os.getppid(), "parent": parent, "data_ok": ok}, f)
+        json.dump(info, f)
     os.rename("restored.tmp", "restored.json")
     if mode == "wait":
         time.sleep(120)
@@ -332,7 +339,7 @@ def make_checkpoint(
         [sys.executable, str(program), str(rank_dir), mode, str(mb)],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
-        start_new_session=True,
+        process_group=0,  # as the agent starts a rank
     )
     processes.append(parent)
     assert parent.stdout is not None
@@ -401,6 +408,13 @@ def make_checkpoint(
     return Checkpoint(images, rank_dir, parent.pid, timings)
 
 
+def _autogroup() -> str | None:
+    try:
+        return Path("/proc/self/autogroup").read_text().split()[0]
+    except OSError:
+        return None
+
+
 def start_restore(
     checkpoint: Checkpoint, status: Path, processes: list[subprocess.Popen[bytes]]
 ) -> subprocess.Popen[bytes]:
@@ -408,7 +422,7 @@ def start_restore(
         criu.restore_command(checkpoint.images, status, criu=CRIU),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
-        start_new_session=True,
+        process_group=0,  # as the agent starts a restore
     )
     processes.append(proc)
     return proc
@@ -444,6 +458,11 @@ def test_dump_restore_exit_code(
     assert restored["parent"] == checkpoint.parent
     assert restored["ppid"] != checkpoint.parent
     assert restored["data_ok"] is True  # 20 MB of numbers, through the pipe or the file
+    # In the restoring session (whose leader is outside the namespace: sid 0 there), in a
+    # process group of its own, and so in the restorer's scheduler group (--shell-job).
+    assert restored["sid"] == 0
+    assert restored["own_group"] is True
+    assert restored["autogroup"] == _autogroup()
     if streamed:
         assert checkpoint.timings["pipe_mb"] > 20
     # The file the clone held open came back with it, at its offset.
