@@ -18,9 +18,6 @@ from vpool.sdk.mpi.comm import Comm, Intercomm, Intracomm  # noqa: F401
 from vpool.sdk.mpi.constants import *  # noqa: F403
 from vpool.sdk.mpi.datatypes import *  # noqa: F403
 from vpool.sdk.mpi.datatypes import Datatype  # noqa: F401
-from vpool.sdk.mpi.datatypes import typedict as _typedict  # noqa: F401
-from vpool.sdk.mpi.datatypes import typedict_c as _typedict_c  # noqa: F401
-from vpool.sdk.mpi.datatypes import typedict_f as _typedict_f  # noqa: F401
 from vpool.sdk.mpi.derived import address as Get_address  # noqa: F401
 from vpool.sdk.mpi.distgraph import UNWEIGHTED, WEIGHTS_EMPTY, Distgraphcomm  # noqa: F401
 from vpool.sdk.mpi.envelope import typealign as _typealign  # noqa: F401
@@ -53,6 +50,9 @@ from vpool.sdk.mpi.serialization import public_pickle as pickle  # noqa: F401
 from vpool.sdk.mpi.status import Status  # noqa: F401
 from vpool.sdk.mpi.topology import Cartcomm, Graphcomm, Topocomm  # noqa: F401
 from vpool.sdk.mpi.topology import compute_dims as Compute_dims  # noqa: F401
+from vpool.sdk.mpi.typedict import typedict as _typedict  # noqa: F401
+from vpool.sdk.mpi.typedict import typedict_c as _typedict_c  # noqa: F401
+from vpool.sdk.mpi.typedict import typedict_f as _typedict_f  # noqa: F401
 
 COMM_WORLD = _env.COMM_WORLD
 COMM_SELF = _env.COMM_SELF

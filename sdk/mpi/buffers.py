@@ -21,8 +21,9 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from vpool.sdk.mpi import derived, errors
-from vpool.sdk.mpi.datatypes import BYTE, Datatype, from_format, lookup
+from vpool.sdk.mpi.datatypes import BYTE, Datatype
 from vpool.sdk.mpi.dlpack import exported_typecode, exported_view
+from vpool.sdk.mpi.typedict import from_format, lookup
 
 
 class _Sentinel:

@@ -151,7 +151,7 @@ def typechar(dt: Datatype) -> str:
 
 
 def fromcode(code: str) -> Datatype:
-    from vpool.sdk.mpi.datatypes import typedict
+    from vpool.sdk.mpi.typedict import typedict
 
     found = typedict.get(code) if isinstance(code, str) else None
     if found is None:
