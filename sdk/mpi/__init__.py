@@ -10,7 +10,7 @@ Modules by concern:
 - ``runtime``: the point-to-point engine (sends, posted receives, local delivery);
 - ``matching``: the posted and unexpected queues, every matching decision;
 - ``request``, ``status``, ``message``: completion objects;
-- ``buffers``, ``datatypes``, ``serialization``: what a message's bytes are;
+- ``buffers``, ``datatypes`` (with ``typedict``), ``serialization``: what a message's bytes are;
 - ``ops``, ``coll``, ``collbuf``: reductions and collectives over point-to-point;
 - ``comm`` (with ``commcoll``, ``commattr``), ``group``, ``topology``, ``handles``:
   communicators and friends;
