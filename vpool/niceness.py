@@ -42,6 +42,13 @@ def lower_this_thread(nice: int) -> None:
     os.setpriority(os.PRIO_PROCESS, tid, min(current + nice, MAX_NICE))
 
 
+def lower_this_process(nice: int) -> None:
+    """Make this process (its threads started from now on, and its children) ``nice`` steps
+    nicer; its other threads keep their niceness."""
+    if nice > 0:
+        os.nice(min(nice, MAX_NICE))
+
+
 def run_niced(fn: Callable[[], T], nice: int) -> T:
     """``fn()`` in a new thread ``nice`` steps nicer than the caller's, waited for; its result
     or its exception is the caller's. ``nice`` <= 0: ``fn()`` in the calling thread."""

@@ -194,6 +194,11 @@ class Agent:
             self.capability.criu = ""
             log.warning("checkpoints disabled: %s", exc)
         self._beat_now()
+        if self.capability.criu:
+            try:
+                await self.services.checkpoint_workers().prewarm()
+            except OSError as exc:
+                log.warning("cannot start a checkpoint worker: %s", exc)
 
     async def lease_loop(self) -> None:
         delay = 0.5
@@ -372,17 +377,24 @@ async def run_agent(
         retry_max_delay=settings.retry_max_delay,
     ) as client:
         enrolled = await enroll(settings, client, key)
-        async with trio.open_nursery() as nursery:
-            agent = Agent(settings, client, enrolled, nursery)
-            path = await nursery.start(agent.proxy.serve, agent.socket_path)
-            nursery.start_soon(agent.find_capability)
-            nursery.start_soon(agent.heartbeat_loop)
-            nursery.start_soon(agent.lease_loop)
-            task_status.started(
-                AgentStarted(
-                    agent_id=enrolled.agent_id,
-                    name=settings.agent_name,
-                    socket_path=path,
-                    pid=os.getpid(),
+        services: list[RankServices] = []
+        try:
+            async with trio.open_nursery() as nursery:
+                agent = Agent(settings, client, enrolled, nursery)
+                services.append(agent.services)
+                path = await nursery.start(agent.proxy.serve, agent.socket_path)
+                nursery.start_soon(agent.find_capability)
+                nursery.start_soon(agent.heartbeat_loop)
+                nursery.start_soon(agent.lease_loop)
+                task_status.started(
+                    AgentStarted(
+                        agent_id=enrolled.agent_id,
+                        name=settings.agent_name,
+                        socket_path=path,
+                        pid=os.getpid(),
+                    )
                 )
-            )
+        finally:
+            # Every task is done: no checkpoint worker can start after this.
+            for svc in services:
+                await svc.aclose()

@@ -11,10 +11,11 @@ heartbeat answer (``LocalRank.checkpoint_wanted``). One checkpoint:
 2. ``CkptForked(pid, counters, pending)``: the rank flushed its stdio and forked, without
    waiting for the agent; the image's output offsets are what was read plus what the rank
    found still in the pipes. The pump goes on;
-3. ``criu dump`` the clone into a scratch directory, pack the images and the rank directory
-   (``ckpt_image.ImageWriter``, in a worker thread) and stream them to the home relay's store;
-4. before ``CkptEnd``, wait until the relays acknowledged everything the rank said it sent
-   (the clone counts it as acknowledged), then wait for ``CkptStored``.
+3. a checkpoint worker process (``ckpt_workers``, ``ckpt_worker``) runs ``criu dump`` of the
+   clone into a scratch directory, packs the images and the rank directory
+   (``ckpt_image.ImageWriter``) and streams them to the home relay's store;
+4. before ``CkptEnd``, the agent waits until the relays acknowledged everything the rank said
+   it sent (the clone counts it as acknowledged), then the worker waits for ``CkptStored``.
 
 Any failure kills the clone and is reported as ``CheckpointFailed``; the rank runs on.
 """
@@ -30,22 +31,19 @@ import shutil
 import signal
 import tempfile
 import time
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import msgspec
-import outcome
 import trio
 
-from vpool.protocol.api import CheckpointFailed, Lease
+from vpool.protocol.api import CheckpointFailed, Lease, RelayInfo
 from vpool.protocol.messages import CheckpointRequest, CkptForked, CkptPut
-from vpool.worker_agent import ckpt_image, criu
+from vpool.worker_agent import ckpt_worker, criu
 from vpool.worker_agent.errors import AgentError, CoordinatorRejected
 from vpool.worker_agent.local_ranks import LocalRank
 from vpool.worker_agent.output import STREAMS, OutputPump
-from vpool.worker_agent.store_client import Aborter, run_in_thread
 from vpool.worker_agent.wire import encode_small
 
 if TYPE_CHECKING:
@@ -61,7 +59,6 @@ STORE_TIMEOUT = 300.0  # s for CkptEnd -> CkptStored
 _ACK_POLL = 0.01
 # s to wait for the orphaned clone's own CkptForked when the rank died with a request out
 ORPHAN_REPORT_WAIT = 2.0
-_PACK_LIMITER = trio.CapacityLimiter(2)
 
 
 async def _first(*events: trio.Event) -> None:
@@ -360,18 +357,7 @@ class Checkpointer:
         taking.scratch = Path(
             tempfile.mkdtemp(prefix=f"{lease.job}-{lease.rank}-{taking.ckpt}-", dir=scratch_root)
         )
-        images = taking.scratch / "images"
-        images.mkdir()
-        dump = functools.partial(
-            criu.dump,
-            forked.pid,
-            images,
-            criu=settings.criu,
-            log_dir=taking.scratch,
-            timeout=DUMP_TIMEOUT,
-            enter=None if forked.orphan else self._namespace_of(),
-            nice=settings.checkpoint_nice,
-        )
+        (taking.scratch / "images").mkdir()
         # 4. store
         manifest: dict[str, Any] = {
             "rank_dir": str(self.prepared.rank_dir),
@@ -388,84 +374,7 @@ class Checkpointer:
         else:
             manifest["pause_ms"] = round(pause * 1000, 3)
             manifest["pause_cpu_ms"] = round(forked.pause_cpu_us / 1000, 3)
-        started = trio.current_time()
-        if settings.checkpoint_stream_pages:
-            dump_s, size = await self._dump_streaming(taking, ready, images, manifest, dump)
-        else:
-            dump_s = await dump()
-            taking.clone = -1  # criu ends the dumped process
-            manifest["dump_s"] = round(dump_s, 3)
-            size = await self._store(taking, ready, images, manifest, None, _PACK_LIMITER)
-        log.info(
-            "checkpoint %d of %s: %s, dump %.2f s, %.1f MB in %.2f s",
-            taking.ckpt,
-            rank.label,
-            "from the orphaned clone"
-            if forked.orphan
-            else f"pause {pause * 1000:.1f} ms (cpu {forked.pause_cpu_us / 1000:.1f} ms)",
-            dump_s,
-            size / 1e6,
-            trio.current_time() - started,
-        )
-
-    async def _dump_streaming(
-        self,
-        taking: _Taking,
-        ready: CkptForked,
-        images: Path,
-        manifest: dict[str, Any],
-        dump: Callable[[], Awaitable[float]],
-    ) -> tuple[float, int]:
-        """Dump and store at once: CRIU writes the clone's pages into a pipe
-        (``criu.PagesPipe``) that the upload reads, then the rest of the images follow. Returns
-        the dump's seconds and the image's size."""
-        pipe = criu.PagesPipe(images)
-        dumped: list[float] = []
-
-        async def run_dump() -> None:
-            error: BaseException | None = None
-            try:
-                dumped.append(await dump())
-                taking.clone = -1  # criu ends the dumped process
-            except BaseException as exc:
-                error = exc  # the upload raises it (``PagesPipe.wait_dump``)
-                if not isinstance(exc, Exception):
-                    pipe.abandoned = True
-                    raise
-            finally:
-                pipe.ended(error)
-
-        try:
-            # The limit covers the dump too: a dump whose pipe nobody reads stands still.
-            async with _PACK_LIMITER, trio.open_nursery() as nursery:
-                nursery.start_soon(run_dump)
-                stored = await outcome.acapture(
-                    self._store, taking, ready, images, manifest, pipe, None
-                )
-                if isinstance(stored, outcome.Error):
-                    nursery.cancel_scope.cancel()  # CRIU may wait for room in the pipe
-        finally:
-            pipe.close()
-        size = stored.unwrap()  # raises the dump's error too (``PagesPipe.wait_dump``)
-        return dumped[0], size
-
-    async def _store(
-        self,
-        taking: _Taking,
-        ready: CkptForked,
-        images: Path,
-        manifest: dict[str, Any],
-        pipe: criu.PagesPipe | None,
-        limiter: trio.CapacityLimiter | None,
-    ) -> int:
-        lease, svc = self.rank.lease, self.svc
-        writer = ckpt_image.ImageWriter(
-            job_key(lease),
-            job=lease.job,
-            rank=lease.rank,
-            ckpt=taking.ckpt,
-            level=svc.settings.checkpoint_zstd_level,
-        )
+        svc = self.svc
         put = CkptPut(
             token=lease.token,
             ckpt=taking.ckpt,
@@ -474,31 +383,49 @@ class Checkpointer:
             fingerprint=svc.capability.fingerprint,
             meta=msgspec.msgpack.encode(manifest),
         )
-        rank_dir = self.prepared.rank_dir
+        task = ckpt_worker.Task(
+            ckpt=taking.ckpt,
+            clone=forked.pid,
+            enter=None if forked.orphan else self._namespace_of(),
+            scratch=str(taking.scratch),
+            rank_dir=str(self.prepared.rank_dir),
+            stream_pages=settings.checkpoint_stream_pages,
+            criu=settings.criu,
+            dump_timeout=DUMP_TIMEOUT,
+            key=job_key(lease),
+            job=lease.job,
+            rank=lease.rank,
+            level=settings.checkpoint_zstd_level,
+            put=put,
+            relay=_home_relay(lease),
+            tls=svc.ssl_context is not None,
+            ca=str(settings.ca_path) if settings.ca_path else None,
+            agent_token=svc.client.token,
+            max_payload=settings.max_payload,
+            store_timeout=STORE_TIMEOUT,
+        )
+        dumps: list[float] = []
 
-        token = trio.lowlevel.current_trio_token()  # ``upload`` may run in a niced thread
+        def dumped(seconds: float) -> None:
+            taking.clone = -1  # criu ends the dumped process
+            dumps.append(seconds)
 
-        def upload(aborter: Aborter) -> None:
-            if pipe is not None:
-                # Nothing is sent before CRIU writes pages: a dump that fails before that
-                # fails alone, and no store sees a put for it.
-                pipe.wait_pages()
-            home = lease.relays[lease.homes[lease.rank]]
-            # One thread packs, seals and sends: no hand-over per piece.
-            with svc.open_store(home, aborter) as conn:
-                conn.put_begin(put)
-                if pipe is None:
-                    pieces = writer.pack(images, rank_dir)
-                else:
-                    stream = ckpt_image.Stream(criu.PAGES_NAME, pipe.read_into)
-                    pieces = writer.pack(images, rank_dir, streams=[stream], then=pipe.wait_dump)
-                for piece in pieces:
-                    conn.put_chunk(taking.ckpt, piece)
-                trio.from_thread.run(self._acked_in_time, ready, trio_token=token)
-                conn.put_end(taking.ckpt, writer.size, writer.digest, timeout=STORE_TIMEOUT)
-
-        await run_in_thread(upload, limiter, nice=svc.settings.checkpoint_nice)
-        return int(writer.size)
+        started = trio.current_time()
+        # Dumped, packed and sent by a worker process (``ckpt_workers``), not in the agent.
+        size = await svc.checkpoint_workers().run(
+            task, dumped=dumped, acked=functools.partial(self._acked_in_time, ready)
+        )
+        log.info(
+            "checkpoint %d of %s: %s, dump %.2f s, %.1f MB in %.2f s",
+            taking.ckpt,
+            rank.label,
+            "from the orphaned clone"
+            if forked.orphan
+            else f"pause {pause * 1000:.1f} ms (cpu {forked.pause_cpu_us / 1000:.1f} ms)",
+            dumps[0] if dumps else 0.0,
+            size / 1e6,
+            trio.current_time() - started,
+        )
 
     async def _acked_in_time(self, ready: CkptForked) -> None:
         with trio.move_on_after(ACK_TIMEOUT) as waited:
@@ -558,6 +485,14 @@ def _unacked(rank: LocalRank, link: Any) -> Any:
     if store is None or link.broken is not None:
         raise CheckpointError(f"{link.where} no longer carries the rank ({link.broken or 'gone'})")
     return store
+
+
+def _home_relay(lease: Lease) -> RelayInfo | None:
+    """The relay whose store keeps the rank's images (None: the lease names none)."""
+    homes, relays = lease.homes, lease.relays
+    if lease.rank < len(homes) and 0 <= homes[lease.rank] < len(relays):
+        return relays[homes[lease.rank]]
+    return None
 
 
 def _kill(pid: int | None) -> None:

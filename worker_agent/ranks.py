@@ -53,6 +53,7 @@ from vpool.protocol.messages import Stop
 from vpool.worker_agent import bundle, restore
 from vpool.worker_agent.checkpoints import Capability, Checkpointer, checkpoint_signal
 from vpool.worker_agent.checkpoints import checkpoints_enabled as _ckpt_disabled_because
+from vpool.worker_agent.ckpt_workers import CkptWorkers
 from vpool.worker_agent.coordinator import CoordinatorClient
 from vpool.worker_agent.errors import BundleError, CoordinatorRejected, RelayLinkError
 from vpool.worker_agent.local_ranks import LocalRank, LocalRanks
@@ -106,6 +107,19 @@ class RankServices:
     # for the relays' checkpoint stores.
     capability: Capability = field(default_factory=Capability)
     ssl_context: ssl.SSLContext | None = None
+    # The processes that dump and upload checkpoints (``checkpoint_workers``).
+    _ckpt_workers: CkptWorkers | None = None
+
+    def checkpoint_workers(self) -> CkptWorkers:
+        """The agent's checkpoint worker processes (made at the first checkpoint)."""
+        if self._ckpt_workers is None:
+            self._ckpt_workers = CkptWorkers(self.settings.checkpoint_nice)
+        return self._ckpt_workers
+
+    async def aclose(self) -> None:
+        """End what the services started (the idle checkpoint workers)."""
+        if self._ckpt_workers is not None:
+            await self._ckpt_workers.aclose()
 
     def open_store(self, relay: RelayInfo, aborter: Aborter) -> StoreConnection:
         """A connection to ``relay``'s checkpoint store as this agent (blocking: open it in

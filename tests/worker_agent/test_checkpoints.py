@@ -531,15 +531,18 @@ def checkpointer(
 async def take_once(ckpt: Checkpointer, rank_side: Callable[[], Awaitable[None]]) -> bool:
     """``ckpt.take(ordered=True)`` with its control reader and ``rank_side`` running beside it."""
     result: list[bool] = []
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(ckpt._control_reader)
-        nursery.start_soon(rank_side)
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(ckpt._control_reader)
+            nursery.start_soon(rank_side)
 
-        async def take() -> None:
-            result.append(await ckpt.take(ordered=True))
-            nursery.cancel_scope.cancel()
+            async def take() -> None:
+                result.append(await ckpt.take(ordered=True))
+                nursery.cancel_scope.cancel()
 
-        nursery.start_soon(take)
+            nursery.start_soon(take)
+    finally:
+        await ckpt.svc.aclose()  # the checkpoint worker
     return result[0]
 
 
