@@ -27,6 +27,9 @@ Figures, per run and as medians over the repetitions:
   the runs with checkpoints on; the figures say which source they came from.
 
 Both runs must print the same checksum (checked). ``--json FILE`` keeps every run's figures.
+``--set relay.KEY=VALUE`` (or ``agent.``, repeatable) appends ``KEY = VALUE`` (TOML) to the
+config file of every relay (agent) of the pool and restarts it before the runs, to measure a
+setting (``--set relay.store_nice=0``).
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ import argparse
 import json
 import os
 import re
+import signal
 import statistics
 import sys
 import tempfile
@@ -116,6 +120,40 @@ def run_once(pool: Pool, opts: argparse.Namespace, every: float, name: str) -> d
     return res
 
 
+def stop(pool: Pool, name: str, limit: float = 60.0) -> None:
+    """Stop the pool's component ``name`` (SIGTERM to the pid the pool recorded for it; this
+    run started it) and wait until the pool sees it down."""
+    pid = pool.processes().get(name)
+    if pid is not None:
+        os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + limit
+    while name in pool.processes():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{name} did not stop within {limit:g} s")
+        time.sleep(0.2)
+
+
+def apply_settings(pool: Pool, home: Path, settings: list[str]) -> None:
+    """``--set`` (module docstring): relays first, then agents, each restarted."""
+    for kind in ("relay", "agent"):
+        lines = []
+        for item in settings:
+            target, _, assignment = item.partition(".")
+            key, eq, value = assignment.partition("=")
+            if target not in ("relay", "agent") or not eq or not key:
+                raise SystemExit(f"--set {item!r}: expected relay.KEY=VALUE or agent.KEY=VALUE")
+            if target == kind:
+                lines.append(f"{key.strip()} = {value.strip()}\n")
+        if not lines:
+            continue
+        for config in sorted((home / "state" / "local-pool").glob(f"{kind}-*/config.toml")):
+            config.write_text(config.read_text() + "".join(lines))
+            name = config.parent.name
+            stop(pool, name)
+            pool.vsdk("local", "restart", name, timeout=120)
+            print(f"  {name}: {''.join(lines).strip()}", file=sys.stderr, flush=True)
+
+
 def measure(opts: argparse.Namespace) -> dict[str, list[dict]]:
     runs: dict[str, list[dict]] = {"off": [], "on": []}
     with tempfile.TemporaryDirectory(prefix="vpool-ckpt-bench-") as home:
@@ -123,6 +161,7 @@ def measure(opts: argparse.Namespace) -> dict[str, list[dict]]:
         pool = Pool(home, env)
         pool.vsdk("local", "up", "--agents", str(opts.agents), "--relays", "1", timeout=180)
         try:
+            apply_settings(pool, Path(home), opts.set)
             for i in range(opts.repeat):
                 order = ("off", "on") if i % 2 == 0 else ("on", "off")
                 for key in order:
@@ -161,6 +200,8 @@ def report(opts: argparse.Namespace, runs: dict[str, list[dict]], s: dict) -> No
         f"\ncheckpoint_overhead: examples/stencil.py {opts.steps} steps, {opts.ranks} ranks x "
         f"{opts.mb:g} MB, checkpoints every {opts.every:g} s, {opts.repeat} pair(s)"
     )
+    if opts.set:
+        print(f"settings         {', '.join(opts.set)}")
     for key in ("off", "on"):
         times = ", ".join(f"{r['seconds']:.1f}" for r in runs[key])
         print(f"checkpoints {key:4} {times} s (median {s[f'{key}_s']:.1f} s)")
@@ -192,6 +233,13 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=1, help="off/on pairs; figures are medians")
     ap.add_argument("--limit", type=float, default=1800.0, help="s before a run is cancelled")
     ap.add_argument("--json", default="", help="also write every run and the summary here")
+    ap.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="relay.KEY=VALUE",
+        help="a relay or agent setting for the pool (repeatable)",
+    )
     opts = ap.parse_args()
     if opts.repeat < 1 or opts.every <= 0:
         ap.error("--repeat must be at least 1 and --every above 0")
