@@ -377,11 +377,10 @@ async def run_agent(
         retry_max_delay=settings.retry_max_delay,
     ) as client:
         enrolled = await enroll(settings, client, key)
-        services: list[RankServices] = []
+        agent: Agent | None = None
         try:
             async with trio.open_nursery() as nursery:
                 agent = Agent(settings, client, enrolled, nursery)
-                services.append(agent.services)
                 path = await nursery.start(agent.proxy.serve, agent.socket_path)
                 nursery.start_soon(agent.find_capability)
                 nursery.start_soon(agent.heartbeat_loop)
@@ -396,5 +395,5 @@ async def run_agent(
                 )
         finally:
             # Every task is done: no checkpoint worker can start after this.
-            for svc in services:
-                await svc.aclose()
+            if agent is not None:
+                await agent.services.aclose()

@@ -488,11 +488,9 @@ def _unacked(rank: LocalRank, link: Any) -> Any:
 
 
 def _home_relay(lease: Lease) -> RelayInfo | None:
-    """The relay whose store keeps the rank's images (None: the lease names none)."""
-    homes, relays = lease.homes, lease.relays
-    if lease.rank < len(homes) and 0 <= homes[lease.rank] < len(relays):
-        return relays[homes[lease.rank]]
-    return None
+    """The relay whose store keeps the rank's images; None for a rank given no relays (it
+    runs, ``ranks`` checked its homes, but has nowhere to store)."""
+    return lease.relays[lease.homes[lease.rank]] if lease.relays else None
 
 
 def _kill(pid: int | None) -> None:

@@ -28,6 +28,7 @@ threads); the agent kills it (its process group: CRIU with it) when a checkpoint
 
 from __future__ import annotations
 
+import functools
 import logging
 import sys
 from collections.abc import Awaitable, Callable
@@ -43,8 +44,6 @@ from vpool.protocol.api import RelayInfo
 from vpool.protocol.messages import CkptPut
 from vpool.worker_agent import ckpt_image, criu
 from vpool.worker_agent.store_client import Aborter, StoreError, open_store, run_in_thread
-
-log = logging.getLogger("vpool.agent.ckpt_worker")
 
 MAX_FRAME = 1 << 20  # a Task holds tokens, counters and the manifest: kilobytes
 
@@ -174,7 +173,16 @@ async def run_task(task: Task, session: _Session) -> int:
     """Dump and store ``task``'s image; its size."""
     scratch = Path(task.scratch)
     images = scratch / "images"
-    dump = _dump_call(task, images, scratch)
+    # The whole worker runs at the agent's checkpoint niceness: CRIU inherits it.
+    dump = functools.partial(
+        criu.dump,
+        task.clone,
+        images,
+        criu=task.criu,
+        log_dir=scratch,
+        timeout=task.dump_timeout,
+        enter=task.enter,
+    )
     if task.stream_pages:
         return await _dump_streaming(task, images, dump, session)
     seconds = await dump()
@@ -183,21 +191,6 @@ async def run_task(task: Task, session: _Session) -> int:
     meta["dump_s"] = round(seconds, 3)
     task.put = msgspec.structs.replace(task.put, meta=msgspec.msgpack.encode(meta))
     return await _store(task, images, None, session)
-
-
-def _dump_call(task: Task, images: Path, scratch: Path) -> Callable[[], Awaitable[float]]:
-    async def dump() -> float:
-        # The whole worker runs at the agent's checkpoint niceness: CRIU inherits it.
-        return await criu.dump(
-            task.clone,
-            images,
-            criu=task.criu,
-            log_dir=scratch,
-            timeout=task.dump_timeout,
-            enter=task.enter,
-        )
-
-    return dump
 
 
 async def _dump_streaming(
@@ -247,10 +240,9 @@ async def _store(task: Task, images: Path, pipe: criu.PagesPipe | None, session:
             raise StoreError("the lease names no home relay for the rank's images")
         if not task.tls:
             raise StoreError("no TLS context for the relays' checkpoint stores")
-        relay = task.relay
         ssl_context = tls.client_context(Path(task.ca) if task.ca else None)
         with open_store(
-            relay,
+            task.relay,
             ssl_context=ssl_context,
             token=task.agent_token,
             max_payload=task.max_payload,

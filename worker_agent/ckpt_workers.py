@@ -96,11 +96,13 @@ class _Worker:
 
     def kill(self) -> None:
         """Kill the worker's process group (the worker and CRIU), by the worker's pid: it leads
-        the group (``process_group=0``), and it is not reaped before ``wait``."""
+        the group (``process_group=0``), and it is not reaped before ``wait``. The worker
+        itself also by its pid, so that ``close`` never waits for a live one."""
         try:
             os.killpg(self.proc.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
+        self.proc.kill()
 
     async def close(self) -> None:
         with trio.CancelScope(shield=True):

@@ -56,23 +56,24 @@ def task(tmp_path: Path, criu_path: str, *, stream_pages: bool = True) -> Task:
 
 
 def hanging_criu(tmp_path: Path) -> tuple[Path, Path]:
-    """A CRIU stand-in that notes its pid, then sleeps: a dump that never ends."""
+    """A CRIU stand-in that writes its pid into a FIFO, then sleeps: a dump that never ends."""
     marker = tmp_path / "criu.pid"
+    os.mkfifo(marker)
     script = tmp_path / "hanging-criu"
-    script.write_text(
-        f"#!/bin/sh\necho $$ > {marker}.tmp\nmv {marker}.tmp {marker}\nexec sleep 60\n"
-    )
+    script.write_text(f"#!/bin/sh\necho $$ > {marker}\nexec sleep 60\n")
     script.chmod(script.stat().st_mode | stat.S_IXUSR)
     return script, marker
 
 
-async def wait_for(path: Path) -> int:
-    """The pid a stand-in wrote to ``path`` (polled: a file tells nobody it appeared)."""
-    where = trio.Path(path)
-    with trio.fail_after(20):
-        while not await where.exists():  # noqa: ASYNC110
-            await trio.sleep(0.01)
-    return int(await where.read_text())
+async def wait_for(fifo: Path) -> int:
+    """The pid the stand-in writes into ``fifo``, once it does."""
+    fd = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)  # no writer yet: no hang-up either
+    try:
+        with trio.fail_after(20):
+            await trio.lowlevel.wait_readable(fd)
+        return int(os.read(fd, 64))
+    finally:
+        os.close(fd)
 
 
 def parent_of(pid: int) -> int:
@@ -80,21 +81,18 @@ def parent_of(pid: int) -> int:
         return int(f.read().rsplit(")", 1)[1].split()[1])
 
 
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # A zombie is dead for this purpose.
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-
-
 async def wait_gone(pid: int) -> None:
-    """Wait until ``pid`` is dead (a SIGKILL lands a moment after ``kill`` returns)."""
-    with trio.fail_after(10):
-        while alive(pid):  # noqa: ASYNC110 (nothing tells when another process dies)
-            await trio.sleep(0.01)
+    """Wait until ``pid`` has exited (a SIGKILL lands a moment after ``kill`` returns): its
+    pidfd turns readable then."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return  # exited and reaped already
+    try:
+        with trio.fail_after(10):
+            await trio.lowlevel.wait_readable(fd)
+    finally:
+        os.close(fd)
 
 
 def _dumped(seconds: float) -> None:
@@ -144,7 +142,6 @@ async def test_a_cancelled_checkpoint_kills_the_worker_and_criu(tmp_path: Path) 
         await wait_gone(criu_pid)
         assert workers.idle_pids == []  # not kept: the next checkpoint starts a new one
         # The next one does.
-        marker.unlink()
         with pytest.raises(criu.CriuError):
             await workers.run(task(tmp_path, str(tmp_path / "none")), dumped=_dumped, acked=_acked)
         assert workers.started == 2
