@@ -59,6 +59,8 @@ STORE_TIMEOUT = 300.0  # s for CkptEnd -> CkptStored
 _ACK_POLL = 0.01
 # s to wait for the orphaned clone's own CkptForked when the rank died with a request out
 ORPHAN_REPORT_WAIT = 2.0
+# s a failed periodic checkpoint waits for its rank's exit before it is reported
+RANK_END_WAIT = 1.0
 
 
 async def _first(*events: trio.Event) -> None:
@@ -158,6 +160,7 @@ class Checkpointer:
         self.taking: _Taking | None = None
         self.pauses: list[float] = []  # the rank's pause (s) of each checkpoint taken
         self.closing = False  # the rank's process ended: no new checkpoint starts
+        self.ended = trio.Event()  # set with ``closing`` (``close``)
 
     async def run(self) -> None:
         """Serve the control connection and take checkpoints until cancelled."""
@@ -177,6 +180,12 @@ class Checkpointer:
                 if every > 0:
                     periodic = None if ordered else started
                     next_at = next_periodic(every, next_at, periodic, trio.current_time())
+
+    def close(self) -> None:
+        """The rank's process ended: no new checkpoint starts, and a periodic one it takes
+        down with it is not reported as failed."""
+        self.closing = True
+        self.ended.set()
 
     def forked_in_flight(self) -> tuple[int, trio.Event] | None:
         """The id and end event of the checkpoint in flight once the rank forked its clone
@@ -261,7 +270,8 @@ class Checkpointer:
         # Increasing per rank across incarnations (nothing persists: wall clock, ms).
         self.last_ckpt = max(self.last_ckpt + 1, int(time.time() * 1000))
         taking = self.taking = _Taking(ckpt=self.last_ckpt)
-        quiet = False  # a periodic checkpoint of a rank that cannot take any: no report
+        # No report of a periodic checkpoint of a rank that cannot take any, or that ended.
+        quiet = False
         try:
             why = checkpoints_enabled(self.svc.capability, lease)
             if not why and (rank.control is None or rank.pid is None):
@@ -280,6 +290,13 @@ class Checkpointer:
                 message = f"criu dump failed: {message}"
             _kill(taking.clone)
             taking.clone = -1
+            if not quiet and not ordered:
+                # A rank that ends during its checkpoint takes the dump with it (a restored
+                # rank's clone is in the rank's PID namespace, which dies with it): the job
+                # ending, not a failure. Its exit may reach the agent just after the dump's.
+                with trio.move_on_after(RANK_END_WAIT):
+                    await self.ended.wait()
+                quiet = self.ended.is_set()
             level = logging.DEBUG if quiet else logging.WARNING
             log.log(level, "checkpoint %d of %s failed: %s", taking.ckpt, rank.label, message)
             if not quiet:

@@ -393,7 +393,7 @@ async def execute(
                 watch.start_soon(_stop_when_asked, rank, launched, settings.stop_grace)
                 watch.start_soon(checkpointer.run)
                 await process.wait()
-                checkpointer.closing = True  # no new checkpoint of a process that is gone
+                checkpointer.close()  # no new checkpoint of a process that is gone
                 returncode = launched.returncode()
                 if returncode is not None and _describe_exit(rank, returncode)[2]:
                     grace = settings.lost_checkpoint_grace

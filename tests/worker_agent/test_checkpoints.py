@@ -528,8 +528,10 @@ def checkpointer(
     return Checkpointer(svc, rank, prepared, pump), client
 
 
-async def take_once(ckpt: Checkpointer, rank_side: Callable[[], Awaitable[None]]) -> bool:
-    """``ckpt.take(ordered=True)`` with its control reader and ``rank_side`` running beside it."""
+async def take_once(
+    ckpt: Checkpointer, rank_side: Callable[[], Awaitable[None]], *, ordered: bool = True
+) -> bool:
+    """``ckpt.take(ordered=...)`` with its control reader and ``rank_side`` running beside it."""
     result: list[bool] = []
     try:
         async with trio.open_nursery() as nursery:
@@ -537,7 +539,7 @@ async def take_once(ckpt: Checkpointer, rank_side: Callable[[], Awaitable[None]]
             nursery.start_soon(rank_side)
 
             async def take() -> None:
-                result.append(await ckpt.take(ordered=True))
+                result.append(await ckpt.take(ordered=ordered))
                 nursery.cancel_scope.cancel()
 
             nursery.start_soon(take)
@@ -581,6 +583,52 @@ async def test_failed_dump_kills_the_clone_and_is_reported(
         assert clone.returncode == -signal.SIGKILL
         assert rank_proc.poll() is None  # the rank runs on
         assert not any((tmp_path / "scratch").iterdir())  # the scratch dir is gone
+        await data.stream.aclose()
+        await control.stream.aclose()
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+            if p.stdout is not None:
+                p.stdout.close()
+
+
+@pytest.mark.parametrize("rank_ends", [False, True], ids=["rank-runs", "rank-ended"])
+async def test_periodic_checkpoint_lost_with_its_ending_rank_is_not_a_failure(
+    proxy: tuple[LocalRanks, Path], tmp_path: Path, rank_ends: bool
+) -> None:
+    """A restored rank's clone lives in the rank's PID namespace: a rank that exits while its
+    periodic checkpoint is dumped takes the dump with it. That is the job ending, not a failure
+    to report; the same failure of a rank that runs on is reported."""
+    ranks, path = proxy
+    rank = LocalRank(LEASE)
+    ranks.add(rank)
+    procs = [
+        subprocess.Popen([sys.executable, "-c", _RANK], stdout=subprocess.PIPE)  # noqa: ASYNC220
+        for _ in range(2)
+    ]
+    try:
+        for p in procs:
+            assert p.stdout is not None and p.stdout.readline() == b"ready\n"
+        rank_proc, clone = procs
+        rank.pid = rank_proc.pid
+        data, _ = await _connect(path, RankHello(PROTOCOL_VERSION, rank.secret))
+        control, _ = await _connect(path, RankHello(PROTOCOL_VERSION, rank.secret, control=True))
+        ckpt, client = checkpointer(ranks, path, rank, tmp_path)
+
+        async def fake_rank() -> None:
+            req = await data.receive()
+            assert isinstance(req, CheckpointRequest)
+            await control.send(CkptForked(req.request, clone.pid, [0, 0], [0, 0], 0, [0, 0], 1500))
+            if rank_ends:
+                ckpt.close()  # as ranks.execute does once the process ended
+
+        assert await take_once(ckpt, fake_rank, ordered=False) is False
+        if rank_ends:
+            assert client.failed == []
+        else:
+            [failed] = client.failed
+            assert "criu" in failed.message
         await data.stream.aclose()
         await control.stream.aclose()
     finally:

@@ -120,7 +120,7 @@ async def test_rank_killed_before_saying_it_forked_its_clone_is_still_dumped(
             # The rank forked and died before its own CkptForked: what ranks.execute sees.
             rank_proc.kill()
             await trio.to_thread.run_sync(rank_proc.wait)
-            ckpt.closing = True
+            ckpt.close()
             nursery.start_soon(finish, trio.Event())
             clone = _popen(_ORPHAN, str(path), rank.secret, str(req.request), str(decoy.pid))
             procs.append(clone)
