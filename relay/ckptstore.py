@@ -11,9 +11,12 @@ bulk=True)``. Then, one after the other, any number of::
     get:  agent CkptGet(token, ckpt)
           store CkptInfo, CkptChunk(ckpt)+payload (1 MiB) ..., CkptEnd   or Error(code, job, rank)
 
-``server`` tells the connections apart by their first byte; ``CheckpointStore.serve`` runs
-each store connection in a worker thread (``storethread.StoreThread``: a blocking socket costs
-a third of the CPU of trio's ``SSLStream`` per image), at most ``store_threads`` at once. A
+``server`` tells the connections apart by their first byte; ``storesupervisor`` hands each
+store connection to the relay's store process, a niced process of its own (``storeworker``),
+which serves it in a thread (``storethread.StoreThread``: a blocking socket costs a third of
+the CPU of trio's ``SSLStream`` per image), at most ``store_threads`` at once; what a session
+needs of the relay's state it asks over the link (``storelink``), answered by this module's
+``CheckpointStore`` methods in the relay's loop. A
 refused put (``fenced``, ``stale_ckpt``, ``busy``, ``job_finished``, ``storage_error``) is
 answered at once; the store then drops that image's chunks and its ``CkptEnd``, and the
 connection goes on. A put whose bytes do not match ``CkptEnd`` gets ``corrupt`` after the end,
@@ -24,15 +27,15 @@ close it.
 
 Bulk payloads. The image is ciphertext already: every chunk is sealed with AES-256-GCM under
 the job's checkpoint key, which the relay never has (``worker_agent.ckpt_image``). Sending it
-through TLS again cost 0.2 s of CPU per 250 MB on each side on the 2-core test machine, a
-fifth of a checkpoint's whole CPU (``benchmarks/checkpoint_costs.py``), for no secrecy gained.
-So the store says ``Welcome(bulk=True)``, and a put with ``CkptPut(bulk=True)`` sends each
-``CkptChunk``'s prefix and header through TLS and its payload right after, on the TCP stream
-beneath TLS (TLS reads exactly one record at a time, so the two never mix). What TLS still
-guarantees: the peer's identity, the tokens, every message, and each payload's length and
-place; the payload bytes themselves are checked by the ``CkptEnd`` digest (BLAKE3 of the
-whole image, sent through TLS): bytes changed on the way get ``corrupt`` and nothing is
-committed, as a broken TLS record would have ended the upload. Gets stay inside TLS.
+through TLS again cost 0.2 s of CPU per 250 MB on each side on the 2-core test machine, a fifth
+of a checkpoint's whole CPU (``benchmarks/checkpoint_costs.py``), for no secrecy gained. So the
+store says ``Welcome(bulk=True)`` (setting ``store_bulk``), and a put with
+``CkptPut(bulk=True)`` sends each ``CkptChunk``'s prefix and header through TLS and its payload
+right after, on the TCP stream beneath TLS (TLS reads exactly one record at a time, so the two
+never mix). What TLS still guarantees: the peer's identity, the tokens, every message, and each
+payload's length and place; the payload bytes themselves are checked by the ``CkptEnd`` digest
+(BLAKE3 of the whole image, sent through TLS): bytes changed on the way get ``corrupt`` and
+nothing is committed, as a broken TLS record would have ended the upload. Gets stay inside TLS.
 
 On disk, ``data_dir/jobs/<job>/<rank>/ckpt/``: ``<ckpt>.img`` (the bytes as uploaded),
 ``<ckpt>.json`` (the manifest: the commit point, written after the image), and
@@ -52,8 +55,6 @@ import base64
 import json
 import logging
 import os
-import socket
-import ssl
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -61,9 +62,7 @@ from typing import TYPE_CHECKING, Any
 import trio
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
-from vpool.niceness import run_niced
 from vpool.protocol.api import RelayCheckpoint
-from vpool.protocol.tokens import RankClaims
 from vpool.relay import log as logfiles
 from vpool.relay import trim
 from vpool.relay.errors import Rejected
@@ -214,7 +213,9 @@ class CheckpointStore:
         self.reporting = bool(hub.settings.coordinator_url)
         self.reports: list[Image] = []
         self.reports_ready = trio.Event()
-        self.limiter = trio.CapacityLimiter(max(1, hub.settings.store_threads))
+        from vpool.relay.storesupervisor import StoreSupervisor
+
+        self.supervisor = StoreSupervisor(self)
 
     # -- index ------------------------------------------------------------------------------
 
@@ -394,50 +395,25 @@ class CheckpointStore:
 
     # -- connections ------------------------------------------------------------------------
 
-    async def serve(
-        self, tcp: trio.SocketStream, ssl_context: ssl.SSLContext | None, peer: str
-    ) -> None:
-        """Serve a store connection whose preamble was read, in a worker thread, until it
-        ends. Cancelled (the relay stops), the socket is shut down, which ends the thread's
-        blocking calls, and the thread is waited for."""
-        from vpool.relay.storethread import StoreThread
-
-        fd = tcp.socket.detach()
-        sock = socket.socket(fileno=fd)
-        raw = sock.dup()
-        session = StoreThread(self, sock, raw, ssl_context, peer)
-        try:
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(_shutdown_when_cancelled, raw)
-                await trio.to_thread.run_sync(
-                    run_niced, session.run, self.hub.settings.store_nice, limiter=self.limiter
-                )
-                nursery.cancel_scope.cancel()
-        finally:
-            up = session.upload
-            if up is not None:
-                self.uploading.discard(up.key)
-            session.close()  # the thread may never have started
-            raw.close()
-
     async def signing_key(self) -> Ed25519PublicKey | None:
         """The key tokens are verified with, once the relay has it (``handshake_timeout``)."""
         with trio.move_on_after(self.hub.settings.handshake_timeout):
             await self.hub.key_ready.wait()
         return self.hub.signing_key
 
-    def begin_put(self, claims: RankClaims, ckpt: int) -> Rejected | None:
-        """Why image ``ckpt`` of the rank may not be uploaded now, or None: then the rank is
-        marked as uploading (``busy`` to others) until ``commit_put`` or the upload's end."""
-        job, rank = key = (claims.job, claims.rank)
+    def begin_put(self, key: Key, incarnation: int, ckpt: int) -> Rejected | None:
+        """Why image ``ckpt`` of incarnation ``incarnation`` of the rank may not be uploaded
+        now, or None: then the rank is marked as uploading (``busy`` to others) until
+        ``commit_put`` or the upload's end."""
+        job, rank = key
         if job in self.hub.finished:
             return Rejected("job_finished", f"job {job} is over", job=job, rank=rank)
         imgs = self.images.get(key, {})
         top = max([self.hub.fence.get(key, 0), *(i.incarnation for i in imgs.values())])
-        if claims.incarnation < top:
+        if incarnation < top:
             return Rejected(
                 "fenced",
-                f"image {ckpt} of incarnation {claims.incarnation} of rank {rank} of job "
+                f"image {ckpt} of incarnation {incarnation} of rank {rank} of job "
                 f"{job}: incarnation {top} replaced it",
                 job=job,
                 rank=rank,
@@ -479,16 +455,6 @@ class CheckpointStore:
 
     def image(self, key: Key, ckpt: int) -> Image | None:
         return self.images.get(key, {}).get(ckpt)
-
-
-async def _shutdown_when_cancelled(sock: socket.socket) -> None:
-    try:
-        await trio.sleep_forever()
-    finally:
-        try:
-            sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
 
 
 def _ids(img: Image) -> tuple[int, int, int]:

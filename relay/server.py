@@ -113,7 +113,7 @@ async def serve_relay(
             if store is None:
                 await trio.aclose_forcefully(tcp)
             elif store:
-                await hub.store.serve(tcp, ssl_context, peer)
+                await hub.store.supervisor.serve(tcp, peer)
             else:
                 await Connection(hub, _secured(tcp, ssl_context), peer=peer).run()
         except* StorageError:
@@ -125,6 +125,7 @@ async def serve_relay(
 
     async with trio.open_nursery() as nursery:
         nursery.start_soon(hub.watch_lost)
+        await nursery.start(hub.store.supervisor.run)
         if settings.coordinator_url:
             client = CoordinatorClient(
                 settings.coordinator_url,

@@ -73,8 +73,9 @@ class RelaySettings:
     write_threads: int = setting(4, "Threads doing large log writes and reads at once.")
     store_nice: int = setting(
         19,
-        "Niceness added to the threads receiving and sending checkpoint images, so that on a "
-        "machine that also runs ranks they take the CPU the ranks leave idle (0: the relay's).",
+        "Niceness added to the relay's store process, which receives and sends checkpoint "
+        "images, so that on a machine that also runs ranks it takes the CPU the ranks leave "
+        "idle (0: the relay's).",
     )
     checkpoint_keep: int = setting(
         2,
@@ -86,8 +87,13 @@ class RelaySettings:
     )
     store_threads: int = setting(
         8,
-        "Checkpoint store connections served at once (one thread each); more wait for a "
-        "thread before their TLS handshake.",
+        "Checkpoint store connections served at once (one thread each in the store "
+        "process); more wait before their TLS handshake.",
+    )
+    store_bulk: bool = setting(
+        True,
+        "Let agents send an image's bytes (AES-GCM ciphertext already) beneath TLS on the "
+        "store connection, checked by the image's digest; off: every byte through TLS.",
     )
     store_idle_timeout: float = setting(
         60.0, "Seconds a checkpoint store connection may stay silent before it is closed."

@@ -1,23 +1,25 @@
-"""One checkpoint store connection, served by a worker thread on a blocking socket.
+"""One checkpoint store connection, served by a thread of the store process on a blocking socket.
 
 An image is hundreds of megabytes. Received through trio's ``SSLStream`` it costs one trio
 await per 16 KiB TLS record: 0.35 s of CPU per 200 MB on the 2-core test machine, against
 0.10 s for ``ssl.SSLSocket.recv_into`` looping in a thread. So a store connection, recognised
 by its preamble (``ckptstore.STORE_PREAMBLE``, read by ``server``), is handed as a plain socket
-to ``StoreThread.run`` in a worker thread (``CheckpointStore.serve``), which does the TLS
-handshake (server side), reads the ``Hello`` and serves puts and gets one after the other.
+to the relay's store process (``storesupervisor``, ``storeworker``), where ``StoreThread.run``
+does the TLS handshake (server side), reads the ``Hello`` and serves puts and gets one after
+the other, in a thread of its own.
 
 Frames are read with ``recv_into`` into buffers allocated once per connection (a bulk put's
 payloads from ``raw``, beneath TLS: ``ckptstore``, "Bulk payloads"); a chunk's
 payload is hashed (BLAKE3) and written (``DirectFile``, ``O_DIRECT``) right there, and a get is read
 with ``os.preadv`` into the buffer of the frame it is sent in. Everything that touches the
 relay's state (the signing key, the refusals of a put, the ``uploading`` set, the commit and
-its report, the image index) goes through ``trio.from_thread`` into the relay's loop, in the
-``CheckpointStore`` methods named in the calls.
+its report, the image index) is asked of the relay through the link (``storelink``, calls
+answered by ``CheckpointStore`` methods in the relay's loop).
 
 The messages, their order and the error codes are in ``ckptstore``'s docstring. The socket
 has a timeout (``handshake_timeout`` up to the ``Hello``, then ``store_idle_timeout``); the
-trio side shuts the socket down when the relay stops, which ends every blocking call here.
+relay shuts the socket down (its copy of it) when it stops, which ends every blocking call
+here.
 """
 
 from __future__ import annotations
@@ -28,12 +30,10 @@ import secrets
 import socket
 import ssl
 import time
-from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING
 
 import blake3
-import trio
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from vpool.protocol.errors import RemoteProtocolError, TokenError
@@ -73,10 +73,8 @@ from vpool.relay.directwrite import DirectFile
 from vpool.relay.errors import Rejected
 from vpool.relay.hub import now
 
-T = TypeVar("T")
-
 if TYPE_CHECKING:
-    from vpool.relay.ckptstore import CheckpointStore
+    from vpool.relay.storeworker import RelayLink
 
 logger = logging.getLogger(__name__)
 
@@ -109,26 +107,28 @@ class Upload:
 
 class StoreThread:
     """One store connection (module docstring). ``sock`` is the accepted TCP socket after the
-    preamble; ``raw`` a duplicate of it, for the trio side's shutdown and for lingering."""
+    preamble; ``raw`` a duplicate of it, for bulk payloads and for lingering."""
 
     def __init__(
         self,
-        store: CheckpointStore,
+        link: RelayLink,
+        cid: int,
         sock: socket.socket,
         raw: socket.socket,
         ssl_context: ssl.SSLContext | None,
         peer: str,
     ) -> None:
-        self.store = store
-        self.settings = store.hub.settings
+        self.link = link
+        self.cid = cid
+        self.settings = link.init
         self.sock: socket.socket = sock
         self.raw = raw
         self.ssl_context = ssl_context
         self.peer = peer
         self.agent = ""
         self.key: Ed25519PublicKey | None = None
-        # Set while an image is received; the trio side releases its ``uploading`` entry if
-        # the thread ends with one.
+        # Set while an image is received (the relay releases its ``uploading`` entry if the
+        # session ends with one).
         self.upload: Upload | None = None
         self.discard = -1  # ckpt id of a refused put whose chunks are dropped
         self.bulk = -1  # ckpt id of the put whose payloads come beneath TLS (``CkptPut.bulk``)
@@ -136,23 +136,14 @@ class StoreThread:
         self._header = memoryview(bytearray(DEFAULT_MAX_HEADER))
         self._payload: memoryview | None = None  # STORE_MAX_CHUNK, once the agent is known
         self.reason = "the agent closed the store connection"
-        # ``run`` may be in a thread of its own (``vpool.niceness.run_niced``), not one of
-        # trio's: calls into the loop name it.
-        self.token = trio.lowlevel.current_trio_token()
 
     def __repr__(self) -> str:
         return f"<StoreThread agent={self.agent or '?'} peer={self.peer}>"
 
-    def _loop(self, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
-        return trio.from_thread.run(fn, *args, trio_token=self.token)
-
-    def _loop_sync(self, fn: Callable[..., T], *args: Any) -> T:
-        return trio.from_thread.run_sync(fn, *args, trio_token=self.token)
-
     # -- the connection -----------------------------------------------------------------------
 
     def run(self) -> None:
-        """Serve the connection until it ends (worker thread)."""
+        """Serve the connection until it ends (a thread of the store process)."""
         try:
             self._serve()
         except Rejected as rej:
@@ -188,9 +179,10 @@ class StoreThread:
         self.sock.settimeout(self.settings.store_idle_timeout)
         self.raw.settimeout(self.settings.store_idle_timeout)  # bulk payloads are read with it
         self._payload = memoryview(bytearray(STORE_MAX_CHUNK))
-        name = self.store.hub.name
+        name = self.settings.name
+        bulk = self.settings.bulk
         self._send(
-            Welcome(version=PROTOCOL_VERSION, relay=name, max_payload=STORE_MAX_CHUNK, bulk=True)
+            Welcome(version=PROTOCOL_VERSION, relay=name, max_payload=STORE_MAX_CHUNK, bulk=bulk)
         )
         while True:
             frame = self._read_frame(DEFAULT_MAX_HEADER, STORE_MAX_CHUNK)
@@ -218,7 +210,7 @@ class StoreThread:
             )
         if msg.role != "store":
             raise Rejected("bad_role", f"role {msg.role!r} on a store connection")
-        self.key = self._loop(self.store.signing_key)
+        self.key = self.link.signing_key(self.cid)
         if self.key is None:
             raise Rejected("not_ready", "the relay is not registered with the coordinator yet")
         try:
@@ -334,17 +326,17 @@ class StoreThread:
 
     def _start(self, put: CkptPut) -> None:
         claims = self._claims(put.token)
-        rej = self._loop_sync(self.store.begin_put, claims, put.ckpt)
+        rej = self.link.begin_put(self.cid, claims, put.ckpt)
         if rej is not None:
             self.discard = put.ckpt
             raise rej
-        directory = ckpt_dir(self.store.hub.data_dir, claims.job, claims.rank)
+        directory = ckpt_dir(Path(self.settings.data_dir), claims.job, claims.rank)
         tmp = directory / f"{put.ckpt}.{secrets.token_hex(4)}{PART}"
         try:
             directory.mkdir(parents=True, exist_ok=True)
             file = DirectFile(tmp)
         except OSError as exc:
-            self._loop_sync(self.store.uploading.discard, (claims.job, claims.rank))
+            self.link.end_upload(self.cid, (claims.job, claims.rank))
             self.discard = put.ckpt
             raise self._storage(claims.job, claims.rank, exc) from exc
         self.upload = Upload(put, claims, directory, file, tmp)
@@ -370,7 +362,7 @@ class StoreThread:
         """Drop the upload: its part file, and its ``uploading`` entry."""
         self.upload = None
         up.discard()
-        self._loop_sync(self.store.uploading.discard, up.key)
+        self.link.end_upload(self.cid, up.key)
 
     def _storage(self, job: int, rank: int, exc: OSError) -> Rejected:
         logger.warning("checkpoint store of job %d rank %d: %s", job, rank, exc)
@@ -411,19 +403,18 @@ class StoreThread:
             write_manifest(img)  # the commit point; fsyncs the directory
         except OSError as exc:
             self._abort(up)
-            if self._loop_sync(self.store.hub.finished.__contains__, job):
+            if self.link.job_finished(self.cid, job):
                 raise Rejected("job_finished", f"job {job} is over", job=job, rank=rank) from exc
             raise self._storage(job, rank, exc) from exc
-        answer = self._loop(self.store.commit_put, img)
+        # CkptStored once the coordinator has the image too (``known``): an agent that then
+        # reports its rank lost gets a replacement that restores from this image.
+        wait = self.settings.store_report_wait
+        answer, known = self.link.commit(self.cid, img, wait)
         self.upload = None
         if isinstance(answer, Rejected):
             delete_image(img)
             raise answer
         logger.info("job %d rank %d: image %d committed (%d bytes)", job, rank, img.ckpt, img.size)
-        # CkptStored once the coordinator has the image too: an agent that then reports its
-        # rank lost gets a replacement that restores from this image.
-        wait = self.settings.store_report_wait
-        known = self._loop(self.store.report_outcome, img, wait)
         if known is False:
             raise Rejected(
                 "refused",
@@ -446,7 +437,7 @@ class StoreThread:
     def _get(self, get: CkptGet) -> None:
         claims = self._claims(get.token)
         job, rank = claims.job, claims.rank
-        img = self._loop_sync(self.store.image, (job, rank), get.ckpt)
+        img = self.link.image(self.cid, (job, rank), get.ckpt)
         fd = -1
         if img is not None:
             try:

@@ -8,14 +8,12 @@ from pathlib import Path
 from typing import Any
 
 import blake3
-import pytest
 import trio
-from relay_fakes import Pool
+from relay_fakes import Pool, start_relay
 from store_fakes import MiB, ckpt_files, get, image, put, store_conn
 
 from vpool.protocol.api import RelayInfo
-from vpool.protocol.messages import CkptPut, CkptStored, Error, Welcome
-from vpool.relay import storethread
+from vpool.protocol.messages import CkptPut, CkptStored, Error
 from vpool.worker_agent import store_client
 
 
@@ -84,25 +82,16 @@ def _agent_put(
 
 
 async def test_agent_sends_bulk_when_the_store_offers_it(
-    pool: Pool, relay: Any, agents: object, monkeypatch: pytest.MonkeyPatch
+    pool: Pool, relay: Any, agents: object, nursery: trio.Nursery, tmp_path: Path
 ) -> None:
     info = RelayInfo(name="r", host=relay.addr[0], port=relay.addr[1])
     data = image(8, 3 * MiB + 99)
     bulk, stored, back = await trio.to_thread.run_sync(_agent_put, info, pool, data, 1)
     assert (bulk, stored, back == data) == (True, CkptStored(ckpt=1, retained=[1]), True)
-    # A store that does not offer it (an older relay) gets every byte through TLS.
-    seen: list[CkptPut] = []
-    real_start = storethread.StoreThread._start
-
-    def start(self: storethread.StoreThread, put: CkptPut) -> None:
-        seen.append(put)
-        real_start(self, put)
-
-    def welcome(**kw: Any) -> Welcome:
-        return Welcome(**{**kw, "bulk": False})
-
-    monkeypatch.setattr(storethread.StoreThread, "_start", start)
-    monkeypatch.setattr(storethread, "Welcome", welcome)
+    # A store that does not offer it (``store_bulk`` off, or an older relay) gets every byte
+    # through TLS.
+    settings = pool.settings(tmp_path / "relay2", store_bulk=False)
+    plain = await start_relay(nursery, settings, signing_key=pool.key.public_key())
+    info = RelayInfo(name="r2", host=plain.addr[0], port=plain.addr[1])
     bulk, stored, back = await trio.to_thread.run_sync(_agent_put, info, pool, data, 2)
-    assert (bulk, stored, back == data) == (False, CkptStored(ckpt=2, retained=[2, 1]), True)
-    assert [p.bulk for p in seen] == [False]
+    assert (bulk, stored, back == data) == (False, CkptStored(ckpt=2, retained=[2]), True)

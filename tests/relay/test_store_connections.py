@@ -98,14 +98,53 @@ async def test_stopping_relay_ends_store_threads(
     await store.send(CkptChunk(ckpt=1), b"p" * MiB)
     ckpt = tmp_path / "relay" / "jobs" / "1" / "0" / "ckpt"
     await until(lambda: ckpt.is_dir() and any(p.suffix == ".part" for p in ckpt.iterdir()))
-    assert relay.hub.store.limiter.borrowed_tokens == 2
+    supervisor = relay.hub.store.supervisor
+    assert supervisor.limiter.borrowed_tokens == 2
+    process = supervisor.current.proc
     await relay.stop()  # within DEADLINE: both threads were unblocked and joined
-    assert relay.hub.store.limiter.borrowed_tokens == 0
-    assert list(ckpt.iterdir()) == []
+    assert supervisor.limiter.borrowed_tokens == 0
+    assert list(ckpt.iterdir()) == []  # the thread deleted its part file
     assert not relay.hub.store.uploading
     for conn in (idle, store):
         with pytest.raises(EOFError):
             await conn.recv()
+    # The store process saw the link end, ended its sessions and exited by itself.
+    assert process.returncode == 0
+
+
+async def test_store_process_death_ends_its_sessions_only(
+    pool: Pool, relay: Any, tmp_path: Path, agents: list[Any]
+) -> None:
+    """A store process that dies (killed here) ends its sessions: their uploads are released
+    and their part files deleted by the relay. Agent connections go on, and the next store
+    connection gets a new store process."""
+    agent = await FakeAgent.connect(pool, relay.addr, "agent-a")
+    await agent.attach(pool, 1, 1, size=2, home=True)
+    store = await store_conn(pool, relay.addr, "agent-2")
+    token = pool.rank_token(1, 0, agent="agent-2", size=2)
+    await store.send(CkptPut(token=token, ckpt=1, received={}, dets=0, fingerprint="fp"))
+    await store.send(CkptChunk(ckpt=1), b"p" * MiB)
+    ckpt = tmp_path / "relay" / "jobs" / "1" / "0" / "ckpt"
+    await until(lambda: ckpt.is_dir() and any(p.suffix == ".part" for p in ckpt.iterdir()))
+    supervisor = relay.hub.store.supervisor
+    first = supervisor.current.proc
+    assert (1, 0) in relay.hub.store.uploading
+    first.kill()
+    with pytest.raises(EOFError):
+        await store.recv()
+    await until(lambda: not relay.hub.store.uploading and supervisor.limiter.borrowed_tokens == 0)
+    await until(lambda: not any(p.suffix == ".part" for p in ckpt.iterdir()))
+    assert first.returncode == -9
+    # The relay's loop is untouched: a message still goes through.
+    sender = await FakeAgent.connect(pool, relay.addr, "agent-b")
+    await sender.attach(pool, 1, 0, size=2)
+    await sender.deposit(1, 0, 1, 1, b"still here")
+    assert (await agent.next_data())[1] == b"still here"
+    # A new process serves the next store connection, and the rank may upload again.
+    again = await store_conn(pool, relay.addr, "agent-2")
+    data = image(1, MiB + 3)
+    assert await put(again, pool, 1, 0, 1, data) == CkptStored(ckpt=1, retained=[1])
+    assert supervisor.pid not in (None, first.pid)
 
 
 async def test_thread_bound_and_idle_timeout(
@@ -113,7 +152,7 @@ async def test_thread_bound_and_idle_timeout(
 ) -> None:
     settings = pool.settings(tmp_path / "relay", store_threads=1, store_idle_timeout=0.5)
     relay = await start_relay(nursery, settings, signing_key=pool.key.public_key())
-    limiter = relay.hub.store.limiter
+    limiter = relay.hub.store.supervisor.limiter
     first = await store_conn(pool, relay.addr, "agent-1")
     second: list[Any] = []
 
@@ -133,31 +172,37 @@ async def test_thread_bound_and_idle_timeout(
     assert await put(second[0], pool, 1, 0, 1, b"img") == CkptStored(ckpt=1, retained=[1])
 
 
-async def test_store_sessions_run_nicer_than_the_relay(
-    pool: Pool, relay: Any, agents: list[Any], monkeypatch: pytest.MonkeyPatch
+def _thread_niceness(pid: int) -> dict[int, int]:
+    """The niceness of each thread of process ``pid``."""
+    return {
+        int(tid): os.getpriority(os.PRIO_PROCESS, int(tid))
+        for tid in os.listdir(f"/proc/{pid}/task")
+    }
+
+
+async def test_store_sessions_run_in_a_nicer_process(
+    pool: Pool, relay: Any, agents: list[Any]
 ) -> None:
-    """``store_nice`` (default 19): each store connection is served by a thread of its own at
-    that niceness, and the relay's loop and pooled threads keep theirs; puts and gets still
-    reach the loop from there (``StoreThread.token``)."""
-    from vpool.relay import storethread
-
-    seen: list[tuple[int, int]] = []
-    real_run = storethread.StoreThread.run
-
-    def run(self: storethread.StoreThread) -> None:
-        tid = threading.get_native_id()
-        seen.append((tid, os.getpriority(os.PRIO_PROCESS, tid)))
-        real_run(self)
-
-    monkeypatch.setattr(storethread.StoreThread, "run", run)
+    """``store_nice`` (default 19): store connections are served by the relay's store
+    process, started at the first of them, whose threads all run at that niceness, while the
+    relay's loop and pooled threads keep theirs; puts and gets still reach the relay's state
+    through the link."""
+    supervisor = relay.hub.store.supervisor
+    assert supervisor.pid is None
     conn = await store_conn(pool, relay.addr)
     data = image(1, MiB + 5)
     assert await put(conn, pool, 6, 0, 1, data) == CkptStored(ckpt=1, retained=[1])
     got = await get(conn, pool, 6, 0, 1)
     assert not isinstance(got, Error) and got[1] == data
+    pid = supervisor.pid
+    assert pid is not None and pid != os.getpid()
     loop = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-    assert seen == [(seen[0][0], min(loop + 19, 19))]
+    nice = _thread_niceness(pid)
+    assert len(nice) >= 2  # the link's reader and the connection's thread
+    assert set(nice.values()) == {min(loop + 19, 19)}
     pooled = await trio.to_thread.run_sync(
         lambda: os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
     )
     assert pooled == loop
+    # Same process group and session as the relay (one scheduler autogroup with the ranks).
+    assert (os.getpgid(pid), os.getsid(pid)) == (os.getpgid(0), os.getsid(0))
