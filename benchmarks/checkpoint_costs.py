@@ -55,7 +55,7 @@ from vpool.worker_agent.settings import AgentSettings
 from vpool.worker_agent.store_client import open_store
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from relay_alone import process_cpu, running_relay
+from relay_alone import running_relay, tree_cpu
 
 COLS = 4096  # examples/stencil.py's row length
 # A process holding the stencil's arrays (the same grid and values as a rank of
@@ -208,7 +208,7 @@ def upload_cpu(images: Path, rank_dir: Path, repeat: int) -> tuple[float, float]
             put = CkptPut(
                 token=rank_token, ckpt=ckpt, received={}, dets=0, fingerprint="bench", meta=b"{}"
             )
-            relay_before, t = process_cpu(relay.pid), time.thread_time()
+            relay_before, t = tree_cpu(relay.pid), time.thread_time()
             with open_store(
                 info, ssl_context=ssl_context, token=agent_token, max_payload=max_payload
             ) as conn:
@@ -217,7 +217,7 @@ def upload_cpu(images: Path, rank_dir: Path, repeat: int) -> tuple[float, float]
                     conn.put_chunk(ckpt, piece)
                 conn.put_end(ckpt, writer.size, writer.digest, timeout=300)
             mine.append(time.thread_time() - t)
-            theirs.append(process_cpu(relay.pid) - relay_before)
+            theirs.append(tree_cpu(relay.pid) - relay_before)
     return statistics.median(mine), statistics.median(theirs)
 
 

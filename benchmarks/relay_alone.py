@@ -189,6 +189,19 @@ def process_cpu(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def tree_cpu(pid: int) -> float:
+    """User + system CPU seconds so far of process ``pid`` and of its live descendants (the
+    relay's store process does a checkpoint's work on the relay's side)."""
+    total = process_cpu(pid)
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        for child in (task / "children").read_text().split():
+            try:
+                total += tree_cpu(int(child))
+            except FileNotFoundError:
+                pass  # it ended meanwhile
+    return total
+
+
 def measure(
     iters: tuple[int, int, int], *, fsync: bool = False, profile: str = ""
 ) -> dict[str, float]:

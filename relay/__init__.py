@@ -14,7 +14,8 @@ concern:
   lost ranks, group commit;
 - ``log``: the on-disk segment files, their recovery after a crash;
 - ``ckptstore``: the checkpoint store (images of ranks, retention, reports, log trims);
-  ``storethread``: one store connection, served in a worker thread on a blocking socket;
+  ``storesupervisor``: the relay's side of its store process (``storeworker``, over the link
+  ``storelink``), which serves store connections niced, each in a thread (``storethread``);
   ``directwrite``: image files written with ``O_DIRECT``; ``trim``: trimming logs behind images;
 - ``wire``: reading and writing whole frames with few copies;
 - ``registry``: the coordinator client (register, heartbeat, lost ranks);

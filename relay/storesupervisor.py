@@ -26,6 +26,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import msgspec
 import trio
 
 from vpool.relay.ckptstore import PART, Image, Key, ckpt_dir
@@ -200,7 +201,11 @@ class StoreSupervisor:
                     if flags & socket.MSG_TRUNC:
                         logger.error("store process: a link packet was truncated; stopping it")
                         break
-                    msg = from_worker.decode(data)
+                    try:
+                        msg = from_worker.decode(data)
+                    except msgspec.DecodeError as exc:
+                        logger.error("store process: bad link packet (%s); stopping it", exc)
+                        break
                     if isinstance(msg, Ended):
                         session = p.sessions.get(msg.cid)
                         if session is not None:
@@ -233,9 +238,10 @@ class StoreSupervisor:
         else:
             try:
                 reply = Reply(rid=call.rid, value=await self._call(session, call.op, *call.args))
-            except (ValueError, TypeError, KeyError) as exc:
-                logger.error("store process: bad %s call %r: %s", call.op, call.args, exc)
-                reply = Reply(rid=call.rid, error=f"bad {call.op} call")
+            except Exception:
+                # A bad call (or a bug) ends that session, never the relay.
+                logger.exception("store process: %s call %r failed", call.op, call.args)
+                reply = Reply(rid=call.rid, error=f"the relay could not answer {call.op}")
         try:
             await p.send(reply)
         except OSError:

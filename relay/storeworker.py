@@ -133,7 +133,10 @@ class RelayLink:
         """Read the link until it ends, then end every session."""
         try:
             while True:
-                data, ancdata, flags, _ = self.sock.recvmsg(MAX_PACKET, socket.CMSG_SPACE(16))
+                try:
+                    data, ancdata, flags, _ = self.sock.recvmsg(MAX_PACKET, socket.CMSG_SPACE(16))
+                except ConnectionResetError:
+                    return  # the relay closed the link with packets of ours unread
                 fds = received_fds(ancdata)
                 if not data:
                     return

@@ -3,8 +3,10 @@ bounded worker threads, unblocked when the relay stops, closed when idle; plain 
 
 from __future__ import annotations
 
+import logging
 import os
 import ssl
+import sys
 import threading
 from pathlib import Path
 from typing import Any
@@ -206,3 +208,60 @@ async def test_store_sessions_run_in_a_nicer_process(
     assert pooled == loop
     # Same process group and session as the relay (one scheduler autogroup with the ranks).
     assert (os.getpgid(pid), os.getsid(pid)) == (os.getpgid(0), os.getsid(0))
+
+
+# A store process that answers a store connection with a bad call, an unknown one and a
+# malformed packet, and notes the relay's replies.
+BAD_STORE_PROCESS = """
+import os, socket, sys
+from vpool.relay.storelink import MAX_PACKET, Call, encode, received_fds, to_worker
+link = socket.socket(fileno=int(sys.argv[2]))
+to_worker.decode(link.recv(MAX_PACKET))  # Init
+data, ancdata, _, _ = link.recvmsg(MAX_PACKET, socket.CMSG_SPACE(16))
+conn, fds = to_worker.decode(data), received_fds(ancdata)
+errors = []
+for rid, op, args in ((1, "commit", ["not a manifest", "/", 1.0]), (2, "no_such_call", [])):
+    link.send(encode(Call(rid=rid, cid=conn.cid, op=op, args=args)))
+    errors.append(to_worker.decode(link.recv(MAX_PACKET)).error)
+with open(os.environ["BAD_STORE_OUT"], "w") as out:
+    out.write(repr(errors))
+link.send(b"\\xc1 not msgpack")
+link.recv(1)  # until the relay closes the link
+"""
+
+
+async def test_bad_link_packets_end_the_store_process_not_the_relay(
+    pool: Pool,
+    relay: Any,
+    agents: list[Any],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Calls the relay cannot answer get an error reply (that session ends), a malformed
+    packet stops that store process, and the relay serves on."""
+    from vpool.relay import storesupervisor
+
+    out = tmp_path / "errors"
+    monkeypatch.setenv("BAD_STORE_OUT", str(out))
+    monkeypatch.setattr(storesupervisor, "COMMAND", [sys.executable, "-c", BAD_STORE_PROCESS])
+    raw = await trio.open_tcp_stream(*relay.addr)
+    await raw.send_all(b"VPSTORE\x01")
+    with trio.fail_after(DEADLINE):
+        assert await raw.receive_some(10) == b""  # its process stopped: the connection closes
+    await raw.aclose()
+    supervisor = relay.hub.store.supervisor
+    await until(lambda: supervisor.current.proc.returncode is not None)
+    assert supervisor.current.proc.returncode == 0
+    assert out.read_text() == repr(
+        ["the relay could not answer commit", "the relay could not answer no_such_call"]
+    )
+    logged = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert [m.split(" (")[0] for m in logged] == [
+        "store process: commit call ['not a manifest', '/', 1.0] failed",
+        "store process: no_such_call call [] failed",
+        "store process: bad link packet",
+    ], logged
+    caplog.clear()  # the errors above were expected
+    agent = await FakeAgent.connect(pool, relay.addr, "agent-a")
+    await agent.attach(pool, 1, 0, size=1, home=True)
