@@ -26,6 +26,12 @@ Figures, per run and as medians over the repetitions:
   R of job J: pause X ms, ...``, ``AGENT_LOG``). Median and maximum over every checkpoint of
   the runs with checkpoints on; the figures say which source they came from.
 
+- CPU by part (``cpu_parts.CpuParts``: every process's own user and system time, sampled
+  from ``/proc`` while the job runs, sorted into ranks, agents, relay, checkpoint workers,
+  store process, CRIU, coordinator, kernel threads and the rest of the machine): per run, and
+  the difference of the medians (on - off) per checkpoint committed: where a checkpoint's
+  cost goes, the stolen CPU that becomes the on/off ratio on a machine the ranks keep busy.
+
 Both runs must print the same checksum (checked). ``--json FILE`` keeps every run's figures.
 ``--set relay.KEY=VALUE`` (or ``agent.``, repeatable) appends ``KEY = VALUE`` (TOML) to the
 config file of every relay (agent) of the pool and restarts it before the runs, to measure a
@@ -46,6 +52,7 @@ import time
 from pathlib import Path
 
 from chaos import Pool, stop_cleanly_on_sigterm, submit, wait_job
+from cpu_parts import CpuParts
 
 HERE = Path(__file__).resolve().parent
 STENCIL = str(HERE.parent / "examples" / "stencil.py")
@@ -91,9 +98,10 @@ def logged_pauses(pool: Pool, job: int) -> list[float]:
 def run_once(pool: Pool, opts: argparse.Namespace, every: float, name: str) -> dict:
     args = [str(opts.steps), f"{opts.mb:g}"]
     t0 = time.monotonic()
-    job = submit(pool, STENCIL, opts.ranks, args, every)
-    # The figure is the coordinator's finished - started: a slow poll costs no accuracy.
-    state, detail = wait_job(pool, job, opts.limit, poll=5.0)
+    with CpuParts() as cpu:
+        job = submit(pool, STENCIL, opts.ranks, args, every)
+        # The figure is the coordinator's finished - started: a slow poll costs no accuracy.
+        state, detail = wait_job(pool, job, opts.limit, poll=5.0)
     polled = time.monotonic() - t0
     if state != "succeeded":
         raise RuntimeError(f"{name}: job {job} {state}: {json.dumps(detail)[-3000:]}")
@@ -109,6 +117,7 @@ def run_once(pool: Pool, opts: argparse.Namespace, every: float, name: str) -> d
         "output": pool.vsdk("logs", str(job)).strip(),
         **checkpoint_figures(events),
         "pause_source": "events",
+        "cpu": cpu.parts(),
     }
     if every > 0 and not res["pauses_ms"]:
         res["pauses_ms"], res["pause_source"] = logged_pauses(pool, job), "agent logs"
@@ -180,7 +189,18 @@ def summary(runs: dict[str, list[dict]]) -> dict:
     on = statistics.median(r["seconds"] for r in runs["on"])
     pauses = [p for r in runs["on"] for p in r["pauses_ms"]]
     cpus = [p for r in runs["on"] for p in r.get("pauses_cpu_ms", [])]
+    parts = sorted({p for r in runs["off"] + runs["on"] for p in r["cpu"]})
+
+    def cpu(key: str, part: str) -> float:
+        return statistics.median(sum(r["cpu"].get(part, (0.0, 0.0))) for r in runs[key])
+
+    checkpoints = statistics.median(r["checkpoints"] for r in runs["on"])
     return {
+        "cpu_off": {p: cpu("off", p) for p in parts},
+        "cpu_on": {p: cpu("on", p) for p in parts},
+        "cpu_per_checkpoint": {
+            p: (cpu("on", p) - cpu("off", p)) / checkpoints if checkpoints else None for p in parts
+        },
         "off_s": off,
         "on_s": on,
         "ratio": on / off,
@@ -220,6 +240,16 @@ def report(opts: argparse.Namespace, runs: dict[str, list[dict]], s: dict) -> No
             f"{s['pause_cpu_max_ms']:.2f} ms (CPU time of the original: the wall-clock pause "
             "also holds its waits for a CPU)"
         )
+    print("cpu s            off (median)   on (median)   on - off per checkpoint")
+    per = s["cpu_per_checkpoint"]
+    for part in sorted(s["cpu_on"], key=lambda p: -(per[p] or 0)):
+        extra = "" if per[part] is None else f"{per[part]:+.3f}"
+        print(f"  {part:18} {s['cpu_off'][part]:9.2f} {s['cpu_on'][part]:13.2f}   {extra:>10}")
+    total = sum(v for v in per.values() if v is not None)
+    print(
+        f"  {'all':18} {sum(s['cpu_off'].values()):9.2f} {sum(s['cpu_on'].values()):13.2f}"
+        f"   {total:+10.3f}"
+    )
     print(f"output           {runs['off'][0]['output']}")
 
 

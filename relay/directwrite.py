@@ -3,11 +3,13 @@
 A store receives images of hundreds of megabytes and reads one back only when a rank is
 restored. Written the ordinary way, every byte first goes into a fresh page-cache page: on the
 2-core test machine that cost 0.15-0.55 s of CPU per 200 MB, the largest share of the relay's
-work per checkpoint, against 0.02 s with ``O_DIRECT``. ``DirectFile`` copies what it is given
-into one page-aligned buffer (``mmap``) and writes it whole, so every write is aligned in
-memory, in size and in file offset as ``O_DIRECT`` requires; the tail is written through the
-page cache (``O_DIRECT`` cleared) in ``finish``. A file system that refuses ``O_DIRECT`` at
-open or at the first write gets ordinary writes instead, with the same results.
+work per checkpoint, against 0.02 s with ``O_DIRECT``. ``DirectFile`` collects the bytes in one
+page-aligned buffer (``mmap``) and writes it whole, so every write is aligned in memory, in
+size and in file offset as ``O_DIRECT`` requires; the tail is written through the page cache
+(``O_DIRECT`` cleared) in ``finish``. ``write`` copies what it is given into the buffer;
+``receive`` hands out the buffer itself, for a socket to read into (no copy at all). A file
+system that refuses ``O_DIRECT`` at open or at the first write gets ordinary writes instead,
+with the same results.
 
 Not thread-safe; blocking (the store calls it from a worker thread).
 """
@@ -18,6 +20,7 @@ import errno
 import fcntl
 import mmap
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 BUFFER = 4 << 20  # bytes per direct write: a multiple of every block size
@@ -40,7 +43,8 @@ class DirectFile:
                 self.direct = False
         if not self.direct:
             self.fd = os.open(path, _FLAGS, 0o600)
-        self._buf = mmap.mmap(-1, BUFFER) if self.direct else None
+        # Without O_DIRECT too: ``receive`` reads into it.
+        self._buf: mmap.mmap | None = mmap.mmap(-1, BUFFER)
         self._fill = 0
         self.size = 0
 
@@ -48,14 +52,26 @@ class DirectFile:
         """Append ``data``."""
         view = memoryview(data).cast("B")
         self.size += len(view)
-        if self._buf is None:
-            _write_all(self.fd, view)
-            return
+        assert self._buf is not None, "closed"
         while view:
             n = min(len(view), BUFFER - self._fill)
             self._buf[self._fill : self._fill + n] = view[:n]
             self._fill += n
             view = view[n:]
+            if self._fill == BUFFER:
+                self._flush_full()
+
+    def receive(self, n: int) -> Iterator[memoryview]:
+        """Append ``n`` bytes that the caller writes into the views this yields (parts of the
+        buffer, in order; each must be filled completely before the next is asked for). A
+        write to the file that fails raises from the iteration."""
+        assert self._buf is not None, "closed"
+        self.size += n
+        while n:
+            k = min(n, BUFFER - self._fill)
+            yield memoryview(self._buf)[self._fill : self._fill + k]
+            self._fill += k
+            n -= k
             if self._fill == BUFFER:
                 self._flush_full()
 
@@ -92,7 +108,10 @@ class DirectFile:
             os.close(self.fd)
             self.fd = -1
         if self._buf is not None:
-            self._buf.close()
+            try:
+                self._buf.close()
+            except BufferError:
+                pass  # a view of it is still referenced (a traceback's): freed with it
             self._buf = None
 
 

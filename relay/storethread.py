@@ -9,12 +9,13 @@ does the TLS handshake (server side), reads the ``Hello`` and serves puts and ge
 the other, in a thread of its own.
 
 Frames are read with ``recv_into`` into buffers allocated once per connection (a bulk put's
-payloads from ``raw``, beneath TLS: ``ckptstore``, "Bulk payloads"); a chunk's
-payload is hashed (BLAKE3) and written (``DirectFile``, ``O_DIRECT``) right there, and a get is read
-with ``os.preadv`` into the buffer of the frame it is sent in. Everything that touches the
-relay's state (the signing key, the refusals of a put, the ``uploading`` set, the commit and
-its report, the image index) is asked of the relay through the link (``storelink``, calls
-answered by ``CheckpointStore`` methods in the relay's loop).
+payloads from ``raw``, beneath TLS: ``ckptstore``, "Bulk payloads"); a chunk's payload is read
+straight into the buffer of the image file (``DirectFile.receive``, ``O_DIRECT``), hashed
+(BLAKE3) and written from there, and a get is read with ``os.preadv`` into the buffer of the
+frame it is sent in. Everything that touches the relay's state (the signing key, the refusals
+of a put, the ``uploading`` set, the commit and its report, the image index) is asked of the
+relay through the link (``storelink``, calls answered by ``CheckpointStore`` methods in the
+relay's loop).
 
 The messages, their order and the error codes are in ``ckptstore``'s docstring. The socket
 has a timeout (``handshake_timeout`` up to the ``Hello``, then ``store_idle_timeout``); the
@@ -185,10 +186,12 @@ class StoreThread:
             Welcome(version=PROTOCOL_VERSION, relay=name, max_payload=STORE_MAX_CHUNK, bulk=bulk)
         )
         while True:
-            frame = self._read_frame(DEFAULT_MAX_HEADER, STORE_MAX_CHUNK)
-            if frame is None:
-                return
             try:
+                # A chunk's payload goes to its file as it is read: a write error is the
+                # image's, met in the middle of its frame.
+                frame = self._read_frame(DEFAULT_MAX_HEADER, STORE_MAX_CHUNK)
+                if frame is None:
+                    return
                 self._frame(*frame)
             except Rejected as rej:
                 if rej.rank < 0:
@@ -268,10 +271,15 @@ class StoreThread:
             raise Rejected("protocol_error", f"{type(msg).__name__} must not carry a payload")
         if not payload_len:
             return msg, EMPTY
+        assert isinstance(msg, CkptChunk)
+        bulk = msg.ckpt == self.bulk
+        up = self.upload
+        if up is not None and msg.ckpt == up.put.ckpt:
+            self._receive_chunk(up, payload_len, bulk)
+            return msg, EMPTY  # the payload is in the image file's buffer already
         assert self._payload is not None  # max_payload is 0 before the Hello
         payload = self._payload[:payload_len]
-        assert isinstance(msg, CkptChunk)
-        self._fill(payload, bulk=msg.ckpt == self.bulk)
+        self._fill(payload, bulk=bulk)
         return msg, payload
 
     def _frame(self, msg: Message, payload: memoryview) -> None:
@@ -280,7 +288,7 @@ class StoreThread:
         if kind is CkptChunk:
             assert isinstance(msg, CkptChunk)
             if up is not None and msg.ckpt == up.put.ckpt:
-                self._chunk(up, payload)
+                pass  # received by _read_frame
             elif msg.ckpt != self.discard:
                 raise Rejected("protocol_error", f"CkptChunk of image {msg.ckpt} out of order")
         elif kind is CkptEnd:
@@ -341,8 +349,10 @@ class StoreThread:
             raise self._storage(claims.job, claims.rank, exc) from exc
         self.upload = Upload(put, claims, directory, file, tmp)
 
-    def _chunk(self, up: Upload, payload: memoryview) -> None:
-        up.size += len(payload)
+    def _receive_chunk(self, up: Upload, n: int, bulk: bool) -> None:
+        """A chunk's payload of ``n`` bytes, read straight into the image file's buffer
+        (``DirectFile.receive``) and hashed there."""
+        up.size += n
         limit = self.settings.checkpoint_max_bytes
         if up.size > limit:
             raise Rejected(
@@ -350,13 +360,23 @@ class StoreThread:
                 f"image {up.put.ckpt} of rank {up.key[1]} of job {up.key[0]} exceeds the "
                 f"relay's limit of {limit} bytes",
             )
-        up.hasher.update(payload)
-        try:
-            up.file.write(payload)
-        except OSError as exc:
-            self._abort(up)
-            self.discard = up.put.ckpt
-            raise self._storage(*up.key, exc) from exc
+        views = up.file.receive(n)
+        got = 0
+        while True:
+            try:
+                view = next(views, None)
+            except OSError as exc:
+                # The rest of the payload is still on the way: read past it.
+                assert self._payload is not None
+                self._fill(self._payload[: n - got], bulk=bulk)
+                self._abort(up)
+                self.discard = up.put.ckpt
+                raise self._storage(*up.key, exc) from exc
+            if view is None:
+                return
+            self._fill(view, bulk=bulk)
+            up.hasher.update(view)
+            got += len(view)
 
     def _abort(self, up: Upload) -> None:
         """Drop the upload: its part file, and its ``uploading`` entry."""

@@ -178,10 +178,11 @@ async def put(
     digest: bytes | None = None,
     bulk: bool = False,
     sent: bytes | None = None,
+    chunk: int = MiB,
 ) -> Any:
-    """Upload one image in 1 MiB chunks (``bulk``: their payloads beneath TLS; ``sent``: bytes
-    sent in place of ``data``, which the digest covers); the store's answer (CkptStored or
-    Error)."""
+    """Upload one image in ``chunk``-byte chunks (``bulk``: their payloads beneath TLS;
+    ``sent``: bytes sent in place of ``data``, which the digest covers); the store's answer
+    (CkptStored or Error)."""
     token = pool.rank_token(job, rank, agent=conn.agent, size=size, incarnation=incarnation)
     await conn.send(
         CkptPut(
@@ -196,8 +197,8 @@ async def put(
     )
     wire = data if sent is None else sent
     send = conn.send_bulk if bulk else conn.send
-    for pos in range(0, len(wire), MiB):
-        await send(CkptChunk(ckpt=ckpt), wire[pos : pos + MiB])
+    for pos in range(0, len(wire), chunk):
+        await send(CkptChunk(ckpt=ckpt), wire[pos : pos + chunk])
     digest = blake3.blake3(data).digest() if digest is None else digest
     await conn.send(CkptEnd(ckpt=ckpt, size=len(data), digest=digest))
     msg, _ = await conn.recv()

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import trio
 from relay_fakes import DEADLINE, FakeAgent, Pool, start_relay
-from store_fakes import MiB, get, image, open_store, put, store_conn, until
+from store_fakes import MiB, ckpt_files, get, image, open_store, put, store_conn, until
 
 from vpool.protocol.framing import PREFIX
 from vpool.protocol.messages import (
@@ -265,3 +265,30 @@ async def test_bad_link_packets_end_the_store_process_not_the_relay(
     caplog.clear()  # the errors above were expected
     agent = await FakeAgent.connect(pool, relay.addr, "agent-a")
     await agent.attach(pool, 1, 0, size=1, home=True)
+
+
+async def test_write_error_mid_put_refuses_that_image_only(
+    pool: Pool, relay: Any, tmp_path: Path, agents: list[Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A write of the image file that fails (here the store process may not write files past
+    3 MiB: ``prlimit --fsize``, EFBIG), in the middle of a chunk's payload: the store reads
+    past the rest of that payload and the image's other chunks, answers ``storage_error``,
+    deletes the part file, and the connection goes on, bulk or not."""
+    from vpool.relay import storesupervisor
+
+    command = ["prlimit", f"--fsize={3 * MiB}", *storesupervisor.COMMAND]
+    monkeypatch.setattr(storesupervisor, "COMMAND", command)
+    conn = await store_conn(pool, relay.addr)
+    data = image(1, 6 * MiB)
+    for ckpt, bulk in ((1, True), (2, False)):
+        # 4 MiB (the file's buffer) ends inside the 4th chunk.
+        err = await put(conn, pool, 9, 0, ckpt, data, bulk=bulk, chunk=MiB + 5)
+        assert isinstance(err, Error), err
+        assert (err.code, err.job, err.rank) == ("storage_error", 9, 0)
+        assert "File too large" in err.message
+        assert ckpt_files(tmp_path / "relay", 9, 0) == []
+        assert not relay.hub.store.uploading
+    small = image(3, MiB + 7)
+    assert await put(conn, pool, 9, 0, 3, small, bulk=True) == CkptStored(ckpt=3, retained=[3])
+    got = await get(conn, pool, 9, 0, 3)
+    assert not isinstance(got, Error) and got[1] == small
