@@ -54,9 +54,8 @@ STOP_WAIT = 15.0
 
 
 class _Session:
-    def __init__(self, cid: int, sock: socket.socket) -> None:
+    def __init__(self, cid: int) -> None:
         self.cid = cid
-        self.sock = sock
         self.ended = trio.Event()
         self.reason = ""
         self.upload: Key | None = None  # between a granted begin_put and its end
@@ -121,7 +120,7 @@ class StoreSupervisor:
                 await trio.aclose_forcefully(tcp)
                 return
             sock = socket.socket(fileno=tcp.socket.detach())
-            session = _Session(next(self._cids), sock)
+            session = _Session(next(self._cids))
             p.sessions[session.cid] = session
             try:
                 await p.send(Conn(cid=session.cid, peer=peer), sock.fileno())

@@ -22,7 +22,8 @@ from vpool.protocol.messages import (
 )
 from vpool.worker_agent.local_ranks import LocalRank, LocalRanks
 
-from .test_checkpoints import _RANK, LEASE, _connect, checkpointer, take_once
+from .test_checkpoint_failures import _RANK, checkpointer, take_once
+from .test_checkpoints import LEASE, _connect
 
 # A clone that reports itself: hello as an orphan, its CkptForked (claiming the pid argv[3]),
 # close, then live on (to be dumped, or killed) as the clone would.

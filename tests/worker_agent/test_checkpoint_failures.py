@@ -1,0 +1,177 @@
+"""A checkpoint that fails at the dump, with no CRIU and no relay: the clone is killed and the
+coordinator told, unless the failure came from the rank's own end."""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+
+from vpool.protocol import api
+from vpool.protocol.messages import PROTOCOL_VERSION, CheckpointRequest, CkptForked, RankHello
+from vpool.worker_agent.checkpoints import Capability, Checkpointer
+from vpool.worker_agent.local_ranks import LocalRank, LocalRanks
+from vpool.worker_agent.output import OutputPump
+from vpool.worker_agent.ranks import Prepared, RankServices
+from vpool.worker_agent.settings import AgentSettings
+
+from .test_checkpoints import LEASE, FakeRankConn, _connect
+
+_RANK = (
+    "import signal, sys, time\n"
+    "signal.signal(signal.SIGRTMIN + 4, signal.SIG_IGN)\n"
+    "print('ready', flush=True)\n"
+    "time.sleep(60)\n"
+)
+
+
+class _Client:
+    def __init__(self) -> None:
+        self.failed: list[api.CheckpointFailed] = []
+        self.token = "agent"
+
+    async def post_checkpoint_failed(self, report: api.CheckpointFailed) -> None:
+        self.failed.append(report)
+
+
+def checkpointer(
+    ranks: LocalRanks, path: Path, rank: LocalRank, tmp_path: Path, **settings: Any
+) -> tuple[Checkpointer, _Client]:
+    """A Checkpointer of ``rank`` behind the proxy at ``path``, with no usable CRIU (its dumps
+    fail, which the failure report says), and the fake coordinator client it reports to."""
+    client = _Client()
+    svc = RankServices(
+        settings=AgentSettings(
+            criu=str(tmp_path / "no-criu"),
+            checkpoint_scratch=str(tmp_path / "scratch"),
+            work_dir=str(tmp_path / "w"),
+            **settings,
+        ),
+        client=client,  # type: ignore[arg-type]
+        links=None,  # type: ignore[arg-type]
+        blobs=None,  # type: ignore[arg-type]
+        ranks=ranks,
+        socket_path=path,
+        report_problem=None,  # type: ignore[arg-type]
+        capability=Capability(criu="4.1.1", fingerprint="fp"),
+    )
+    prepared = Prepared(tmp_path, tmp_path, tmp_path, tmp_path / "app.py", None, {})
+    pump = OutputPump(LEASE, client.post_checkpoint_failed)  # type: ignore[arg-type]
+    return Checkpointer(svc, rank, prepared, pump), client
+
+
+async def take_once(
+    ckpt: Checkpointer, rank_side: Callable[[], Awaitable[None]], *, ordered: bool = True
+) -> bool:
+    """``ckpt.take(ordered=...)`` with its control reader and ``rank_side`` running beside it."""
+    result: list[bool] = []
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(ckpt._control_reader)
+            nursery.start_soon(rank_side)
+
+            async def take() -> None:
+                result.append(await ckpt.take(ordered=ordered))
+                nursery.cancel_scope.cancel()
+
+            nursery.start_soon(take)
+    finally:
+        await ckpt.svc.aclose()  # the checkpoint worker
+    return result[0]
+
+
+@dataclass
+class Dumping:
+    """A rank (a sleeping process) connected to the proxy, a clone of it (another), and the
+    rank's Checkpointer, whose dumps fail."""
+
+    rank_proc: subprocess.Popen[bytes]
+    clone: subprocess.Popen[bytes]
+    data: FakeRankConn
+    control: FakeRankConn
+    ckpt: Checkpointer
+    client: _Client
+
+    async def forked(self) -> None:
+        """The rank's side of a checkpoint: the request arrives on the data connection, the
+        clone's pid goes back on control (with a pause of 1.5 ms, as the rank measured it)."""
+        req = await self.data.receive()
+        assert isinstance(req, CheckpointRequest)
+        forked = CkptForked(req.request, self.clone.pid, [0, 0], [0, 0], 0, [0, 0], 1500)
+        await self.control.send(forked)
+
+
+@contextlib.asynccontextmanager
+async def dumping(proxy: tuple[LocalRanks, Path], tmp_path: Path) -> AsyncIterator[Dumping]:
+    ranks, path = proxy
+    rank = LocalRank(LEASE)
+    ranks.add(rank)
+    procs = [
+        subprocess.Popen([sys.executable, "-c", _RANK], stdout=subprocess.PIPE)  # noqa: ASYNC220
+        for _ in range(2)
+    ]
+    try:
+        for p in procs:
+            assert p.stdout is not None and p.stdout.readline() == b"ready\n"
+        rank_proc, clone = procs
+        rank.pid = rank_proc.pid
+        data, _ = await _connect(path, RankHello(PROTOCOL_VERSION, rank.secret))
+        control, _ = await _connect(path, RankHello(PROTOCOL_VERSION, rank.secret, control=True))
+        ckpt, client = checkpointer(ranks, path, rank, tmp_path)
+        try:
+            yield Dumping(rank_proc, clone, data, control, ckpt, client)
+        finally:
+            await data.stream.aclose()
+            await control.stream.aclose()
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+            if p.stdout is not None:
+                p.stdout.close()
+
+
+async def test_failed_dump_kills_the_clone_and_is_reported(
+    proxy: tuple[LocalRanks, Path], tmp_path: Path
+) -> None:
+    async with dumping(proxy, tmp_path) as d:
+        assert await take_once(d.ckpt, d.forked) is False
+        [failed] = d.client.failed
+        assert (failed.job, failed.rank, failed.incarnation) == (3, 1, 2)
+        assert failed.ckpt > 0 and "criu" in failed.message
+        assert d.ckpt.pauses == [0.0015]  # as the rank measured it
+        with trio.fail_after(5):
+            await trio.to_thread.run_sync(d.clone.wait, abandon_on_cancel=True)
+        assert d.clone.returncode == -signal.SIGKILL
+        assert d.rank_proc.poll() is None  # the rank runs on
+        assert not any((tmp_path / "scratch").iterdir())  # the scratch dir is gone
+
+
+@pytest.mark.parametrize("rank_ends", [False, True], ids=["rank-runs", "rank-ended"])
+async def test_periodic_checkpoint_lost_with_its_ending_rank_is_not_a_failure(
+    proxy: tuple[LocalRanks, Path], tmp_path: Path, rank_ends: bool
+) -> None:
+    """A restored rank's clone lives in the rank's PID namespace: a rank that exits while its
+    periodic checkpoint is dumped takes the dump with it. That is the job ending, not a failure
+    to report; the same failure of a rank that runs on is reported."""
+    async with dumping(proxy, tmp_path) as d:
+
+        async def fake_rank() -> None:
+            await d.forked()
+            if rank_ends:
+                d.ckpt.close()  # as ranks.execute does once the process ended
+
+        assert await take_once(d.ckpt, fake_rank, ordered=False) is False
+        if rank_ends:
+            assert d.client.failed == []
+        else:
+            [failed] = d.client.failed
+            assert "criu" in failed.message
