@@ -16,6 +16,11 @@ every part is printed in CPU seconds and in those steps:
 - ``pack``: ``ImageWriter.pack`` over those images (tar, sampled zstd, AES-GCM, BLAKE3).
 - ``upload``: the same packed and sent with the agent's store client (``open_store``) to a real
   ``vpool-relay`` on 127.0.0.1: the agent thread's CPU (pack and TLS) and the relay's.
+- ``primitives`` (printed first, not summed): the CPU of each per-byte operation of a
+  checkpoint over ``--mb`` of random bytes in 1 MiB pieces, AES-256-GCM (the sealing) being
+  the baseline they are also given as ratios against: Poly1305 (the transport MAC, both
+  ends), the skeleton digest (``protocol.ckptdigest``, both ends), and BLAKE3 and SHA-256 of
+  every byte (the digests images had before).
 - ``cow``: what the running rank pays because a forked clone shares its memory while CRIU dumps
   it: the stencil's CPU over the steps of one dump's wall time, with a clone alive for that
   time, minus the same steps without (copy-on-write faults).
@@ -30,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import hashlib
 import json
 import os
 import resource
@@ -40,13 +46,18 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
+import blake3
 import numpy as np
 import trio
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+from cryptography.hazmat.primitives.poly1305 import Poly1305
 
 from vpool.protocol.api import RelayInfo
+from vpool.protocol.ckptdigest import ImageDigest
 from vpool.protocol.messages import CkptPut
 from vpool.protocol.tokens import AgentClaims, RankClaims, sign_token
 from vpool.tls import client_context
@@ -181,8 +192,37 @@ def synthetic_images(mb: float, images: Path) -> None:
         (images / name).write_bytes(os.urandom(4096))
 
 
+def primitives(mb: float) -> dict[str, float]:
+    """CPU seconds of each per-byte operation over ``mb`` MiB (module docstring)."""
+    pieces = [os.urandom(1 << 20) for _ in range(8)]
+    n = max(1, round(mb))
+    aead = AESGCM(os.urandom(32))
+    nonce = os.urandom(12)
+    frame = ckpt_image.ImageWriter(os.urandom(32), job=1, rank=0, ckpt=1)
+    sealed = [bytes(f) for f in frame.seal(pieces)]  # real frames, for the skeleton digest
+    mac = Poly1305(os.urandom(32))
+    blake = blake3.blake3()
+    sha = hashlib.sha256()
+    digest = ImageDigest()
+    digest.update(sealed[0])
+    ops: dict[str, Callable[[int], object]] = {
+        "aes-256-gcm": lambda i: aead.encrypt(nonce, pieces[i % 8], b"aad"),
+        "poly1305": lambda i: mac.update(pieces[i % 8]),
+        "skeleton digest": lambda i: digest.update(sealed[1 + i % 8]),
+        "blake3": lambda i: blake.update(pieces[i % 8]),
+        "sha-256": lambda i: sha.update(pieces[i % 8]),
+    }
+    out = {}
+    for name, op in ops.items():
+        t = time.thread_time()
+        for i in range(n):
+            op(i)
+        out[name] = time.thread_time() - t
+    return out
+
+
 def pack_cpu(images: Path, rank_dir: Path) -> tuple[float, int]:
-    writer = ckpt_image.ImageWriter(os.urandom(32), job=1, rank=0, ckpt=1)
+    writer = ckpt_image.ImageWriter(os.urandom(32), job=1, rank=0, ckpt=1, reuse=True)
     t = cpu_self()
     for _ in writer.pack(images, rank_dir):
         pass
@@ -204,7 +244,7 @@ def upload_cpu(images: Path, rank_dir: Path, repeat: int) -> tuple[float, float]
         ssl_context = client_context(ca)
         max_payload = AgentSettings().max_payload
         for ckpt in range(1, repeat + 1):
-            writer = ckpt_image.ImageWriter(os.urandom(32), job=1, rank=0, ckpt=ckpt)
+            writer = ckpt_image.ImageWriter(os.urandom(32), job=1, rank=0, ckpt=ckpt, reuse=True)
             put = CkptPut(
                 token=rank_token, ckpt=ckpt, received={}, dets=0, fingerprint="bench", meta=b"{}"
             )
@@ -238,6 +278,13 @@ def main() -> None:
     step = step_cpu(stencil, args.repeat)
     out["step_cpu_s"] = step
     say(f"baseline: one stencil step of a {args.mb:g} MiB rank: {step * 1000:.1f} ms CPU")
+
+    prims = primitives(args.mb)
+    out["primitives_cpu_s"] = prims
+    base = prims["aes-256-gcm"]
+    say(f"primitives over {args.mb:g} MiB (CPU s, and against AES-256-GCM):")
+    for name, cpu in prims.items():
+        say(f"  {name:<16} {cpu:6.3f}   {cpu / base:5.2f}x")
 
     criu_bin = shutil.which("criu") or ""
     parts: dict[str, float] = {}

@@ -196,7 +196,7 @@ class CheckpointRef(msgspec.Struct, frozen=True):
     incarnation: int  # the incarnation that made it
     relay: int
     size: int
-    digest: str  # hex BLAKE3-256 of the image
+    digest: str  # hex digest of the image (protocol.ckptdigest: BLAKE3-256 of its skeleton)
     fingerprint: str
     received: dict[int, int] = {}
     dets: int = 0
@@ -413,7 +413,7 @@ class RelayCheckpoint(msgspec.Struct, frozen=True):
     incarnation: int
     ckpt: int
     size: int
-    digest: str  # hex BLAKE3-256 of the image
+    digest: str  # hex digest of the image (protocol.ckptdigest: BLAKE3-256 of its skeleton)
     fingerprint: str
     received: dict[int, int]
     dets: int

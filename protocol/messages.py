@@ -34,7 +34,8 @@ from typing import Final
 
 import msgspec
 
-PROTOCOL_VERSION: Final = 1
+# 2: an image's digest is its skeleton's, and puts carry a transport MAC (``ckptdigest``).
+PROTOCOL_VERSION: Final = 2
 
 # Data.kind: how the payload is to be read by the receiving runtime.
 KIND_BUFFER: Final = 0  # raw bytes of a typed buffer (upper-case Send/Recv)
@@ -253,7 +254,9 @@ class CkptPut(_Msg, frozen=True, tag="ckpt_put"):
     counters (what the home relay may drop once it is committed); ``fingerprint`` the agent's
     environment fingerprint; ``meta`` the agent's manifest (opaque to the store). ``bulk``
     (only to a store whose ``Welcome`` said ``bulk``): each ``CkptChunk`` payload of this image
-    follows its TLS-borne prefix and header on the TCP stream beneath TLS."""
+    follows its TLS-borne prefix and header on the TCP stream beneath TLS. ``mac_key``: a
+    one-time Poly1305 key (32 bytes, drawn for this put alone) under which ``CkptEnd.mac``
+    covers every payload byte of the image (``protocol.ckptdigest``)."""
 
     token: str
     ckpt: int
@@ -262,6 +265,7 @@ class CkptPut(_Msg, frozen=True, tag="ckpt_put"):
     fingerprint: str
     meta: bytes = b""
     bulk: bool = False
+    mac_key: bytes = b""
 
 
 class CkptChunk(_Msg, frozen=True, tag="ckpt_chunk"):
@@ -271,11 +275,14 @@ class CkptChunk(_Msg, frozen=True, tag="ckpt_chunk"):
 
 
 class CkptEnd(_Msg, frozen=True, tag="ckpt_end"):
-    """Either way: image ``ckpt`` is complete: ``size`` bytes whose BLAKE3-256 is ``digest``."""
+    """Either way: image ``ckpt`` is complete: ``size`` bytes whose digest
+    (``protocol.ckptdigest.ImageDigest``) is ``digest``; after a put, ``mac`` is the Poly1305
+    tag of the image's bytes under the put's ``mac_key`` (empty after a get)."""
 
     ckpt: int
     size: int
     digest: bytes
+    mac: bytes = b""
 
 
 class CkptStored(_Msg, frozen=True, tag="ckpt_stored"):
@@ -296,7 +303,7 @@ class CkptGet(_Msg, frozen=True, tag="ckpt_get"):
 
 class CkptInfo(_Msg, frozen=True, tag="ckpt_info"):
     """Store -> agent: image ``ckpt`` follows (``CkptChunk``s, then ``CkptEnd``): ``size`` bytes
-    whose BLAKE3-256 is ``digest``."""
+    whose digest (``protocol.ckptdigest``) is ``digest``."""
 
     ckpt: int
     size: int

@@ -5,8 +5,8 @@ bytes; then TLS starts as on an agent connection (none with ``insecure_tcp``), t
 ``Hello(role="store", token=agent token)``, answered by ``Welcome(max_payload=STORE_MAX_CHUNK,
 bulk=True)``. Then, one after the other, any number of::
 
-    put:  agent CkptPut(token, ckpt, ..., bulk), CkptChunk(ckpt)+payload ..., CkptEnd(ckpt, size,
-          digest)
+    put:  agent CkptPut(token, ckpt, ..., bulk, mac_key), CkptChunk(ckpt)+payload ...,
+          CkptEnd(ckpt, size, digest, mac)
           store CkptStored(ckpt, retained)      or Error(code, job, rank)
     get:  agent CkptGet(token, ckpt)
           store CkptInfo, CkptChunk(ckpt)+payload (1 MiB) ..., CkptEnd   or Error(code, job, rank)
@@ -33,9 +33,12 @@ store says ``Welcome(bulk=True)`` (setting ``store_bulk``), and a put with
 ``CkptPut(bulk=True)`` sends each ``CkptChunk``'s prefix and header through TLS and its payload
 right after, on the TCP stream beneath TLS (TLS reads exactly one record at a time, so the two
 never mix). What TLS still guarantees: the peer's identity, the tokens, every message, and each
-payload's length and place; the payload bytes themselves are checked by the ``CkptEnd`` digest
-(BLAKE3 of the whole image, sent through TLS): bytes changed on the way get ``corrupt`` and
-nothing is committed, as a broken TLS record would have ended the upload. Gets stay inside TLS.
+payload's length and place; the payload bytes themselves are checked by the transport MAC
+(Poly1305 under the one-time ``CkptPut.mac_key``, both sent through TLS, so nobody on the way
+can forge it; ``protocol.ckptdigest``): bytes changed on the way get ``corrupt`` and nothing is
+committed, as a broken TLS record would have ended the upload. The store also computes the
+image's digest (its skeleton's, the same module) and refuses an image whose ``CkptEnd`` says
+another. Gets stay inside TLS.
 
 On disk, ``data_dir/jobs/<job>/<rank>/ckpt/``: ``<ckpt>.img`` (the bytes as uploaded),
 ``<ckpt>.json`` (the manifest: the commit point, written after the image), and
@@ -98,7 +101,7 @@ class Image:
     ckpt: int
     incarnation: int
     size: int
-    digest: bytes  # BLAKE3-256 of the image file
+    digest: bytes  # the image's digest (``protocol.ckptdigest``)
     received: dict[int, int]
     dets: int
     fingerprint: str

@@ -10,12 +10,12 @@ the other, in a thread of its own.
 
 Frames are read with ``recv_into`` into buffers allocated once per connection (a bulk put's
 payloads from ``raw``, beneath TLS: ``ckptstore``, "Bulk payloads"); a chunk's payload is read
-straight into the buffer of the image file (``DirectFile.receive``, ``O_DIRECT``), hashed
-(BLAKE3) and written from there, and a get is read with ``os.preadv`` into the buffer of the
-frame it is sent in. Everything that touches the relay's state (the signing key, the refusals
-of a put, the ``uploading`` set, the commit and its report, the image index) is asked of the
-relay through the link (``storelink``, calls answered by ``CheckpointStore`` methods in the
-relay's loop).
+straight into the buffer of the image file (``DirectFile.receive``, ``O_DIRECT``), MACed
+(Poly1305) and digested (``protocol.ckptdigest``) and written from there, and a get is read
+with ``os.preadv`` into the buffer of the frame it is sent in. Everything that touches the
+relay's state (the signing key, the refusals of a put, the ``uploading`` set, the commit and
+its report, the image index) is asked of the relay through the link (``storelink``, calls
+answered by ``CheckpointStore`` methods in the relay's loop).
 
 The messages, their order and the error codes are in ``ckptstore``'s docstring. The socket
 has a timeout (``handshake_timeout`` up to the ``Hello``, then ``store_idle_timeout``); the
@@ -34,9 +34,11 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import blake3
+from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+from cryptography.hazmat.primitives.poly1305 import Poly1305
 
+from vpool.protocol.ckptdigest import MAC_KEY, ImageDigest
 from vpool.protocol.errors import RemoteProtocolError, TokenError
 from vpool.protocol.framing import (
     DEFAULT_MAX_HEADER,
@@ -99,7 +101,8 @@ class Upload:
         self.file = file
         self.tmp = tmp
         self.size = 0
-        self.hasher = blake3.blake3()
+        self.hasher = ImageDigest()
+        self.mac = Poly1305(put.mac_key)  # the transport MAC (``protocol.ckptdigest``)
 
     def discard(self) -> None:
         self.file.close()
@@ -333,6 +336,11 @@ class StoreThread:
     # -- puts ---------------------------------------------------------------------------------
 
     def _start(self, put: CkptPut) -> None:
+        if len(put.mac_key) != MAC_KEY:  # closes the connection (``rank=-1``)
+            raise Rejected(
+                "protocol_error",
+                f"CkptPut of image {put.ckpt} without a {MAC_KEY}-byte mac_key",
+            )
         claims = self._claims(put.token)
         rej = self.link.begin_put(self.cid, claims, put.ckpt)
         if rej is not None:
@@ -351,7 +359,7 @@ class StoreThread:
 
     def _receive_chunk(self, up: Upload, n: int, bulk: bool) -> None:
         """A chunk's payload of ``n`` bytes, read straight into the image file's buffer
-        (``DirectFile.receive``) and hashed there."""
+        (``DirectFile.receive``), MACed and digested there."""
         up.size += n
         limit = self.settings.checkpoint_max_bytes
         if up.size > limit:
@@ -375,6 +383,7 @@ class StoreThread:
             if view is None:
                 return
             self._fill(view, bulk=bulk)
+            up.mac.update(view)
             up.hasher.update(view)
             got += len(view)
 
@@ -393,12 +402,19 @@ class StoreThread:
     def _finish(self, up: Upload, end: CkptEnd) -> None:
         job, rank = up.key
         digest = up.hasher.digest()
-        if end.size != up.size or end.digest != digest:
+        try:
+            up.mac.verify(end.mac)
+            intact = True
+        except InvalidSignature:
+            intact = False
+        if end.size != up.size or end.digest != digest or not intact:
             self._abort(up)
+            why = "" if intact else ", and not the bytes the agent sent (transport MAC)"
             raise Rejected(
                 "corrupt",
-                f"image {end.ckpt} of rank {rank} of job {job}: {up.size} bytes with BLAKE3 "
-                f"{digest.hex()} arrived, CkptEnd says {end.size} bytes with {end.digest.hex()}",
+                f"image {end.ckpt} of rank {rank} of job {job}: {up.size} bytes with digest "
+                f"{digest.hex()} arrived{why}, CkptEnd says {end.size} bytes with "
+                f"{end.digest.hex()}",
                 job=job,
                 rank=rank,
             )

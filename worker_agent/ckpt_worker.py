@@ -225,8 +225,9 @@ async def _dump_streaming(
 
 
 async def _store(task: Task, images: Path, pipe: criu.PagesPipe | None, session: _Session) -> int:
+    # Each piece is sent before the next is made: one frame buffer serves them all.
     writer = ckpt_image.ImageWriter(
-        task.key, job=task.job, rank=task.rank, ckpt=task.ckpt, level=task.level
+        task.key, job=task.job, rank=task.rank, ckpt=task.ckpt, level=task.level, reuse=True
     )
     rank_dir = Path(task.rank_dir)
     token = trio.lowlevel.current_trio_token()

@@ -21,6 +21,7 @@ from trio: a cancellation shuts the connection down, so the thread returns at on
 from __future__ import annotations
 
 import os
+import secrets
 import socket
 import ssl
 import threading
@@ -32,10 +33,12 @@ from typing import TypeVar
 import msgspec
 import outcome
 import trio
+from cryptography.hazmat.primitives.poly1305 import Poly1305
 
 from vpool import __version__
 from vpool.niceness import run_niced
 from vpool.protocol.api import RelayInfo
+from vpool.protocol.ckptdigest import MAC_KEY
 from vpool.protocol.errors import ProtocolError
 from vpool.protocol.framing import PREFIX_SIZE, frame_parts, parse_prefix
 from vpool.protocol.messages import (
@@ -143,6 +146,7 @@ class StoreConnection:
         # The TCP stream beneath TLS, for the payloads of bulk puts (``enable_bulk``).
         self._raw: socket.socket | None = None
         self._bulk = -1  # the ckpt id of the put in progress that sends its payloads beneath
+        self._mac: Poly1305 | None = None  # the transport MAC of the put in progress
 
     def __enter__(self) -> StoreConnection:
         return self
@@ -235,11 +239,16 @@ class StoreConnection:
     def put_begin(self, put: CkptPut) -> None:
         # The connection decides, not the caller: the store reads the payloads where the put
         # says they are.
-        put = msgspec.structs.replace(put, bulk=self._raw is not None)
+        # A fresh one-time key for the transport MAC (``protocol.ckptdigest``): never reused.
+        key = secrets.token_bytes(MAC_KEY)
+        put = msgspec.structs.replace(put, bulk=self._raw is not None, mac_key=key)
         self._bulk = put.ckpt if put.bulk else -1
+        self._mac = Poly1305(key)
         self.send(put)
 
     def put_chunk(self, ckpt: int, data: bytes | bytearray | memoryview) -> None:
+        if self._mac is not None:
+            self._mac.update(data)
         raw = self._raw
         if ckpt != self._bulk or raw is None or not data:  # an empty payload has no bytes
             self.send(CkptChunk(ckpt=ckpt), data)
@@ -254,8 +263,11 @@ class StoreConnection:
     def put_end(
         self, ckpt: int, size: int, digest: bytes, timeout: float = IDLE_TIMEOUT
     ) -> CkptStored:
-        """Send ``CkptEnd`` and wait (``timeout`` s at most) for the store's ``CkptStored``."""
-        self.send(CkptEnd(ckpt=ckpt, size=size, digest=digest))
+        """Send ``CkptEnd`` (with the put's transport MAC) and wait (``timeout`` s at most)
+        for the store's ``CkptStored``."""
+        mac, self._mac = self._mac, None
+        tag = mac.finalize() if mac is not None else b""
+        self.send(CkptEnd(ckpt=ckpt, size=size, digest=digest, mac=tag))
         stored = self._expect(CkptStored, timeout)
         assert isinstance(stored, CkptStored)
         if stored.ckpt != ckpt:

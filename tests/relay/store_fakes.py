@@ -12,11 +12,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import blake3
 import pytest
 import trio
+from cryptography.hazmat.primitives.poly1305 import Poly1305
 from relay_fakes import DEADLINE, FakeAgent, Pool
 
+from vpool.protocol.ckptdigest import image_digest
 from vpool.protocol.framing import PREFIX, PREFIX_SIZE, raw_frame_parts
 from vpool.protocol.messages import (
     PROTOCOL_VERSION,
@@ -35,6 +36,8 @@ from vpool.protocol.messages import (
 from vpool.relay.ckptstore import STORE_PREAMBLE
 
 MiB = 1024 * 1024
+# A transport MAC key for puts that never reach their CkptEnd (``put`` draws its own).
+MAC_KEY = bytes(range(32))
 
 
 class BlockingStore:
@@ -176,14 +179,16 @@ async def put(
     received: dict[int, int] | None = None,
     dets: int = 0,
     digest: bytes | None = None,
+    mac: bytes | None = None,
     bulk: bool = False,
     sent: bytes | None = None,
     chunk: int = MiB,
 ) -> Any:
     """Upload one image in ``chunk``-byte chunks (``bulk``: their payloads beneath TLS;
-    ``sent``: bytes sent in place of ``data``, which the digest covers); the store's answer
-    (CkptStored or Error)."""
+    ``sent``: bytes sent in place of ``data``, which the digest and the transport MAC cover,
+    as when they are changed on the way); the store's answer (CkptStored or Error)."""
     token = pool.rank_token(job, rank, agent=conn.agent, size=size, incarnation=incarnation)
+    mac_key = os.urandom(32)
     await conn.send(
         CkptPut(
             token=token,
@@ -193,14 +198,16 @@ async def put(
             fingerprint="fp-1",
             meta=b"manifest",
             bulk=bulk,
+            mac_key=mac_key,
         )
     )
     wire = data if sent is None else sent
     send = conn.send_bulk if bulk else conn.send
     for pos in range(0, len(wire), chunk):
         await send(CkptChunk(ckpt=ckpt), wire[pos : pos + chunk])
-    digest = blake3.blake3(data).digest() if digest is None else digest
-    await conn.send(CkptEnd(ckpt=ckpt, size=len(data), digest=digest))
+    digest = image_digest(data) if digest is None else digest
+    mac = Poly1305.generate_tag(mac_key, data) if mac is None else mac
+    await conn.send(CkptEnd(ckpt=ckpt, size=len(data), digest=digest, mac=mac))
     msg, _ = await conn.recv()
     return msg
 
@@ -224,7 +231,7 @@ async def get(
         assert len(payload) <= MiB
         parts.append(payload)
     data = b"".join(parts)
-    assert (msg.size, msg.digest) == (len(data), blake3.blake3(data).digest())
+    assert (msg.size, msg.digest) == (len(data), image_digest(data))
     assert (info.size, info.digest) == (msg.size, msg.digest)
     return info, data
 

@@ -9,15 +9,15 @@ import logging
 from pathlib import Path
 from typing import Any
 
-import blake3
 import httpx
 import msgspec
 import pytest
 import trio
 from relay_fakes import FakeAgent, FakeCoordinator, Pool, start_relay
-from store_fakes import MiB, ckpt_files, get, image, put, store_conn, until
+from store_fakes import MAC_KEY, MiB, ckpt_files, get, image, put, store_conn, until
 
 from vpool.protocol import api
+from vpool.protocol.ckptdigest import image_digest
 from vpool.protocol.messages import (
     CkptChunk,
     CkptGet,
@@ -109,6 +109,7 @@ async def test_too_large_and_truncated(
             received={},
             dets=0,
             fingerprint="fp",
+            mac_key=MAC_KEY,
         )
     )
     for _ in range(4):
@@ -123,6 +124,7 @@ async def test_too_large_and_truncated(
             received={},
             dets=0,
             fingerprint="fp",
+            mac_key=MAC_KEY,
         )
     )
     await conn.send(CkptChunk(ckpt=2), b"y" * MiB)
@@ -274,7 +276,7 @@ async def test_reports_trim_only_once_accepted_and_409_deletes(
         5,
     )
     assert (rep.digest, rep.received, rep.retained, rep.trimmed) == (
-        blake3.blake3(b"img-1").hexdigest(),
+        image_digest(b"img-1").hex(),
         {0: 6},
         [1],
         False,

@@ -15,7 +15,7 @@ from typing import Any
 
 import trio
 from relay_fakes import DEADLINE, FakeAgent, Pool, start_relay
-from store_fakes import put, store_conn, until
+from store_fakes import MAC_KEY, put, store_conn, until
 
 from vpool.protocol.messages import Attach, CkptChunk, CkptPut, CkptStored
 
@@ -169,7 +169,11 @@ async def test_trim_point_and_uploads_survive_sigkill(
         }
         # A second image is being uploaded when the relay is killed.
         token = pool.rank_token(5, 1, agent="agent-b", size=2)
-        await store.send(CkptPut(token=token, ckpt=2, received={0: 30}, dets=5, fingerprint="fp"))
+        await store.send(
+            CkptPut(
+                token=token, ckpt=2, received={0: 30}, dets=5, fingerprint="fp", mac_key=MAC_KEY
+            )
+        )
         await store.send(CkptChunk(ckpt=2), b"p" * 100_000)
         ckpt = rank_dir / "ckpt"
         await until(lambda: any(p.suffix == ".part" for p in ckpt.iterdir()))

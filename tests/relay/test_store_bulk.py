@@ -4,17 +4,18 @@ the store offers them, and not otherwise."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
-import blake3
 import trio
 from relay_fakes import Pool, start_relay
 from store_fakes import MiB, ckpt_files, get, image, put, store_conn
 
 from vpool.protocol.api import RelayInfo
+from vpool.protocol.ckptdigest import image_digest
 from vpool.protocol.messages import CkptPut, CkptStored, Error
-from vpool.worker_agent import store_client
+from vpool.worker_agent import ckpt_image, store_client
 
 
 async def test_bulk_put_round_trip(pool: Pool, relay: Any, tmp_path: Path, agents: object) -> None:
@@ -75,7 +76,7 @@ def _agent_put(
         conn.put_begin(CkptPut(token, ckpt, {}, 0, "fp", b"meta"))
         for pos in range(0, len(data), MiB):
             conn.put_chunk(ckpt, data[pos : pos + MiB])
-        stored = conn.put_end(ckpt, len(data), blake3.blake3(data).digest())
+        stored = conn.put_end(ckpt, len(data), image_digest(data))
         restoring = pool.rank_token(7, 1, agent="agent-1", size=2, incarnation=2)
         _, chunks = conn.get(restoring, ckpt)
         return conn.bulk, stored, b"".join(chunks)
@@ -95,3 +96,32 @@ async def test_agent_sends_bulk_when_the_store_offers_it(
     info = RelayInfo(name="r2", host=plain.addr[0], port=plain.addr[1])
     bulk, stored, back = await trio.to_thread.run_sync(_agent_put, info, pool, data, 2)
     assert (bulk, stored, back == data) == (False, CkptStored(ckpt=2, retained=[2]), True)
+
+
+async def test_changed_ciphertext_keeps_the_digest_and_fails_the_mac(
+    pool: Pool, relay: Any, tmp_path: Path, agents: object
+) -> None:
+    """A real image with a byte of ciphertext changed on the way has the same digest (only the
+    frames' headers and tags are digested): the transport MAC is what refuses it. A MAC that
+    does not match the bytes is refused the same way; a put without a MAC key ends the
+    connection."""
+    writer = ckpt_image.ImageWriter(bytes(32), job=6, rank=0, ckpt=1)
+    data = b"".join(writer.seal([os.urandom(2 * MiB)]))  # incompressible: 2 raw frames
+    changed = bytearray(data)
+    changed[MiB + 1000] ^= 0x10
+    assert image_digest(bytes(changed)) == image_digest(data)
+    conn = await store_conn(pool, relay.addr)
+    for bulk in (True, False):
+        err = await put(conn, pool, 6, 0, 1, data, bulk=bulk, sent=bytes(changed))
+        assert isinstance(err, Error) and (err.code, err.rank) == ("corrupt", 0), err
+        assert "transport MAC" in err.message
+        err = await put(conn, pool, 6, 0, 1, data, bulk=bulk, mac=bytes(16))
+        assert isinstance(err, Error) and err.code == "corrupt"
+    assert ckpt_files(tmp_path / "relay", 6, 0) == []
+    assert await put(conn, pool, 6, 0, 1, data, bulk=True) == CkptStored(ckpt=1, retained=[1])
+    got = await get(conn, pool, 6, 0, 1)
+    assert not isinstance(got, Error) and got[1] == data and got[0].digest == writer.digest
+    token = pool.rank_token(6, 0, agent=conn.agent, size=2)
+    await conn.send(CkptPut(token=token, ckpt=2, received={}, dets=0, fingerprint="fp"))
+    err = await conn.expect_error("protocol_error")
+    assert err.rank == -1 and "mac_key" in err.message

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import trio
 from relay_fakes import DEADLINE, FakeAgent, Pool, start_relay
-from store_fakes import MiB, ckpt_files, get, image, open_store, put, store_conn, until
+from store_fakes import MAC_KEY, MiB, ckpt_files, get, image, open_store, put, store_conn, until
 
 from vpool.protocol.framing import PREFIX
 from vpool.protocol.messages import (
@@ -96,7 +96,9 @@ async def test_stopping_relay_ends_store_threads(
     idle = await store_conn(pool, relay.addr, "agent-1")  # blocked reading its next frame
     store = await store_conn(pool, relay.addr, "agent-2")
     token = pool.rank_token(1, 0, agent="agent-2", size=1)
-    await store.send(CkptPut(token=token, ckpt=1, received={}, dets=0, fingerprint="fp"))
+    await store.send(
+        CkptPut(token=token, ckpt=1, received={}, dets=0, fingerprint="fp", mac_key=MAC_KEY)
+    )
     await store.send(CkptChunk(ckpt=1), b"p" * MiB)
     ckpt = tmp_path / "relay" / "jobs" / "1" / "0" / "ckpt"
     await until(lambda: ckpt.is_dir() and any(p.suffix == ".part" for p in ckpt.iterdir()))
@@ -124,7 +126,9 @@ async def test_store_process_death_ends_its_sessions_only(
     await agent.attach(pool, 1, 1, size=2, home=True)
     store = await store_conn(pool, relay.addr, "agent-2")
     token = pool.rank_token(1, 0, agent="agent-2", size=2)
-    await store.send(CkptPut(token=token, ckpt=1, received={}, dets=0, fingerprint="fp"))
+    await store.send(
+        CkptPut(token=token, ckpt=1, received={}, dets=0, fingerprint="fp", mac_key=MAC_KEY)
+    )
     await store.send(CkptChunk(ckpt=1), b"p" * MiB)
     ckpt = tmp_path / "relay" / "jobs" / "1" / "0" / "ckpt"
     await until(lambda: ckpt.is_dir() and any(p.suffix == ".part" for p in ckpt.iterdir()))

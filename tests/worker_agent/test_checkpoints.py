@@ -11,11 +11,12 @@ import ssl
 import threading
 from pathlib import Path
 
-import blake3
 import pytest
 import trio
+from cryptography.hazmat.primitives.poly1305 import Poly1305
 
 from vpool.protocol import api
+from vpool.protocol.ckptdigest import image_digest
 from vpool.protocol.framing import (
     PREFIX_SIZE,
     FrameDecoder,
@@ -333,7 +334,9 @@ class FakeStore:
                             body += chunk
                             continue
                         assert isinstance(more, CkptEnd) and more.size == len(body)
-                        assert more.digest == blake3.blake3(body).digest()
+                        assert more.digest == image_digest(body)
+                        # The agent MACs every byte under the put's one-time key.
+                        Poly1305.verify_tag(msg.mac_key, bytes(body), more.mac)
                         break
                     self.images[msg.ckpt] = (msg, bytes(body))
                     await send(CkptStored(msg.ckpt, [msg.ckpt]))
@@ -342,7 +345,7 @@ class FakeStore:
                         await send(Error("not_found", "no such image"))
                         return
                     put, body = self.images[msg.ckpt]
-                    digest = blake3.blake3(body).digest()
+                    digest = image_digest(body)
                     await send(
                         CkptInfo(
                             msg.ckpt,
@@ -386,7 +389,7 @@ async def test_store_client_put_and_get(
             c.put_begin(CkptPut("rank-token", 5, {0: 3}, 2, "fp", b"meta"))
             for i in range(0, len(body), 1500):
                 c.put_chunk(5, body[i : i + 1500])
-            return c.put_end(5, len(body), blake3.blake3(body).digest())
+            return c.put_end(5, len(body), image_digest(body))
 
     assert await run_in_thread(put) == CkptStored(5, [5])
     assert fake.preambles == [STORE_PREAMBLE]
@@ -435,7 +438,7 @@ async def test_niced_upload_reaches_the_loop_by_its_token(
             c.put_begin(CkptPut("rank-token", 3, {}, 0, "fp", b""))
             c.put_chunk(3, body)
             loop_tid = trio.from_thread.run(in_loop, trio_token=token)
-            return loop_tid, c.put_end(3, len(body), blake3.blake3(body).digest())
+            return loop_tid, c.put_end(3, len(body), image_digest(body))
 
     loop_tid, stored = await run_in_thread(put, nice=9)
     assert stored == CkptStored(3, [3])

@@ -11,14 +11,17 @@ import tarfile
 from collections.abc import Iterator
 from pathlib import Path
 
-import blake3
 import pytest
 import trio
 
+from vpool.protocol.ckptdigest import image_digest
 from vpool.worker_agent import ckpt_tar
 from vpool.worker_agent.ckpt_image import (
     APPEND,
     CHUNK,
+    SAMPLE,
+    SAMPLES,
+    SKIP_AFTER,
     TAG_SIZE,
     ZSTD,
     ImageError,
@@ -89,7 +92,7 @@ def reader(data: bytes, **overrides: object) -> ImageReader:
     args: dict[str, object] = {
         **IDS,
         "size": len(data),
-        "digest": blake3.blake3(data).digest(),
+        "digest": image_digest(data),
         **overrides,
     }
     key = args.pop("key", KEY)
@@ -101,7 +104,7 @@ def test_round_trip(tmp_path: Path) -> None:
     pieces, writer = pack(images, rank)
     data = b"".join(pieces)
     assert writer.size == len(data)
-    assert writer.digest == blake3.blake3(data).digest()
+    assert writer.digest == image_digest(data)
     assert max(len(p) for p in pieces) <= CHUNK + FRAME_OVERHEAD
     assert len(pieces) >= 4  # the random file alone makes more than three chunks
 
@@ -157,7 +160,7 @@ def test_stream_round_trip(tmp_path: Path, size: int) -> None:
         writer.pack(images, rank, streams=[Stream("pages-1.img", read_into)], then=then)
     )
     assert order[-2:] == ["end", "then"] and "then" not in order[:-1]
-    assert writer.size == len(data) and writer.digest == blake3.blake3(data).digest()
+    assert writer.size == len(data) and writer.digest == image_digest(data)
     out_images, out_rank = tmp_path / "dst" / "img", tmp_path / "dst" / "rank"
     reader(data).unpack(pieces_of(data, 2), out_images, out_rank)
     assert (out_images / "pages-1.img").read_bytes() == pages != stale
@@ -222,7 +225,7 @@ def test_corrupted_byte(image: bytes, target: tuple[Path, Path], where: float) -
         bytes(data),
         target,
         "authentication failed: wrong key or corrupted",
-        digest=blake3.blake3(image).digest(),
+        digest=image_digest(image),
     )
 
 
@@ -253,7 +256,7 @@ def test_truncated_at_frame_boundary(tmp_path: Path, target: tuple[Path, Path]) 
 def test_frame_length_corrupted(image: bytes, target: tuple[Path, Path]) -> None:
     data = bytearray(image)
     data[13 + 1] ^= 0x01  # the first frame's length, now past the end of the image
-    assert_refused(bytes(data), target, "corrupted", digest=blake3.blake3(image).digest())
+    assert_refused(bytes(data), target, "corrupted", digest=image_digest(image))
 
 
 def test_hash_mismatch(image: bytes, target: tuple[Path, Path]) -> None:
@@ -305,14 +308,57 @@ def test_chunks_compressed_only_where_it_pays(tmp_path: Path) -> None:
     assert (out / "img" / "b-zeros.img").read_bytes() == bytes(3 * CHUNK)
 
 
+def test_reused_buffer_and_sampling_after_a_run_of_noise(tmp_path: Path) -> None:
+    """``reuse``: every frame is sealed into one buffer (a consumer copies or sends each piece
+    before asking for the next); the image is as valid as one of fresh pieces. After a long
+    run of chunks that did not shrink, one sample decides: zeros and text after it are
+    compressed all the same, and an ordinary noise chunk is stored raw."""
+    images, rank = tmp_path / "img", tmp_path / "rank"
+    images.mkdir()
+    rank.mkdir()
+    noise = random.Random(6).randbytes((SKIP_AFTER + 4) * CHUNK)
+    (images / "a-noise.img").write_bytes(noise)
+    (images / "b-zeros.img").write_bytes(bytes(2 * CHUNK))
+    (images / "c-text.img").write_bytes(b"the quick brown fox\n" * (CHUNK // 10))
+    writer = ImageWriter(KEY, **IDS, reuse=True)
+    samples: list[int] = []
+    pays = writer._pays
+
+    def counted(sample: bytes | memoryview) -> bool:
+        samples.append(len(sample))
+        return pays(sample)
+
+    writer._pays = counted  # type: ignore[method-assign]
+    copies, buffers = [], set()
+    for piece in writer.pack(images, rank):
+        if isinstance(piece, memoryview):
+            buffers.add(id(piece.obj))
+        copies.append(bytes(piece))
+    assert len(buffers) == 1 and len(copies) > SKIP_AFTER + 6  # one buffer for every frame
+    # The noise: full samples up to SKIP_AFTER chunks, then one slice each.
+    assert samples[:SKIP_AFTER] == [SAMPLES * SAMPLE] * SKIP_AFTER
+    assert samples[SKIP_AFTER : SKIP_AFTER + 3] == [SAMPLE] * 3
+    image = b"".join(copies)
+    assert (writer.size, writer.digest) == (len(image), image_digest(image))
+    found = frames(image)
+    raw = [f for f in found if not f[2] & ZSTD]
+    packed = [f for f in found if f[2] & ZSTD]
+    assert sum(1 for f in raw if f[1] == CHUNK + TAG_SIZE) >= SKIP_AFTER + 2
+    assert len(packed) >= 3 and all(f[1] < CHUNK // 4 for f in packed[:-1])
+    out = tmp_path / "out"
+    ImageReader(KEY, **IDS, size=writer.size, digest=writer.digest).unpack(
+        pieces_of(image, 3), out / "img", out / "rank"
+    )
+    assert (out / "img" / "a-noise.img").read_bytes() == noise
+    assert (out / "img" / "c-text.img").read_bytes() == b"the quick brown fox\n" * (CHUNK // 10)
+
+
 def test_compression_flag_is_authenticated(image: bytes, target: tuple[Path, Path]) -> None:
     """A frame's ZSTD flag flipped (say, so that a raw chunk is fed to zstd) fails its tag."""
     data = bytearray(image)
     at, _, _ = frames(image)[0]
     data[at + 4] ^= ZSTD
-    assert_refused(
-        bytes(data), target, "authentication failed", digest=blake3.blake3(data).digest()
-    )
+    assert_refused(bytes(data), target, "authentication failed", digest=image_digest(data))
 
 
 def seal(tar_bytes: bytes) -> bytes:

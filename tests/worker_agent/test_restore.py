@@ -11,13 +11,13 @@ import os
 from pathlib import Path
 from typing import Any
 
-import blake3
 import httpx
 import msgspec
 import pytest
 import trio
 
 from vpool.protocol import api
+from vpool.protocol.ckptdigest import image_digest
 from vpool.protocol.messages import CkptPut
 from vpool.tls import client_context
 from vpool.worker_agent import ckpt_image, restore
@@ -179,9 +179,7 @@ async def test_fetch_unpack_then_a_failed_restore(
     # A stale directory where the image goes is replaced.
     (rank_dir / "work").mkdir(parents=True)
     (rank_dir / "work" / "stale.txt").write_text("old")
-    ref = _ref(
-        11, size=len(body), digest=blake3.blake3(body).hexdigest(), meta=meta, received={0: 4}
-    )
+    ref = _ref(11, size=len(body), digest=image_digest(body).hex(), meta=meta, received={0: 4})
     settings = AgentSettings(
         work_dir=str(tmp_path / "w"),
         rank_root=str(root),
