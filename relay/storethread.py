@@ -86,6 +86,9 @@ HELLO_MAX_HEADER = 8 * 1024
 # How long a rejected agent gets to read its Error before the connection is closed.
 ERROR_LINGER = 2.0
 EMPTY = memoryview(b"")
+# At most this many bytes of a bulk payload are waited for at once: a sender must get this
+# far within ``store_idle_timeout`` (4 KiB/s for the default 60 s).
+BULK_LOWAT = 256 << 10
 
 
 class Upload:
@@ -247,8 +250,11 @@ class StoreThread:
     def _fill(self, view: memoryview, *, first: bool = False, bulk: bool = False) -> bool:
         """Read exactly ``len(view)`` bytes (``bulk``: from beneath TLS); False at a clean end
         of stream before the first byte of a frame (``first``)."""
+        if bulk:
+            self._fill_bulk(view)
+            return True
         got, n = 0, len(view)
-        recv_into = (self.raw if bulk else self.sock).recv_into
+        recv_into = self.sock.recv_into
         while got < n:
             k = recv_into(view[got:])
             if not k:
@@ -257,6 +263,26 @@ class StoreThread:
                 raise Rejected("protocol_error", "connection closed in the middle of a frame")
             got += k
         return True
+
+    def _fill_bulk(self, view: memoryview) -> None:
+        """``len(view)`` bytes of a payload from beneath TLS, each read waiting until the rest
+        (at most ``BULK_LOWAT``) has arrived: ``SO_RCVLOWAT`` keeps the kernel from waking
+        this thread for every segment (``benchmarks/checkpoint_costs.py``, ``upload``). Back
+        to 1 afterwards, or the TLS records that follow would wait for bytes that never come."""
+        got, n = 0, len(view)
+        raw = self.raw
+        try:
+            while got < n:
+                raw.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, min(n - got, BULK_LOWAT))
+                k = raw.recv_into(view[got:])
+                if not k:
+                    raise Rejected("protocol_error", "connection closed in the middle of a frame")
+                got += k
+        finally:
+            try:
+                raw.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, 1)
+            except OSError:
+                pass  # closed meanwhile: the error that ended the read is the one to see
 
     def _read_frame(self, max_header: int, max_payload: int) -> tuple[Message, memoryview] | None:
         if not self._fill(self._prefix, first=True):
