@@ -10,9 +10,9 @@ The plaintext is a POSIX tar stream (PAX headers: directories, regular files, sy
 modes and mtimes; sockets, FIFOs and devices are left out; made by ``ckpt_tar``) cut into
 ``CHUNK``-byte pieces.
 A file whose size is not known when it is archived (``Stream``: CRIU's pages, read from a pipe
-while CRIU writes them) is a regular member of at most ``PART`` bytes followed by more of the
-same name, each with the PAX record ``VPOOL.append=1``: the reader appends those to the member
-just before them, and to nothing else.
+while CRIU writes them) is a regular member that fills one piece followed by more of the same
+name, each with the PAX record ``VPOOL.append=1``: the reader appends those to the member just
+before them, and to nothing else.
 Each piece is compressed on its own with zstd (flag ZSTD) when a sample of it shows that
 pays, and stored as it is otherwise: a rank's big arrays of floating-point numbers gain about
 5% at level 1 for 0.3 s of CPU per 200 MB, while the interpreter's heap and zero pages shrink

@@ -1,8 +1,14 @@
 """The tar stream inside a checkpoint image (``ckpt_image``): the CRIU images directory and the
 rank directory under ``criu/`` and ``rank/``, made with one copy per byte and no memory
 allocated per piece, and ``Stream``s: files archived while they are being made (CRIU's pages,
-read from a pipe while CRIU writes them), as members of at most ``PART`` bytes, the second and
-later carrying the PAX record ``APPEND`` (the reader appends those to the member just before).
+read from a pipe while CRIU writes them), as members of one chunk each, the second and later
+carrying the PAX record ``APPEND`` (the reader appends those to the member just before).
+
+A stream member fills a chunk exactly: the pipe is read straight into the chunk's buffer
+behind room for the member's header, which is written in front once the bytes are counted
+(a tar header's length does not depend on the size it holds). So CRIU's pages are copied once,
+pipe to chunk, and sealed from there while they are still in the cache; with members of 4 MiB
+read into a buffer of their own they were copied twice (``benchmarks/checkpoint_costs.py``).
 """
 
 from __future__ import annotations
@@ -16,7 +22,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 CHUNK = 1 << 20  # plaintext bytes per sealed frame of an image: the pieces ``fill_chunks`` makes
-PART = 4 << 20  # bytes of a Stream per tar member
 APPEND = "VPOOL.append"
 _BLOCK = tarfile.BLOCKSIZE
 
@@ -46,6 +51,14 @@ def rechunk(pieces: Iterable[bytes], size: int) -> Iterator[bytes]:
 
 
 @dataclass(frozen=True)
+class _StreamData:
+    """A ``Stream``'s members in the tar stream (``fill_chunks`` reads it into its chunks)."""
+
+    name: str
+    stream: Stream
+
+
+@dataclass(frozen=True)
 class _FileData:
     """A regular file's content in the tar stream: ``size`` bytes, then padding to a block."""
 
@@ -58,14 +71,14 @@ def tar_items(
     exclude: Callable[[str], bool] | None,
     streams: Sequence[Stream] = (),
     then: Callable[[], None] | None = None,
-) -> Iterator[bytes | memoryview | _FileData]:
+) -> Iterator[bytes | _StreamData | _FileData]:
     """A tar archive of each root under its name: headers (bytes) and file contents; the
     ``streams`` first, under criu/."""
     streamed = {f"criu/{s.name}" for s in streams}
     if streams:
         yield _header("criu", os.lstat(roots["criu"]))
     for stream in streams:
-        yield from _stream_members(f"criu/{stream.name}", stream)
+        yield _StreamData(f"criu/{stream.name}", stream)
     if then is not None:
         then()
 
@@ -77,27 +90,14 @@ def tar_items(
     yield b"\0" * (2 * _BLOCK)
 
 
-def _stream_members(name: str, stream: Stream) -> Iterator[bytes | memoryview]:
-    """``stream`` as members of at most PART bytes, the first plain, the rest appended."""
-    part = memoryview(bytearray(PART))
-    first = True
-    while True:
-        n = 0
-        while n < PART and (got := stream.read_into(part[n:])):
-            n += got
-        if n == 0 and not first:
-            return
-        info = tarfile.TarInfo(name)
-        info.size, info.mode, info.mtime = n, 0o600, int(time.time())
-        if not first:
-            info.pax_headers = {APPEND: "1"}
-        yield info.tobuf(tarfile.PAX_FORMAT)
-        yield part[:n]  # copied out before the next item is asked for
-        if n % _BLOCK:
-            yield bytes(_BLOCK - n % _BLOCK)
-        if n < PART:
-            return
-        first = False
+def _member_header(name: str, size: int, *, appended: bool) -> bytes:
+    """The tar header of a stream member of ``size`` bytes (its length does not depend on
+    ``size``: the ustar field is fixed, and no PAX size record is needed below 8 GiB)."""
+    info = tarfile.TarInfo(name)
+    info.size, info.mode, info.mtime = size, 0o600, int(time.time())
+    if appended:
+        info.pax_headers = {APPEND: "1"}
+    return info.tobuf(tarfile.PAX_FORMAT)
 
 
 def _header(name: str, st: os.stat_result) -> bytes:
@@ -141,15 +141,45 @@ def _tar_entry(
     # Sockets, FIFOs and devices cannot travel: a restored program meets their absence.
 
 
-def fill_chunks(items: Iterable[bytes | memoryview | _FileData]) -> Iterator[memoryview]:
-    """The tar stream of ``items`` as CHUNK-byte pieces (the last one shorter), file contents
-    read straight into two buffers used in turn: a piece stays intact until the one after the
+def fill_chunks(items: Iterable[bytes | _StreamData | _FileData]) -> Iterator[memoryview]:
+    """The tar stream of ``items`` as CHUNK-byte pieces (the last one shorter, and the one
+    before a stream's first member, which starts a chunk of its own), file contents read
+    straight into two buffers used in turn: a piece stays intact until the one after the
     next is asked for. One copy per byte, and no memory allocated per piece (fresh pages cost
     more than the copy on this kind of machine)."""
     buffers = (bytearray(CHUNK), bytearray(CHUNK))
     views = (memoryview(buffers[0]), memoryview(buffers[1]))
     which, fill = 0, 0
     for item in items:
+        if isinstance(item, _StreamData):
+            if fill:
+                yield views[which][:fill]
+                which, fill = which ^ 1, 0
+            appended = False
+            while True:
+                view = views[which]
+                head = len(_member_header(item.name, 0, appended=appended))
+                n = 0
+                while head + n < CHUNK and (got := item.stream.read_into(view[head + n :])):
+                    n += got
+                if n == 0 and appended:
+                    break  # the stream ended with its last member
+                header = _member_header(item.name, n, appended=appended)
+                assert len(header) == head
+                view[:head] = header
+                fill = head + n
+                if fill < CHUNK:  # the stream's end: the rest of the chunk is for what follows
+                    pad = -n % _BLOCK
+                    view[fill : fill + pad] = bytes(pad)
+                    fill += pad
+                    break
+                yield view
+                which, fill = which ^ 1, 0
+                appended = True
+            if fill == CHUNK:
+                yield views[which]
+                which, fill = which ^ 1, 0
+            continue
         if not isinstance(item, _FileData):
             data = memoryview(item)
             while data:

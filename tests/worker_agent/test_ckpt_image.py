@@ -30,7 +30,6 @@ from vpool.worker_agent.ckpt_image import (
     Stream,
     from_channel,
 )
-from vpool.worker_agent.ckpt_tar import PART
 
 KEY = bytes(range(32))
 IDS = {"job": 7, "rank": 3, "ckpt": 2}
@@ -135,7 +134,7 @@ def reads_of(data: bytes, seed: int) -> Stream:
     return Stream("pages-1.img", read_into)
 
 
-@pytest.mark.parametrize("size", [0, 1, PART - 1, PART, 2 * PART + 513])
+@pytest.mark.parametrize("size", [0, 1, CHUNK - 2048, CHUNK - 1, CHUNK, 3 * CHUNK + 513])
 def test_stream_round_trip(tmp_path: Path, size: int) -> None:
     """A Stream (CRIU's pages through a pipe) comes out as the file it would have been; the
     file of that name in the directory is not archived again; ``then`` runs after the
@@ -147,6 +146,8 @@ def test_stream_round_trip(tmp_path: Path, size: int) -> None:
     stream = reads_of(pages, size)
 
     def read_into(view: memoryview) -> int:
+        # The pipe is read straight into a chunk's buffer (no buffer of the stream's own).
+        assert isinstance(view.obj, bytearray) and len(view.obj) == CHUNK
         n = stream.read_into(view)
         order.append("read" if n else "end")
         return n
