@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import struct
 
@@ -41,7 +42,7 @@ IMAGE = real_image(3 * (1 << 20) + 12345)
 def test_any_pieces_give_the_digest_of_the_whole(cuts: list[int]) -> None:
     points = [0, *sorted(cuts), len(IMAGE)]
     d = ImageDigest()
-    for a, b in zip(points, points[1:], strict=False):
+    for a, b in itertools.pairwise(points):
         d.update(memoryview(IMAGE)[a:b])
     assert d.size == len(IMAGE)
     assert d.digest() == image_digest(IMAGE)
