@@ -30,7 +30,6 @@ IMAGE_HEADER: Final = 13  # MAGIC (5 bytes) + nonce prefix (8 bytes)
 FRAME_HEADER: Final = 5  # length (4 bytes, big-endian) + flags (1 byte)
 TAG: Final = 16  # AES-GCM tag, the end of each frame
 MAC_KEY: Final = 32  # a Poly1305 key
-MAC: Final = 16  # a Poly1305 tag
 
 # Parser states: bytes digested (head, frame header, tag), bytes skipped (ciphertext), and
 # everything digested (after a frame too short to hold a tag).

@@ -50,7 +50,7 @@ import zstandard
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-from vpool.protocol.ckptdigest import ImageDigest
+from vpool.protocol.ckptdigest import FRAME_HEADER, IMAGE_HEADER, TAG, ImageDigest
 from vpool.worker_agent.ckpt_tar import APPEND, CHUNK, Stream, fill_chunks, rechunk, tar_items
 from vpool.worker_agent.errors import AgentError
 
@@ -63,10 +63,11 @@ SAMPLE = 16 * 1024
 SAMPLES = 4
 SAMPLE_RATIO = 0.9
 SKIP_AFTER = 8  # pieces in a row that did not pay, after which one slice is sampled
-TAG_SIZE = 16
+TAG_SIZE = TAG  # the layout is ``protocol.ckptdigest``'s, which a store parses too
 _FRAME = struct.Struct(">IB")
 _AAD = struct.Struct(">qqqIB")
-_HEADER_SIZE = len(MAGIC) + 8
+_HEADER_SIZE = IMAGE_HEADER
+assert _FRAME.size == FRAME_HEADER and len(MAGIC) + 8 == IMAGE_HEADER
 _ROOTS = ("criu", "rank")
 
 
@@ -157,11 +158,10 @@ class ImageWriter:
         nonce = self._prefix + number.to_bytes(4, "big")
         sealed = len(body) + TAG_SIZE
         end = _FRAME.size + sealed
-        buf = self._buffer if self._buffer is not None else bytearray(end)
-        _FRAME.pack_into(buf, 0, sealed, flags)
-        frame = memoryview(buf)[:end]
+        frame = memoryview(self._buffer if self._buffer is not None else bytearray(end))[:end]
+        _FRAME.pack_into(frame, 0, sealed, flags)
         self._aead.encrypt_into(nonce, body, _aad(*self._ids, number, flags), frame[_FRAME.size :])
-        return frame if self._buffer is not None else buf
+        return frame
 
     def _compress(self, plain: bytes | memoryview) -> tuple[bytes | memoryview, int]:
         """``(zstd frame, ZSTD)`` when compressing ``plain`` pays, else ``(plain, 0)``."""
