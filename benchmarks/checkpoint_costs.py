@@ -15,7 +15,9 @@ every part is printed in CPU seconds and in those steps:
   (``checkpoint_stream_pages``); this one, not ``criu``, counts in the sum.
 - ``pack``: ``ImageWriter.pack`` over those images (tar, sampled zstd, AES-GCM, BLAKE3).
 - ``upload``: the same packed and sent with the agent's store client (``open_store``) to a real
-  ``vpool-relay`` on 127.0.0.1: the agent thread's CPU (pack and TLS) and the relay's.
+  ``vpool-relay`` on 127.0.0.1: the agent thread's CPU (pack and TLS) and the relay's. Through
+  the relay's same-host socket, as an agent on the relay's machine does (``protocol.local``);
+  the same over loopback TCP (with the transport MAC) is printed beside it, not summed.
 - ``primitives`` (printed first, not summed): the CPU of each per-byte operation of a
   checkpoint over ``--mb`` of random bytes in 1 MiB pieces, AES-256-GCM (the sealing) being
   the baseline they are also given as ratios against: Poly1305 (the transport MAC, both
@@ -229,8 +231,11 @@ def pack_cpu(images: Path, rank_dir: Path) -> tuple[float, int]:
     return cpu_self() - t, writer.size
 
 
-def upload_cpu(images: Path, rank_dir: Path, repeat: int) -> tuple[float, float]:
-    """Pack and upload the image ``repeat`` times to a real relay: medians of (this thread's
+def upload_cpu(
+    images: Path, rank_dir: Path, repeat: int, *, local: bool = True
+) -> tuple[float, float]:
+    """Pack and upload the image ``repeat`` times to a real relay on 127.0.0.1, through its
+    same-host socket (``local``, as an agent does) or loopback TCP: medians of (this thread's
     CPU, the relay's CPU) per upload."""
     key = Ed25519PrivateKey.generate()
     expires = time.time() + 3600
@@ -250,8 +255,13 @@ def upload_cpu(images: Path, rank_dir: Path, repeat: int) -> tuple[float, float]
             )
             relay_before, t = tree_cpu(relay.pid), time.thread_time()
             with open_store(
-                info, ssl_context=ssl_context, token=agent_token, max_payload=max_payload
+                info,
+                ssl_context=ssl_context,
+                token=agent_token,
+                max_payload=max_payload,
+                local=local,
             ) as conn:
+                assert conn.local is local
                 conn.put_begin(put)
                 for piece in writer.pack(images, rank_dir):
                     conn.put_chunk(ckpt, piece)
@@ -323,6 +333,12 @@ def main() -> None:
         agent, relay = upload_cpu(images, rank_dir, args.repeat)
         parts["upload_agent"], parts["upload_relay"] = agent, relay
         say(f"upload: agent {agent:.3f} s CPU (pack included), relay {relay:.3f} s CPU")
+        tcp = upload_cpu(images, rank_dir, args.repeat, local=False)
+        out["upload_tcp_cpu_s"] = tcp
+        say(
+            f"upload over loopback TCP (not counted): agent {tcp[0]:.3f} s CPU, relay "
+            f"{tcp[1]:.3f} s CPU; the same-host socket takes {(agent + relay) / sum(tcp):.2f}x"
+        )
 
     steps = max(1, round(hold / step))
     forked, plain = cow_cpu(stencil, steps, hold, args.repeat)

@@ -1,5 +1,8 @@
 """``serve_relay``: the relay's TCP+TLS server around one ``Hub``.
 
+It listens on its TCP port and, for agents on the same machine, on the abstract Unix socket
+named after that port (``protocol.local``; ``local_socket`` setting); both are served alike.
+
 Every accepted connection is sorted by its first byte, peeked (``MSG_PEEK``) within
 ``handshake_timeout``: ``V`` starts the checkpoint store's preamble (``ckptstore``), anything
 else is an agent connection (a TLS ClientHello starts with 0x16, a plain frame with a small
@@ -12,6 +15,7 @@ from __future__ import annotations
 import logging
 import socket
 import ssl
+import sys
 from pathlib import Path
 
 import httpx
@@ -20,6 +24,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from vpool import tls
 from vpool.protocol.errors import TokenError
+from vpool.protocol.local import local_socket_name
 from vpool.protocol.tokens import public_key_from_text
 from vpool.relay.ckptstore import STORE_PREAMBLE
 from vpool.relay.connection import Connection
@@ -32,11 +37,26 @@ logger = logging.getLogger(__name__)
 
 
 def _peer(tcp: trio.SocketStream) -> str:
+    if tcp.socket.family == socket.AF_UNIX:
+        return "this host (unix socket)"
     try:
         host, port = tcp.socket.getpeername()[:2]
     except OSError:
         return "?"
     return f"{host}:{port}"
+
+
+async def _local_listener(port: int) -> trio.SocketListener | None:
+    """The abstract Unix socket of ``port`` (``protocol.local``), or None if it is taken."""
+    sock = trio.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        await sock.bind(local_socket_name(port))
+        sock.listen(128)
+    except OSError as exc:
+        sock.close()
+        logger.warning("no same-host socket for port %d (%s): agents here use TCP", port, exc)
+        return None
+    return trio.SocketListener(sock)
 
 
 async def _is_store(tcp: trio.SocketStream, peer: str) -> bool | None:
@@ -94,6 +114,10 @@ async def serve_relay(
 
     listeners = await trio.open_tcp_listeners(settings.port, host=settings.host or None)
     host, port = listeners[0].socket.getsockname()[:2]
+    if settings.local_socket and sys.platform == "linux":
+        local = await _local_listener(port)
+        if local is not None:
+            listeners.append(local)
     name = settings.relay_name(port)
     hub = Hub(settings, settings.data_path(name), name=name, signing_key=signing_key)
     try:

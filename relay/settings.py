@@ -98,6 +98,12 @@ class RelaySettings:
     store_idle_timeout: float = setting(
         60.0, "Seconds a checkpoint store connection may stay silent before it is closed."
     )
+    local_socket: bool = setting(
+        True,
+        "Also listen on an abstract Unix socket named after the port (protocol.local), for "
+        "agents on this machine: cheaper than loopback TCP, and checkpoint puts over it need "
+        "no transport MAC.",
+    )
     store_report_wait: float = setting(
         10.0,
         "Seconds a committed image's CkptStored waits for the coordinator to accept its "

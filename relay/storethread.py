@@ -105,7 +105,9 @@ class Upload:
         self.tmp = tmp
         self.size = 0
         self.hasher = ImageDigest()
-        self.mac = Poly1305(put.mac_key)  # the transport MAC (``protocol.ckptdigest``)
+        # The transport MAC (``protocol.ckptdigest``); none on a same-host link, where nothing
+        # can change the bytes on their way (``protocol.local``).
+        self.mac = Poly1305(put.mac_key) if put.mac_key else None
 
     def discard(self) -> None:
         self.file.close()
@@ -132,6 +134,7 @@ class StoreThread:
         self.raw = raw
         self.ssl_context = ssl_context
         self.peer = peer
+        self.local = raw.family == socket.AF_UNIX  # a same-host link (``protocol.local``)
         self.agent = ""
         self.key: Ed25519PublicKey | None = None
         # Set while an image is received (the relay releases its ``uploading`` entry if the
@@ -363,7 +366,9 @@ class StoreThread:
     # -- puts ---------------------------------------------------------------------------------
 
     def _start(self, put: CkptPut) -> None:
-        if len(put.mac_key) != MAC_KEY:  # closes the connection (``rank=-1``)
+        # A put needs a transport MAC key, except on a same-host link (``protocol.local``),
+        # where it may come without one. A bad one closes the connection (``rank=-1``).
+        if len(put.mac_key) != MAC_KEY and not (self.local and not put.mac_key):
             raise Rejected(
                 "protocol_error",
                 f"CkptPut of image {put.ckpt} without a {MAC_KEY}-byte mac_key",
@@ -410,7 +415,8 @@ class StoreThread:
             if view is None:
                 return
             self._fill(view, bulk=bulk)
-            up.mac.update(view)
+            if up.mac is not None:
+                up.mac.update(view)
             up.hasher.update(view)
             got += len(view)
 
@@ -429,11 +435,12 @@ class StoreThread:
     def _finish(self, up: Upload, end: CkptEnd) -> None:
         job, rank = up.key
         digest = up.hasher.digest()
-        try:
-            up.mac.verify(end.mac)
-            intact = True
-        except InvalidSignature:
-            intact = False
+        intact = True
+        if up.mac is not None:
+            try:
+                up.mac.verify(end.mac)
+            except InvalidSignature:
+                intact = False
         if end.size != up.size or end.digest != digest or not intact:
             self._abort(up)
             why = "" if intact else ", and not the bytes the agent sent (transport MAC)"

@@ -420,6 +420,7 @@ class Checkpointer:
             agent_token=svc.client.token,
             max_payload=settings.max_payload,
             store_timeout=STORE_TIMEOUT,
+            local=settings.store_local_socket,
         )
         dumps: list[float] = []
 

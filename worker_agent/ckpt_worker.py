@@ -71,6 +71,7 @@ class Task(msgspec.Struct, tag="task"):
     agent_token: str
     max_payload: int
     store_timeout: float
+    local: bool = True  # a store at a loopback address through its same-host socket
 
 
 class Acked(msgspec.Struct, tag="acked"):
@@ -248,6 +249,7 @@ async def _store(task: Task, images: Path, pipe: criu.PagesPipe | None, session:
             token=task.agent_token,
             max_payload=task.max_payload,
             aborter=aborter,
+            local=task.local,
         ) as conn:
             conn.put_begin(task.put)
             if pipe is None:

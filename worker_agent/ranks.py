@@ -132,6 +132,7 @@ class RankServices:
             token=self.client.token,
             max_payload=self.settings.max_payload,
             aborter=aborter,
+            local=self.settings.store_local_socket,
         )
 
 

@@ -74,6 +74,11 @@ class AgentSettings:
         "/dev/shm exists, else <work dir>/ckpt.",
     )
     checkpoint_zstd_level: int = setting(1, "zstd level of checkpoint images.")
+    store_local_socket: bool = setting(
+        True,
+        "Reach a checkpoint store at a loopback address through its relay's same-host Unix "
+        "socket (protocol.local) when it has one: cheaper than TCP, no transport MAC.",
+    )
     checkpoint_stream_pages: bool = setting(
         True,
         "CRIU writes a checkpoint's memory pages into a pipe that the upload reads while the "

@@ -6,7 +6,8 @@ the same thread, with no hand-over per piece, and a restore unpacks what it read
 per 16 KiB TLS record; a blocking TLS socket 0.10 s. The agent's side gains less but drops
 the hand-over of every megabyte between threads.)
 
-A store connection goes to the relay's usual address. It sends ``STORE_PREAMBLE`` in plaintext
+A store connection goes to the relay's usual address (its same-host socket for a relay at a
+loopback address, when it has one: ``protocol.local``). It sends ``STORE_PREAMBLE`` in plaintext
 first, then TLS 1.3 as for a relay link, then ``Hello(role="store", token=agent token)``.
 One image per connection at a time::
 
@@ -20,6 +21,7 @@ from trio: a cancellation shuts the connection down, so the thread returns at on
 
 from __future__ import annotations
 
+import logging
 import os
 import secrets
 import socket
@@ -41,6 +43,7 @@ from vpool.protocol.api import RelayInfo
 from vpool.protocol.ckptdigest import MAC_KEY
 from vpool.protocol.errors import ProtocolError
 from vpool.protocol.framing import PREFIX_SIZE, frame_parts, parse_prefix
+from vpool.protocol.local import LOCAL_SNDBUF, is_loopback, local_socket_name
 from vpool.protocol.messages import (
     PROTOCOL_VERSION,
     CkptChunk,
@@ -63,6 +66,7 @@ STORE_PREAMBLE = b"VPSTORE\x01"
 IDLE_TIMEOUT = 60.0  # s any one send or receive may block
 _READ = 1 << 20
 T = TypeVar("T")
+logger = logging.getLogger(__name__)
 
 
 class StoreError(AgentError):
@@ -138,8 +142,12 @@ async def run_in_thread(
 class StoreConnection:
     """One open store connection (``open_store``); use it from one thread."""
 
-    def __init__(self, sock: socket.socket, where: str, max_payload: int) -> None:
+    def __init__(
+        self, sock: socket.socket, where: str, max_payload: int, *, local: bool = False
+    ) -> None:
         self._sock = sock
+        # A same-host link (``protocol.local``): puts need no transport MAC.
+        self.local = local
         self._buf = bytearray()
         self.where = where
         self.max_payload = max_payload
@@ -240,10 +248,11 @@ class StoreConnection:
         # The connection decides, not the caller: the store reads the payloads where the put
         # says they are.
         # A fresh one-time key for the transport MAC (``protocol.ckptdigest``): never reused.
-        key = secrets.token_bytes(MAC_KEY)
+        # None on a same-host link, where nothing can change the bytes on their way.
+        key = b"" if self.local else secrets.token_bytes(MAC_KEY)
         put = msgspec.structs.replace(put, bulk=self._raw is not None, mac_key=key)
         self._bulk = put.ckpt if put.bulk else -1
-        self._mac = Poly1305(key)
+        self._mac = Poly1305(key) if key else None
         self.send(put)
 
     def put_chunk(self, ckpt: int, data: bytes | bytearray | memoryview) -> None:
@@ -318,24 +327,30 @@ def open_store(
     max_payload: int,
     aborter: Aborter | None = None,
     seconds: float = 15.0,
+    local: bool = True,
 ) -> StoreConnection:
     """Connect to the store of relay ``info`` within ``seconds`` (blocking; raises
-    ``StoreError``)."""
+    ``StoreError``). With ``local``, a relay at a loopback address is reached through its
+    same-host socket when it has one (``protocol.local``), else through TCP."""
     where = f"the checkpoint store of relay {info.name or info.host} ({info.host}:{info.port})"
-    try:
-        raw = socket.create_connection((info.host, info.port), timeout=seconds)
-    except OSError as exc:
-        raise StoreError(f"cannot connect to {where}: {_why(exc)}") from exc
+    raw = _connect_local(info, seconds) if local else None
+    if raw is None:
+        try:
+            raw = socket.create_connection((info.host, info.port), timeout=seconds)
+            raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        except OSError as exc:
+            raise StoreError(f"cannot connect to {where}: {_why(exc)}") from exc
+    else:
+        where += " on this host"
     sock: socket.socket = raw
     try:
         if aborter is not None:
             aborter.watch(raw)
-        raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         raw.sendall(STORE_PREAMBLE)
         sock = ssl_context.wrap_socket(raw, server_hostname=info.host)
         if aborter is not None:
             aborter.watch(sock)
-        conn = StoreConnection(sock, where, max_payload)
+        conn = StoreConnection(sock, where, max_payload, local=raw.family == socket.AF_UNIX)
         conn.send(
             Hello(
                 version=PROTOCOL_VERSION,
@@ -364,6 +379,24 @@ def open_store(
     except BaseException:
         sock.close()
         raise
+
+
+def _connect_local(info: RelayInfo, seconds: float) -> socket.socket | None:
+    """A connection to the same-host socket of the relay at ``info`` (``protocol.local``),
+    or None: not a loopback address, or no such socket (a relay that does not offer one)."""
+    if not is_loopback(info.host) or not hasattr(socket, "AF_UNIX"):
+        return None
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.settimeout(seconds)
+        # Room for several chunks in flight: fewer wake-ups of both ends per image.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, LOCAL_SNDBUF)
+        sock.connect(local_socket_name(info.port))
+    except OSError as exc:
+        sock.close()
+        logger.debug("no same-host socket for %s:%d (%s): TCP", info.host, info.port, exc)
+        return None
+    return sock
 
 
 def _why(exc: BaseException) -> str:

@@ -19,6 +19,7 @@ from relay_fakes import DEADLINE, FakeAgent, Pool
 
 from vpool.protocol.ckptdigest import image_digest
 from vpool.protocol.framing import PREFIX, PREFIX_SIZE, raw_frame_parts
+from vpool.protocol.local import local_socket_name
 from vpool.protocol.messages import (
     PROTOCOL_VERSION,
     CkptChunk,
@@ -52,8 +53,14 @@ class BlockingStore:
         ssl_context: ssl.SSLContext | None,
         *,
         preamble: bytes = STORE_PREAMBLE,
+        local: bool = False,
     ) -> None:
-        sock = socket.create_connection(addr, timeout=DEADLINE)
+        if local:  # the relay's same-host socket (``protocol.local``)
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.settimeout(DEADLINE)
+            sock.connect(local_socket_name(addr[1]))
+        else:
+            sock = socket.create_connection(addr, timeout=DEADLINE)
         sock.sendall(preamble)
         if ssl_context is not None:
             try:
@@ -143,9 +150,15 @@ async def open_store(
 
 
 async def store_conn(
-    pool: Pool, addr: tuple[str, int], agent: str = "agent-1", *, tls: bool = True
+    pool: Pool,
+    addr: tuple[str, int],
+    agent: str = "agent-1",
+    *,
+    tls: bool = True,
+    local: bool = False,
 ) -> StoreClient:
-    conn = StoreClient(await open_store(addr, pool.client_ssl if tls else None), agent)
+    ssl_context = pool.client_ssl if tls else None
+    conn = StoreClient(await open_store(addr, ssl_context, local=local), agent)
     FakeAgent.opened.append(conn)  # type: ignore[arg-type]
     await conn.send(Hello(version=PROTOCOL_VERSION, role="store", token=pool.agent_token(agent)))
     conn.welcome = await conn.expect(Welcome)
@@ -179,6 +192,7 @@ async def put(
     received: dict[int, int] | None = None,
     dets: int = 0,
     digest: bytes | None = None,
+    mac_key: bytes | None = None,
     mac: bytes | None = None,
     bulk: bool = False,
     sent: bytes | None = None,
@@ -186,9 +200,10 @@ async def put(
 ) -> Any:
     """Upload one image in ``chunk``-byte chunks (``bulk``: their payloads beneath TLS;
     ``sent``: bytes sent in place of ``data``, which the digest and the transport MAC cover,
-    as when they are changed on the way); the store's answer (CkptStored or Error)."""
+    as when they are changed on the way; ``mac_key`` b"": none, else a fresh one); the
+    store's answer (CkptStored or Error)."""
     token = pool.rank_token(job, rank, agent=conn.agent, size=size, incarnation=incarnation)
-    mac_key = os.urandom(32)
+    mac_key = os.urandom(32) if mac_key is None else mac_key
     await conn.send(
         CkptPut(
             token=token,
@@ -206,7 +221,8 @@ async def put(
     for pos in range(0, len(wire), chunk):
         await send(CkptChunk(ckpt=ckpt), wire[pos : pos + chunk])
     digest = image_digest(data) if digest is None else digest
-    mac = Poly1305.generate_tag(mac_key, data) if mac is None else mac
+    if mac is None:
+        mac = Poly1305.generate_tag(mac_key, data) if mac_key else b""
     await conn.send(CkptEnd(ckpt=ckpt, size=len(data), digest=digest, mac=mac))
     msg, _ = await conn.recv()
     return msg
