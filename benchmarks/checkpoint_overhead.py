@@ -35,7 +35,10 @@ Figures, per run and as medians over the repetitions:
 Both runs must print the same checksum (checked). ``--json FILE`` keeps every run's figures.
 ``--set relay.KEY=VALUE`` (or ``agent.``, repeatable) appends ``KEY = VALUE`` (TOML) to the
 config file of every relay (agent) of the pool and restarts it before the runs, to measure a
-setting (``--set relay.store_nice=0``).
+setting (``--set relay.store_nice=0``). The pool's agents reach the relay's store through its
+same-host socket (``protocol.local``), as any agent on a relay's machine does;
+``--set agent.store_local_socket=false`` measures loopback TCP instead, the way an agent
+reaches a relay on another machine (with the transport MAC).
 """
 
 from __future__ import annotations
