@@ -17,6 +17,7 @@ import trio
 from cryptography.hazmat.primitives.poly1305 import Poly1305
 from relay_fakes import DEADLINE, FakeAgent, Pool
 
+from vpool.protocol.api import RelayInfo
 from vpool.protocol.ckptdigest import image_digest
 from vpool.protocol.framing import PREFIX, PREFIX_SIZE, raw_frame_parts
 from vpool.protocol.local import local_socket_name
@@ -27,6 +28,7 @@ from vpool.protocol.messages import (
     CkptGet,
     CkptInfo,
     CkptPut,
+    CkptStored,
     Error,
     Hello,
     Message,
@@ -35,6 +37,8 @@ from vpool.protocol.messages import (
     encode,
 )
 from vpool.relay.ckptstore import STORE_PREAMBLE
+from vpool.worker_agent import store_client
+from vpool.worker_agent.store_client import StoreConnection
 
 MiB = 1024 * 1024
 # A transport MAC key for puts that never reach their CkptEnd (``put`` draws its own).
@@ -255,3 +259,26 @@ async def get(
 def ckpt_files(relay_dir: Path, job: int, rank: int) -> list[str]:
     d = relay_dir / "jobs" / str(job) / str(rank) / "ckpt"
     return sorted(p.name for p in d.iterdir()) if d.is_dir() else []
+
+
+def agent_put(
+    info: RelayInfo, pool: Pool, data: bytes, ckpt: int, *, local: bool = True
+) -> tuple[StoreConnection, CkptStored, bytes]:
+    """One put in 1 MiB pieces with the agent's store client (blocking: run it in a thread),
+    and the image got back: (the closed connection, for its ``bulk`` and ``local``, the
+    store's answer, the bytes)."""
+    token = pool.rank_token(7, 1, agent="agent-1", size=2)
+    with store_client.open_store(
+        info,
+        ssl_context=pool.client_ssl,
+        token=pool.agent_token("agent-1"),
+        max_payload=MiB,
+        local=local,
+    ) as conn:
+        conn.put_begin(CkptPut(token, ckpt, {}, 0, "fp", b"meta"))
+        for pos in range(0, len(data), MiB):
+            conn.put_chunk(ckpt, data[pos : pos + MiB])
+        stored = conn.put_end(ckpt, len(data), image_digest(data))
+        restoring = pool.rank_token(7, 1, agent="agent-1", size=2, incarnation=2)
+        _, chunks = conn.get(restoring, ckpt)
+        return conn, stored, b"".join(chunks)

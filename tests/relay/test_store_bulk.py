@@ -10,12 +10,12 @@ from typing import Any
 
 import trio
 from relay_fakes import Pool, start_relay
-from store_fakes import MiB, ckpt_files, get, image, put, store_conn
+from store_fakes import MiB, agent_put, ckpt_files, get, image, put, store_conn
 
 from vpool.protocol.api import RelayInfo
 from vpool.protocol.ckptdigest import image_digest
 from vpool.protocol.messages import CkptPut, CkptStored, Error
-from vpool.worker_agent import ckpt_image, store_client
+from vpool.worker_agent import ckpt_image
 
 
 async def test_bulk_put_round_trip(pool: Pool, relay: Any, tmp_path: Path, agents: object) -> None:
@@ -65,21 +65,10 @@ async def test_refused_bulk_put_drops_its_payloads_from_beneath(
     assert await put(conn, pool, 5, 0, 6, data, bulk=True) == CkptStored(ckpt=6, retained=[6, 5])
 
 
-def _agent_put(
-    info: RelayInfo, pool: Pool, data: bytes, ckpt: int
-) -> tuple[bool, CkptStored, bytes]:
-    """The agent's store client: one put in 1 MiB pieces and the image back."""
-    token = pool.rank_token(7, 1, agent="agent-1", size=2)
-    with store_client.open_store(
-        info, ssl_context=pool.client_ssl, token=pool.agent_token("agent-1"), max_payload=MiB
-    ) as conn:
-        conn.put_begin(CkptPut(token, ckpt, {}, 0, "fp", b"meta"))
-        for pos in range(0, len(data), MiB):
-            conn.put_chunk(ckpt, data[pos : pos + MiB])
-        stored = conn.put_end(ckpt, len(data), image_digest(data))
-        restoring = pool.rank_token(7, 1, agent="agent-1", size=2, incarnation=2)
-        _, chunks = conn.get(restoring, ckpt)
-        return conn.bulk, stored, b"".join(chunks)
+def _agent_put(info: RelayInfo, pool: Pool, data: bytes, ckpt: int) -> tuple[bool, Any, bytes]:
+    """The agent's store client (``agent_put``): (bulk?, stored, bytes back)."""
+    conn, stored, back = agent_put(info, pool, data, ckpt)
+    return conn.bulk, stored, back
 
 
 async def test_agent_sends_bulk_when_the_store_offers_it(

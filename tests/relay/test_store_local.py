@@ -10,13 +10,11 @@ from typing import Any
 
 import trio
 from relay_fakes import Pool, start_relay
-from store_fakes import MiB, ckpt_files, get, image, put, store_conn
+from store_fakes import MiB, agent_put, ckpt_files, get, image, put, store_conn
 
 from vpool.protocol.api import RelayInfo
-from vpool.protocol.ckptdigest import image_digest
 from vpool.protocol.local import is_loopback, local_socket_name
 from vpool.protocol.messages import CkptPut, CkptStored, Error
-from vpool.worker_agent import store_client
 
 
 async def test_put_without_mac_on_the_local_socket_only(
@@ -67,23 +65,10 @@ async def test_relay_without_local_socket(
 def _agent_put(
     info: RelayInfo, pool: Pool, data: bytes, ckpt: int, local: bool
 ) -> tuple[bool, CkptStored, bytes]:
-    """One put and get with the agent's store client: (same-host link?, stored, bytes back)."""
-    token = pool.rank_token(7, 1, agent="agent-1", size=2)
-    with store_client.open_store(
-        info,
-        ssl_context=pool.client_ssl,
-        token=pool.agent_token("agent-1"),
-        max_payload=MiB,
-        local=local,
-    ) as conn:
-        assert conn.bulk
-        conn.put_begin(CkptPut(token, ckpt, {}, 0, "fp", b"meta"))
-        for pos in range(0, len(data), MiB):
-            conn.put_chunk(ckpt, data[pos : pos + MiB])
-        stored = conn.put_end(ckpt, len(data), image_digest(data))
-        restoring = pool.rank_token(7, 1, agent="agent-1", size=2, incarnation=2)
-        _, chunks = conn.get(restoring, ckpt)
-        return conn.local, stored, b"".join(chunks)
+    """The agent's store client (``agent_put``): (same-host link?, stored, bytes back)."""
+    conn, stored, back = agent_put(info, pool, data, ckpt, local=local)
+    assert conn.bulk
+    return conn.local, stored, back
 
 
 async def test_agent_client_takes_the_local_socket_of_a_loopback_relay(
