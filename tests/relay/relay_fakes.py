@@ -20,6 +20,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from vpool import tls
 from vpool.protocol import api, pki
 from vpool.protocol.framing import FrameDecoder, encode_frame
+from vpool.protocol.local import local_socket_name
 from vpool.protocol.messages import (
     PROTOCOL_VERSION,
     Ack,
@@ -132,8 +133,16 @@ class FakeAgent:
         *,
         hello: bool = True,
         token: str | None = None,
+        local: bool = False,
     ) -> FakeAgent:
-        stream = await trio.open_ssl_over_tcp_stream(addr[0], addr[1], ssl_context=pool.client_ssl)
+        stream: trio.abc.Stream
+        if local:  # the relay's same-host socket (``protocol.local``), TLS inside as on TCP
+            unix = await trio.open_unix_socket(local_socket_name(addr[1]))
+            stream = trio.SSLStream(unix, pool.client_ssl, server_hostname=addr[0])
+        else:
+            stream = await trio.open_ssl_over_tcp_stream(
+                addr[0], addr[1], ssl_context=pool.client_ssl
+            )
         self = cls(stream, agent)
         cls.opened.append(self)
         if hello:

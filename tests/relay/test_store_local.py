@@ -1,6 +1,6 @@
 """The relay's same-host socket (``protocol.local``): the store served on it as on TCP, puts
-without a transport MAC accepted there and only there, and the agent's store client choosing
-it for a relay at a loopback address."""
+without a transport MAC accepted there and only there, the agent's store client choosing it
+for a relay at a loopback address, and agent links served on it too."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import trio
-from relay_fakes import Pool, start_relay
+from relay_fakes import FakeAgent, Pool, start_relay
 from store_fakes import MiB, agent_put, ckpt_files, get, image, put, store_conn
 
 from vpool.protocol.api import RelayInfo
@@ -96,3 +96,20 @@ def test_is_loopback() -> None:
         assert is_loopback(host), host
     for host in ("10.0.0.1", "192.168.1.2", "example.org", "::", "0.0.0.0", ""):
         assert not is_loopback(host), host
+
+
+async def test_agent_link_on_the_local_socket(pool: Pool, relay: Any, agents: object) -> None:
+    """An agent connection on the same-host socket is served as on TCP: messages deposited
+    there reach a rank attached over TCP, and the other way round."""
+    here = await FakeAgent.connect(pool, relay.addr, "agent-h", local=True)
+    assert here.welcome is not None
+    there = await FakeAgent.connect(pool, relay.addr, "agent-t")
+    await here.attach(pool, 9, 0, size=2, home=True)
+    await there.attach(pool, 9, 1, size=2, home=True)
+    await here.deposit(9, 0, 1, 1, b"over unix")
+    await here.acks_until(9, 0, 1, 1)
+    await there.deposit(9, 1, 0, 1, b"over tcp")
+    _, got = await there.next_data()
+    assert got == b"over unix"
+    _, got = await here.next_data()
+    assert got == b"over tcp"
