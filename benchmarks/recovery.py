@@ -19,10 +19,15 @@ whatever happens) and, for each of the two modes (``vsdk submit --checkpoint-eve
 3. recovery = (kill -> job end) - (T - kill time): what the fault added to the run.
 
 The fault-free run of step 1 is another run, and on this kind of machine two runs of the same
-job differ by up to 20% (15 s of a 2-minute run), as much as the recovery itself. So the faulty
-run is also measured against itself: rank 0 of the stencil notes the time every 10 steps (its
-PROGRESS argument, a file in the pool's directory), which gives
+job differ by up to 20% (15 s of a 2-minute run), as much as the recovery itself; ``T - kill
+time`` also counts against the fault any lead or lag the faulty run had at the kill. Rank 0 of
+the stencil notes the time every 10 steps in both runs (its PROGRESS argument, a file in the
+pool's directory), which gives
 
+- **aligned recovery** = (rank 0's last step - kill) - (the time the fault-free run took from
+  the step the faulty run had reached at the kill to its end): the same definition, with the
+  fault-free remainder being the time the fault-free run needed for exactly the steps that
+  remained (the figure the issue's definition names; the two runs still differ in pace);
 - **in-run recovery** = (rank 0's last step - kill) - (steps left at the kill / rank 0's step
   rate over the 30 s before the kill): the same definition, with the fault-free remainder taken
   from the run's own pace instead of from another run;
@@ -30,7 +35,10 @@ PROGRESS argument, a file in the pool's directory), which gives
   what 20 steps take at that pace: the time the job stood still while the victim came back.
 
 With checkpoints, ``image age`` is how old the victim's image was when it was killed (the
-checkpoint's id is the wall-clock millisecond it was taken at).
+checkpoint's id is the wall-clock millisecond it was taken at). The recovery with checkpoints
+grows with it (the restored rank computes again what it did since the image): with a 30 s
+period, a kill at 80% of a 120 s run comes about 6 s after the third round of images, one at
+80% of a 110 s run nearly 30 s after the second. ``--at`` moves the kill to other phases.
 
 ``--repeat N`` does steps 1-3 N times per mode (the modes alternating, so that drift of the
 machine hits both alike) and reports the median recovery of each mode: a single pair moves by
@@ -100,6 +108,30 @@ def _step_at(samples: list[tuple[int, float]], t: float) -> float:
     return float(samples[0][0] if t < samples[0][1] else samples[-1][0])
 
 
+def _time_at(samples: list[tuple[int, float]], step: float) -> float | None:
+    """When rank 0 reached ``step``, interpolated between the samples around it."""
+    for (s0, t0), (s1, t1) in itertools.pairwise(samples):
+        if s0 <= step <= s1:
+            return t0 + (t1 - t0) * (step - s0) / (s1 - s0) if s1 > s0 else t1
+    return None
+
+
+def aligned(samples: list[tuple[int, float]], killed: float, free: list[tuple[int, float]]) -> dict:
+    """Recovery with the fault-free remainder read off the fault-free run's own progress: the
+    time it took from the step the faulty run had reached at the kill to its last step."""
+    if len(samples) < 3 or len(free) < 3 or samples[-1][1] <= killed:
+        return {}
+    at_kill = _step_at(samples, killed)
+    t = _time_at(free, at_kill)
+    if t is None or free[-1][0] != samples[-1][0]:
+        return {}
+    remainder = free[-1][1] - t
+    return {
+        "aligned_remainder_s": remainder,
+        "aligned_recovery_s": (samples[-1][1] - killed) - remainder,
+    }
+
+
 def in_run(samples: list[tuple[int, float]], killed: float) -> dict:
     """In-run recovery and stall of a run whose rank 0 noted ``samples``, killed at ``killed``
     (both time.time()); see the module's docstring."""
@@ -123,13 +155,19 @@ def in_run(samples: list[tuple[int, float]], killed: float) -> dict:
     return out
 
 
-def fault_free(pool: Pool, opts: argparse.Namespace, every: float) -> dict:
-    job = submit(pool, STENCIL, opts.ranks, opts.args, every)
+def fault_free(pool: Pool, opts: argparse.Namespace, every: float, tag: str) -> dict:
+    progress = _progress_file(pool, f"{tag}-free")
+    job = submit(pool, STENCIL, opts.ranks, [*opts.args, progress], every)
     state, detail = wait_job(pool, job, opts.limit or 1800)
     if state != "succeeded":
         raise RuntimeError(f"fault-free job {job} {state}: {json.dumps(detail)[-3000:]}")
     started, finished = _times(detail)
-    return {"job": job, "seconds": finished - started, "output": pool.vsdk("logs", str(job))}
+    return {
+        "job": job,
+        "seconds": finished - started,
+        "output": pool.vsdk("logs", str(job)),
+        "progress": read_progress(progress),
+    }
 
 
 def _kill_victim(pool: Pool, job: int, victim: int, at: float, deadline: float) -> float | None:
@@ -187,8 +225,10 @@ def faulty(pool: Pool, opts: argparse.Namespace, every: float, base: dict, tag: 
         and e.get("kind") == "rank_restored"
         and e.get("message", "").rsplit(" ", 1)[-1].isdigit()
     ]
+    samples = read_progress(progress)
     return {
-        **in_run(read_progress(progress), killed),
+        **in_run(samples, killed),
+        **aligned(samples, killed, base["progress"]),
         "image_age_s": killed - restored[0] if restored else None,
         "job": job,
         "seconds": finished - started,
@@ -217,7 +257,7 @@ def measure(opts: argparse.Namespace) -> dict[str, list[dict]]:
             for i in range(opts.repeat):
                 order = list(modes.items()) if i % 2 == 0 else list(reversed(modes.items()))
                 for mode, every in order:
-                    base = fault_free(pool, opts, every)
+                    base = fault_free(pool, opts, every, f"{mode}-{i}")
                     print(
                         f"  {mode} #{i}: fault-free {base['seconds']:.1f} s",
                         file=sys.stderr,
@@ -226,7 +266,8 @@ def measure(opts: argparse.Namespace) -> dict[str, list[dict]]:
                     run = faulty(pool, opts, every, base, f"{mode}-{i}")
                     print(
                         f"  {mode} #{i}: killed at {run['kill_at_s']:.1f} s, ended "
-                        f"{run['seconds']:.1f} s, recovery {run['recovery_s']:.1f} s, in-run "
+                        f"{run['seconds']:.1f} s, recovery {run['recovery_s']:.1f} s, aligned "
+                        f"{_s(run.get('aligned_recovery_s'))}, in-run "
                         f"{_s(run.get('in_run_recovery_s'))}, stall {_s(run.get('stall_s'))}, "
                         f"image age {_s(run.get('image_age_s'))}",
                         file=sys.stderr,
@@ -274,6 +315,8 @@ def report(opts: argparse.Namespace, runs: dict[str, list[dict]]) -> float | Non
         ("kill -> end", lambda r: f"{r['kill_to_end_s']:.1f} s"),
         ("fault-free remainder", lambda r: f"{r['fault_free_remainder_s']:.1f} s"),
         ("recovery", lambda r: f"{r['recovery_s']:.1f} s"),
+        ("aligned remainder", lambda r: _s(r.get("aligned_remainder_s"))),
+        ("aligned recovery", lambda r: _s(r.get("aligned_recovery_s"))),
         ("in-run remainder", lambda r: _s(r.get("in_run_remainder_s"))),
         ("in-run recovery", lambda r: _s(r.get("in_run_recovery_s"))),
         ("stall", lambda r: _s(r.get("stall_s"))),
@@ -283,7 +326,7 @@ def report(opts: argparse.Namespace, runs: dict[str, list[dict]]) -> float | Non
     for label, cell in rows:
         print(f"{label:24}" + "".join(f"{cell(res[m]):>14}" for m in modes))
     for mode in modes:
-        for key in ("recovery_s", "in_run_recovery_s", "stall_s"):
+        for key in ("recovery_s", "aligned_recovery_s", "in_run_recovery_s", "stall_s"):
             every = ", ".join(_s(r.get(key)) for r in runs[mode])
             print(f"{mode} {key[:-2].replace('_', ' ')}, every run: {every}")
     for mode in modes:
@@ -295,6 +338,7 @@ def report(opts: argparse.Namespace, runs: dict[str, list[dict]]) -> float | Non
     ratio = None
     for key, label in (
         ("recovery_s", "recovery"),
+        ("aligned_recovery_s", "aligned recovery"),
         ("in_run_recovery_s", "in-run recovery"),
         ("stall_s", "stall"),
     ):
@@ -314,7 +358,7 @@ def report(opts: argparse.Namespace, runs: dict[str, list[dict]]) -> float | Non
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--steps", type=int, default=1300, help="stencil steps (1300: about 2 min)")
+    ap.add_argument("--steps", type=int, default=1500, help="stencil steps (1500: about 2 min)")
     ap.add_argument("--mb", type=float, default=200.0, help="megabytes per rank")
     ap.add_argument("--ranks", type=int, default=4)
     ap.add_argument("--agents", type=int, default=2, help="agents of the local pool")
