@@ -358,7 +358,7 @@ def report(opts: argparse.Namespace, runs: dict[str, list[dict]]) -> float | Non
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--steps", type=int, default=1500, help="stencil steps (1500: about 2 min)")
+    ap.add_argument("--steps", type=int, default=1600, help="stencil steps (1600: about 2 min)")
     ap.add_argument("--mb", type=float, default=200.0, help="megabytes per rank")
     ap.add_argument("--ranks", type=int, default=4)
     ap.add_argument("--agents", type=int, default=2, help="agents of the local pool")

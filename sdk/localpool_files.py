@@ -149,6 +149,9 @@ def agent_settings(
         "identity_dir": str(d / "identity"),
         "work_dir": str(d / "work"),
         "slots": slots,
+        # `vsdk local down` stops the whole pool at once: a stopping agent has no relay or
+        # coordinator left to checkpoint its ranks to (a volunteer's agent leaves alone).
+        "leave_checkpoint_grace": 0.0,
     }
 
 

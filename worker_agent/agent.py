@@ -23,7 +23,12 @@ from vpool import tls
 from vpool.protocol.api import AgentHeartbeat, EnrollResponse, Lease, RankProblem
 from vpool.worker_agent import identity
 from vpool.worker_agent.bundle import BlobCache
-from vpool.worker_agent.checkpoints import Capability, find_capability
+from vpool.worker_agent.checkpoints import (
+    Capability,
+    Checkpointer,
+    checkpoints_enabled,
+    find_capability,
+)
 from vpool.worker_agent.coordinator import CoordinatorClient
 from vpool.worker_agent.errors import CoordinatorRejected, CoordinatorUnreachable
 from vpool.worker_agent.local_ranks import LocalRank, LocalRanks
@@ -109,6 +114,7 @@ class Agent:
         self.socket_path = choose_socket_path(settings.work_path, SOCKET_NAME)
         self.capability = Capability()
         self.checkpoint_orders = CheckpointOrderIds()
+        self.leaving = False  # stopping: no more leases
         # Set once a heartbeat carried the capability: leases are asked for only then, so the
         # coordinator never places a restore here on what it knew of an earlier run of this
         # agent (enrolling clears it).
@@ -204,7 +210,7 @@ class Agent:
         delay = 0.5
         with trio.move_on_after(CAPABILITY_WAIT):
             await self.capability_told.wait()
-        while True:
+        while not self.leaving:
             while self.free_slots == 0:
                 self._slot_freed = trio.Event()
                 await self._slot_freed.wait()
@@ -228,11 +234,47 @@ class Agent:
                 delay = min(delay * 2, self.settings.retry_max_delay)
                 continue
             delay = 0.5
+            # Leases that arrive while leaving start too: the coordinator has them placed
+            # here, and they are handed back as any lost rank once the agent stops.
             for lease in leases:
                 self.start(lease)
             if not leases:
                 # A coordinator that answers "nothing" at once must not be asked in a tight loop.
                 await trio.sleep_until(asked_at + _MIN_EMPTY_POLL)
+
+    async def leave(self, grace: float) -> None:
+        """The agent is stopping (its volunteer quits, logs out, suspends the machine): ask no
+        more leases and checkpoint every rank that can take one, for at most ``grace`` s, so
+        that its replacement elsewhere restores from now instead of from an older image or
+        the beginning. The ranks run on meanwhile; the caller stops them afterwards."""
+        self.leaving = True
+        ranks = [
+            rank
+            for rank in self.ranks
+            if rank.checkpointer is not None
+            and rank.control is not None
+            and not checkpoints_enabled(self.capability, rank.lease)
+        ]
+        if not ranks or grace <= 0:
+            return
+        log.info("leaving: checkpointing %d rank(s) first, for at most %g s", len(ranks), grace)
+        stored: list[str] = []
+
+        async def one(rank: LocalRank, checkpointer: Checkpointer) -> None:
+            if await checkpointer.checkpoint_now():
+                stored.append(rank.label)
+
+        with trio.move_on_after(grace):
+            async with trio.open_nursery() as nursery:
+                for rank in ranks:
+                    assert rank.checkpointer is not None
+                    nursery.start_soon(one, rank, rank.checkpointer)
+        log.info(
+            "leaving: %d of %d rank(s) checkpointed%s",
+            len(stored),
+            len(ranks),
+            f" ({', '.join(stored)})" if stored else "",
+        )
 
     def start(self, lease: Lease) -> None:
         existing = self.ranks.by_key.get((lease.job, lease.rank))
@@ -361,13 +403,21 @@ async def enroll(
     return enrolled
 
 
+async def _leave_when(agent: Agent, leaving: trio.Event, scope: trio.CancelScope) -> None:
+    await leaving.wait()
+    await agent.leave(agent.settings.leave_checkpoint_grace)
+    scope.cancel()
+
+
 async def run_agent(
     settings: AgentSettings,
     *,
     transport: httpx.AsyncBaseTransport | None = None,
+    leaving: trio.Event | None = None,
     task_status: trio.TaskStatus[AgentStarted] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Run the agent until cancelled. ``transport`` replaces the network to the coordinator."""
+    """Run the agent until cancelled, or until ``leaving`` is set and its ranks are
+    checkpointed (``Agent.leave``). ``transport`` replaces the network to the coordinator."""
     key = identity.load_or_create_key(settings.identity_path)
     settings.work_path.mkdir(parents=True, exist_ok=True, mode=0o700)
     async with CoordinatorClient(
@@ -385,6 +435,8 @@ async def run_agent(
                 nursery.start_soon(agent.find_capability)
                 nursery.start_soon(agent.heartbeat_loop)
                 nursery.start_soon(agent.lease_loop)
+                if leaving is not None:
+                    nursery.start_soon(_leave_when, agent, leaving, nursery.cancel_scope)
                 task_status.started(
                     AgentStarted(
                         agent_id=enrolled.agent_id,

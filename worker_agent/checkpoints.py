@@ -161,6 +161,11 @@ class Checkpointer:
         self.pauses: list[float] = []  # the rank's pause (s) of each checkpoint taken
         self.closing = False  # the rank's process ended: no new checkpoint starts
         self.ended = trio.Event()  # set with ``closing`` (``close``)
+        # Checkpoints ended so far (stored or not), whether the last one was stored, and an
+        # event set at the end of each (``checkpoint_now`` waits on it).
+        self.taken = 0
+        self.last_stored = False
+        self._took = trio.Event()
 
     async def run(self) -> None:
         """Serve the control connection and take checkpoints until cancelled."""
@@ -186,6 +191,18 @@ class Checkpointer:
         down with it is not reported as failed."""
         self.closing = True
         self.ended.set()
+
+    async def checkpoint_now(self) -> bool:
+        """A checkpoint of the rank as it is now (one already being taken counts): asks for
+        one unless one is under way and waits for its end. True when it was stored."""
+        if self.closing:
+            return False
+        if self.taking is None:
+            self.rank.checkpoint_wanted.set()
+        target = self.taken + 1
+        while self.taken < target and not self.closing:
+            await _first(self._took, self.ended)
+        return self.taken >= target and self.last_stored
 
     def forked_in_flight(self) -> tuple[int, trio.Event] | None:
         """The id and end event of the checkpoint in flight once the rank forked its clone
@@ -270,6 +287,7 @@ class Checkpointer:
         # Increasing per rank across incarnations (nothing persists: wall clock, ms).
         self.last_ckpt = max(self.last_ckpt + 1, int(time.time() * 1000))
         taking = self.taking = _Taking(ckpt=self.last_ckpt)
+        stored = False
         # No report of a periodic checkpoint of a rank that cannot take any, or that ended.
         quiet = False
         try:
@@ -283,6 +301,7 @@ class Checkpointer:
                 quiet = not ordered
                 raise CheckpointError(why)
             await self._take(taking)
+            stored = True
             return True
         except Exception as exc:
             message = _describe(exc)
@@ -308,6 +327,10 @@ class Checkpointer:
             _kill(taking.clone)
             self.taking = None
             taking.done.set()
+            self.taken += 1
+            self.last_stored = stored
+            self._took.set()
+            self._took = trio.Event()
             if taking.scratch is not None:
                 with trio.move_on_after(10, shield=True):
                     await _remove(taking.scratch)

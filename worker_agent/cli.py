@@ -1,4 +1,5 @@
-"""``vpool-agent``: run the worker agent on a volunteer's machine until SIGTERM or Ctrl-C.
+"""``vpool-agent``: run the worker agent on a volunteer's machine until SIGTERM or Ctrl-C (the
+first checkpoints its ranks before stopping them, a second stops at once).
 
 Exit codes: 0 after a clean stop (signal), 1 when the agent cannot run (bad settings, socket in
 use, enrollment refused), 2 for bad command-line usage (click).
@@ -16,7 +17,7 @@ import trio
 
 from vpool.config import SettingsError
 from vpool.readyfile import write_ready_file
-from vpool.worker_agent.agent import run_agent
+from vpool.worker_agent.agent import AgentStarted, run_agent
 from vpool.worker_agent.errors import AgentError
 from vpool.worker_agent.settings import AgentSettings, load_agent_settings
 
@@ -35,18 +36,44 @@ Every setting can also come from the environment as VPOOL_AGENT_<NAME>.
 """
 
 
-async def _watch_signals(cancel_scope: trio.CancelScope) -> None:
+async def _watch_signals(cancel_scope: trio.CancelScope, leaving: trio.Event, grace: float) -> None:
+    """The first SIGTERM or SIGINT checkpoints the ranks for at most ``grace`` s before they
+    are stopped (``Agent.leave``); a second one, or the first with no grace, stops at once."""
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
         async for signum in signals:
-            log.info("received %s: stopping ranks and exiting", signal.Signals(signum).name)
+            name = signal.Signals(signum).name
+            if grace > 0 and not leaving.is_set():
+                log.info(
+                    "received %s: checkpointing ranks (at most %g s), then stopping them and "
+                    "exiting; send it again to stop at once",
+                    name,
+                    grace,
+                )
+                leaving.set()
+                continue
+            log.info("received %s: stopping ranks and exiting", name)
             cancel_scope.cancel()
             return
 
 
+async def _agent(
+    settings: AgentSettings,
+    leaving: trio.Event,
+    done: trio.CancelScope,
+    task_status: trio.TaskStatus[AgentStarted] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    try:
+        await run_agent(settings, leaving=leaving, task_status=task_status)
+    finally:
+        done.cancel()  # it left: the signal watch ends too
+
+
 async def serve(settings: AgentSettings, ready_file: Path | None) -> None:
+    leaving = trio.Event()
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(_watch_signals, nursery.cancel_scope)
-        started = await nursery.start(run_agent, settings)
+        grace = settings.leave_checkpoint_grace
+        nursery.start_soon(_watch_signals, nursery.cancel_scope, leaving, grace)
+        started = await nursery.start(_agent, settings, leaving, nursery.cancel_scope)
         if ready_file is not None:
             write_ready_file(
                 ready_file,
@@ -87,7 +114,9 @@ def main(
     """Run the vpool worker agent: lease MPI ranks from the coordinator and run them here.
 
     The agent only makes outbound connections (HTTPS to the coordinator, TLS to relays).
-    SIGTERM or Ctrl-C kills the ranks it started and exits with status 0.
+    SIGTERM or Ctrl-C first checkpoints the ranks it runs (where CRIU works and the job
+    takes checkpoints; at most leave_checkpoint_grace s), then kills them and exits with
+    status 0; a second signal stops at once.
     """
     logging.basicConfig(
         level=logging.DEBUG if verbose else logging.INFO,

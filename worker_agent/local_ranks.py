@@ -21,6 +21,7 @@ from vpool.protocol.messages import Abort, Message
 from vpool.worker_agent.wire import Buffer
 
 if TYPE_CHECKING:
+    from vpool.worker_agent.checkpoints import Checkpointer
     from vpool.worker_agent.relay_link import Connection, RelayLink
 
 # One write to a rank's socket gathers frames up to about this many bytes.
@@ -174,6 +175,7 @@ class LocalRank:
         self.control: trio.abc.SendStream | None = None
         self.control_send, self.control_recv = trio.open_memory_channel[Message](16)
         self.checkpoint_wanted = trio.Event()
+        self.checkpointer: Checkpointer | None = None  # while the process runs
         self.abort: Abort | None = None
         self.finalized = False
         self.hello_seen = False

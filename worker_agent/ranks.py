@@ -384,7 +384,7 @@ async def execute(
         functools.partial(_post_output, svc.client, rank),
         start=restored.out_offsets if restored is not None else None,
     )
-    checkpointer = Checkpointer(svc, rank, prepared, pump)
+    checkpointer = rank.checkpointer = Checkpointer(svc, rank, prepared, pump)
     try:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(pump.run, launched.stdout, launched.stderr)

@@ -99,6 +99,14 @@ class AgentSettings:
         "report at once and drop it.",
     )
 
+    leave_checkpoint_grace: float = setting(
+        20.0,
+        "Seconds a stopping agent (first SIGTERM or Ctrl-C: its volunteer quits, logs out or "
+        "suspends the machine) spends checkpointing its ranks before it stops them, so that "
+        "their replacements restore from that moment; a second signal stops at once; 0: stop "
+        "at once (a local pool's agents: `vsdk local down` stops the whole pool).",
+    )
+
     # Resolved values: the empty defaults above mean "the platform's choice".
 
     @property

@@ -455,3 +455,61 @@ def test_rank_killed_with_its_checkpoint_in_flight_restores_from_it(pool: Pool) 
     # The loss was reported after the image was committed, not before.
     committed = events(d, "checkpoint", 1)[0]
     assert committed["time"] <= lost[0]["time"], d["events"]
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def test_stopping_agent_checkpoints_its_ranks_before_it_leaves(pool: Pool) -> None:
+    """A volunteer's agent told to stop (SIGTERM: the volunteer quits, or the machine goes to
+    sleep) checkpoints its ranks before it stops them: their replacements restore from those
+    images. A local pool's agents stop at once (`leave_checkpoint_grace = 0`): the agents get
+    a volunteer's grace in their config files and are started again with it."""
+    ref = reference(pool, 4, "600")
+    names = [p["name"] for p in pool.pids() if p["name"].startswith("agent-")]
+    for name in names:
+        os.kill(pool.pid_of(name), signal.SIGKILL)
+        config = pool.home / "state" / "local-pool" / name / "config.toml"
+        kept = [
+            line
+            for line in config.read_text().splitlines()
+            if not line.startswith("leave_checkpoint_grace")
+        ]
+        config.write_text("\n".join([*kept, "leave_checkpoint_grace = 30.0", ""]))
+        res = pool.vsdk("local", "restart", name)
+        assert res.returncode == 0, res.stderr.decode()
+    wait_agents(pool, len(names))
+    job = submit(pool, 4, "600")  # no periodic checkpoints: only those of the leaving agent
+    wait_until(pool, job, lambda d: ended(d) or b"step 30:" in output(pool, job), "progress")
+    d = wait_until(pool, job, lambda d: ended(d) or all_running(d), "all ranks running")
+    assert not ended(d), d["events"]
+    host = next(r["agent"] for r in d["ranks"] if r["rank"] == 1)
+    leaving = next(name for name in names if agent_id(pool, name) == host)
+    mine = sorted(r["rank"] for r in d["ranks"] if r["agent"] == host)
+    pid = pool.pid_of(leaving)
+    os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + 60
+    while not _gone(pid):
+        assert time.monotonic() < deadline, f"{leaving} still runs 60 s after SIGTERM"
+        time.sleep(0.05)
+    d = finish(pool, job, ref)
+    log = (pool.home / "state" / "local-pool" / "logs" / f"{leaving}.log").read_text()
+    assert f"leaving: {len(mine)} of {len(mine)} rank(s) checkpointed" in log, log[-3000:]
+    assert not events(d, "checkpoint_failed"), d["events"]
+    assert sorted({e["rank"] for e in events(d, "checkpoint")}) == mine, d["events"]
+    for rank in mine:
+        # Only the leaving agent's checkpoint was taken; the rank was lost after it was stored
+        # and restored from it. (A lease handed to an agent as it was killed above may have
+        # cost the rank an incarnation before: that loss comes earlier and is not checked.)
+        (made,) = events(d, "checkpoint", rank)
+        lost = events(d, "rank_lost", rank)
+        assert lost and made["time"] <= lost[-1]["time"], d["events"]
+        restored = events(d, "rank_restored", rank)
+        assert restored and ckpt_id(restored[-1]["message"]) == ckpt_id(made["message"]), d
+        assert restored[-1]["time"] >= made["time"], d["events"]
+        assert not [e for e in events(d, "rank_replaying", rank) if e["time"] > made["time"]], d
