@@ -5,7 +5,8 @@
 The rod is split into one block per rank. Every step each rank swaps its edge cells with both
 neighbours (``Sendrecv``, ``PROC_NULL`` at the ends), updates its block, and every 100 steps the
 ranks agree on the total heat with ``allreduce``. Rank 0 prints the totals and a final checksum.
-With the defaults it takes a few seconds; STEPS=200000 makes it run about a minute.
+With the defaults it takes a few seconds; STEPS=20000 on 8 ranks runs about 80 s on a 2-core
+machine.
 """
 
 import sys
