@@ -23,12 +23,7 @@ from vpool import tls
 from vpool.protocol.api import AgentHeartbeat, EnrollResponse, Lease, RankProblem
 from vpool.worker_agent import identity
 from vpool.worker_agent.bundle import BlobCache
-from vpool.worker_agent.checkpoints import (
-    Capability,
-    Checkpointer,
-    checkpoints_enabled,
-    find_capability,
-)
+from vpool.worker_agent.checkpoints import Capability, Checkpointer, find_capability
 from vpool.worker_agent.coordinator import CoordinatorClient
 from vpool.worker_agent.errors import CoordinatorRejected, CoordinatorUnreachable
 from vpool.worker_agent.local_ranks import LocalRank, LocalRanks
@@ -249,11 +244,9 @@ class Agent:
         the beginning. The ranks run on meanwhile; the caller stops them afterwards."""
         self.leaving = True
         ranks = [
-            rank
+            (rank, ckpt)
             for rank in self.ranks
-            if rank.checkpointer is not None
-            and rank.control is not None
-            and not checkpoints_enabled(self.capability, rank.lease)
+            if (ckpt := rank.checkpointer) is not None and not ckpt.unable()
         ]
         if not ranks or grace <= 0:
             return
@@ -266,9 +259,8 @@ class Agent:
 
         with trio.move_on_after(grace):
             async with trio.open_nursery() as nursery:
-                for rank in ranks:
-                    assert rank.checkpointer is not None
-                    nursery.start_soon(one, rank, rank.checkpointer)
+                for rank, ckpt in ranks:
+                    nursery.start_soon(one, rank, ckpt)
         log.info(
             "leaving: %d of %d rank(s) checkpointed%s",
             len(stored),

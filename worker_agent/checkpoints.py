@@ -192,6 +192,16 @@ class Checkpointer:
         self.closing = True
         self.ended.set()
 
+    def unable(self) -> str:
+        """Why the rank cannot take a checkpoint now ("" = it can)."""
+        why = checkpoints_enabled(self.svc.capability, self.rank.lease)
+        if not why and (self.rank.control is None or self.rank.pid is None):
+            why = (
+                "the rank has no checkpoint control connection (its program did not "
+                "initialize MPI, or its runtime takes no checkpoints)"
+            )
+        return why
+
     async def checkpoint_now(self) -> bool:
         """A checkpoint of the rank as it is now (one already being taken counts): asks for
         one unless one is under way and waits for its end. True when it was stored."""
@@ -283,7 +293,7 @@ class Checkpointer:
     async def take(self, *, ordered: bool) -> bool:
         """Take one checkpoint; report a failure (a periodic one only when the rank could
         take checkpoints at all). True when it was stored."""
-        rank, lease = self.rank, self.rank.lease
+        rank = self.rank
         # Increasing per rank across incarnations (nothing persists: wall clock, ms).
         self.last_ckpt = max(self.last_ckpt + 1, int(time.time() * 1000))
         taking = self.taking = _Taking(ckpt=self.last_ckpt)
@@ -291,12 +301,7 @@ class Checkpointer:
         # No report of a periodic checkpoint of a rank that cannot take any, or that ended.
         quiet = False
         try:
-            why = checkpoints_enabled(self.svc.capability, lease)
-            if not why and (rank.control is None or rank.pid is None):
-                why = (
-                    "the rank has no checkpoint control connection (its program did not "
-                    "initialize MPI, or its runtime takes no checkpoints)"
-                )
+            why = self.unable()
             if why:
                 quiet = not ordered
                 raise CheckpointError(why)
