@@ -21,7 +21,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from vpool import tls
 from vpool.protocol.api import AgentHeartbeat, EnrollResponse, Lease, RankProblem
-from vpool.worker_agent import identity
+from vpool.worker_agent import identity, sandbox, sandboxed
 from vpool.worker_agent.bundle import BlobCache
 from vpool.worker_agent.checkpoints import Capability, Checkpointer, find_capability
 from vpool.worker_agent.coordinator import CoordinatorClient
@@ -114,6 +114,7 @@ class Agent:
         # coordinator never places a restore here on what it knew of an earlier run of this
         # agent (enrolling clears it).
         self.capability_told = trio.Event()
+        self.isolation_known = trio.Event()  # ``services.isolation`` is what it will be
         ssl_context = tls.client_context(settings.ca_path)
         self.links = RelayLinks(
             nursery,
@@ -182,13 +183,37 @@ class Agent:
         """``criu check`` and the environment fingerprint, in the background (hashing the
         interpreter's libraries takes a while); heartbeats carry them once known."""
         settings = self.settings
+        iso = self.services.isolation = await trio.to_thread.run_sync(
+            sandboxed.find_isolation, settings
+        )
+        self.services.limits = sandboxed.rank_limits(settings)
+        if iso.on:
+            cg = iso.cgroup
+            log.info(
+                "ranks run sandboxed (bubblewrap, seccomp, %s); limits per rank: %s",
+                f"cgroup v{cg.version}"
+                if cg is not None and cg.version
+                else f"no cgroup ({cg.reason if cg is not None else 'not probed'}): rlimits only",
+                self.services.limits.describe(),
+            )
+        elif settings.sandbox == "on":
+            log.error(
+                "this agent cannot sandbox ranks (%s) and takes none: install bubblewrap, or "
+                "set sandbox = 'prefer' to run ranks unsandboxed",
+                iso.reason,
+            )
+        else:
+            log.warning("ranks run unsandboxed: %s", iso.reason)
+        self.isolation_known.set()
         try:
             await find_capability(
                 self.capability,
                 criu_path=settings.criu,
                 python=settings.python_path,
-                rank_root=settings.rank_root,
-                salt=settings.fingerprint_salt,
+                # A sandboxed rank's directory is the same path inside every sandbox, and its
+                # image restores only into another sandbox.
+                rank_root=sandbox.RANK_DIR if iso.on else str(settings.rank_root_path),
+                salt=settings.fingerprint_salt + ("|sandboxed" if iso.on else ""),
             )
         except Exception as exc:
             # Checkpoints need both: without them this agent simply takes none.
@@ -203,6 +228,9 @@ class Agent:
 
     async def lease_loop(self) -> None:
         delay = 0.5
+        await self.isolation_known.wait()
+        if not self.services.isolation.on and self.settings.sandbox == "on":
+            return  # no ranks without a sandbox (logged by find_capability)
         with trio.move_on_after(CAPABILITY_WAIT):
             await self.capability_told.wait()
         while not self.leaving:

@@ -145,6 +145,19 @@ def snapshot(root: Path) -> Snapshot:
     return out
 
 
+def tree_size(root: Path) -> int:
+    """Bytes allocated to the files under ``root`` (blocks, so sparse files count as what
+    they take of the disk); links are not followed."""
+    total = 0
+    for dirpath, _, filenames in os.walk(root):
+        for name in filenames:
+            try:
+                total += os.lstat(os.path.join(dirpath, name)).st_blocks * 512
+            except OSError:
+                continue
+    return total
+
+
 def results_zip(root: Path, before: Snapshot, *, max_bytes: int) -> tuple[bytes | None, list[str]]:
     """Zip of the files created or modified since ``before``; ``(None, [])`` when none were.
 

@@ -40,7 +40,7 @@ import trio
 
 from vpool.protocol.api import CheckpointFailed, Lease, RelayInfo
 from vpool.protocol.messages import CheckpointRequest, CkptForked, CkptPut
-from vpool.worker_agent import ckpt_worker, criu
+from vpool.worker_agent import ckpt_worker, criu, sandbox
 from vpool.worker_agent.errors import AgentError, CoordinatorRejected
 from vpool.worker_agent.local_ranks import LocalRank
 from vpool.worker_agent.output import STREAMS, OutputPump
@@ -276,15 +276,20 @@ class Checkpointer:
                 _kill(self._host_pid(msg.pid))
 
     def _namespace_of(self) -> int | None:
-        """The rank's host pid when it runs in a PID namespace of its own (restored)."""
+        """A host pid whose namespaces are the rank's, when it has its own (a sandbox, a
+        restore): CRIU enters them to dump its clone."""
+        if self.rank.ns_holder:
+            return self.rank.ns_holder
         pid = self.rank.pid
         return pid if pid is not None and criu.nested_pid_namespace(pid) else None
 
     def _host_pid(self, pid: int) -> int:
-        """The host pid of the rank's child ``pid`` as the rank names it (-1: not found)."""
-        parent = self._namespace_of()
-        if parent is None:
-            return pid
+        """The host pid of the rank's child ``pid`` as the rank names it (-1: no process of
+        the rank's has that pid). Nothing a rank says is believed: a pid it names is looked
+        for among its own descendants only, so it cannot have the agent kill another."""
+        parent = self._namespace_of() or self.rank.pid
+        if parent is None or pid <= 0:
+            return -1
         found = criu.descendant_host_pid(parent, pid)
         return found if found is not None else -1
 
@@ -404,10 +409,12 @@ class Checkpointer:
         )
         (taking.scratch / "images").mkdir()
         # 4. store
+        # The rank's directories as it knows them: its sandbox's, the same on every agent.
+        seen = Path(sandbox.RANK_DIR) if self.svc.isolation.on else self.prepared.rank_dir
         manifest: dict[str, Any] = {
-            "rank_dir": str(self.prepared.rank_dir),
-            "work": str(self.prepared.work),
-            "home": str(self.prepared.home),
+            "rank_dir": str(seen),
+            "work": str(seen / self.prepared.work.name),
+            "home": str(seen / self.prepared.home.name),
             "out_offsets": dict(taking.offsets),
             "sent": list(ready.sent),
             "incarnation": lease.incarnation,
@@ -430,8 +437,10 @@ class Checkpointer:
         )
         task = ckpt_worker.Task(
             ckpt=taking.ckpt,
-            clone=forked.pid,
-            enter=None if forked.orphan else self._namespace_of(),
+            # The clone as CRIU names it: in the rank's namespaces when it has its own (an
+            # orphan's pid came from the socket, as the agent sees it).
+            clone=_clone_pid(forked, self._namespace_of()),
+            enter=self._namespace_of(),
             scratch=str(taking.scratch),
             rank_dir=str(self.prepared.rank_dir),
             stream_pages=settings.checkpoint_stream_pages,
@@ -499,6 +508,12 @@ def next_periodic(every: float, due: float, started: float | None, now: float) -
     every cycle of the machine."""
     target = due if started is None else started + every
     return max(target, now + every / 2)
+
+
+def _clone_pid(forked: CkptForked, namespace: int | None) -> int:
+    if forked.orphan and namespace is not None:
+        return criu.namespace_pid(forked.pid) or forked.pid
+    return forked.pid
 
 
 def acknowledged(rank: LocalRank, ready: CkptForked) -> bool:

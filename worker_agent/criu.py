@@ -271,7 +271,7 @@ def environment_fingerprint(
         paths.extend(tree_files(directory, _SHARED_OBJECT, prune=_SITE_DIRS))
     for directory in info["site"]:
         paths.extend(tree_files(directory, _SHARED_OBJECT))
-    for directory in _vpool_dirs():
+    for directory in vpool_dirs():
         paths.extend(tree_files(directory, re.compile(r"\.py$")))
     hashes = hash_files(paths)
     return combine(hashes, rank_root=rank_root, salt=salt), hashes
@@ -287,7 +287,7 @@ def _ldd(executable: str) -> list[str]:
     return _LDD_PATH.findall(answer.stdout.decode(errors="surrogateescape"))
 
 
-def _vpool_dirs() -> list[str]:
+def vpool_dirs() -> list[str]:
     dirs: set[str] = set()
     for name in _VPOOL_PACKAGES:
         spec = importlib.util.find_spec(name)
@@ -320,15 +320,27 @@ async def dump(
     """
     await trio.Path(images_dir).mkdir(parents=True, exist_ok=True)
     log_file = (log_dir if log_dir is not None else images_dir) / DUMP_LOG_NAME
+    pass_fds: list[int] = []
+    images_arg, log_arg = str(images_dir), str(log_file.absolute())
+    if enter is not None:
+        # CRIU runs in the rank's namespaces, mount namespace included (its files are the
+        # sandbox's), where the agent's directories do not exist: it reaches them through
+        # descriptors opened here, as /proc/self/fd/N (a magic link: it leads to the
+        # directory whatever the mount namespace).
+        images_fd = os.open(images_dir, os.O_RDONLY | os.O_DIRECTORY)
+        log_fd = os.open(log_file.parent, os.O_RDONLY | os.O_DIRECTORY)
+        pass_fds = [images_fd, log_fd]
+        images_arg = f"/proc/self/fd/{images_fd}"
+        log_arg = f"/proc/self/fd/{log_fd}/{log_file.name}"
     command = [
         criu,
         "dump",
         "-t",
         str(pid),
         "-D",
-        str(images_dir),
+        images_arg,
         "-o",
-        str(log_file.absolute()),
+        log_arg,
         # Cgroups differ between machines; the restored rank joins its agent's instead.
         "--manage-cgroups=ignore",
         # The clone's session is its agent's (the rank's): the restore puts it in the
@@ -336,13 +348,19 @@ async def dump(
         "--shell-job",
     ]
     if enter is not None:
-        command = ["nsenter", "-t", str(enter), "-p", "-m", *command]
+        # Every namespace of the rank's: CRIU then has none of them to dump (it could not:
+        # the rank is not the init of its PID namespace), only the process.
+        command = ["nsenter", "-t", str(enter), "-p", "-m", "-n", "-i", "-u", *command]
     command = nice_command(command, nice)
     started = time.monotonic()
     try:
         with trio.fail_after(timeout):
             result = await trio.run_process(
-                command, capture_stdout=True, capture_stderr=True, check=False
+                command,
+                capture_stdout=True,
+                capture_stderr=True,
+                check=False,
+                pass_fds=pass_fds,
             )
     except OSError as exc:
         raise CriuError(f"cannot run {criu}: {exc}") from exc
@@ -350,6 +368,9 @@ async def dump(
         raise CriuError(
             f"criu dump of {pid} took more than {timeout} s: {log_tail(log_file)}"
         ) from None
+    finally:
+        for fd in pass_fds:
+            os.close(fd)
     if result.returncode != 0:
         raise CriuError(
             f"criu dump of {pid} failed (exit {result.returncode}): "
@@ -446,6 +467,17 @@ def nested_pid_namespace(pid: int) -> bool:
         return os.readlink(f"/proc/{pid}/ns/pid") != os.readlink("/proc/self/ns/pid")
     except OSError:
         return False
+
+
+def namespace_pid(pid: int) -> int | None:
+    """Host process ``pid``'s pid in its own PID namespace (the last ``NSpid`` entry)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return None
+    match = re.search(r"^NSpid:\s*(.*)$", status, re.MULTILINE)
+    ids = match.group(1).split() if match else []
+    return int(ids[-1]) if ids else None
 
 
 def descendant_host_pid(parent: int, ns_pid: int) -> int | None:

@@ -151,6 +151,8 @@ class LocalRank:
         self.secret = secrets.token_urlsafe(32)
         self.state = "starting"
         self.pid: int | None = None
+        # A host pid whose namespaces are the rank's (its sandbox's init), while it has some.
+        self.ns_holder: int | None = None
         self.outbox = Outbox()
         # route[dst] = link to the home relay of dst, filled once every relay is attached.
         self.route: list[RelayLink] = []

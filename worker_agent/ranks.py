@@ -40,6 +40,7 @@ from pathlib import Path
 
 import trio
 
+from vpool import paths
 from vpool.protocol.api import (
     Lease,
     OutputBatch,
@@ -50,7 +51,7 @@ from vpool.protocol.api import (
     RestoreReport,
 )
 from vpool.protocol.messages import Stop
-from vpool.worker_agent import bundle, restore
+from vpool.worker_agent import bundle, restore, sandbox, sandboxed
 from vpool.worker_agent.checkpoints import Capability, Checkpointer, checkpoint_signal
 from vpool.worker_agent.checkpoints import checkpoints_enabled as _ckpt_disabled_because
 from vpool.worker_agent.ckpt_workers import CkptWorkers
@@ -71,6 +72,9 @@ _PASSED_ENV = ("PATH", "LANG", "LANGUAGE", "LC_ALL", "LC_CTYPE", "TZ", "SYSTEMRO
 # How long the rank's pipes may stay open after it exited (a child it left behind).
 _PIPE_GRACE = 5.0
 _SHIELDED_CLEANUP = 5.0
+_DISK_EVERY = 2.0  # s between looks at a sandboxed rank's disk use
+# The rank's secret, in its directory until the runtime reads (and deletes) it.
+SECRET_FILE = ".vpool-secret"
 # Signals a process gets for its own faults: its exit is the program's error, not a loss.
 _CRASH_SIGNALS = frozenset(
     int(getattr(signal, name))
@@ -107,6 +111,9 @@ class RankServices:
     # for the relays' checkpoint stores.
     capability: Capability = field(default_factory=Capability)
     ssl_context: ssl.SSLContext | None = None
+    # The sandbox (found at start; off until then) and what each rank may use in it.
+    isolation: sandboxed.Isolation = field(default_factory=sandboxed.Isolation)
+    limits: sandboxed.RankLimits = field(default_factory=sandboxed.RankLimits)
     # The processes that dump and upload checkpoints (``checkpoint_workers``).
     _ckpt_workers: CkptWorkers | None = None
 
@@ -149,20 +156,23 @@ class Prepared:
 def rank_env(
     lease: Lease,
     *,
-    secret: str,
-    socket_path: Path,
+    secret_file: str,
+    socket_path: Path | str,
     shim: Path,
-    home: Path,
-    rank_dir: Path | None = None,
+    home: Path | str,
+    rank_dir: Path | str | None = None,
     checkpoints: bool = False,
     clone_timeout: float = 600.0,
     orphan_wait: float = 0.0,
+    tmpdir: str = "",
 ) -> dict[str, str]:
-    """The rank's environment. ``checkpoints``: the runtime takes them (it gets the signal to
-    expect and its rank directory)."""
+    """The rank's environment, with paths as the rank sees them (its sandbox's).
+    ``checkpoints``: the runtime takes them (it gets the signal to expect and its rank
+    directory). The rank's secret is not in it: the runtime reads ``secret_file`` and
+    deletes it (an environment can be read by others: ``/proc/PID/environ``)."""
     env = {k: os.environ[k] for k in _PASSED_ENV if k in os.environ}
     env["HOME"] = str(home)
-    env["TMPDIR"] = str(home)
+    env["TMPDIR"] = tmpdir or str(home)
     env.update(lease.env)
     # The shim must come first so it wins over a real mpi4py in the same environment.
     pythonpath = [str(shim)]
@@ -171,7 +181,7 @@ def rank_env(
     env.update(
         PYTHONPATH=os.pathsep.join(pythonpath),
         VPOOL_AGENT_SOCKET=str(socket_path),
-        VPOOL_RANK_SECRET=secret,
+        VPOOL_RANK_SECRET_FILE=secret_file,
         PYTHONHASHSEED="0",
         PYTHONUNBUFFERED="1",
         VPOOL_JOB=str(lease.job),
@@ -195,14 +205,10 @@ async def prepare(svc: RankServices, lease: Lease) -> Prepared:
     entry_rel = bundle.safe_member_path(lease.entry)
     zip_path = await svc.blobs.get(lease.bundle)
     stdin = await svc.blobs.get(lease.stdin) if lease.stdin and lease.rank == 0 else None
-    if lease.job_uid:
-        # The same path on every agent: a checkpoint restores the directory where it was.
-        ranks_dir = Path(settings.rank_root)
-        prefix = f"{lease.job_uid}-{lease.rank}-{lease.incarnation}-"
-    else:
-        ranks_dir = settings.work_path / "ranks"
-        prefix = f"{lease.job}-{lease.rank}-{lease.incarnation}-"
-    ranks_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    # Unsandboxed, a checkpoint restores the directory where it was (``rank_root``: the same
+    # path on the agents of a pool); sandboxed, wherever it is, it is /vpool/rank inside.
+    ranks_dir = await trio.to_thread.run_sync(paths.private_dir, settings.rank_root_path)
+    prefix = f"{lease.job_uid or lease.job}-{lease.rank}-{lease.incarnation}-"
     rank_dir = Path(tempfile.mkdtemp(prefix=prefix, dir=ranks_dir))
     try:
         work, home = rank_dir / "work", rank_dir / "home"
@@ -336,18 +342,36 @@ class _Launched:
     stdout: trio.abc.ReceiveStream | None
     stderr: trio.abc.ReceiveStream | None
     restored: restore.Restored | None = None
+    box: sandboxed.Sandboxed | None = None  # its sandbox (a fresh start in one)
 
     def signal(self, sig: int) -> None:
         if self.restored is not None:
             self.restored.signal(sig)
+        elif self.box is not None:
+            self.box.signal(sig)
         else:
             _signal_group(self.process, sig)
 
+    async def wait(self) -> None:
+        """Until the rank ended (a sandbox may live on a moment: a clone being dumped)."""
+        if self.box is not None:
+            await self.box.wait_ended()
+        else:
+            await self.process.wait()
+
     def returncode(self) -> int | None:
-        """The rank's exit status once ``process`` ended (None: unknown)."""
+        """The rank's exit status once it ended (None: unknown)."""
         if self.restored is not None:
             return self.restored.returncode()
+        if self.box is not None:
+            return self.box.returncode()
         return self.process.returncode
+
+    def limit_reason(self) -> str:
+        """The limit that ended the rank ("" if none did)."""
+        if self.restored is not None and self.restored.box is not None:
+            return self.restored.box.limit_reason()
+        return self.box.limit_reason() if self.box is not None else ""
 
 
 async def execute(
@@ -377,6 +401,8 @@ async def execute(
     process = launched.process
     rank.state = "running"
     rank.pid = launched.pid
+    box = launched.box or (restored.box if restored is not None else None)
+    rank.ns_holder = box.init_pid if box is not None else None
     svc.state_changed()
     log.info("started %s (pid %d)", rank.label, launched.pid)
     pump = OutputPump(
@@ -393,7 +419,9 @@ async def execute(
             async with trio.open_nursery() as watch:
                 watch.start_soon(_stop_when_asked, rank, launched, settings.stop_grace)
                 watch.start_soon(checkpointer.run)
-                await process.wait()
+                if launched.box is not None and svc.limits.disk:
+                    watch.start_soon(_watch_disk, prepared.rank_dir, launched.box)
+                await launched.wait()
                 checkpointer.close()  # no new checkpoint of a process that is gone
                 returncode = launched.returncode()
                 if returncode is not None and _describe_exit(rank, returncode)[2]:
@@ -411,13 +439,21 @@ async def execute(
                     await pipe.aclose()
     finally:
         rank.pid = None
+        rank.ns_holder = None
         if process.returncode is None:
             with trio.move_on_after(_SHIELDED_CLEANUP, shield=True):
                 launched.signal(signal.SIGKILL)
                 await process.wait()
+        if box is not None:
+            await box.aclose()
     returncode = launched.returncode() if process.returncode is not None else None
     if returncode is None and restored is not None and rank.stop_reason is None:
         return -signal.SIGKILL, "the restored process ended without an exit status", True
+    limit = launched.limit_reason()
+    if limit and rank.stop_reason is None:
+        # The program's doing, not a loss: a replacement would hit the same limit.
+        code = 128 - returncode if returncode is not None and returncode < 0 else 128 + 9
+        return code, f"rank {lease.rank} {limit}", False
     # None only if even SIGKILL did not end it within the cleanup time: report it as killed.
     return _describe_exit(rank, -signal.SIGKILL if returncode is None else returncode)
 
@@ -425,23 +461,64 @@ async def execute(
 async def _spawn(
     svc: RankServices, rank: LocalRank, prepared: Prepared
 ) -> _Launched | tuple[int, str, bool]:
-    """Start ``[python, entry, *args]``; the process, or how the rank ended if it cannot."""
+    """Start ``[python, entry, *args]`` (in its sandbox when the agent has one); the process,
+    or how the rank ended if it cannot."""
     lease, settings = rank.lease, svc.settings
+    boxed = svc.isolation.on
+    inside = _inside(prepared) if boxed else None
+    secret_file = prepared.rank_dir / SECRET_FILE
+    fd = os.open(secret_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.write(fd, rank.secret.encode())
+    finally:
+        os.close(fd)
     env = rank_env(
         lease,
-        secret=rank.secret,
-        socket_path=svc.socket_path,
+        secret_file=f"{sandbox.RANK_DIR}/{SECRET_FILE}" if boxed else str(secret_file),
+        socket_path=sandbox.SOCKET if boxed else svc.socket_path,
         shim=shim_dir(),
-        home=prepared.home,
-        rank_dir=prepared.rank_dir,
+        home=f"{sandbox.RANK_DIR}/home" if boxed else prepared.home,
+        rank_dir=sandbox.RANK_DIR if boxed else prepared.rank_dir,
         checkpoints=not _ckpt_disabled_because(svc.capability, lease),
         clone_timeout=settings.checkpoint_clone_timeout,
         orphan_wait=settings.lost_checkpoint_grace,
+        tmpdir="/tmp" if boxed else "",
     )
+    python = settings.python_path
+    if inside is not None:
+        program = [python, inside, *lease.args]
+        try:
+            box = await sandboxed.start(
+                svc.isolation,
+                sandbox.Mounts(prepared.rank_dir, svc.socket_path, stdin=prepared.stdin),
+                lambda status_fd: sandbox.init_argv(
+                    python,
+                    program,
+                    status_fd=status_fd,
+                    linger=settings.lost_checkpoint_grace,
+                    stdin=prepared.stdin is not None,
+                    nofile=svc.limits.open_files,
+                    fsize=svc.limits.disk,
+                    sched_idle=svc.limits.sched_idle,
+                ),
+                name=f"{lease.job}-{lease.rank}-{lease.incarnation}-{os.getpid()}",
+                limits=svc.limits,
+                env=env,
+                cwd=prepared.work,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+            )
+        except sandboxed.SandboxStartError as exc:
+            return 127, f"cannot start the rank's sandbox: {exc}", False
+        if not box.pid:
+            await box.aclose()
+            return 127, "the rank's sandbox started no program", False
+        process = box.process
+        return _Launched(process, box.pid, process.stdout, process.stderr, box=box)
     stdin = open(prepared.stdin or os.devnull, "rb")  # noqa: ASYNC230 - only an fd for the child
     try:
         process = await trio.lowlevel.open_process(
-            [settings.python_path, str(prepared.entry), *lease.args],
+            [python, str(prepared.entry), *lease.args],
             cwd=prepared.work,
             env=env,
             stdin=stdin,
@@ -454,10 +531,32 @@ async def _spawn(
             process_group=0,
         )
     except OSError as exc:
-        return 127, f"cannot start {settings.python_path}: {exc}", False
+        return 127, f"cannot start {python}: {exc}", False
     finally:
         stdin.close()
     return _Launched(process, process.pid, process.stdout, process.stderr)
+
+
+def _inside(prepared: Prepared) -> str:
+    """The program's path as the sandboxed rank sees it."""
+    return str(Path(sandbox.RANK_DIR) / prepared.entry.relative_to(prepared.rank_dir))
+
+
+async def _watch_disk(rank_dir: Path, box: sandboxed.Sandboxed) -> None:
+    """End the rank once its directory holds more than its disk limit (a single file is
+    bounded by RLIMIT_FSIZE already; this bounds their sum, checked every few seconds)."""
+    limit = box.limits.disk
+    while True:
+        used = await trio.to_thread.run_sync(bundle.tree_size, rank_dir)
+        if used > limit:
+            box.killed_for = (
+                f"exceeded its disk limit of {sandboxed.format_bytes(limit)} "
+                f"({sandboxed.format_bytes(used)} in its work directory)"
+            )
+            log.warning("stopping %s: %s", box.pid, box.killed_for)
+            box.signal(signal.SIGKILL)
+            return
+        await trio.sleep(_DISK_EVERY)
 
 
 async def _report_start(svc: RankServices, rank: LocalRank, tried: list[RestoreAttempt]) -> None:

@@ -35,8 +35,9 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import trio
 
+from vpool import paths
 from vpool.protocol.api import CheckpointRef, RestoreAttempt
-from vpool.worker_agent import ckpt_image, criu
+from vpool.worker_agent import ckpt_image, criu, sandbox, sandboxed
 from vpool.worker_agent.bundle import Snapshot
 from vpool.worker_agent.checkpoints import job_key
 from vpool.worker_agent.errors import AgentError, RelayLinkError
@@ -75,6 +76,7 @@ class Restored:
     stderr: trio.lowlevel.FdStream
     holders: list[int]  # the agent's own write ends of the FIFOs
     out_offsets: dict[str, int] = field(default_factory=dict)
+    box: sandboxed.Sandboxed | None = None  # its sandbox (a restore into one)
 
     def release_holders(self) -> None:
         """The process ended: let the output pump see the FIFOs end."""
@@ -91,6 +93,15 @@ class Restored:
 
     def signal(self, sig: int) -> None:
         """Signal the restored process; SIGKILL also ends its whole namespace."""
+        if self.box is not None:
+            if sig == signal.SIGKILL:
+                self.box.signal(sig)
+            else:
+                try:
+                    os.kill(self.pid, sig)
+                except (ProcessLookupError, PermissionError):
+                    pass
+            return
         for pid, group in ((self.pid, False), (self.process.pid, True)):
             if group and sig != signal.SIGKILL:
                 continue
@@ -151,9 +162,10 @@ def usable(svc: RankServices, ref: CheckpointRef, relays: int) -> str:
     return ""
 
 
-def manifest_paths(meta: bytes, rank_root: Path) -> tuple[dict[str, Any], Path, Path, Path]:
+def manifest_paths(meta: bytes, rank_root: Path | None) -> tuple[dict[str, Any], Path, Path, Path]:
     """The image's manifest and its rank, work and home directories, which must lie inside
-    ``rank_root`` (a directory the agent removes before unpacking)."""
+    ``rank_root`` (a directory the agent removes before unpacking), or, with None (a
+    sandboxed image), be the sandbox's own ``/vpool/rank``."""
     try:
         manifest = msgspec.msgpack.decode(meta)
     except msgspec.DecodeError as exc:
@@ -166,7 +178,12 @@ def manifest_paths(meta: bytes, rank_root: Path) -> tuple[dict[str, Any], Path, 
         home = Path(str(manifest["home"]))
     except KeyError as exc:
         raise RestoreError(f"the manifest lacks {exc}") from exc
-    root = Path(os.path.abspath(rank_root))
+    if rank_root is None:
+        if rank_dir != Path(sandbox.RANK_DIR):
+            raise RestoreError(f"the image's rank directory {rank_dir} is not a sandbox's")
+        root = Path(sandbox.ROOT)
+    else:
+        root = Path(os.path.abspath(rank_root))
     if (
         not rank_dir.is_absolute()
         or Path(os.path.abspath(rank_dir)).parent != root
@@ -190,7 +207,15 @@ async def _restore_one(
     why = usable(svc, ref, len(lease.relays))
     if why:
         raise RestoreError(why)
-    manifest, rank_dir, work, home = manifest_paths(ref.meta, Path(settings.rank_root))
+    boxed = svc.isolation.on
+    root = settings.rank_root_path
+    manifest, rank_dir, work, home = manifest_paths(ref.meta, None if boxed else root)
+    if boxed:
+        # Anywhere of this agent's own: the sandbox shows it at /vpool/rank.
+        await trio.to_thread.run_sync(paths.private_dir, root)
+        prefix = f"{lease.job_uid or lease.job}-{lease.rank}-{lease.incarnation}-"
+        rank_dir = Path(tempfile.mkdtemp(prefix=prefix, dir=root))
+        work, home = rank_dir / work.name, rank_dir / home.name
     scratch_root = settings.scratch_path
     scratch_root.mkdir(parents=True, exist_ok=True, mode=0o700)
     scratch = Path(
@@ -200,35 +225,34 @@ async def _restore_one(
     holders: list[int] = []
     readers: list[int] = []
     process: trio.Process | None = None
+    box = None
     attached = False
     try:
         images = scratch / "images"
         images.mkdir()
-        await _remove_stale(rank_dir)
-        rank_dir.parent.mkdir(parents=True, exist_ok=True)
+        if not boxed:
+            await _remove_stale(rank_dir)
+            rank_dir.parent.mkdir(parents=True, exist_ok=True)
         await _fetch(svc, rank, ref, images, rank_dir)
         # FIFOs for the restored process's stdout and stderr.
         fifo_dir = Path(tempfile.mkdtemp(prefix="fifo-", dir=settings.work_path))
-        paths = [fifo_dir / "stdout", fifo_dir / "stderr"]
-        for path in paths:
+        fifos = [fifo_dir / "stdout", fifo_dir / "stderr"]
+        for path in fifos:
             os.mkfifo(path, 0o600)
             readers.append(os.open(path, os.O_RDONLY | os.O_NONBLOCK))
             holders.append(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
         # Rank 0's stdin file (the restored process reopens it where it stood at the fork).
         stdin = await svc.blobs.get(lease.stdin) if lease.stdin and lease.rank == 0 else None
-        (rank_dir / RESTORE_FILE).write_text(
-            json.dumps(
-                {
-                    "checkpoint": ref.ckpt,
-                    "socket": str(svc.socket_path),
-                    "secret": rank.secret,
-                    "incarnation": lease.incarnation,
-                    "stdout": str(paths[0]),
-                    "stderr": str(paths[1]),
-                    "stdin": str(stdin) if stdin is not None else None,
-                }
-            )
-        )
+        seen = {  # the paths as the restored process sees them
+            "socket": sandbox.SOCKET if boxed else str(svc.socket_path),
+            "stdout": f"{sandbox.IO_DIR}/stdout" if boxed else str(fifos[0]),
+            "stderr": f"{sandbox.IO_DIR}/stderr" if boxed else str(fifos[1]),
+            "stdin": None if stdin is None else sandbox.STDIN if boxed else str(stdin),
+        }
+        info = {"checkpoint": ref.ckpt, "secret": rank.secret, "incarnation": lease.incarnation}
+        fd = os.open(rank_dir / RESTORE_FILE, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump(info | seen, f)
         before = _load_snapshot(rank_dir / SNAPSHOT_FILE, work)
         # The relays resume after the image's counters.
         rank.received = {int(k): int(v) for k, v in ref.received.items()}
@@ -237,17 +261,22 @@ async def _restore_one(
         attached = True
         await attach(svc, rank)
         status_file = scratch / "status"
-        argv = criu.restore_command(images, status_file, criu=settings.criu)
+        box: sandboxed.Sandboxed | None = None
         with open(scratch / "restore.log", "wb") as restore_log:  # noqa: ASYNC230 - an fd
-            process = await trio.lowlevel.open_process(
-                argv,
-                cwd=work,
-                stdin=subprocess.DEVNULL,
-                stdout=restore_log,
-                stderr=subprocess.STDOUT,
-                # Its own process group, in the agent's session: see ranks.py.
-                process_group=0,
-            )
+            if boxed:
+                box = await _start_boxed(svc, rank, scratch, rank_dir, fifo_dir, stdin, restore_log)
+                process = box.process
+            else:
+                argv = criu.restore_command(images, status_file, criu=settings.criu)
+                process = await trio.lowlevel.open_process(
+                    argv,
+                    cwd=work,
+                    stdin=subprocess.DEVNULL,
+                    stdout=restore_log,
+                    stderr=subprocess.STDOUT,
+                    # Its own process group, in the agent's session: see ranks.py.
+                    process_group=0,
+                )
         pid = await _wait_restored(process, images, status_file, scratch / "restore.log")
         out_offsets = manifest.get("out_offsets") or {}
         restored = Restored(
@@ -262,12 +291,15 @@ async def _restore_one(
             stderr=trio.lowlevel.FdStream(readers[1]),
             holders=holders,
             out_offsets={k: int(v) for k, v in dict(out_offsets).items()},
+            box=box,
         )
         log.info("restored %s from checkpoint %d (pid %d)", rank.label, ref.ckpt, pid)
         return restored
     except BaseException:
         with trio.move_on_after(10, shield=True):
-            if process is not None:
+            if box is not None:
+                await box.aclose()
+            elif process is not None:
                 _killpg(process.pid)
                 await process.wait()
             for fd in holders + readers:
@@ -278,6 +310,52 @@ async def _restore_one(
             if fifo_dir is not None:
                 shutil.rmtree(fifo_dir, ignore_errors=True)
         raise
+
+
+async def _start_boxed(
+    svc: RankServices,
+    rank: LocalRank,
+    scratch: Path,
+    rank_dir: Path,
+    fifo_dir: Path,
+    stdin: Path | None,
+    restore_log: Any,
+) -> sandboxed.Sandboxed:
+    """Start ``restore_init`` as pid 1 of a new sandbox like the one the image was made in."""
+    settings = svc.settings
+    scratch_fd = os.open(scratch, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        inside = f"/proc/self/fd/{scratch_fd}"
+        return await sandboxed.start(
+            svc.isolation,
+            sandbox.Mounts(rank_dir, svc.socket_path, stdin=stdin, io_dir=fifo_dir),
+            lambda status_fd: [
+                settings.python_path,
+                "-I",
+                "-m",
+                "vpool.worker_agent.restore_init",
+                "--criu",
+                settings.criu,
+                "--images",
+                f"{inside}/images",
+                "--status",
+                f"{inside}/status",
+                "--pass-fd",
+                str(scratch_fd),
+            ],
+            name=f"{rank.lease.job}-{rank.lease.rank}-{rank.lease.incarnation}-r{os.getpid()}",
+            limits=svc.limits,
+            env={k: os.environ[k] for k in ("PATH", "LANG") if k in os.environ},
+            cwd=rank_dir,
+            stdout=restore_log.fileno(),
+            stderr=subprocess.STDOUT,
+            privileged=True,
+            pass_fds=[scratch_fd],
+        )
+    except sandboxed.SandboxStartError as exc:
+        raise RestoreError(str(exc)) from exc
+    finally:
+        os.close(scratch_fd)
 
 
 async def _fetch(

@@ -60,13 +60,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--criu", default="criu")
     parser.add_argument("--images", type=Path, required=True)
     parser.add_argument("--status", type=Path, required=True)
+    # A descriptor CRIU must have too: --images and --status name paths through it
+    # (/proc/self/fd/N) in a sandbox, where the agent's directories are not mounted.
+    parser.add_argument("--pass-fd", type=int, action="append", default=[])
     args = parser.parse_args(argv)
 
     forwarder = _Forwarder()
     for signum in _FORWARDED:
         signal.signal(signum, forwarder.handle)
 
-    images: Path = args.images.absolute()
+    images: Path = args.images if str(args.images).startswith("/proc/") else args.images.absolute()
     pidfile = images / PIDFILE_NAME
     pidfile.unlink(missing_ok=True)
     command = [
@@ -87,7 +90,12 @@ def main(argv: list[str] | None = None) -> int:
     ]
     try:
         criu = subprocess.run(
-            command, stdin=subprocess.DEVNULL, stdout=sys.stderr, stderr=sys.stderr, check=False
+            command,
+            stdin=subprocess.DEVNULL,
+            stdout=sys.stderr,
+            stderr=sys.stderr,
+            check=False,
+            pass_fds=args.pass_fd,
         )
     except OSError as exc:
         print(f"restore failed: cannot run {args.criu}: {exc}", file=sys.stderr, flush=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import socket
 import sys
@@ -60,18 +61,51 @@ class AgentSettings:
         1024**3, "Largest payload of one MPI message accepted from a rank or a relay (bytes)."
     )
     criu: str = setting("criu", "Path of the CRIU binary (checkpoints need CRIU >= 4).")
+    sandbox: str = setting(
+        "on",
+        "Isolation of the ranks: 'on' runs every rank in a sandbox (bubblewrap, a cgroup) and "
+        "refuses to run ranks where none can be made; 'prefer' falls back to running them "
+        "unsandboxed, as this user, when it cannot (the volunteer's explicit choice: the "
+        "coordinator then places only jobs that accept unsandboxed agents here); 'off' never "
+        "sandboxes (trusted programs only).",
+    )
+    bwrap: str = setting("bwrap", "Path of bubblewrap's bwrap, which makes the sandboxes.")
+    rank_memory: int = setting(
+        0,
+        "Memory (bytes) a rank may use, its checkpoint clone's copies included; 0 = three "
+        "quarters of this machine's memory divided among the slots.",
+    )
+    rank_processes: int = setting(
+        64, "Processes and threads a rank may have at once (its cgroup's pids.max)."
+    )
+    rank_disk: int = setting(
+        4 * 1024**3,
+        "Bytes a rank may write into its work directory (its largest file, and all of them "
+        "together, checked every 2 s).",
+    )
+    rank_tmp: int = setting(
+        256 * 1024**2, "Size (bytes) of a rank's private /tmp, and of its /dev/shm."
+    )
+    rank_open_files: int = setting(1024, "Files a rank may have open at once (RLIMIT_NOFILE).")
+    rank_idle_priority: bool = setting(
+        True,
+        "Ranks run in the idle scheduling class (SCHED_IDLE): they get only CPU time nothing "
+        "else of the volunteer's wants.",
+    )
     rank_root: str = setting(
-        "/tmp/vpool-ranks",
-        "Directory of the ranks' directories; must be the same path on every agent of a pool "
-        "(a checkpoint restores to the directory it was made in).",
+        "",
+        "Unsandboxed ranks only: directory of the ranks' directories, which must be the same "
+        "path on agents that restore each other's checkpoints; empty = <work dir>/ranks. "
+        "Sandboxed ranks live in <work dir>/ranks and see it as /vpool/rank wherever they run.",
     )
     fingerprint_salt: str = setting(
         "", "Mixed into this agent's environment fingerprint (tests: agents that differ)."
     )
     checkpoint_scratch: str = setting(
         "",
-        "Directory for CRIU images being made or restored; empty = /dev/shm/vpool-ckpt when "
-        "/dev/shm exists, else <work dir>/ckpt.",
+        "Directory for CRIU images being made or restored; empty = a directory of this agent's "
+        "own in /dev/shm when it exists (vpool-ckpt-<uid>-<hash of the work dir>), else "
+        "<work dir>/ckpt.",
     )
     checkpoint_zstd_level: int = setting(1, "zstd level of checkpoint images.")
     store_local_socket: bool = setting(
@@ -134,8 +168,23 @@ class AgentSettings:
         if self.checkpoint_scratch:
             return Path(self.checkpoint_scratch)
         if Path("/dev/shm").is_dir():
-            return Path("/dev/shm/vpool-ckpt")
+            # Not one fixed path for every agent of the machine: another agent (another user)
+            # could make it first and read or swap what is in it. ``paths.private_dir``
+            # checks the owner and the mode before using it.
+            tag = hashlib.sha256(str(self.work_path.absolute()).encode()).hexdigest()[:12]
+            return Path(f"/dev/shm/vpool-ckpt-{os.getuid()}-{tag}")
         return self.work_path / "ckpt"
+
+    @property
+    def rank_root_path(self) -> Path:
+        return Path(self.rank_root) if self.rank_root else self.work_path / "ranks"
+
+    @property
+    def rank_memory_bytes(self) -> int:
+        if self.rank_memory > 0:
+            return self.rank_memory
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        return max(256 * 1024**2, total * 3 // 4 // self.slot_count)
 
     @property
     def ca_path(self) -> Path | None:

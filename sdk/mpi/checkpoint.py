@@ -291,6 +291,11 @@ class Checkpointer:
             return None
         if not isinstance(info, dict) or info.get("checkpoint") != ckpt:
             return None
+        try:
+            # It holds the new incarnation's secret: read once, then gone.
+            os.unlink(os.path.join(self.rank_dir, RESTORE_FILE))
+        except OSError:
+            pass
         return info
 
     def _restore(self, ckpt: int, info: dict[str, Any], stdin_at: int) -> None:
@@ -321,11 +326,7 @@ class Checkpointer:
             )
         t.reopen(sock, welcome)
         self.connect_control(ckpt)
-        os.environ.update(
-            VPOOL_AGENT_SOCKET=self.path,
-            VPOOL_RANK_SECRET=self.secret,
-            VPOOL_INCARNATION=str(welcome.incarnation),
-        )
+        os.environ.update(VPOOL_AGENT_SOCKET=self.path, VPOOL_INCARNATION=str(welcome.incarnation))
         self.restored = ckpt
         self.eng.ft.resume(t, welcome.replay_dets, welcome.replay_sent)
 

@@ -40,6 +40,27 @@ def engine() -> Engine:
     return _engine
 
 
+def _rank_secret() -> str:
+    """The secret that proves to the agent which rank this is: from the file the agent
+    wrote (deleted once read, so nothing the program starts later finds it), or, from
+    ``vsdk mpiexec``, the environment."""
+    path = os.environ.pop("VPOOL_RANK_SECRET_FILE", "")
+    if not path:
+        return os.environ.get("VPOOL_RANK_SECRET", "")
+    try:
+        with open(path, encoding="ascii") as f:
+            secret = f.read().strip()
+    except OSError as exc:
+        raise errors.MPIException(
+            errors.ERR_OTHER, f"cannot read the rank's secret ({path}): {exc}"
+        ) from exc
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+    return secret
+
+
 def init() -> None:
     global _state, _engine, _processor
     if _state != _NOT_STARTED:
@@ -50,7 +71,7 @@ def init() -> None:
         from vpool.sdk.mpi.transport import Transport
 
         eng = Engine(0, 0, 1)
-        secret = os.environ.get("VPOOL_RANK_SECRET", "")
+        secret = _rank_secret()
         transport = Transport.connect(path, secret, eng)
         eng.job, eng.rank, eng.size = transport.job, transport.rank, transport.size
         eng.transport = transport
