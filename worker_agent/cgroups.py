@@ -612,7 +612,10 @@ class RankCgroup:
             state, on, off = group / "cgroup.freeze", "1", "0"
 
             def frozen() -> bool:
-                return parse_keyed(_read(group / "cgroup.events")).get("frozen") == 1
+                try:
+                    return parse_keyed(_read(group / "cgroup.events")).get("frozen") == 1
+                except OSError:
+                    return True  # gone, or unreadable: no use waiting for it
         else:
             freezer = self._dir_of("freezer")
             if freezer is None:
@@ -621,21 +624,24 @@ class RankCgroup:
             state, on, off = freezer / "freezer.state", "FROZEN", "THAWED"
 
             def frozen() -> bool:
-                return _read(state).strip() == "FROZEN"
+                try:
+                    return _read(state).strip() == "FROZEN"
+                except OSError:
+                    return True  # gone, or unreadable: no use waiting for it
 
         try:
             _write(state, on)
         except OSError as exc:
             log.warning("cannot freeze %s (killing it unfrozen): %s", self, _describe(exc))
-            yield
-            return
+            on = ""
         try:
-            if not _wait_for(frozen, _FREEZE_TIMEOUT):
+            if on and not _wait_for(frozen, _FREEZE_TIMEOUT):
                 log.warning("%s did not freeze within %s s", self, _FREEZE_TIMEOUT)
             yield
         finally:
-            with contextlib.suppress(FileNotFoundError):
-                _write(state, off)
+            if on:
+                with contextlib.suppress(FileNotFoundError):
+                    _write(state, off)
 
     def _signal_members(self, sig: int) -> bool:
         """Send ``sig`` to every process in the group; whether there were any.
@@ -655,6 +661,8 @@ class RankCgroup:
                 if pid in members:
                     with contextlib.suppress(ProcessLookupError):
                         signal.pidfd_send_signal(fd, sig)
+        except OSError as exc:
+            raise CgroupError(f"cannot signal the processes of {self}: {_describe(exc)}") from exc
         finally:
             for fd in pidfds.values():
                 os.close(fd)
@@ -698,7 +706,7 @@ def _set_limits(
             problems.append(f"{why}: no {limit} limit")
             continue
         try:
-            _write(group / name, str(value)) if limit != "pids" else None
+            _write(group / name, str(value))
             for extra, extra_value in extras:
                 with contextlib.suppress(OSError):
                     _write(group / extra, str(extra_value))

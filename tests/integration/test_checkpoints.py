@@ -137,7 +137,8 @@ def _is_program(pid: int) -> bool:
             argv = f.read().split(b"\0")
     except OSError:
         return False
-    return any(Path(a.decode(errors="replace")).name == Path(PROGRAM).name for a in argv)
+    # ``python PROGRAM ...``: not the sandbox's bwrap or init, whose command lines name it too.
+    return len(argv) > 1 and Path(argv[1].decode(errors="replace")).name == Path(PROGRAM).name
 
 
 def _stdout(pid: int) -> str:

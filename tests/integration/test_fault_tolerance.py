@@ -74,26 +74,44 @@ def reference(pool: Pool, program: str, ranks: int, *args: str) -> bytes:
 
 
 def rank_pid(pool: Pool, rank: int, job: int) -> int:
-    """The pid of a rank process of ``job``, found under the pool's agents (by VPOOL_RANK)."""
+    """The pid of a rank process of ``job``, found among the descendants of the pool's agents
+    (by VPOOL_RANK): the program itself (``python PROGRAM``), not its sandbox's bwrap or init."""
+    want = (str(job).encode(), str(rank).encode())
     for p in pool.pids():
         if not p["name"].startswith("agent"):
             continue
-        for task in os.listdir(f"/proc/{p['pid']}/task"):
-            with open(f"/proc/{p['pid']}/task/{task}/children") as f:
-                for child in map(int, f.read().split()):
-                    try:
-                        with open(f"/proc/{child}/environ", "rb") as e:
-                            env = dict(
-                                kv.split(b"=", 1) for kv in e.read().split(b"\0") if b"=" in kv
-                            )
-                    except OSError:
-                        continue
-                    if (
-                        env.get(b"VPOOL_JOB") == str(job).encode()
-                        and env.get(b"VPOOL_RANK") == str(rank).encode()
-                    ):
-                        return child
+        todo = [p["pid"]]
+        while todo:
+            parent = todo.pop()
+            for child in _children(parent):
+                todo.append(child)
+                try:
+                    with open(f"/proc/{child}/environ", "rb") as e:
+                        env = dict(kv.split(b"=", 1) for kv in e.read().split(b"\0") if b"=" in kv)
+                    with open(f"/proc/{child}/cmdline", "rb") as c:
+                        argv = c.read().split(b"\0")
+                except OSError:
+                    continue
+                if (env.get(b"VPOOL_JOB"), env.get(b"VPOOL_RANK")) == want and (
+                    len(argv) > 1 and argv[1].endswith(b".py")
+                ):
+                    return child
     raise AssertionError(f"no process for rank {rank} of job {job}")
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return found
+    for task in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                found += [int(c) for c in f.read().split()]
+        except OSError:
+            continue
+    return found
 
 
 def agent_name(pool: Pool, agent_id: str) -> str:

@@ -10,6 +10,7 @@ makes is killed and removed by the fixture, whatever the test's end.
 
 from __future__ import annotations
 
+import json
 import os
 import select
 import signal
@@ -324,6 +325,7 @@ def test_a_child_forking_past_its_process_limit_gets_eagain(
     _needs(version, "pids")
     group = make_group(Limits(memory=256 * MiB, pids=8))
     program = """
+import json
 import os
 r, w = os.pipe()
 children = 0
@@ -461,3 +463,108 @@ def test_remove_of_a_busy_group_raises_after_its_deadline(
     with pytest.raises(CgroupError, match="cannot remove"):
         group.remove(timeout=0.05)
     assert group.pids() == [proc.pid]
+
+
+# -- cgroup v2: an agent alone in its group leaves it to enable controllers ---------------------
+
+# Run as the agent, in a group of its own: makes a rank's group with ``controller`` (one this
+# machine's v2 hierarchy has: on a hybrid machine memory, pids and cpu are in v1) and says
+# where it ended up. Replacing the wanted controllers is the only change to the module.
+LEAVE_OWN_GROUP = """
+import json, sys
+from pathlib import Path
+from vpool.worker_agent import cgroups
+cgroups._V2_CONTROLLERS = (sys.argv[1],)
+group = cgroups.RankCgroup.create("rank", cgroups.Limits(cpu_weight_low=False), version=2)
+(procs,) = group.procs_files()
+rank = Path(procs).parent
+own = [ln[3:] for ln in Path("/proc/self/cgroup").read_text().splitlines() if ln[:3] == "0::"]
+print(json.dumps({
+    "own": own[0],
+    "rank": str(rank),
+    "rank_controllers": (rank / "cgroup.controllers").read_text().split(),
+    "problems": list(group.problems),
+}))
+group.remove()
+"""
+
+
+@pytest.fixture
+def agent_group() -> Iterator[tuple[Path, str, str]]:
+    """A v2 group for a stand-in agent (directory, path in the hierarchy, a controller it is
+    given), under this process's own group; removed with all below it, and the controller
+    disabled again where this fixture enabled it."""
+    _usable(2)
+    lines = cgroups.parse_proc_cgroup(Path("/proc/self/cgroup").read_text())
+    mounts = cgroups.parse_mountinfo(Path("/proc/self/mountinfo").read_text())
+    (line,) = [ln for ln in lines if ln.hierarchy == 0]
+    own = cgroups.group_directory([m for m in mounts if m.version == 2], line.path)
+    assert own is not None
+    offered = sorted((own / "cgroup.controllers").read_text().split())
+    if line.path != "/" or not offered:
+        # Elsewhere this process's own group could not enable a controller with itself in it.
+        pytest.skip("needs this process in the root of a cgroup v2 hierarchy with a controller")
+    controller = offered[0]
+    enabled_before = controller in (own / "cgroup.subtree_control").read_text().split()
+    name = f"test-agent-{uuid.uuid4().hex[:10]}"
+    group = own / name
+    group.mkdir()
+    if not enabled_before:
+        (own / "cgroup.subtree_control").write_text(f"+{controller}")
+    try:
+        yield group, f"/{name}", controller
+    finally:
+        for top, _, _ in os.walk(group, topdown=False):
+            os.rmdir(top)
+        if not enabled_before:
+            (own / "cgroup.subtree_control").write_text(f"-{controller}")
+
+
+def test_an_agent_alone_in_its_v2_group_moves_into_a_leaf_to_enable_controllers(
+    agent_group: tuple[Path, str, str],
+) -> None:
+    group, path, controller = agent_group
+    assert controller not in (group / "cgroup.subtree_control").read_text().split()
+    proc = subprocess.Popen(
+        [sys.executable, "-c", LEAVE_OWN_GROUP, controller],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        preexec_fn=lambda: _join([str(group / "cgroup.procs")]),
+    )
+    out, _ = proc.communicate(timeout=TIMEOUT)
+    assert proc.returncode == 0, out
+    found = json.loads(out)
+    base = f"vpool-agent-{proc.pid}"
+    assert found["own"] == f"{path}/{base}/{cgroups.AGENT_LEAF}"
+    assert found["rank"] == str(group / base / "rank")
+    assert controller in found["rank_controllers"]
+    assert found["problems"] == []
+    assert controller in (group / "cgroup.subtree_control").read_text().split()
+    # The rank's group is gone; the base stays while the agent's leaf is in it.
+    assert not (group / base / "rank").exists()
+    assert (group / base / cgroups.AGENT_LEAF).is_dir()
+
+
+def test_an_agent_that_shares_its_v2_group_stays_and_reports_it(
+    agent_group: tuple[Path, str, str], spawn: Callable[..., subprocess.Popen[str]]
+) -> None:
+    group, path, controller = agent_group
+    other = spawn("import signal\nprint('up', flush=True)\nsignal.pause()")
+    assert _read_line(other).strip() == "up"
+    (group / "cgroup.procs").write_text(str(other.pid))
+    proc = subprocess.Popen(
+        [sys.executable, "-c", LEAVE_OWN_GROUP, controller],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        preexec_fn=lambda: _join([str(group / "cgroup.procs")]),
+    )
+    out, _ = proc.communicate(timeout=TIMEOUT)
+    assert proc.returncode == 0, out
+    found = json.loads(out)
+    assert found["own"] == path
+    assert controller not in found["rank_controllers"]
+    assert any("holds other processes (1)" in p for p in found["problems"]), found["problems"]
+    other.kill()
+    other.wait(timeout=TIMEOUT)
