@@ -399,6 +399,7 @@ async def execute(
             return spawned
         launched = spawned
     process = launched.process
+    limit = ""
     rank.state = "running"
     rank.pid = launched.pid
     box = launched.box or (restored.box if restored is not None else None)
@@ -444,15 +445,25 @@ async def execute(
             with trio.move_on_after(_SHIELDED_CLEANUP, shield=True):
                 launched.signal(signal.SIGKILL)
                 await process.wait()
+        # Which limit ended it, read before its cgroup goes.
+        limit = launched.limit_reason()
         if box is not None:
             await box.aclose()
     returncode = launched.returncode() if process.returncode is not None else None
     if returncode is None and restored is not None and rank.stop_reason is None:
         return -signal.SIGKILL, "the restored process ended without an exit status", True
-    limit = launched.limit_reason()
+    if not limit and box is not None and box.limits.disk and returncode != 0:
+        # A write past RLIMIT_FSIZE fails (EFBIG; Python ignores SIGXFSZ) and the program
+        # ends with its own error before the next look at its disk.
+        used = await trio.to_thread.run_sync(bundle.tree_size, prepared.rank_dir)
+        if used >= box.limits.disk:
+            limit = f"exceeded its disk limit of {sandboxed.format_bytes(box.limits.disk)}"
     if limit and rank.stop_reason is None:
         # The program's doing, not a loss: a replacement would hit the same limit.
-        code = 128 - returncode if returncode is not None and returncode < 0 else 128 + 9
+        if returncode is None:
+            code = 128 + signal.SIGKILL
+        else:
+            code = returncode if returncode >= 0 else 128 - returncode
         return code, f"rank {lease.rank} {limit}", False
     # None only if even SIGKILL did not end it within the cleanup time: report it as killed.
     return _describe_exit(rank, -signal.SIGKILL if returncode is None else returncode)
