@@ -94,6 +94,11 @@ class JobSubmit(msgspec.Struct, frozen=True):
     # Seconds between periodic checkpoints of every rank (0: none; ``vsdk checkpoint`` still
     # works). Needs fault tolerance.
     checkpoint_every: float = 0.0
+    # Bytes of memory each rank may use (0: what each agent offers). Lowers an agent's own
+    # limit; an agent that offers less gets none of the job's ranks.
+    memory: int = 0
+    # Whether ranks may run on agents that cannot sandbox them (their volunteers allowed it).
+    unsandboxed: bool = False
 
 
 class JobInfo(msgspec.Struct, frozen=True):
@@ -229,6 +234,8 @@ class Lease(msgspec.Struct, frozen=True):
     checkpoint_every: float = 0.0
     restore: list[CheckpointRef] = []
     from_start: bool = True
+    # The job's own memory limit per rank (``JobSubmit.memory``; 0: the agent's).
+    memory: int = 0
 
 
 class LeaseRequest(msgspec.Struct, frozen=True):
@@ -249,6 +256,23 @@ class RankState(msgspec.Struct, frozen=True):
     restored_from: int = -1  # the checkpoint this incarnation was restored from (-1: none)
 
 
+class IsolationReport(msgspec.Struct, frozen=True):
+    """How an agent isolates the ranks it runs (``vpool-agent selftest`` shows the same).
+
+    ``level``: "sandbox" (namespaces, no network, seccomp, a cgroup with limits per rank),
+    "sandbox-rlimits" (the same, but no cgroup could be had: no memory or process limit,
+    limits by rlimits only) or "none" (ranks run as the agent's user: only agents whose
+    volunteer allowed it, and only jobs that accept it, ``JobSubmit.unsandboxed``)."""
+
+    level: str
+    detail: str = ""  # why the level is not stronger ("" for "sandbox")
+    rank_memory: int = 0  # bytes one rank may use here (0: no limit)
+    rank_processes: int = 0
+    rank_disk: int = 0
+    checkpoints: bool = False  # sandboxed ranks can be checkpointed and restored here
+    probes: dict[str, str] = {}  # what the last selftest saw, probe -> outcome
+
+
 class AgentHeartbeat(msgspec.Struct, frozen=True):
     ranks: list[RankState]
     free_slots: int
@@ -262,6 +286,9 @@ class AgentHeartbeat(msgspec.Struct, frozen=True):
     # Ids of the ``CheckpointOrder``s received: the coordinator hands an order out again in
     # every answer until a heartbeat acknowledges it (at-least-once; the agent de-duplicates).
     checkpoint_acks: list[int] = []
+    # How this agent isolates its ranks (None: an agent from before sandboxes, or one that
+    # has not found out yet: it takes no leases until it has).
+    isolation: IsolationReport | None = None
 
 
 class StopOrder(msgspec.Struct, frozen=True):
