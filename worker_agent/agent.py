@@ -20,8 +20,14 @@ import trio
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from vpool import tls
-from vpool.protocol.api import AgentHeartbeat, EnrollResponse, Lease, RankProblem
-from vpool.worker_agent import identity, sandbox, sandboxed
+from vpool.protocol.api import (
+    AgentHeartbeat,
+    EnrollResponse,
+    IsolationReport,
+    Lease,
+    RankProblem,
+)
+from vpool.worker_agent import identity, sandbox, sandboxed, selftest
 from vpool.worker_agent.bundle import BlobCache
 from vpool.worker_agent.checkpoints import Capability, Checkpointer, find_capability
 from vpool.worker_agent.coordinator import CoordinatorClient
@@ -115,6 +121,7 @@ class Agent:
         # agent (enrolling clears it).
         self.capability_told = trio.Event()
         self.isolation_known = trio.Event()  # ``services.isolation`` is what it will be
+        self.isolation: IsolationReport | None = None
         ssl_context = tls.client_context(settings.ca_path)
         self.links = RelayLinks(
             nursery,
@@ -187,24 +194,6 @@ class Agent:
             sandboxed.find_isolation, settings
         )
         self.services.limits = sandboxed.rank_limits(settings)
-        if iso.on:
-            cg = iso.cgroup
-            log.info(
-                "ranks run sandboxed (bubblewrap, seccomp, %s); limits per rank: %s",
-                f"cgroup v{cg.version}"
-                if cg is not None and cg.version
-                else f"no cgroup ({cg.reason if cg is not None else 'not probed'}): rlimits only",
-                self.services.limits.describe(),
-            )
-        elif settings.sandbox == "on":
-            log.error(
-                "this agent cannot sandbox ranks (%s) and takes none: install bubblewrap, or "
-                "set sandbox = 'prefer' to run ranks unsandboxed",
-                iso.reason,
-            )
-        else:
-            log.warning("ranks run unsandboxed: %s", iso.reason)
-        self.isolation_known.set()
         try:
             await find_capability(
                 self.capability,
@@ -219,12 +208,43 @@ class Agent:
             # Checkpoints need both: without them this agent simply takes none.
             self.capability.criu = ""
             log.warning("checkpoints disabled: %s", exc)
+        await self._selftest()
         self._beat_now()
         if self.capability.criu:
             try:
                 await self.services.checkpoint_workers().prewarm()
             except OSError as exc:
                 log.warning("cannot start a checkpoint worker: %s", exc)
+
+    async def _selftest(self) -> None:
+        """Probe the sandbox (``selftest``) before any rank runs in it; what it found is the
+        isolation this agent reports, and a sandbox that lets a probe through is no sandbox."""
+        settings, svc = self.settings, self.services
+        try:
+            found = await selftest.run_selftest(
+                settings, svc.isolation, svc.limits, criu_ok=bool(self.capability.criu)
+            )
+        except Exception as exc:
+            found = selftest.SelfTest(level="none", detail=f"the selftest failed: {exc}")
+        if found.level == "none" and svc.isolation.on:
+            svc.isolation = sandboxed.Isolation(reason=found.detail)
+        self.isolation = found.report(svc.limits)
+        if found.level != "none":
+            log.info(
+                "ranks run sandboxed (%s); limits per rank: %s; checkpoints of sandboxed ranks: %s",
+                found.level + (f": {found.detail}" if found.detail else ""),
+                svc.limits.describe(),
+                found.checkpoints,
+            )
+        elif settings.sandbox == "on":
+            log.error(
+                "this agent cannot sandbox ranks (%s) and takes none: install bubblewrap, or "
+                "set sandbox = 'prefer' to run ranks unsandboxed",
+                found.detail,
+            )
+        else:
+            log.warning("ranks run unsandboxed: %s", found.detail)
+        self.isolation_known.set()
 
     async def lease_loop(self) -> None:
         delay = 0.5
@@ -366,6 +386,7 @@ class Agent:
                             if self.capability_told.is_set() or not self.capability.ready.is_set()
                             else 0.0,
                             checkpoint_acks=acks,
+                            isolation=self.isolation if self.isolation_known.is_set() else None,
                         )
                     )
                 except CoordinatorUnreachable as exc:

@@ -7,6 +7,8 @@ use, enrollment refused), 2 for bad command-line usage (click).
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 import signal
 import sys
@@ -18,7 +20,10 @@ import trio
 from vpool.config import SettingsError
 from vpool.readyfile import write_ready_file
 from vpool.worker_agent.agent import AgentStarted, run_agent
+from vpool.worker_agent.criu import criu_check
 from vpool.worker_agent.errors import AgentError
+from vpool.worker_agent.sandboxed import find_isolation, rank_limits
+from vpool.worker_agent.selftest import SelfTest, run_selftest
 from vpool.worker_agent.settings import AgentSettings, load_agent_settings
 
 log = logging.getLogger("vpool.agent")
@@ -82,7 +87,11 @@ async def serve(settings: AgentSettings, ready_file: Path | None) -> None:
         log.info("agent %s (%s) ready on %s", started.name, started.agent_id, started.socket_path)
 
 
-@click.command(epilog=EPILOG, context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(
+    invoke_without_command=True,
+    epilog=EPILOG,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
 @click.option(
     "--config",
     type=click.Path(dir_okay=False, path_type=Path),
@@ -100,7 +109,9 @@ async def serve(settings: AgentSettings, ready_file: Path | None) -> None:
 @click.option("--coordinator-url", help="Base URL of the coordinator.")
 @click.option("--coordinator-ca", help="PEM file of the pool CA.")
 @click.option("-v", "--verbose", is_flag=True, help="Log debugging detail.")
+@click.pass_context
 def main(
+    ctx: click.Context,
     config: Path | None,
     ready_file: Path | None,
     slots: int | None,
@@ -117,6 +128,8 @@ def main(
     SIGTERM or Ctrl-C first checkpoints the ranks it runs (where CRIU works and the job
     takes checkpoints; at most leave_checkpoint_grace s), then kills them and exits with
     status 0; a second signal stops at once.
+
+    `vpool-agent selftest` shows what a rank can and cannot do on this machine.
     """
     logging.basicConfig(
         level=logging.DEBUG if verbose else logging.INFO,
@@ -138,6 +151,9 @@ def main(
         )
     except SettingsError as exc:
         raise click.UsageError(str(exc)) from exc
+    ctx.obj = settings
+    if ctx.invoked_subcommand is not None:
+        return
     try:
         trio.run(serve, settings, ready_file)
     except BaseException as exc:
@@ -147,6 +163,38 @@ def main(
         for error in errors:
             click.echo(f"vpool-agent: {error}", err=True)
         sys.exit(1)
+
+
+SELFTEST_EPILOG = """\b
+Example:
+  vpool-agent --config ~/.config/vpool/agent.toml selftest
+\b
+Exit status: 0 when ranks run sandboxed (level "sandbox" or "sandbox-rlimits"), 1 when
+they cannot be (level "none": the agent then refuses ranks unless sandbox = 'prefer').
+"""
+
+
+@main.command(epilog=SELFTEST_EPILOG)
+@click.option("--json", "as_json", is_flag=True, help="Print the findings as JSON.")
+@click.pass_obj
+def selftest(settings: AgentSettings, as_json: bool) -> None:
+    """Try, from inside a sandboxed test rank, what a hostile program would do here (read the
+    agent's key, see or signal other processes, reach the network, write to the system, make
+    namespaces, ptrace, mount...), read back the rank's limits, checkpoint and restore a
+    sandboxed process, and print the isolation level and what each probe showed. The agent
+    runs the same probes at start and reports the level to the coordinator."""
+    found = trio.run(_selftest, settings)
+    if as_json:
+        click.echo(json.dumps(dataclasses.asdict(found), indent=2, default=str))
+    else:
+        click.echo("\n".join(found.lines()))
+    sys.exit(0 if found.level != "none" else 1)
+
+
+async def _selftest(settings: AgentSettings) -> SelfTest:
+    iso = await trio.to_thread.run_sync(find_isolation, settings)
+    criu_ok = bool(await criu_check(settings.criu))
+    return await run_selftest(settings, iso, rank_limits(settings), criu_ok=criu_ok)
 
 
 def _agent_errors(exc: BaseException) -> list[AgentError]:

@@ -26,6 +26,7 @@ one of them (``restore``) instead of from the beginning, when it can.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import os
@@ -116,6 +117,13 @@ class RankServices:
     limits: sandboxed.RankLimits = field(default_factory=sandboxed.RankLimits)
     # The processes that dump and upload checkpoints (``checkpoint_workers``).
     _ckpt_workers: CkptWorkers | None = None
+
+    def limits_for(self, lease: Lease) -> sandboxed.RankLimits:
+        """What a rank of ``lease`` may use here: the volunteer's limits, lowered by the job's."""
+        limits = self.limits
+        if lease.memory > 0 and (not limits.memory or lease.memory < limits.memory):
+            limits = dataclasses.replace(limits, memory=lease.memory)
+        return limits
 
     def checkpoint_workers(self) -> CkptWorkers:
         """The agent's checkpoint worker processes (made at the first checkpoint)."""
@@ -420,7 +428,7 @@ async def execute(
             async with trio.open_nursery() as watch:
                 watch.start_soon(_stop_when_asked, rank, launched, settings.stop_grace)
                 watch.start_soon(checkpointer.run)
-                if launched.box is not None and svc.limits.disk:
+                if launched.box is not None and launched.box.limits.disk:
                     watch.start_soon(_watch_disk, prepared.rank_dir, launched.box)
                 await launched.wait()
                 checkpointer.close()  # no new checkpoint of a process that is gone
@@ -496,6 +504,7 @@ async def _spawn(
         tmpdir="/tmp" if boxed else "",
     )
     python = settings.python_path
+    limits = svc.limits_for(lease)
     if inside is not None:
         program = [python, inside, *lease.args]
         try:
@@ -508,12 +517,12 @@ async def _spawn(
                     status_fd=status_fd,
                     linger=settings.lost_checkpoint_grace,
                     stdin=prepared.stdin is not None,
-                    nofile=svc.limits.open_files,
-                    fsize=svc.limits.disk,
-                    sched_idle=svc.limits.sched_idle,
+                    nofile=limits.open_files,
+                    fsize=limits.disk,
+                    sched_idle=limits.sched_idle,
                 ),
                 name=f"{lease.job}-{lease.rank}-{lease.incarnation}-{os.getpid()}",
-                limits=svc.limits,
+                limits=limits,
                 env=env,
                 cwd=prepared.work,
                 stdout=subprocess.PIPE,

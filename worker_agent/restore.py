@@ -322,40 +322,20 @@ async def _start_boxed(
     restore_log: Any,
 ) -> sandboxed.Sandboxed:
     """Start ``restore_init`` as pid 1 of a new sandbox like the one the image was made in."""
-    settings = svc.settings
-    scratch_fd = os.open(scratch, os.O_RDONLY | os.O_DIRECTORY)
+    settings, lease = svc.settings, rank.lease
     try:
-        inside = f"/proc/self/fd/{scratch_fd}"
-        return await sandboxed.start(
+        return await sandboxed.start_restore(
             svc.isolation,
             sandbox.Mounts(rank_dir, svc.socket_path, stdin=stdin, io_dir=fifo_dir),
-            lambda status_fd: [
-                settings.python_path,
-                "-I",
-                "-m",
-                "vpool.worker_agent.restore_init",
-                "--criu",
-                settings.criu,
-                "--images",
-                f"{inside}/images",
-                "--status",
-                f"{inside}/status",
-                "--pass-fd",
-                str(scratch_fd),
-            ],
-            name=f"{rank.lease.job}-{rank.lease.rank}-{rank.lease.incarnation}-r{os.getpid()}",
-            limits=svc.limits,
-            env={k: os.environ[k] for k in ("PATH", "LANG") if k in os.environ},
-            cwd=rank_dir,
-            stdout=restore_log.fileno(),
-            stderr=subprocess.STDOUT,
-            privileged=True,
-            pass_fds=[scratch_fd],
+            scratch,
+            python=settings.python_path,
+            criu=settings.criu,
+            name=f"{lease.job}-{lease.rank}-{lease.incarnation}-r{os.getpid()}",
+            limits=svc.limits_for(lease),
+            log=restore_log.fileno(),
         )
     except sandboxed.SandboxStartError as exc:
         raise RestoreError(str(exc)) from exc
-    finally:
-        os.close(scratch_fd)
 
 
 async def _fetch(

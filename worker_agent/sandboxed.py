@@ -265,6 +265,54 @@ async def start(
             await trio.to_thread.run_sync(group.remove)
 
 
+async def start_restore(
+    iso: Isolation,
+    mounts: sandbox.Mounts,
+    scratch: Path,
+    *,
+    python: str,
+    criu: str,
+    name: str,
+    limits: RankLimits,
+    log: int,
+) -> Sandboxed:
+    """A new sandbox whose pid 1, ``restore_init``, restores the images in ``scratch``/images
+    and writes the restored process's end to ``scratch``/status; CRIU's own output to
+    ``log``. ``scratch`` is reached through a descriptor (/proc/self/fd/N): the sandbox does
+    not show the agent's directories."""
+    scratch_fd = os.open(scratch, os.O_RDONLY | os.O_DIRECTORY)
+    inside = f"/proc/self/fd/{scratch_fd}"
+    try:
+        return await start(
+            iso,
+            mounts,
+            lambda status_fd: [
+                python,
+                "-I",
+                "-m",
+                "vpool.worker_agent.restore_init",
+                "--criu",
+                criu,
+                "--images",
+                f"{inside}/images",
+                "--status",
+                f"{inside}/status",
+                "--pass-fd",
+                str(scratch_fd),
+            ],
+            name=name,
+            limits=limits,
+            env={k: os.environ[k] for k in ("PATH", "LANG") if k in os.environ},
+            cwd=mounts.rank_dir,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            privileged=True,
+            pass_fds=[scratch_fd],
+        )
+    finally:
+        os.close(scratch_fd)
+
+
 def _join(procs: list[str]) -> None:
     """In the forked child, before exec: into the rank's cgroup (every v1 hierarchy)."""
     pid = str(os.getpid()).encode()

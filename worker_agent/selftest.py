@@ -1,0 +1,317 @@
+"""``vpool-agent selftest``: what a rank can and cannot do here, found by trying.
+
+A test rank runs ``selftest_probe`` in a sandbox made exactly as a real rank's is
+(``sandboxed.start``, the agent's own settings and limits) and tries the hostile acts a
+stranger's program would: read the agent's identity key and files, see or signal other
+processes, find a secret in an environment, reach the coordinator or any other host, write to
+the system, make namespaces, ptrace, mount, use the kernel keyring or netlink. Each act has
+the outcome a sandbox must give (``EXPECTED``); the report says what each probe saw and
+whether it matched. Limits are read back from the rank's cgroup. With CRIU, a checkpoint of a
+sandboxed process is made and restored into a new sandbox, and the restored process is asked
+what it can do: a restore must give back the same confinement.
+
+The level: "sandbox" when every probe matched and the cgroup set the memory and process
+limits; "sandbox-rlimits" when the probes matched but no cgroup could be had; "none" when no
+sandbox could be made, or a probe did not match (the agent then treats itself as unsandboxed).
+The agent runs this at start and reports the result to the coordinator.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import trio
+
+from vpool import paths
+from vpool.protocol.api import IsolationReport
+from vpool.worker_agent import criu, sandbox, sandboxed
+from vpool.worker_agent.settings import AgentSettings
+
+log = logging.getLogger("vpool.agent")
+
+PROBE_SCRIPT = Path(__file__).with_name("selftest_probe.py")
+_TIMEOUT = 60.0
+_REFUSED_FILE = frozenset({"FileNotFoundError", "PermissionError"})
+
+# probe -> (what it tries, the outcome a sandbox gives: a test of what the probe saw)
+EXPECTED: dict[str, tuple[str, Callable[[Any], bool]]] = {
+    "read_identity_key": ("read the agent's identity key", lambda v: v in _REFUSED_FILE),
+    "read_agent_files": ("read the agent's work directory", lambda v: v in _REFUSED_FILE),
+    "read_shadow": ("read /etc/shadow", lambda v: v in _REFUSED_FILE),
+    "other_processes": ("see processes outside its sandbox", lambda v: v == []),
+    "signal_agent": ("signal the agent", lambda v: v == "ProcessLookupError"),
+    "secret_in_environ": ("find a rank secret in an environment", lambda v: v is False),
+    "connect_coordinator": (
+        "connect to the coordinator",
+        lambda v: v in ("ECONNREFUSED", "ENETUNREACH"),
+    ),
+    "connect_outside": ("connect to another host", lambda v: v == "ENETUNREACH"),
+    "write_system": ("write to /usr", lambda v: v in ("EROFS", "EACCES")),
+    "write_work": ("write to its own work directory", lambda v: v == "ok"),
+    "new_user_namespace": ("make a user namespace", lambda v: v == "EPERM"),
+    "ptrace": ("use ptrace", lambda v: v == "EPERM"),
+    "mount": ("mount a file system", lambda v: v == "EPERM"),
+    "keyctl": ("use the kernel keyring", lambda v: v == "EPERM"),
+    "netlink_socket": ("open a netlink socket", lambda v: v == "EAFNOSUPPORT"),
+    "capabilities": ("hold capabilities", lambda v: v == "0000000000000000"),
+    "no_new_privs": ("gain privileges (no_new_privs)", lambda v: v == "1"),
+    "seccomp": ("run without the seccomp filter", lambda v: v == "2"),
+}
+
+
+@dataclass
+class SelfTest:
+    """What the selftest found."""
+
+    level: str
+    detail: str = ""
+    probes: dict[str, Any] = field(default_factory=dict)
+    failed: list[str] = field(default_factory=list)  # probes that did not give the outcome
+    limits: dict[str, int | None] = field(default_factory=dict)  # read back from the cgroup
+    checkpoints: str = ""  # "ok", or why sandboxed ranks cannot be checkpointed here
+    restored: dict[str, str] = field(default_factory=dict)  # the restored process's probes
+
+    def report(self, limits: sandboxed.RankLimits) -> IsolationReport:
+        return IsolationReport(
+            level=self.level,
+            detail=self.detail,
+            rank_memory=limits.memory if self.level == "sandbox" else 0,
+            rank_processes=limits.processes if self.level == "sandbox" else 0,
+            rank_disk=limits.disk if self.level != "none" else 0,
+            checkpoints=self.checkpoints == "ok",
+            probes={k: str(v) for k, v in self.probes.items()},
+        )
+
+    def lines(self) -> list[str]:
+        out = [f"isolation level: {self.level}" + (f" ({self.detail})" if self.detail else "")]
+        for name, (what, ok) in EXPECTED.items():
+            if name in self.probes:
+                verdict = "refused" if ok(self.probes[name]) else "NOT REFUSED"
+                if name == "write_work":
+                    verdict = "allowed" if ok(self.probes[name]) else "NOT ALLOWED"
+                out.append(f"  {what:<40} {verdict:<12} ({self.probes[name]})")
+        for name, value in self.limits.items():
+            shown = "NOT SET" if value is None else str(value)
+            if name == "memory" and value is not None:
+                shown = sandboxed.format_bytes(value)
+            elif name == "cpu" and value is not None:
+                shown = f"weight {value} (the lowest)"
+            out.append(f"  limit {name:<34} {shown}")
+        if "tmp_bytes" in self.probes:
+            out.append(
+                f"  {'private /tmp of':<40} {sandboxed.format_bytes(self.probes['tmp_bytes'])}"
+            )
+        out.append(f"  checkpoints of sandboxed ranks: {self.checkpoints or 'not tried'}")
+        for name, value in self.restored.items():
+            out.append(f"    after a restore, {name}: {value}")
+        return out
+
+
+async def run_selftest(
+    settings: AgentSettings,
+    iso: sandboxed.Isolation,
+    limits: sandboxed.RankLimits,
+    *,
+    criu_ok: bool,
+) -> SelfTest:
+    """Probe the sandbox ``iso`` makes (and its checkpoints, with ``criu_ok``)."""
+    if not iso.on:
+        return SelfTest(level="none", detail=iso.reason)
+    root = await trio.to_thread.run_sync(paths.private_dir, settings.work_path / "selftest")
+    tmp = Path(tempfile.mkdtemp(prefix="run-", dir=root))
+    server = socket.socket(socket.AF_UNIX)
+    try:
+        server.bind(str(tmp / "agent.sock"))
+        server.listen()
+        rank_dir = tmp / "rank"
+        (rank_dir / "work").mkdir(parents=True)
+        (rank_dir / "home").mkdir()
+        shutil.copy(PROBE_SCRIPT, rank_dir / "work" / "probe.py")
+        result = await _probe(settings, iso, limits, tmp, rank_dir)
+        if criu_ok and not result.failed:
+            try:
+                result.restored = await _checkpoint(settings, iso, limits, tmp, rank_dir)
+                bad = [k for k, v in result.restored.items() if not EXPECTED[k][1](v)]
+                result.checkpoints = (
+                    "ok" if not bad else f"a restored rank is less confined ({', '.join(bad)})"
+                )
+            except (sandboxed.SandboxStartError, criu.CriuError, OSError, ValueError) as exc:
+                result.checkpoints = f"failed: {exc}"
+        elif not criu_ok:
+            result.checkpoints = "no usable CRIU"
+        return result
+    finally:
+        server.close()
+        await trio.to_thread.run_sync(lambda: shutil.rmtree(tmp, ignore_errors=True))
+
+
+def _targets(settings: AgentSettings) -> dict[str, Any]:
+    url = urlsplit(settings.coordinator_url)
+    return {
+        "private": {
+            "identity_key": str(settings.identity_path / "identity.key"),
+            "agent_files": str(settings.work_path / "agent.sock"),
+        },
+        "agent_pid": os.getpid(),
+        "coordinator_host": url.hostname or "127.0.0.1",
+        "coordinator_port": url.port or 443,
+    }
+
+
+async def _probe(
+    settings: AgentSettings,
+    iso: sandboxed.Isolation,
+    limits: sandboxed.RankLimits,
+    tmp: Path,
+    rank_dir: Path,
+) -> SelfTest:
+    python = settings.python_path
+    program = [python, "-I", "-S", f"{sandbox.RANK_DIR}/work/probe.py"]
+    out = await _run_boxed(
+        iso, limits, tmp, rank_dir, [*program, json.dumps(_targets(settings))], python
+    )
+    probes = json.loads(out.decode().strip().splitlines()[-1])
+    failed = [k for k, (_, ok) in EXPECTED.items() if k in probes and not ok(probes[k])]
+    applied = probes.pop("_limits", {})
+    cg = iso.cgroup
+    if failed:
+        level, detail = "none", "probes not refused: " + ", ".join(failed)
+    elif cg is None or not cg.version:
+        level = "sandbox-rlimits"
+        detail = f"no cgroup: {cg.reason if cg is not None else 'not probed'}"
+    elif not {"memory", "pids"} <= cg.controllers:
+        level, detail = "sandbox-rlimits", f"cgroup without memory or pids: {cg.reason}"
+    else:
+        level, detail = "sandbox", ""
+    return SelfTest(level=level, detail=detail, probes=probes, failed=failed, limits=applied)
+
+
+async def _run_boxed(
+    iso: sandboxed.Isolation,
+    limits: sandboxed.RankLimits,
+    tmp: Path,
+    rank_dir: Path,
+    program: list[str],
+    python: str,
+) -> bytes:
+    """Run ``program`` as a rank would run, to its end; its stdout, with the cgroup's limits
+    as read back added as ``_limits`` to the last JSON line."""
+    box = await sandboxed.start(
+        iso,
+        sandbox.Mounts(rank_dir, tmp / "agent.sock"),
+        lambda status_fd: sandbox.init_argv(
+            python,
+            program,
+            status_fd=status_fd,
+            linger=0,
+            stdin=False,
+            nofile=limits.open_files,
+            fsize=limits.disk,
+            sched_idle=limits.sched_idle,
+        ),
+        name=f"selftest-{os.getpid()}",
+        limits=limits,
+        env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": f"{sandbox.RANK_DIR}/home"},
+        cwd=rank_dir / "work",
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        applied = box.cgroup.limits_applied() if box.cgroup is not None else {}
+        assert box.process.stdout is not None
+        data = b""
+        with trio.fail_after(_TIMEOUT):
+            while chunk := await box.process.stdout.receive_some(65536):
+                data += chunk
+            await box.wait_ended()
+    finally:
+        await box.aclose()
+    lines = data.decode(errors="replace").strip().splitlines()
+    try:
+        last = json.loads(lines[-1])
+    except (IndexError, ValueError):
+        raise ValueError(f"the probe printed no result: {data[-500:]!r}") from None
+    last["_limits"] = applied
+    return (json.dumps(last) + "\n").encode()
+
+
+async def _checkpoint(
+    settings: AgentSettings,
+    iso: sandboxed.Isolation,
+    limits: sandboxed.RankLimits,
+    tmp: Path,
+    rank_dir: Path,
+) -> dict[str, str]:
+    """Dump a sandboxed process's clone, restore it in a new sandbox; what it holds then."""
+    python = settings.python_path
+    program = [python, "-I", "-S", f"{sandbox.RANK_DIR}/work/probe.py", "--clone"]
+    box = await sandboxed.start(
+        iso,
+        sandbox.Mounts(rank_dir, tmp / "agent.sock"),
+        lambda status_fd: sandbox.init_argv(
+            python,
+            program,
+            status_fd=status_fd,
+            linger=0,
+            stdin=False,
+            nofile=0,
+            fsize=0,
+            sched_idle=False,
+        ),
+        name=f"selftest-dump-{os.getpid()}",
+        limits=limits,
+        env={"PATH": os.environ.get("PATH", "/usr/bin:/bin")},
+        cwd=rank_dir / "work",
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    scratch = tmp / "ckpt"
+    (scratch / "images").mkdir(parents=True)
+    try:
+        assert box.process.stdout is not None
+        with trio.fail_after(_TIMEOUT):
+            line = b""
+            while b"\n" not in line:
+                chunk = await box.process.stdout.receive_some(4096)
+                if not chunk:
+                    raise ValueError(f"the probe said nothing: {line!r}")
+                line += chunk
+        clone = int(json.loads(line.split(b"\n")[0])["clone"])
+        await criu.dump(
+            clone, scratch / "images", criu=settings.criu, log_dir=scratch, enter=box.init_pid
+        )
+    finally:
+        await box.aclose()
+    with open(scratch / "restore.log", "wb") as restore_log:  # noqa: ASYNC230 - an fd
+        restored = await sandboxed.start_restore(
+            iso,
+            sandbox.Mounts(rank_dir, tmp / "agent.sock"),
+            scratch,
+            python=python,
+            criu=settings.criu,
+            name=f"selftest-restore-{os.getpid()}",
+            limits=limits,
+            log=restore_log.fileno(),
+        )
+    try:
+        with trio.fail_after(_TIMEOUT):
+            await restored.process.wait()
+    finally:
+        await restored.aclose()
+    status = criu.read_status(scratch / "status")
+    if status != 0:
+        tail = (scratch / "restore.log").read_text(errors="replace")[-500:]
+        raise ValueError(f"the restored process ended with {status}: {tail}")
+    seen = json.loads((rank_dir / "restored.json").read_text())
+    return {k: str(v) for k, v in seen.items()}
