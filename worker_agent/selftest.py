@@ -35,7 +35,7 @@ import trio
 
 from vpool import paths
 from vpool.protocol.api import IsolationReport
-from vpool.worker_agent import criu, sandbox, sandboxed
+from vpool.worker_agent import cgroups, criu, sandbox, sandboxed
 from vpool.worker_agent.settings import AgentSettings
 
 log = logging.getLogger("vpool.agent")
@@ -182,19 +182,27 @@ async def _probe(
         iso, limits, tmp, rank_dir, [*program, json.dumps(_targets(settings))], python
     )
     probes = json.loads(out.decode().strip().splitlines()[-1])
-    failed = [k for k, (_, ok) in EXPECTED.items() if k in probes and not ok(probes[k])]
     applied = probes.pop("_limits", {})
-    cg = iso.cgroup
-    if failed:
-        level, detail = "none", "probes not refused: " + ", ".join(failed)
-    elif cg is None or not cg.version:
-        level = "sandbox-rlimits"
-        detail = f"no cgroup: {cg.reason if cg is not None else 'not probed'}"
-    elif not {"memory", "pids"} <= cg.controllers:
-        level, detail = "sandbox-rlimits", f"cgroup without memory or pids: {cg.reason}"
-    else:
-        level, detail = "sandbox", ""
+    level, detail, failed = judge(probes, iso.cgroup)
     return SelfTest(level=level, detail=detail, probes=probes, failed=failed, limits=applied)
+
+
+def judge(probes: dict[str, Any], cg: cgroups.Support | None) -> tuple[str, str, list[str]]:
+    """The level, why it is not stronger, and the probes that were not refused."""
+    failed = [k for k, (_, ok) in EXPECTED.items() if k in probes and not ok(probes[k])]
+    missing = [k for k in EXPECTED if k not in probes and k != "keyctl"]
+    if failed or missing:
+        parts = []
+        if failed:
+            parts.append("probes not refused: " + ", ".join(failed))
+        if missing:
+            parts.append("probes that did not run: " + ", ".join(missing))
+        return "none", "; ".join(parts), failed + missing
+    if cg is None or not cg.version:
+        return "sandbox-rlimits", f"no cgroup: {cg.reason if cg is not None else 'not probed'}", []
+    if not {"memory", "pids"} <= cg.controllers:
+        return "sandbox-rlimits", f"cgroup without memory or pids limits: {cg.reason}", []
+    return "sandbox", "", []
 
 
 async def _run_boxed(
