@@ -188,6 +188,23 @@ def _m5_image_digest_blake3(db: sqlite_utils.Database) -> None:
     db.execute("ALTER TABLE checkpoints RENAME COLUMN sha256 TO digest")
 
 
+def _m6_isolation(db: sqlite_utils.Database) -> None:
+    """Sandboxes. Agents get what their heartbeats last said of how they isolate ranks
+    (``AgentHeartbeat.isolation``): ``isolation`` its level ("": nothing yet, so no ranks go
+    there, as for every agent from before), ``rank_memory`` the bytes a rank may use there
+    (0: no limit) and ``isolation_report`` the whole report as JSON. Jobs get the memory each
+    rank needs (0: whatever agents offer) and whether they accept unsandboxed agents; jobs
+    from before need neither memory nor, like new ones by default, accept unsandboxed agents."""
+    for sql in (
+        "ALTER TABLE agents ADD COLUMN isolation TEXT NOT NULL DEFAULT ''",
+        "ALTER TABLE agents ADD COLUMN rank_memory INTEGER NOT NULL DEFAULT 0",
+        "ALTER TABLE agents ADD COLUMN isolation_report TEXT NOT NULL DEFAULT ''",
+        "ALTER TABLE jobs ADD COLUMN memory INTEGER NOT NULL DEFAULT 0",
+        "ALTER TABLE jobs ADD COLUMN unsandboxed INTEGER NOT NULL DEFAULT 0",
+    ):
+        db.execute(sql)
+
+
 def new_job_uid() -> str:
     return secrets.token_hex(16)
 
@@ -203,6 +220,7 @@ MIGRATIONS: list[Callable[[sqlite_utils.Database], None]] = [
     _m3_fault_tolerance_switch,
     _m4_checkpoints,
     _m5_image_digest_blake3,
+    _m6_isolation,
 ]
 
 

@@ -3,8 +3,11 @@
 The store applies these rules inside one transaction (see ``sqlite_jobs``); keeping them here
 free of I/O lets them be read, and tested, on their own.
 
-- Gang placement: a job starts only when all its ranks fit in the free slots of live agents at
-  once. Ranks go round-robin over agents, the agent with most free slots first.
+- Eligibility (``can_run``): a job's ranks (first incarnations and replacements alike) go only
+  to agents that have reported how they isolate ranks, with a sandbox unless the job accepts
+  unsandboxed agents, and that let a rank use the memory the job asks for (or set no limit).
+- Gang placement: a job starts only when all its ranks fit in the free slots of eligible live
+  agents at once. Ranks go round-robin over agents, the agent with most free slots first.
 - Home relays: up to ``ranks`` live relays, rotated by job id so jobs spread over relays;
   ``homes[r] = r % len(relays)``.
 - Replacements: a lost rank's next incarnation goes to the live agent with most free slots,
@@ -19,7 +22,8 @@ free of I/O lets them be read, and tested, on their own.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import trio
@@ -30,6 +34,40 @@ if TYPE_CHECKING:
 RANK_TOKEN_LIFETIME = 7 * 24 * 3600.0
 AGENT_TOKEN_LIFETIME = 24 * 3600.0
 ACTIVE_RANK_STATES = ("leased", "running")
+# ``IsolationReport.level``s that sandbox ranks; any other level (e.g. "none") is acceptable
+# only to a job that accepts unsandboxed agents.
+SANDBOXED = frozenset({"sandbox", "sandbox-rlimits"})
+
+
+@dataclass(frozen=True)
+class Offer:
+    """What an agent's last isolation report offers a rank: its ``level`` ("": none
+    reported) and ``rank_memory`` (bytes a rank may use, 0: no limit)."""
+
+    level: str = ""
+    rank_memory: int = 0
+
+
+def can_run(offer: Offer, *, memory: int, unsandboxed: bool) -> bool:
+    """Whether an agent may get ranks of a job that asks ``memory`` bytes per rank (0: any)
+    and accepts unsandboxed agents or not. An agent that has not reported its isolation yet
+    gets none: it may be one from before sandboxes."""
+    if not offer.level:
+        return False
+    if offer.level not in SANDBOXED and not unsandboxed:
+        return False
+    return memory == 0 or offer.rank_memory == 0 or offer.rank_memory >= memory
+
+
+def open_to(
+    free: Mapping[str, int], offers: Mapping[str, Offer], *, memory: int, unsandboxed: bool
+) -> dict[str, int]:
+    """The free slots (``free``: agent id -> free slots) of the agents that may run the job."""
+    return {
+        agent: n
+        for agent, n in free.items()
+        if can_run(offers.get(agent, Offer()), memory=memory, unsandboxed=unsandboxed)
+    }
 
 
 def free_slots(slots: int, reported_free: int, active: int) -> int:
@@ -80,6 +118,14 @@ def pick_relays(live: Sequence[str], ranks: int, job_id: int) -> list[str]:
 
 def homes(ranks: int, relays: int) -> list[int]:
     return [r % relays for r in range(ranks)]
+
+
+def size_text(n: int) -> str:
+    """Bytes as people write memory sizes: "512 MiB", "1.5 GiB"."""
+    for unit, scale in (("TiB", 1024**4), ("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
+        if n >= scale:
+            return f"{n / scale:.2f}".rstrip("0").rstrip(".") + f" {unit}"
+    return f"{n} bytes"
 
 
 def exit_reason(rank: int, code: int, aborted: bool) -> str:

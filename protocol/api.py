@@ -9,6 +9,7 @@ Prefix ``/api/v1``. Authentication by ``Authorization: Bearer <token>``:
 Every error is ``ErrorBody`` with a 4xx/5xx status. Endpoints::
 
     GET  /api/v1/pool                         -> PoolInfo            (no auth)
+    GET  /api/v1/pool/agents                  -> list[AgentInfo]     (user)
     GET  /api/v1/whoami                       -> UserInfo            (user)
     PUT  /api/v1/blobs/{sha256}   raw bytes   -> BlobInfo            (user; hash checked)
     HEAD /api/v1/blobs/{sha256}               -> 200 / 404           (user)
@@ -69,6 +70,23 @@ class PoolInfo(msgspec.Struct, frozen=True):
     relays: int = 0  # live relays
 
 
+class AgentInfo(msgspec.Struct, frozen=True):
+    """An agent of the pool as users see it (``vsdk status`` without a job, the dashboard).
+    ``isolation`` is the level of its last ``IsolationReport`` ("": none yet, so it gets no
+    ranks); ``rank_memory`` the bytes one rank may use there (0: no limit)."""
+
+    id: str
+    name: str
+    state: str  # alive | lost
+    slots: int
+    ranks: int  # ranks placed there now
+    last_seen: float
+    isolation: str = ""
+    isolation_detail: str = ""  # why the level is not stronger
+    rank_memory: int = 0
+    checkpoints: bool = False  # it can checkpoint and restore ranks (CRIU)
+
+
 class UserInfo(msgspec.Struct, frozen=True):
     name: str
 
@@ -76,6 +94,11 @@ class UserInfo(msgspec.Struct, frozen=True):
 class BlobInfo(msgspec.Struct, frozen=True):
     sha256: str
     size: int
+
+
+# ``JobSubmit.memory``: 0 or a size in [MIN_JOB_MEMORY, MAX_JOB_MEMORY] bytes.
+MIN_JOB_MEMORY = 16 * 1024**2
+MAX_JOB_MEMORY = 2**50
 
 
 class JobSubmit(msgspec.Struct, frozen=True):
@@ -114,6 +137,8 @@ class JobInfo(msgspec.Struct, frozen=True):
     finished: float | None
     fault_tolerance: bool = True
     checkpoint_every: float = 0.0
+    memory: int = 0  # ``JobSubmit.memory``
+    unsandboxed: bool = False  # ``JobSubmit.unsandboxed``
 
 
 class RankInfo(msgspec.Struct, frozen=True):
