@@ -227,22 +227,33 @@ class FaultsMixin(CheckpointsMixin):
             )
         return True
 
-    def place_replacements(self, free: dict[str, int], now: float, sign: Signer) -> list[int]:
+    def place_replacements(
+        self,
+        free: dict[str, int],
+        offers: dict[str, scheduler.Offer],
+        now: float,
+        sign: Signer,
+    ) -> list[int]:
         """Give pending replacement incarnations a slot from ``free`` (agent id -> free slots,
-        updated in place); return the jobs that got one. Runs inside ``schedule``'s
-        transaction, before queued jobs, so new jobs never starve a running one. The agent is
-        chosen with the rank's checkpoint images in mind (``_plan_replacement``)."""
+        updated in place) on an agent that may run the job (``offers``: what each agent's
+        isolation report offers, ``scheduler.can_run``); return the jobs that got one. Runs
+        inside ``schedule``'s transaction, before queued jobs, so new jobs never starve a
+        running one. The agent is chosen with the rank's checkpoint images in mind
+        (``_plan_replacement``)."""
         placed: list[int] = []
         pending = list(
             self.db.query(
                 "SELECT r.job, r.rank, r.incarnation, r.relay, r.avoid, r.from_start, "
-                "j.ranks AS size FROM ranks r JOIN jobs j ON j.id = r.job "
+                "j.ranks AS size, j.memory, j.unsandboxed FROM ranks r JOIN jobs j ON j.id = r.job "
                 "WHERE r.state = 'pending' AND j.state = 'running' ORDER BY r.job, r.rank"
             )
         )
         caps = self._agent_capabilities() if pending else {}
         for p in pending:
-            plan = self._plan_replacement(p, free, caps)
+            fit = scheduler.open_to(
+                free, offers, memory=p["memory"], unsandboxed=bool(p["unsandboxed"])
+            )
+            plan = self._plan_replacement(p, fit, caps)
             agent = plan.agent
             if agent is None:
                 if plan.waiting:

@@ -11,6 +11,7 @@ import json
 from collections.abc import Callable
 from typing import Any
 
+import msgspec
 import sqlite_utils
 
 from vpool.coordinator import migrations, scheduler
@@ -84,8 +85,8 @@ class JobsMixin(FaultsMixin):
         with self.db.atomic():
             cursor = self.db.execute(
                 "INSERT INTO jobs (user, name, state, ranks, bundle, entry, args, stdin, "
-                "created, fault_tolerance, job_uid, ckpt_key, checkpoint_every) "
-                "VALUES (?, ?, 'queued', ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                "created, fault_tolerance, job_uid, ckpt_key, checkpoint_every, memory, unsandboxed) "
+                "VALUES (?, ?, 'queued', ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 [
                     user,
                     sub.name,
@@ -99,6 +100,8 @@ class JobsMixin(FaultsMixin):
                     migrations.new_job_uid(),
                     migrations.new_ckpt_key(),
                     sub.checkpoint_every,
+                    sub.memory,
+                    int(sub.unsandboxed),
                 ],
             )
             job_id = int(cursor.lastrowid or 0)
@@ -110,6 +113,10 @@ class JobsMixin(FaultsMixin):
             off = "" if sub.fault_tolerance else ", fault tolerance off"
             if sub.checkpoint_every > 0:
                 off += f", a checkpoint every {sub.checkpoint_every:g} s"
+            if sub.memory:
+                off += f", {scheduler.size_text(sub.memory)} of memory per rank"
+            if sub.unsandboxed:
+                off += ", unsandboxed agents accepted"
             self._event(job_id, now, "queued", f"submitted by {user}: {sub.ranks} ranks{off}")
         info = self.job_info(job_id)
         assert info is not None
@@ -131,18 +138,27 @@ class JobsMixin(FaultsMixin):
         self, now: float, agent_deadline: float, relay_deadline: float, sign: Signer
     ) -> list[int]:
         """Place pending replacement incarnations, then start every queued job whose ranks all
-        fit now, oldest first; return the jobs that got placements."""
+        fit now on agents that may run them (``scheduler.can_run``), oldest first; return the
+        jobs that got placements."""
         with self.db.atomic():
-            free = {
-                str(a["id"]): scheduler.free_slots(a["slots"], a["free_slots"], a["active"])
-                for a in self.db.query(
-                    "SELECT a.id, a.slots, a.free_slots, (SELECT COUNT(*) FROM ranks r WHERE "
-                    "r.agent = a.id AND r.state IN ('leased', 'running')) AS active "
+            live = list(
+                self.db.query(
+                    "SELECT a.id, a.slots, a.free_slots, a.isolation, a.rank_memory, "
+                    "(SELECT COUNT(*) FROM ranks r WHERE r.agent = a.id "
+                    "AND r.state IN ('leased', 'running')) AS active "
                     "FROM agents a WHERE a.state = 'alive' AND a.last_seen >= ?",
                     [agent_deadline],
                 )
+            )
+            free = {
+                str(a["id"]): scheduler.free_slots(a["slots"], a["free_slots"], a["active"])
+                for a in live
             }
-            started = self.place_replacements(free, now, sign)
+            offers = {
+                str(a["id"]): scheduler.Offer(str(a["isolation"]), int(a["rank_memory"]))
+                for a in live
+            }
+            started = self.place_replacements(free, offers, now, sign)
             queued = list(self.db.query("SELECT * FROM jobs WHERE state = 'queued' ORDER BY id"))
             if not queued:
                 return started
@@ -156,7 +172,10 @@ class JobsMixin(FaultsMixin):
             if not relays:
                 return started
             for job in queued:
-                placement = scheduler.plan_gang(job["ranks"], list(free.items()))
+                fit = scheduler.open_to(
+                    free, offers, memory=job["memory"], unsandboxed=bool(job["unsandboxed"])
+                )
+                placement = scheduler.plan_gang(job["ranks"], list(fit.items()))
                 if placement is None:
                     continue
                 for agent in placement:
@@ -248,6 +267,7 @@ class JobsMixin(FaultsMixin):
                         checkpoint_every=job["checkpoint_every"],
                         restore=restore,
                         from_start=bool(row["from_start"]),
+                        memory=job["memory"],
                     )
                 )
                 self.db.execute(
@@ -290,6 +310,8 @@ class JobsMixin(FaultsMixin):
             "job_uid": job["job_uid"],
             "ckpt_key": job["ckpt_key"],
             "checkpoint_every": job["checkpoint_every"],
+            # The agent lowers its own limit per rank to it (never raises it).
+            "memory": job["memory"],
         }
 
     # -- agent reports ------------------------------------------------------------------------
@@ -304,6 +326,7 @@ class JobsMixin(FaultsMixin):
         changed = False
         with self.db.atomic():
             self._agent_caps(agent_id, hb.criu, hb.fingerprint)
+            self._agent_isolation(agent_id, hb.isolation)
             for rs in hb.ranks:
                 row = self._rank_row(rs)
                 reason = _stop_reason(row, agent_id, rs.incarnation)
@@ -339,6 +362,19 @@ class JobsMixin(FaultsMixin):
                     lost = self._lose(r["job"], r["rank"], reason, now, suspect=False)
                     changed = lost or changed
         return stops, changed
+
+    def _agent_isolation(self, agent_id: str, report: api.IsolationReport | None) -> None:
+        """Remember how the agent isolates ranks, as its heartbeat says (inside its
+        transaction). Every heartbeat says it: None (an agent from before sandboxes, or one
+        still finding out) makes the agent ineligible again, like a fresh enrollment."""
+        text = "" if report is None else msgspec.json.encode(report).decode()
+        level = "" if report is None else report.level
+        memory = 0 if report is None else report.rank_memory
+        self.db.execute(
+            "UPDATE agents SET isolation = ?, rank_memory = ?, isolation_report = ? "
+            "WHERE id = ? AND isolation_report != ?",
+            [level, memory, text, agent_id, text],
+        )
 
     def stop_orders(self, agent_id: str, ranks: list[api.RankState]) -> list[api.StopOrder]:
         """The stop orders ``agent_heartbeat`` would give for ``ranks``, changing nothing."""
@@ -492,4 +528,6 @@ def _info(row: dict[str, Any]) -> api.JobInfo:
         finished=row["finished"],
         fault_tolerance=bool(row["fault_tolerance"]),
         checkpoint_every=row["checkpoint_every"],
+        memory=row["memory"],
+        unsandboxed=bool(row["unsandboxed"]),
     )

@@ -79,9 +79,11 @@ class SqliteStore(JobsMixin):
         with self.db.atomic():
             if self._one("SELECT id FROM agents WHERE id = ?", [agent_id]):
                 self.db.execute(
-                    # A restarted agent's checkpoint capability is unknown until it says.
+                    # A restarted agent's checkpoint capability and isolation are unknown
+                    # until it says.
                     "UPDATE agents SET name = ?, slots = ?, free_slots = ?, software = ?, "
-                    "last_seen = ?, state = 'alive', criu = '', fingerprint = '' WHERE id = ?",
+                    "last_seen = ?, state = 'alive', criu = '', fingerprint = '', "
+                    "isolation = '', rank_memory = 0, isolation_report = '' WHERE id = ?",
                     [name, slots, slots, software, now, agent_id],
                 )
             else:
@@ -113,7 +115,7 @@ class SqliteStore(JobsMixin):
         return list(
             self.db.query(
                 "SELECT a.id, a.name, a.slots, a.free_slots, a.last_seen, a.state, a.software, "
-                "a.criu, a.fingerprint, "
+                "a.criu, a.fingerprint, a.isolation, a.rank_memory, a.isolation_report, "
                 "(SELECT COUNT(*) FROM ranks r WHERE r.agent = a.id "
                 "AND r.state IN ('leased', 'running')) AS active FROM agents a ORDER BY a.name"
             )

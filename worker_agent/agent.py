@@ -150,7 +150,15 @@ class Agent:
 
     @property
     def free_slots(self) -> int:
+        if self.isolation_known.is_set() and not self.takes_ranks:
+            return 0
         return max(0, self.slots - self.busy)
+
+    @property
+    def takes_ranks(self) -> bool:
+        """False where the sandbox is required and cannot be made (known once
+        ``isolation_known``)."""
+        return self.services.isolation.on or self.settings.sandbox != "on"
 
     # -- problems ---------------------------------------------------------------------------
 
@@ -249,8 +257,8 @@ class Agent:
     async def lease_loop(self) -> None:
         delay = 0.5
         await self.isolation_known.wait()
-        if not self.services.isolation.on and self.settings.sandbox == "on":
-            return  # no ranks without a sandbox (logged by find_capability)
+        if not self.takes_ranks:
+            return  # no ranks without a sandbox (logged by _selftest)
         with trio.move_on_after(CAPABILITY_WAIT):
             await self.capability_told.wait()
         while not self.leaving:

@@ -36,6 +36,7 @@ import trio
 from vpool import paths
 from vpool.protocol.api import IsolationReport
 from vpool.worker_agent import cgroups, criu, sandbox, sandboxed
+from vpool.worker_agent.proxy import choose_socket_path
 from vpool.worker_agent.settings import AgentSettings
 
 log = logging.getLogger("vpool.agent")
@@ -131,17 +132,20 @@ async def run_selftest(
     root = await trio.to_thread.run_sync(paths.private_dir, settings.work_path / "selftest")
     tmp = Path(tempfile.mkdtemp(prefix="run-", dir=root))
     server = socket.socket(socket.AF_UNIX)
+    # A stand-in for the agent's socket (the test rank does not use it), at a path short
+    # enough for a socket address.
+    sock_path = choose_socket_path(tmp)
     try:
-        server.bind(str(tmp / "agent.sock"))
+        server.bind(str(sock_path))
         server.listen()
         rank_dir = tmp / "rank"
         (rank_dir / "work").mkdir(parents=True)
         (rank_dir / "home").mkdir()
         shutil.copy(PROBE_SCRIPT, rank_dir / "work" / "probe.py")
-        result = await _probe(settings, iso, limits, tmp, rank_dir)
+        result = await _probe(settings, iso, limits, sock_path, rank_dir)
         if criu_ok and not result.failed:
             try:
-                result.restored = await _checkpoint(settings, iso, limits, tmp, rank_dir)
+                result.restored = await _checkpoint(settings, iso, limits, sock_path, tmp, rank_dir)
                 bad = [k for k, v in result.restored.items() if not EXPECTED[k][1](v)]
                 result.checkpoints = (
                     "ok" if not bad else f"a restored rank is less confined ({', '.join(bad)})"
@@ -153,6 +157,7 @@ async def run_selftest(
         return result
     finally:
         server.close()
+        sock_path.unlink(missing_ok=True)
         await trio.to_thread.run_sync(lambda: shutil.rmtree(tmp, ignore_errors=True))
 
 
@@ -173,13 +178,13 @@ async def _probe(
     settings: AgentSettings,
     iso: sandboxed.Isolation,
     limits: sandboxed.RankLimits,
-    tmp: Path,
+    sock_path: Path,
     rank_dir: Path,
 ) -> SelfTest:
     python = settings.python_path
     program = [python, "-I", "-S", f"{sandbox.RANK_DIR}/work/probe.py"]
     out = await _run_boxed(
-        iso, limits, tmp, rank_dir, [*program, json.dumps(_targets(settings))], python
+        iso, limits, sock_path, rank_dir, [*program, json.dumps(_targets(settings))], python
     )
     probes = json.loads(out.decode().strip().splitlines()[-1])
     applied = probes.pop("_limits", {})
@@ -208,7 +213,7 @@ def judge(probes: dict[str, Any], cg: cgroups.Support | None) -> tuple[str, str,
 async def _run_boxed(
     iso: sandboxed.Isolation,
     limits: sandboxed.RankLimits,
-    tmp: Path,
+    sock_path: Path,
     rank_dir: Path,
     program: list[str],
     python: str,
@@ -217,7 +222,7 @@ async def _run_boxed(
     as read back added as ``_limits`` to the last JSON line."""
     box = await sandboxed.start(
         iso,
-        sandbox.Mounts(rank_dir, tmp / "agent.sock"),
+        sandbox.Mounts(rank_dir, sock_path),
         lambda status_fd: sandbox.init_argv(
             python,
             program,
@@ -258,6 +263,7 @@ async def _checkpoint(
     settings: AgentSettings,
     iso: sandboxed.Isolation,
     limits: sandboxed.RankLimits,
+    sock_path: Path,
     tmp: Path,
     rank_dir: Path,
 ) -> dict[str, str]:
@@ -266,7 +272,7 @@ async def _checkpoint(
     program = [python, "-I", "-S", f"{sandbox.RANK_DIR}/work/probe.py", "--clone"]
     box = await sandboxed.start(
         iso,
-        sandbox.Mounts(rank_dir, tmp / "agent.sock"),
+        sandbox.Mounts(rank_dir, sock_path),
         lambda status_fd: sandbox.init_argv(
             python,
             program,
@@ -304,7 +310,7 @@ async def _checkpoint(
     with open(scratch / "restore.log", "wb") as restore_log:  # noqa: ASYNC230 - an fd
         restored = await sandboxed.start_restore(
             iso,
-            sandbox.Mounts(rank_dir, tmp / "agent.sock"),
+            sandbox.Mounts(rank_dir, sock_path),
             scratch,
             python=python,
             criu=settings.criu,
