@@ -19,7 +19,7 @@ from pathlib import Path, PurePosixPath
 
 import trio
 
-from vpool.worker_agent.errors import BundleError
+from vpool.worker_agent.errors import BundleError, BundleRejected
 
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 _FILE_LIMITER = trio.CapacityLimiter(4)
@@ -78,31 +78,38 @@ class BlobCache:
 def safe_member_path(name: str) -> PurePosixPath:
     """The relative path of a zip member, or BundleError if it could escape the directory."""
     if "\\" in name or "\0" in name:
-        raise BundleError(f"bundle member {name!r} has a backslash or NUL in its name")
+        raise BundleRejected(f"bundle member {name!r} has a backslash or NUL in its name")
     path = PurePosixPath(name)
     if path.is_absolute() or re.match(r"[A-Za-z]:", name):
-        raise BundleError(f"bundle member {name!r} has an absolute path")
+        raise BundleRejected(f"bundle member {name!r} has an absolute path")
     if ".." in path.parts:
-        raise BundleError(f"bundle member {name!r} has '..' in its path")
+        raise BundleRejected(f"bundle member {name!r} has '..' in its path")
     return path
 
 
-def extract_bundle(zip_path: Path, dest: Path, *, max_bytes: int) -> None:
-    """Extract ``zip_path`` into the (existing, empty) directory ``dest``."""
+def extract_bundle(
+    zip_path: Path, dest: Path, *, max_bytes: int, max_members: int = 100_000
+) -> None:
+    """Extract ``zip_path`` into the (existing, empty) directory ``dest`` (raises
+    ``BundleRejected``: the same bundle would fail the same way on any agent)."""
     try:
         zf = zipfile.ZipFile(zip_path)
     except (zipfile.BadZipFile, OSError) as exc:
-        raise BundleError(f"the bundle is not a zip file: {exc}") from exc
+        raise BundleRejected(f"the bundle is not a zip file: {exc}") from exc
     with zf:
         members = zf.infolist()
+        if len(members) > max_members:
+            raise BundleRejected(
+                f"the bundle has {len(members)} members, more than the limit of {max_members}"
+            )
         total = 0
         for info in members:
             safe_member_path(info.filename)
             if stat.S_ISLNK(info.external_attr >> 16):
-                raise BundleError(f"bundle member {info.filename!r} is a symbolic link")
+                raise BundleRejected(f"bundle member {info.filename!r} is a symbolic link")
             total += info.file_size
         if total > max_bytes:
-            raise BundleError(
+            raise BundleRejected(
                 f"the bundle extracts to {total} bytes, more than the limit of {max_bytes}"
             )
         try:
@@ -118,7 +125,7 @@ def extract_bundle(zip_path: Path, dest: Path, *, max_bytes: int) -> None:
                     while chunk := src.read(1024 * 1024):
                         written += len(chunk)
                         if written > info.file_size:
-                            raise BundleError(
+                            raise BundleRejected(
                                 f"bundle member {info.filename!r} is larger than its header says"
                             )
                         out.write(chunk)
@@ -126,7 +133,7 @@ def extract_bundle(zip_path: Path, dest: Path, *, max_bytes: int) -> None:
                 if mode & 0o100:
                     target.chmod(0o700)
         except (zipfile.BadZipFile, OSError, EOFError, RuntimeError) as exc:
-            raise BundleError(f"the bundle cannot be extracted: {exc}") from exc
+            raise BundleRejected(f"the bundle cannot be extracted: {exc}") from exc
 
 
 def snapshot(root: Path) -> Snapshot:

@@ -5,6 +5,11 @@
      |    +-- CoordinatorUnreachable   no answer (connection refused, timeout, 5xx): retried
      |    +-- CoordinatorRejected      a 4xx answer with the API's ErrorBody: not retried
      +-- BundleError             a blob or bundle is unusable (hash mismatch, unsafe zip, too big)
+     |    +-- BundleRejected       the bundle itself breaks a rule (unsafe member, a link, too
+     |                             big, too many members): the job's error, on every agent
+     +-- SandboxStartError       a rank's sandbox could not be started (sandboxed.py)
+     +-- CgroupError             a rank's cgroup could not be made or ended (cgroups.py)
+     +-- SeccompError            the seccomp filter could not be built (seccomp.py)
      +-- RelayLinkError          a relay connection could not be opened, refused us, or dropped
      +-- RankSocketError         the agent's unix socket cannot be set up
 
@@ -36,6 +41,10 @@ class CoordinatorRejected(CoordinatorError):
 
 
 class BundleError(AgentError):
+    pass
+
+
+class BundleRejected(BundleError):
     pass
 
 

@@ -57,7 +57,12 @@ from vpool.worker_agent.checkpoints import Capability, Checkpointer, checkpoint_
 from vpool.worker_agent.checkpoints import checkpoints_enabled as _ckpt_disabled_because
 from vpool.worker_agent.ckpt_workers import CkptWorkers
 from vpool.worker_agent.coordinator import CoordinatorClient
-from vpool.worker_agent.errors import BundleError, CoordinatorRejected, RelayLinkError
+from vpool.worker_agent.errors import (
+    BundleError,
+    BundleRejected,
+    CoordinatorRejected,
+    RelayLinkError,
+)
 from vpool.worker_agent.local_ranks import LocalRank, LocalRanks
 from vpool.worker_agent.output import OutputPump
 from vpool.worker_agent.relay_links import RelayLinks
@@ -73,6 +78,7 @@ _PASSED_ENV = ("PATH", "LANG", "LANGUAGE", "LC_ALL", "LC_CTYPE", "TZ", "SYSTEMRO
 # How long the rank's pipes may stay open after it exited (a child it left behind).
 _PIPE_GRACE = 5.0
 _SHIELDED_CLEANUP = 5.0
+EXIT_BAD_BUNDLE = 126  # as a shell says of a program it cannot run
 _DISK_EVERY = 2.0  # s between looks at a sandboxed rank's disk use
 # The rank's secret, in its directory until the runtime reads (and deletes) it.
 SECRET_FILE = ".vpool-secret"
@@ -223,7 +229,12 @@ async def prepare(svc: RankServices, lease: Lease) -> Prepared:
         work.mkdir()
         home.mkdir()
         await trio.to_thread.run_sync(
-            lambda: bundle.extract_bundle(zip_path, work, max_bytes=settings.max_bundle_bytes)
+            lambda: bundle.extract_bundle(
+                zip_path,
+                work,
+                max_bytes=settings.max_bundle_bytes,
+                max_members=settings.max_bundle_members,
+            )
         )
         before = await trio.to_thread.run_sync(bundle.snapshot, work)
         if lease.job_uid:
@@ -288,6 +299,12 @@ async def run_rank(svc: RankServices, rank: LocalRank) -> None:
                 prepared = await prepare(svc, lease)
                 svc.ranks.dir_owner[prepared.rank_dir] = rank
                 await attach(svc, rank)
+        except BundleRejected as exc:
+            # The bundle breaks a rule: every agent would refuse it, so the job ends now, once,
+            # with the reason, instead of the rank being lost and started again and again.
+            log.error("%s cannot start: %s", rank.label, exc)
+            await _post_exit(svc, rank, EXIT_BAD_BUNDLE, f"rank {lease.rank} cannot start: {exc}")
+            return
         except (BundleError, RelayLinkError, CoordinatorRejected) as exc:
             log.error("%s cannot start: %s", rank.label, exc)
             await svc.report_problem(rank, f"{rank.label} cannot start: {exc}")
@@ -712,6 +729,18 @@ async def _upload_results(
         " (aborted)" * report.aborted,
         " (lost)" * report.lost,
     )
+
+
+async def _post_exit(svc: RankServices, rank: LocalRank, code: int, message: str) -> None:
+    lease = rank.lease
+    rank.ended = True
+    report = RankExit(
+        job=lease.job, rank=lease.rank, incarnation=lease.incarnation, code=code, message=message
+    )
+    try:
+        await svc.client.post_exit(report)
+    except CoordinatorRejected as exc:
+        log.warning("exit report of %s refused: %s", rank.label, exc)
 
 
 async def _remove(path: Path) -> None:

@@ -54,6 +54,9 @@ class AgentSettings:
     max_bundle_bytes: int = setting(
         4 * 1024**3, "Largest total size of an extracted bundle (zip bomb guard)."
     )
+    max_bundle_members: int = setting(
+        100_000, "Most files and directories a bundle may hold (zip bomb guard)."
+    )
     max_results_bytes: int = setting(
         256 * 1024**2, "Largest results zip per rank; files beyond it are left out and reported."
     )

@@ -13,6 +13,7 @@ import functools
 import hashlib
 import io
 import json
+import os
 import textwrap
 import time
 import zipfile
@@ -340,7 +341,9 @@ RANK_PROGRAM = textwrap.dedent(
         print(json.dumps(kw), flush=True)
 
     secret = sys.argv[2] if len(sys.argv) > 2 and sys.argv[1] == "secret" else None
-    send(m.RankHello(version=m.PROTOCOL_VERSION, secret=secret or os.environ["VPOOL_RANK_SECRET"]))
+    with open(os.environ["VPOOL_RANK_SECRET_FILE"]) as _f:  # the agent writes it
+        SECRET = _f.read()
+    send(m.RankHello(version=m.PROTOCOL_VERSION, secret=secret or SECRET))
     w = recv().message
     if isinstance(w, m.Error):
         say(error=w.code)
@@ -422,6 +425,9 @@ ENV_PROGRAM = textwrap.dedent(
     info = {k: v for k, v in os.environ.items() if k.startswith(("VPOOL_", "PYTHON", "HOME"))}
     info["path0"] = sys.path[0:3]
     info["cwd"] = os.getcwd()
+    info["fresh"] = not os.path.exists("result.txt")  # a new directory per incarnation
+    with open(os.environ["VPOOL_RANK_SECRET_FILE"]) as f:
+        info["secret"] = f.read()
     info["stdin"] = sys.stdin.read()
     try:
         import mpi4py
@@ -437,6 +443,28 @@ ENV_PROGRAM = textwrap.dedent(
     sys.stderr.write("to stderr\\n")
     """
 )
+
+
+def host_pid(ns_pid: int, job: int, rank: int) -> int:
+    """The pid, as this test sees it, of the rank process of ``job``/``rank`` that has pid
+    ``ns_pid`` in its own PID namespace (its sandbox's; the same pid unsandboxed)."""
+    want = {b"VPOOL_JOB=" + str(job).encode(), b"VPOOL_RANK=" + str(rank).encode()}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/status") as f:
+                nspid = next(line.split()[1:] for line in f if line.startswith("NSpid:"))
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                env = set(f.read().split(b"\0"))
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+        except (OSError, StopIteration):
+            continue
+        # The program itself (``python ENTRY``), not its sandbox's bwrap or init.
+        if nspid[-1] == str(ns_pid) and want <= env and len(argv) > 1 and argv[1].endswith(b".py"):
+            return int(entry)
+    raise AssertionError(f"no process of rank {rank} of job {job} has pid {ns_pid} inside")
 
 
 def make_bundle(files: dict[str, str | bytes]) -> bytes:

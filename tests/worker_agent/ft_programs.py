@@ -32,7 +32,9 @@ FT_PROGRAM = textwrap.dedent(
         fields = [getattr(msg, k) for k in msg.__struct_fields__]
         return [type(msg).__name__] + [f.decode() if isinstance(f, bytes) else f for f in fields]
 
-    send(m.RankHello(version=m.PROTOCOL_VERSION, secret=os.environ["VPOOL_RANK_SECRET"]))
+    with open(os.environ["VPOOL_RANK_SECRET_FILE"]) as _f:  # the agent writes it
+        SECRET = _f.read()
+    send(m.RankHello(version=m.PROTOCOL_VERSION, secret=SECRET))
     w = recv()
     job, me = w.job, w.rank
     say(welcome=[w.incarnation, w.replay_dets], replay_sent=w.replay_sent)

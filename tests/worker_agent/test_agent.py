@@ -23,6 +23,7 @@ from .conftest import (
     RANK_PROGRAM,
     FakeCoordinator,
     RunningAgent,
+    host_pid,
     lease_for,
     lines,
 )
@@ -52,20 +53,23 @@ async def test_rank_environment_stdin_output_and_results(
     assert info["path0"][1] == shim  # first after the script's own directory
     if (shim_dir() / "mpi4py" / "__init__.py").exists():
         assert info["mpi4py"].startswith(shim)
-    assert info["VPOOL_AGENT_SOCKET"] == str(agent.started.socket_path)
-    assert len(info["VPOOL_RANK_SECRET"]) >= 32
+    # Sandboxed: the agent's socket and the rank's directory at their places inside.
+    assert info["VPOOL_AGENT_SOCKET"] == "/vpool/agent.sock"
+    assert info["VPOOL_RANK_SECRET_FILE"] == "/vpool/rank/.vpool-secret"
+    assert "VPOOL_RANK_SECRET" not in info  # never in an environment
+    assert len(info["secret"]) >= 32
     assert (info["VPOOL_JOB"], info["VPOOL_RANK"], info["VPOOL_SIZE"]) == ("7", "0", "3")
     assert info["VPOOL_INCARNATION"] == "1"
     assert (info["PYTHONHASHSEED"], info["PYTHONUNBUFFERED"]) == ("0", "1")
     assert not any(k.startswith("VPOOL_AGENT_") and k != "VPOOL_AGENT_SOCKET" for k in info)
     assert info["stdin"] == "input for rank 0"
-    assert Path(info["cwd"]).parent.parent == settings.work_path / "ranks"
+    assert info["cwd"] == "/vpool/rank/work"
     # Deleted once the rank ended, before the agent stops listing it in heartbeats.
     seen = len(coordinator.heartbeats)
     await coordinator.wait_for(
         lambda: len(coordinator.heartbeats) > seen and coordinator.heartbeats[-1].ranks == []
     )
-    assert not await trio.Path(info["cwd"]).exists()
+    assert list((settings.work_path / "ranks").iterdir()) == []
 
     with zipfile.ZipFile(io.BytesIO(coordinator.results[(7, 0, 1)])) as zf:
         assert sorted(zf.namelist()) == ["data/input.txt", "result.txt"]
@@ -115,6 +119,7 @@ async def test_stop_order_kills_a_rank_that_ignores_sigterm(
     [info] = await coordinator.wait_for(
         lambda: [x for x in lines(coordinator.output_of(7, 0)) if "pid" in x]
     )
+    pid = host_pid(info["pid"], 7, 0)
     running = await coordinator.wait_for(
         lambda: any(r.state == "running" for h in coordinator.heartbeats for r in h.ranks)
     )
@@ -123,7 +128,7 @@ async def test_stop_order_kills_a_rank_that_ignores_sigterm(
     done = await coordinator.wait_for(lambda: coordinator.exit_of(7, 0))
     assert done.code == 128 + 9
     assert done.message == "stopped: cancelled by the user"
-    _assert_gone(info["pid"])
+    _assert_gone(pid)
 
 
 async def test_bundle_hash_mismatch_is_a_problem(
@@ -138,12 +143,16 @@ async def test_bundle_hash_mismatch_is_a_problem(
     assert coordinator.exits == []
 
 
-async def test_unsafe_bundle_is_a_problem(
+async def test_unsafe_bundle_fails_the_rank_once_not_as_lost(
     agent: RunningAgent, coordinator: FakeCoordinator
 ) -> None:
+    """Every agent would refuse the bundle: the rank exits with 126 and the reason (the job
+    fails once), where a problem report would count it lost and start it again."""
     coordinator.add_lease(lease_for(coordinator, None, extra={"../escape.py": "x"}))
-    [problem] = await coordinator.wait_for(lambda: coordinator.problems)
-    assert "'..'" in problem.message
+    done = await coordinator.wait_for(lambda: coordinator.exit_of(7, 0))
+    assert (done.code, done.lost) == (126, False)
+    assert "'..'" in done.message and done.message.startswith("rank 0 cannot start")
+    assert coordinator.problems == []
 
 
 async def test_heartbeat_reports_ranks_and_refreshes_token(
@@ -187,12 +196,13 @@ async def test_cancelling_the_agent_kills_its_ranks(
     [info] = await coordinator.wait_for(
         lambda: [x for x in lines(coordinator.output_of(7, 0)) if "pid" in x]
     )
+    pid = host_pid(info["pid"], 7, 0)
     agent.cancel_scope.cancel()
     with trio.fail_after(10):
         await agent.finished.wait()
     [problem] = coordinator.problems
     assert "agent test-agent is shutting down" in problem.message
-    _assert_gone(info["pid"])
+    _assert_gone(pid)
     assert not agent.started.socket_path.exists()
 
 

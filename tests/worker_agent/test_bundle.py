@@ -10,7 +10,7 @@ import pytest
 import trio
 
 from vpool.worker_agent.bundle import BlobCache, extract_bundle, results_zip, snapshot
-from vpool.worker_agent.errors import BundleError
+from vpool.worker_agent.errors import BundleError, BundleRejected
 
 from .conftest import make_bundle
 
@@ -48,6 +48,17 @@ def test_extract_enforces_size_limit(tmp_path: Path) -> None:
     (tmp_path / "out").mkdir()
     with pytest.raises(BundleError, match="more than the limit"):
         extract_bundle(_zip(tmp_path, {"big": "x" * 5000}), tmp_path / "out", max_bytes=4000)
+
+
+def test_extract_enforces_member_limit(tmp_path: Path) -> None:
+    zip_path = tmp_path / "b.zip"
+    with zipfile.ZipFile(zip_path, "w") as zf:
+        for i in range(11):
+            zf.writestr(f"f{i}.txt", "x")
+    with pytest.raises(BundleRejected, match="11 members, more than the limit of 10"):
+        extract_bundle(zip_path, tmp_path / "out", max_bytes=1 << 20, max_members=10)
+    extract_bundle(zip_path, tmp_path / "ok", max_bytes=1 << 20, max_members=11)
+    assert len(list((tmp_path / "ok").iterdir())) == 11
 
 
 def test_extract_and_results(tmp_path: Path) -> None:

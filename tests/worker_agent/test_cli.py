@@ -15,7 +15,7 @@ from click.testing import CliRunner
 from vpool.worker_agent.cli import main
 from vpool.worker_agent.settings import AgentSettings
 
-from .conftest import FakeCoordinator, Pki, lease_for, lines
+from .conftest import FakeCoordinator, Pki, host_pid, lease_for, lines
 
 
 def test_help_has_an_example() -> None:
@@ -71,12 +71,13 @@ async def test_sigterm_kills_ranks_and_exits_zero(
         [rank] = await coordinator.wait_for(
             lambda: [x for x in lines(coordinator.output_of(7, 0)) if "pid" in x]
         )
+        rank_pid = host_pid(rank["pid"], 7, 0)
         proc.send_signal(signal.SIGTERM)
         with trio.fail_after(15):
             code = await proc.wait()
         assert code == 0, await _output(proc)
         try:
-            os.kill(rank["pid"], 0)
+            os.kill(rank_pid, 0)
         except ProcessLookupError:
             pass
         else:

@@ -24,7 +24,15 @@ from vpool.protocol.messages import (
     Welcome,
 )
 
-from .conftest import ENV_PROGRAM, FakeCoordinator, FakeRelay, RunningAgent, lease_for, lines
+from .conftest import (
+    ENV_PROGRAM,
+    FakeCoordinator,
+    FakeRelay,
+    RunningAgent,
+    host_pid,
+    lease_for,
+    lines,
+)
 
 # Prints that it started, then waits until the file named by its argument exists.
 WAIT_FOR_FILE = textwrap.dedent(
@@ -45,7 +53,7 @@ async def test_rank_killed_from_outside_is_lost(
     [info] = await coordinator.wait_for(
         lambda: [x for x in lines(coordinator.output_of(7, 0)) if "pid" in x]
     )
-    os.kill(info["pid"], signal.SIGKILL)
+    os.kill(host_pid(info["pid"], 7, 0), signal.SIGKILL)
     done = await coordinator.wait_for(lambda: coordinator.exit_of(7, 0))
     assert (done.code, done.lost, done.aborted) == (-signal.SIGKILL, True, False)
     assert done.message == "killed by SIGKILL, not by the agent"
@@ -78,8 +86,8 @@ async def test_next_incarnation_gets_a_fresh_secret_and_directory(
         json.loads(coordinator.output_of(7, 0, incarnation=i).splitlines()[0]) for i in (1, 2)
     )
     assert (env1["VPOOL_INCARNATION"], env2["VPOOL_INCARNATION"]) == ("1", "2")
-    assert env1["VPOOL_RANK_SECRET"] != env2["VPOOL_RANK_SECRET"]
-    assert env1["cwd"] != env2["cwd"] and Path(env2["cwd"]).name == "work"
+    assert env1["secret"] != env2["secret"]
+    assert env2["fresh"] and Path(env2["cwd"]).name == "work"
     assert env2["PYTHONHASHSEED"] == "0"
     assert all(e.code == 0 for e in coordinator.exits)
 

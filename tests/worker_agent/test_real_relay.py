@@ -151,7 +151,9 @@ def wait_for_go():
     while not os.path.exists(sys.argv[1]):
         time.sleep(0.02)
 
-send(m.RankHello(version=m.PROTOCOL_VERSION, secret=os.environ["VPOOL_RANK_SECRET"]))
+with open(os.environ["VPOOL_RANK_SECRET_FILE"]) as _f:  # the agent writes it
+    SECRET = _f.read()
+send(m.RankHello(version=m.PROTOCOL_VERSION, secret=SECRET))
 w = recv().message
 if w.rank == 0:
     def deposit(seq):
