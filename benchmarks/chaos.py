@@ -129,17 +129,20 @@ def rank_processes(
     """(agent name, pid, MPI rank) of the rank processes running ``program`` under ``agents``
     (name -> pid).
 
-    Searched among all descendants: a restored rank runs under ``unshare`` and the restore
-    helper, not as the agent's child. A process counts when its command line names the program
-    (CRIU restores the original one) and its environment has ``VPOOL_RANK``; a checkpoint clone
-    has both too, so processes whose stdout is ``/dev/null`` (what a clone points it at) or whose
-    parent is itself a rank process of the program (a clone just forked) are left out."""
+    Searched among all descendants: a rank runs in its sandbox (bwrap, then the sandbox's
+    init), a restored one under the restore's init, not as the agent's child. A process counts
+    when its command line is ``python PROGRAM ...`` (CRIU restores the original one) and its
+    environment has ``VPOOL_RANK``; a checkpoint clone has both too, so processes whose stdout
+    is ``/dev/null`` (what a clone points it at) or whose parent is itself a rank process of
+    the program (a clone just forked) are left out."""
     name = Path(program).name
     found = []
     for agent, root in agents.items():
         candidates = {}
         for pid, parent in _descendants(root):
-            if not any(Path(a).name == name for a in _cmdline(pid)):
+            # ``python PROGRAM``: not the sandbox's bwrap or init, whose command lines name it.
+            cmdline = _cmdline(pid)
+            if len(cmdline) < 2 or Path(cmdline[1]).name != name:
                 continue
             env = _environ(pid)
             if b"VPOOL_RANK" not in env:
