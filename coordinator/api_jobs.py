@@ -1,5 +1,5 @@
-"""User endpoints: pool info, whoami, blobs, jobs, output, checkpoints and results (see
-protocol/api.py)."""
+"""User endpoints: pool info and agents, whoami, blobs, jobs, output, checkpoints and results
+(see protocol/api.py)."""
 
 from __future__ import annotations
 
@@ -20,6 +20,13 @@ async def _user(request: Request) -> str:
 @router.get("/pool")
 async def pool(request: Request) -> Response:
     return reply(await coordinator(request).live_pool_info())
+
+
+@router.get("/pool/agents")
+async def agents(request: Request) -> Response:
+    c = coordinator(request)
+    await _user(request)
+    return reply(await c.list_agents())
 
 
 @router.get("/whoami")

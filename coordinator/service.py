@@ -14,7 +14,9 @@ import hmac
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
+from typing import Any
 
+import msgspec
 import trio
 
 from vpool import __version__
@@ -41,6 +43,9 @@ OUTPUT_PAGE_BYTES = 4 << 20
 FINISHED_JOBS_WINDOW = 3600.0
 MAX_AGENT_SLOTS = 4096
 MAX_CHECKPOINT_EVERY = 7 * 24 * 3600.0
+MAX_ISOLATION_REPORT = 16 << 10  # bytes of JSON kept per agent
+MAX_ISOLATION_LEVEL = 40
+MAX_LIMIT = 2**62  # a limit of an isolation report (SQLite integers are 64-bit)
 
 
 class Signal:
@@ -100,6 +105,9 @@ class Coordinator:
             agents=agents,
             relays=relays,
         )
+
+    async def list_agents(self) -> list[api.AgentInfo]:
+        return [_agent_info(row) for row in await self.db.call(self.store.list_agents)]
 
     async def live_pool_info(self) -> api.PoolInfo:
         now = self.clock()
@@ -184,6 +192,7 @@ class Coordinator:
             if blob is not None and not await self.has_blob(blob):
                 raise BadRequest(f"the {what} blob {blob} was not uploaded", code="unknown_blob")
         self._check_checkpoint_every(sub)
+        _check_memory(sub)
         await self.blobs.check_bundle(sub.bundle, sub.entry)
         info = await self.db.call(self.store.create_job, user, sub, self.clock())
         self.changes.fire()
@@ -323,6 +332,8 @@ class Coordinator:
         # Held (up to hb.wait, at most one heartbeat interval, so the agent keeps its pace) while
         # none of its ranks has to stop: when a rank fails, the others' stop orders go out at
         # once instead of at each agent's next heartbeat.
+        if hb.isolation is not None:
+            _check_isolation(hb.isolation)
         hold = min(max(hb.wait, 0.0), self.settings.heartbeat_interval, self.settings.max_wait)
         deadline = trio.current_time() + hold
         ended = self.ended.current()
@@ -469,6 +480,51 @@ class Coordinator:
         """Job or rank states changed: wake output long-polls and held heartbeats."""
         self.changes.fire()
         self.ended.fire()
+
+
+def _check_memory(sub: api.JobSubmit) -> None:
+    least, most = api.MIN_JOB_MEMORY, api.MAX_JOB_MEMORY
+    if sub.memory != 0 and not least <= sub.memory <= most:
+        raise BadRequest(
+            f"memory is 0 (what each agent offers) or {least} ({scheduler.size_text(least)}) "
+            f"to {most} bytes per rank, not {sub.memory}",
+            code="bad_memory",
+        )
+
+
+def _check_isolation(report: api.IsolationReport) -> None:
+    limits = (report.rank_memory, report.rank_processes, report.rank_disk)
+    if not all(0 <= n <= MAX_LIMIT for n in limits):
+        raise BadRequest(
+            f"the limits of an isolation report are 0 to {MAX_LIMIT}", code="bad_isolation"
+        )
+    if len(report.level) > MAX_ISOLATION_LEVEL:
+        raise BadRequest(
+            f"an isolation level is at most {MAX_ISOLATION_LEVEL} characters", code="bad_isolation"
+        )
+    if len(msgspec.json.encode(report)) > MAX_ISOLATION_REPORT:
+        raise BadRequest(
+            f"an isolation report is at most {MAX_ISOLATION_REPORT} bytes of JSON",
+            code="bad_isolation",
+        )
+
+
+def _agent_info(row: dict[str, Any]) -> api.AgentInfo:
+    detail = ""
+    if row["isolation_report"]:
+        detail = msgspec.json.decode(row["isolation_report"], type=api.IsolationReport).detail
+    return api.AgentInfo(
+        id=row["id"],
+        name=row["name"],
+        state=row["state"],
+        slots=row["slots"],
+        ranks=row["active"],
+        last_seen=row["last_seen"],
+        isolation=row["isolation"],
+        isolation_detail=detail,
+        rank_memory=row["rank_memory"],
+        checkpoints=bool(row["criu"]),
+    )
 
 
 def _trim(records: list[api.OutputRecord], max_bytes: int) -> tuple[list[api.OutputRecord], bool]:

@@ -84,8 +84,8 @@ class JobsMixin(FaultsMixin):
     def create_job(self, user: str, sub: api.JobSubmit, now: float) -> api.JobInfo:
         with self.db.atomic():
             cursor = self.db.execute(
-                "INSERT INTO jobs (user, name, state, ranks, bundle, entry, args, stdin, "
-                "created, fault_tolerance, job_uid, ckpt_key, checkpoint_every, memory, unsandboxed) "
+                "INSERT INTO jobs (user, name, state, ranks, bundle, entry, args, stdin, created, "
+                "fault_tolerance, job_uid, ckpt_key, checkpoint_every, memory, unsandboxed) "
                 "VALUES (?, ?, 'queued', ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 [
                     user,

@@ -1,4 +1,5 @@
-"""``vsdk`` commands about jobs: submit, status, logs, wait, cancel, checkpoint, jobs, results."""
+"""``vsdk`` commands about jobs: submit, status, logs, wait, cancel, checkpoint, jobs, results;
+``status`` without a job shows the pool's agents."""
 
 from __future__ import annotations
 
@@ -9,14 +10,38 @@ from typing import Any
 
 import click
 
-from vpool.protocol.api import TERMINAL_STATES, JobDetail, JobInfo
+from vpool.protocol.api import (
+    MAX_JOB_MEMORY,
+    MIN_JOB_MEMORY,
+    TERMINAL_STATES,
+    AgentInfo,
+    JobDetail,
+    JobInfo,
+)
 from vpool.sdk.cli_common import Settings, exit_with, json_option, note, pass_settings, print_json
 from vpool.sdk.output import LineAssembler, LineWriter, job_exit_code
+from vpool.sdk.sizes import format_size, parse_size
 
 JOB = click.argument("job", type=int, metavar="JOB")
 LABEL = click.option(
     "-l", "--label", is_flag=True, help="Prefix each output line with [rank], like mpiexec -l."
 )
+
+
+def _memory(ctx: click.Context, param: click.Parameter, value: str) -> int:
+    """``--memory``: a size (``parse_size``) of 0 or within what the coordinator accepts."""
+    try:
+        n = parse_size(value)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), ctx, param) from None
+    if n != 0 and not MIN_JOB_MEMORY <= n <= MAX_JOB_MEMORY:
+        raise click.BadParameter(
+            f"{value!r} is {format_size(n)}: give 0 (what each agent offers) or "
+            f"{format_size(MIN_JOB_MEMORY)} to {format_size(MAX_JOB_MEMORY)}",
+            ctx,
+            param,
+        )
+    return n
 
 
 def _when(t: float | None) -> str:
@@ -119,6 +144,21 @@ def stream_output(
     "checkpoint instead of from the beginning (0: only on `vsdk checkpoint`).",
 )
 @click.option(
+    "--memory",
+    default="0",
+    callback=_memory,
+    metavar="SIZE",
+    help="Memory each rank needs, e.g. 512M, 2G, 1.5GiB (powers of 1024) or bytes: ranks go "
+    "only to agents that let a rank use that much, and are held to it there (default: "
+    "whatever each agent offers).",
+)
+@click.option(
+    "--allow-unsandboxed",
+    is_flag=True,
+    help="Also place ranks on agents that cannot sandbox them (their volunteers allowed "
+    "that): there ranks run unconfined, as the volunteer's own user.",
+)
+@click.option(
     "-w", "--wait", is_flag=True, help="Stream the output and exit with the job's exit code."
 )
 @LABEL
@@ -135,6 +175,8 @@ def submit(
     entry: str | None,
     fault_tolerance: bool,
     checkpoint_every: float,
+    memory: int,
+    allow_unsandboxed: bool,
     wait: bool,
     label: bool,
     as_json: bool,
@@ -145,6 +187,8 @@ def submit(
     Examples:
       vsdk submit examples/pi.py --ranks 8 --wait -- 1000000
       JOB=$(vsdk submit app.py -n 4 --input data.csv) && vsdk logs $JOB --follow
+      vsdk submit sim.py -n 16 --memory 2G --wait
+      vsdk submit trusted.py -n 4 --allow-unsandboxed
 
     Without --wait, prints the job id (or the job as JSON with --json) and returns at once.
     With --wait, stdout carries only the program's output (the ranks' stdout, whole lines,
@@ -157,6 +201,12 @@ def submit(
     benchmarks/ft_overhead.py measures what it costs) and fails the job on the first loss.
     --checkpoint-every 600 also saves each rank every 10 minutes on machines that can (CRIU),
     so a lost rank resumes from there; it needs fault tolerance.
+
+    Ranks run in sandboxes, each with the limits its agent sets; `vsdk status` lists the
+    agents and the memory each lets a rank use. --memory 2G places ranks only where a rank may
+    use 2 GiB, and holds each to 2 GiB there. --allow-unsandboxed also accepts agents that
+    cannot sandbox ranks: use it only for programs you would let run as the volunteer's own
+    user.
     """
     if checkpoint_every > 0 and not fault_tolerance:
         raise click.UsageError(
@@ -173,12 +223,18 @@ def submit(
             entry=entry,
             fault_tolerance=fault_tolerance,
             checkpoint_every=checkpoint_every,
+            memory=memory,
+            unsandboxed=allow_unsandboxed,
         )
         what = f"{ranks} rank{'s' if ranks != 1 else ''}"
         if not fault_tolerance:
             what += ", fault tolerance off"
         if checkpoint_every > 0:
             what += f", a checkpoint every {checkpoint_every:g} s"
+        if memory:
+            what += f", {format_size(memory)} per rank"
+        if allow_unsandboxed:
+            what += ", unsandboxed agents allowed"
         if not wait:
             if as_json:
                 print_json(job)
@@ -244,18 +300,81 @@ def _table(rows: list[tuple[str, ...]]) -> str:
     )
 
 
+def _agent_table(agents: list[AgentInfo]) -> str:
+    """One agent a row; why its isolation is not stronger is the last column."""
+    rows: list[tuple[str, ...]] = [
+        ("AGENT", "STATE", "RANKS", "SLOTS", "ISOLATION", "RANK MEMORY", "LAST SEEN", "DETAIL")
+    ]
+    for a in agents:
+        if not a.isolation:
+            memory = "-"
+        else:
+            memory = format_size(a.rank_memory) if a.rank_memory else "no limit"
+        rows.append(
+            (
+                a.name,
+                a.state,
+                str(a.ranks),
+                str(a.slots),
+                a.isolation or "not reported",
+                memory,
+                _when(a.last_seen),
+                " ".join(a.isolation_detail.split()) or "-",
+            )
+        )
+    return _table(rows)
+
+
+def _count(n: int, what: str) -> str:
+    return f"{n} {what}{'s' * (n != 1)}"
+
+
+def _pool_status(settings: Settings, as_json: bool) -> None:
+    with settings.client() as client:
+        pool, agents = client.pool_info(), client.agents()
+    if as_json:
+        print_json({"pool": pool, "agents": agents})
+        return
+    click.echo(
+        f"pool {pool.name!r} (vpool {pool.version}): {_count(pool.agents, 'agent')} and "
+        f"{_count(pool.relays, 'relay')} alive"
+    )
+    if not agents:
+        click.echo("no agent has enrolled yet", err=True)
+        return
+    click.echo("")
+    click.echo(_agent_table(agents))
+    levels = {a.isolation for a in agents}
+    notes = []
+    if "" in levels:
+        notes.append("agents that have not reported their isolation get no ranks")
+    if levels - {"", "sandbox", "sandbox-rlimits"}:
+        notes.append(
+            "agents that do not sandbox get only the ranks of jobs submitted with "
+            "--allow-unsandboxed"
+        )
+    if notes:
+        click.echo("\n" + "\n".join(notes))
+
+
 @click.command()
-@JOB
+@click.argument("job", type=int, required=False, metavar="[JOB]")
 @json_option
 @pass_settings
-def status(settings: Settings, job: int, as_json: bool) -> None:
-    """Show a job: state, exit code, reason, its ranks and its events.
+def status(settings: Settings, job: int | None, as_json: bool) -> None:
+    """Show a job: state, exit code, reason, its ranks and its events. Without JOB, show the
+    pool: its agents, how each isolates ranks and the memory a rank may use there.
 
     \b
-    Example:
+    Examples:
       vsdk status 12
       vsdk status 12 --json | jq .job.state
+      vsdk status
+      vsdk status --json | jq '.agents[] | {name, isolation, rank_memory}'
     """
+    if job is None:
+        _pool_status(settings, as_json)
+        return
     with settings.client() as client:
         detail = client.status(job)
     if as_json:
@@ -265,6 +384,10 @@ def status(settings: Settings, job: int, as_json: bool) -> None:
     off = "" if j.fault_tolerance else "  (fault tolerance off)"
     if j.checkpoint_every > 0:
         off += f"  (a checkpoint every {j.checkpoint_every:g} s)"
+    if j.memory:
+        off += f"  ({format_size(j.memory)} per rank)"
+    if j.unsandboxed:
+        off += "  (unsandboxed agents allowed)"
     click.echo(f"job {j.id}  {j.name!r}  user {j.user}  {j.ranks} ranks{off}")
     line = f"state: {j.state}"
     if j.exit_code is not None:

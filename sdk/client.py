@@ -28,6 +28,7 @@ import msgspec
 from vpool import tls
 from vpool.protocol.api import (
     TERMINAL_STATES,
+    AgentInfo,
     BlobInfo,
     CheckpointAsk,
     CheckpointAsked,
@@ -161,6 +162,11 @@ class Client:
     def pool_info(self) -> PoolInfo:
         return self._get("/pool", PoolInfo)
 
+    def agents(self) -> list[AgentInfo]:
+        """The pool's agents: state, slots, how they isolate ranks and the memory a rank may
+        use on each."""
+        return self._get("/pool/agents", list[AgentInfo])
+
     def whoami(self) -> UserInfo:
         return self._get("/whoami", UserInfo)
 
@@ -188,13 +194,17 @@ class Client:
         entry: str | None = None,
         fault_tolerance: bool = True,
         checkpoint_every: float = 0.0,
+        memory: int = 0,
+        unsandboxed: bool = False,
     ) -> JobInfo:
         """Bundle ``program_path`` (``.py`` or ``.zip``) with ``inputs``, upload and submit it
         to run on ``ranks`` ranks as ``python entry *args``; ``stdin`` (a file or bytes) is fed
         to rank 0. With ``fault_tolerance=False`` nothing is logged and a lost rank fails the
         job instead of being restarted. ``checkpoint_every`` > 0: every rank is checkpointed
         that often (seconds), so a lost rank restarts from its last image instead of from the
-        beginning."""
+        beginning. ``memory`` > 0: bytes each rank needs (agents that let a rank use less get
+        none; the others hold each rank to it). ``unsandboxed=True`` lets ranks run on agents
+        whose volunteers allowed ranks without a sandbox."""
         if ranks < 1:
             raise VsdkError("a job needs at least one rank")
         program = Path(program_path)
@@ -219,6 +229,8 @@ class Client:
             name=name if name is not None else program.name,
             fault_tolerance=fault_tolerance,
             checkpoint_every=checkpoint_every,
+            memory=memory,
+            unsandboxed=unsandboxed,
         )
         return _decode(self._request("POST", "/jobs", json_body=body), JobInfo)
 

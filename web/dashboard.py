@@ -10,6 +10,8 @@ import jinja2
 from fastapi import APIRouter, Request
 from fastapi.responses import HTMLResponse
 
+from vpool.coordinator.scheduler import size_text
+
 if TYPE_CHECKING:
     from vpool.coordinator.service import Coordinator
 
@@ -34,11 +36,12 @@ def _ago(then: float | None, now: float) -> str:
 
 
 _env.filters["ago"] = _ago
+_env.filters["size"] = size_text
 
 
 async def _context(core: Coordinator) -> dict[str, Any]:
     store, db = core.store, core.db
-    agents = await db.call(store.list_agents)
+    agents = await core.list_agents()
     relays = await db.call(store.list_relays)
     jobs = await db.call(store.list_jobs, None, 50)
     counts = await db.call(store.count_jobs)
@@ -50,8 +53,8 @@ async def _context(core: Coordinator) -> dict[str, Any]:
         "relays": relays,
         "jobs": jobs,
         "counts": counts,
-        "slots": sum(a["slots"] for a in agents if a["state"] == "alive"),
-        "busy": sum(a["active"] for a in agents if a["state"] == "alive"),
+        "slots": sum(a.slots for a in agents if a.state == "alive"),
+        "busy": sum(a.ranks for a in agents if a.state == "alive"),
     }
 
 

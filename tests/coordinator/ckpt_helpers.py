@@ -4,7 +4,7 @@ test_checkpoint_orders.py)."""
 from __future__ import annotations
 
 import httpx
-from coord_helpers import HELLO, RELAY_SECRET, Agent, Pool, decode, make_zip
+from coord_helpers import HELLO, RELAY_SECRET, SANDBOX, Agent, Pool, decode, make_zip
 
 from vpool.protocol import api
 
@@ -37,6 +37,7 @@ async def beat(
     restored_from: int = -1,
     state: str = "running",
     acks: list[int] | None = None,
+    isolation: api.IsolationReport | None = SANDBOX,
 ) -> api.AgentHeartbeatResponse:
     hb = api.AgentHeartbeat(
         ranks=[
@@ -54,6 +55,7 @@ async def beat(
         fingerprint=fp,
         wait=wait,
         checkpoint_acks=acks or [],
+        isolation=isolation,
     )
     r = await pool.post("/api/v1/agents/heartbeat", hb, agent.headers)
     return decode(r, api.AgentHeartbeatResponse)

@@ -26,6 +26,9 @@ from vpool.protocol.tokens import sign_possession
 T = TypeVar("T")
 RELAY_SECRET = "relay-secret-for-tests"
 HELLO = b"from mpi4py import MPI\nprint('hello from', MPI.COMM_WORLD.Get_rank())\n"
+# What the fake agents' heartbeats say of their isolation unless a test says otherwise: a
+# sandbox with no memory limit per rank, so that every job may be placed there.
+SANDBOX = api.IsolationReport(level="sandbox", checkpoints=True)
 
 
 class FakeClock:
@@ -99,6 +102,8 @@ class Pool:
         program: bytes = HELLO,
         stdin: bytes | None = None,
         args: list[str] | None = None,
+        memory: int = 0,
+        unsandboxed: bool = False,
     ) -> api.JobInfo:
         bundle = await self.upload(make_zip({"app.py": program, "input.txt": b"42\n"}), user)
         stdin_sha = await self.upload(stdin, user) if stdin is not None else None
@@ -109,6 +114,8 @@ class Pool:
             args=args or [],
             stdin=stdin_sha,
             name=f"job-of-{user}",
+            memory=memory,
+            unsandboxed=unsandboxed,
         )
         r = await self.post("/api/v1/jobs", sub, self.user(user))
         assert r.status_code == 201, r.text
@@ -118,18 +125,34 @@ class Pool:
         r = await self.client.get(f"/api/v1/jobs/{job_id}", headers=self.user(user))
         return decode(r, api.JobDetail)
 
-    async def enroll(self, name: str = "agent-1", slots: int = 2) -> Agent:
+    async def enroll(
+        self,
+        name: str = "agent-1",
+        slots: int = 2,
+        isolation: api.IsolationReport | None = SANDBOX,
+    ) -> Agent:
         key = Ed25519PrivateKey.generate()
-        return await self.enroll_key(key, name, slots)
+        return await self.enroll_key(key, name, slots, isolation)
 
-    async def enroll_key(self, key: Ed25519PrivateKey, name: str, slots: int) -> Agent:
+    async def enroll_key(
+        self,
+        key: Ed25519PrivateKey,
+        name: str,
+        slots: int,
+        isolation: api.IsolationReport | None = SANDBOX,
+    ) -> Agent:
+        """Enroll, then (unless ``isolation`` is None) send a first heartbeat with the
+        isolation report, as real agents do before they ask for leases."""
         ts = self.clock()
         pub, sig = sign_possession(key, ts)
         req = api.EnrollRequest(public_key=pub, timestamp=ts, signature=sig, name=name, slots=slots)
         resp = decode(await self.post("/api/v1/agents/enroll", req, {}), api.EnrollResponse)
-        return Agent(
+        agent = Agent(
             resp.agent_id, resp.agent_token, key, {"Authorization": f"Bearer {resp.agent_token}"}
         )
+        if isolation is not None:
+            await self.heartbeat(agent, [], free=slots, isolation=isolation)
+        return agent
 
     async def lease(self, agent: Agent, free: int = 8, wait: float = 0.0) -> list[api.Lease]:
         r = await self.post(
@@ -138,7 +161,12 @@ class Pool:
         return decode(r, api.LeaseResponse).leases
 
     async def heartbeat(
-        self, agent: Agent, ranks: list[api.Lease], free: int = 8, state: str = "running"
+        self,
+        agent: Agent,
+        ranks: list[api.Lease],
+        free: int = 8,
+        state: str = "running",
+        isolation: api.IsolationReport | None = SANDBOX,
     ) -> api.AgentHeartbeatResponse:
         hb = api.AgentHeartbeat(
             ranks=[
@@ -146,6 +174,7 @@ class Pool:
                 for x in ranks
             ],
             free_slots=free,
+            isolation=isolation,
         )
         return decode(
             await self.post("/api/v1/agents/heartbeat", hb, agent.headers),

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import sqlite_utils
-from coord_helpers import FakeClock, test_settings
+from coord_helpers import SANDBOX, FakeClock, test_settings
 
 from vpool.coordinator import migrations, scheduler
 from vpool.coordinator.service import Coordinator
@@ -111,6 +111,8 @@ def _store_with_running_job(tmp_path: Path) -> tuple[SqliteStore, str]:
     store = SqliteStore(tmp_path / "vpool.db", max_restarts=5)
     store.register_relay(api.RelayRegister(name="relay-0", host="127.0.0.1", port=1), 100.0)
     agent = store.enroll_agent("key-1", "agent-1", 4, "", 100.0)
+    hb = api.AgentHeartbeat(ranks=[], free_slots=4, isolation=SANDBOX)
+    store.agent_heartbeat(agent, hb, 100.0, 10.0)
     sub = api.JobSubmit(ranks=2, bundle="b" * 64, entry="app.py")
     store.create_job("alice", sub, 100.0)
     assert store.schedule(100.0, 90.0, 90.0, lambda claims: f"token-{claims.incarnation}") == [1]

@@ -17,6 +17,7 @@ import httpx
 import msgspec
 
 from vpool.protocol.api import (
+    AgentInfo,
     ErrorBody,
     ErrorDetail,
     JobDetail,
@@ -63,6 +64,7 @@ class FakeCoordinator:
         self.page_size = page_size
         self.next_record = 1
         self.results_zip = b""
+        self.agents: list[AgentInfo] = []  # what ``GET /pool/agents`` lists
 
     def client(self, token: str = TOKEN) -> Client:
         return Client(URL, token, transport=httpx.MockTransport(self.handle))
@@ -88,6 +90,7 @@ class FakeCoordinator:
     def _routes(self):  # type: ignore[no-untyped-def]
         return [
             (r"/api/v1/whoami", "GET", lambda r: self._json(UserInfo(name="alice"))),
+            (r"/api/v1/pool/agents", "GET", lambda r: self._json(self.agents)),
             (r"/api/v1/blobs/([0-9a-f]{64})", "HEAD", self._head_blob),
             (r"/api/v1/blobs/([0-9a-f]{64})", "PUT", self._put_blob),
             (r"/api/v1/jobs", "POST", self._submit),
@@ -135,6 +138,10 @@ class FakeCoordinator:
             created=1000.0,
             started=None,
             finished=None,
+            fault_tolerance=body.fault_tolerance,
+            checkpoint_every=body.checkpoint_every,
+            memory=body.memory,
+            unsandboxed=body.unsandboxed,
         )
         job = Job(info, body, self.next_script)
         for rank, stream, data in job.script.chunks:

@@ -1,4 +1,5 @@
-"""The dashboard at ``/`` shows the pool, its agents, relays and recent jobs."""
+"""The dashboard at ``/`` shows the pool, its agents (with their isolation), relays and recent
+jobs."""
 
 from __future__ import annotations
 
@@ -19,6 +20,10 @@ async def test_dashboard_lists_pool_state(tmp_path: Path) -> None:
     core = Coordinator(settings)
     now = core.clock()
     core.store.enroll_agent("key-1", "volunteer-1", 4, "", now)
+    sandboxed = core.store.enroll_agent("key-2", "volunteer-2", 2, "", now)
+    report = api.IsolationReport(level="sandbox-rlimits", detail="no <cgroup>", rank_memory=2 << 30)
+    hb = api.AgentHeartbeat(ranks=[], free_slots=2, isolation=report)
+    core.store.agent_heartbeat(sandboxed, hb, now, 10.0)
     core.store.register_relay(api.RelayRegister(name="relay-0", host="10.0.0.1", port=7000), now)
     core.store.add_user("alice", "h" * 64, now)
     core.store.create_job(
@@ -38,7 +43,13 @@ async def test_dashboard_lists_pool_state(tmp_path: Path) -> None:
         "10.0.0.1:7000",
         "my-job",
         "queued",
-        "0 / 4 slots busy",
+        "0 / 6 slots busy",
+        "<th>isolation</th>",
+        "<th>rank memory</th>",
+        ">sandbox-rlimits</td>",
+        'title="no &lt;cgroup&gt;"',  # why it is not stronger, escaped
+        "<td>2 GiB</td>",
+        ">not reported</td>",  # volunteer-1 has not said: it gets no ranks
     ):
         assert text in html, text
 

@@ -131,6 +131,12 @@ async def setup(
             agent.capability.criu = "4.1.1"
             agent.capability.fingerprint = "f" * 64
             agent.capability.ready.set()
+            # An agent gets ranks once it said how it isolates them.
+            agent.isolation = helpers.SANDBOX
+            agent.isolation_known.set()
+            await client.heartbeat(
+                api.AgentHeartbeat(ranks=[], free_slots=1, isolation=helpers.SANDBOX)
+            )
             [lease] = await client.lease(free_slots=1, wait=0.0)
             rank = LocalRank(lease)
             rank.state = "running"  # no process: the test plays the rank's checkpointer

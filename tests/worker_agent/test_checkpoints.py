@@ -8,8 +8,11 @@ import functools
 import os
 import signal
 import ssl
+import subprocess
+import sys
 import threading
 from pathlib import Path
+from typing import Any, cast
 
 import pytest
 import trio
@@ -46,6 +49,7 @@ from vpool.protocol.messages import (
 from vpool.tls import client_context, server_context
 from vpool.worker_agent.checkpoints import (
     Capability,
+    Checkpointer,
     checkpoint_signal,
     checkpoints_enabled,
     next_periodic,
@@ -91,10 +95,16 @@ def test_checkpoint_settings(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) ->
     s = load_agent_settings(overrides={"work_dir": str(tmp_path)})
     assert s.fingerprint_salt == "agent-b"
     assert s.checkpoint_zstd_level == 3
-    assert (s.criu, s.rank_root) == ("criu", "/tmp/vpool-ranks")
+    # No fixed paths shared by every agent of the machine: the agent's own, or named after it.
+    assert (s.criu, s.rank_root_path) == ("criu", tmp_path / "ranks")
     assert s.checkpoint_clone_timeout == 600.0
-    expected = Path("/dev/shm/vpool-ckpt") if Path("/dev/shm").is_dir() else tmp_path / "ckpt"
-    assert s.scratch_path == expected
+    if Path("/dev/shm").is_dir():
+        assert s.scratch_path.parent == Path("/dev/shm")
+        assert s.scratch_path.name.startswith(f"vpool-ckpt-{os.getuid()}-")
+        other = load_agent_settings(overrides={"work_dir": str(tmp_path / "other")})
+        assert other.scratch_path != s.scratch_path
+    else:
+        assert s.scratch_path == tmp_path / "ckpt"
     assert AgentSettings(checkpoint_scratch=str(tmp_path / "x")).scratch_path == tmp_path / "x"
 
 
@@ -110,7 +120,12 @@ def test_periodic_checkpoints_keep_their_period() -> None:
 
 def test_rank_env_has_checkpoint_variables_only_when_enabled(tmp_path: Path) -> None:
     cap = Capability(criu="4.1.1", fingerprint="f")
-    kw = {"secret": "s", "socket_path": tmp_path / "a.sock", "shim": tmp_path, "home": tmp_path}
+    kw = {
+        "secret_file": "/vpool/rank/.vpool-secret",
+        "socket_path": tmp_path / "a.sock",
+        "shim": tmp_path,
+        "home": tmp_path,
+    }
     assert checkpoints_enabled(cap, LEASE) == ""
     env = rank_env(
         LEASE, **kw, rank_dir=tmp_path / "r", checkpoints=True, clone_timeout=42, orphan_wait=7
@@ -121,6 +136,10 @@ def test_rank_env_has_checkpoint_variables_only_when_enabled(tmp_path: Path) -> 
     assert env["VPOOL_CKPT_ORPHAN_WAIT"] == "7"
     env = rank_env(LEASE, **kw, rank_dir=tmp_path / "r", checkpoints=False)
     assert "VPOOL_RANK_DIR" not in env and "VPOOL_CKPT_SIGNAL" not in env
+    assert env["VPOOL_RANK_SECRET_FILE"] == "/vpool/rank/.vpool-secret"
+    assert not any(
+        "SECRET=" in f"{k}={v}" and k != "VPOOL_RANK_SECRET_FILE" for k, v in env.items()
+    )
     # Each missing condition turns checkpoints off, with the reason.
     assert "CRIU" in checkpoints_enabled(Capability(), LEASE)
     no_ft = api.Lease(**{**_fields(LEASE), "env": {"VPOOL_FT": "0"}})
@@ -273,6 +292,44 @@ async def test_restored_process_must_name_the_image(proxy: tuple[LocalRanks, Pat
     conn, welcome = await _connect(path, RankHello(PROTOCOL_VERSION, rank.secret, checkpoint=77))
     assert isinstance(welcome, RankWelcome)
     await conn.stream.aclose()
+
+
+async def test_a_pid_the_rank_names_is_killed_only_when_it_is_the_ranks_own(
+    nursery: trio.Nursery,
+) -> None:
+    """A ``CkptForked`` for a checkpoint nobody waits for makes the agent kill the clone it
+    names: only a descendant of the rank's own, never a process a hostile rank points at."""
+    program = (
+        "import os, sys, time\n"
+        "pid = os.fork()\n"
+        "if pid == 0:\n    time.sleep(60)\n    os._exit(0)\n"
+        "print(pid, flush=True)\ntime.sleep(60)\n"
+    )
+    rank_proc = await trio.lowlevel.open_process(
+        [sys.executable, "-c", program], stdout=subprocess.PIPE
+    )
+    victim = await trio.lowlevel.open_process([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        assert rank_proc.stdout is not None
+        clone = int((await rank_proc.stdout.receive_some(100)).split()[0])
+        rank = LocalRank(LEASE)
+        rank.pid = rank_proc.pid
+        checkpointer = Checkpointer(cast(Any, None), rank, cast(Any, None), cast(Any, None))
+        nursery.start_soon(checkpointer._control_reader)
+        clone_fd = os.pidfd_open(clone)
+        try:
+            for pid in (victim.pid, os.getpid(), 1, clone):
+                await rank.control_send.send(CkptForked(ckpt=5, pid=pid))
+            # The clone, which is the rank's, dies; then nothing else did.
+            with trio.fail_after(10):
+                await trio.lowlevel.wait_readable(clone_fd)
+        finally:
+            os.close(clone_fd)
+        assert victim.poll() is None and rank_proc.poll() is None
+    finally:
+        for proc in (rank_proc, victim):
+            proc.kill()
+            await proc.wait()
 
 
 # -- the store client -------------------------------------------------------------------------

@@ -1,0 +1,35 @@
+"""Memory sizes as people write and read them: ``vsdk submit --memory 1.5G``, the pool view.
+
+Units are powers of 1024 however they are spelt (``2G``, ``2GB``, ``2GiB``, ``2 g``), as Slurm's
+``--mem`` and Docker's ``--memory`` read them; a bare number is bytes.
+"""
+
+from __future__ import annotations
+
+import re
+from fractions import Fraction
+
+_UNITS = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4, "p": 5}
+_SIZE = re.compile(r"(\d+(?:\.\d*)?|\.\d+)\s*(?:([kmgtp])(?:i?b)?|b)?", re.IGNORECASE | re.ASCII)
+
+
+def parse_size(text: str) -> int:
+    """Bytes of a size such as ``512M``, ``2G``, ``1.5GiB`` or ``1073741824`` (fractions of
+    a byte are dropped). Raises ``ValueError`` with a message for people."""
+    match = _SIZE.fullmatch(text.strip())
+    if match is None:
+        raise ValueError(
+            f"{text!r} is not a size: write bytes, or a number with K, M, G or T "
+            "(powers of 1024), e.g. 512M, 2G, 1.5GiB"
+        )
+    number, unit = match.groups()
+    return int(Fraction(number) * 1024 ** _UNITS[(unit or "").lower()])
+
+
+def format_size(n: int) -> str:
+    """``n`` bytes as "512 MiB", "1.5 GiB", "100 bytes"."""
+    for unit, power in (("PiB", 5), ("TiB", 4), ("GiB", 3), ("MiB", 2), ("KiB", 1)):
+        scale = 1024**power
+        if n >= scale:
+            return f"{n / scale:.2f}".rstrip("0").rstrip(".") + f" {unit}"
+    return f"{n} bytes"
