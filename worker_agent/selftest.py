@@ -211,17 +211,17 @@ def judge(probes: dict[str, Any], cg: cgroups.Support | None) -> tuple[str, str,
     return "sandbox", "", []
 
 
-async def _run_boxed(
+async def _start(
     iso: sandboxed.Isolation,
     limits: sandboxed.RankLimits,
     sock_path: Path,
     rank_dir: Path,
     program: list[str],
     python: str,
-) -> bytes:
-    """Run ``program`` as a rank would run, to its end; its stdout, with the cgroup's limits
-    as read back added as ``_limits`` to the last JSON line."""
-    box = await sandboxed.start(
+    name: str,
+) -> sandboxed.Sandboxed:
+    """``program`` in a sandbox made as a rank's is, its stdout and stderr on one pipe."""
+    return await sandboxed.start(
         iso,
         sandbox.Mounts(rank_dir, sock_path),
         lambda status_fd: sandbox.init_argv(
@@ -234,13 +234,26 @@ async def _run_boxed(
             fsize=limits.disk,
             sched_idle=limits.sched_idle,
         ),
-        name=f"selftest-{os.getpid()}",
+        name=f"{name}-{os.getpid()}",
         limits=limits,
         env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": f"{sandbox.RANK_DIR}/home"},
         cwd=rank_dir / "work",
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
     )
+
+
+async def _run_boxed(
+    iso: sandboxed.Isolation,
+    limits: sandboxed.RankLimits,
+    sock_path: Path,
+    rank_dir: Path,
+    program: list[str],
+    python: str,
+) -> bytes:
+    """Run ``program`` as a rank would run, to its end; its stdout, with the cgroup's limits
+    as read back added as ``_limits`` to the last JSON line."""
+    box = await _start(iso, limits, sock_path, rank_dir, program, python, "selftest")
     try:
         applied = box.cgroup.limits_applied() if box.cgroup is not None else {}
         assert box.process.stdout is not None
@@ -271,26 +284,7 @@ async def _checkpoint(
     """Dump a sandboxed process's clone, restore it in a new sandbox; what it holds then."""
     python = settings.python_path
     program = [python, "-I", "-S", f"{sandbox.RANK_DIR}/work/probe.py", "--clone"]
-    box = await sandboxed.start(
-        iso,
-        sandbox.Mounts(rank_dir, sock_path),
-        lambda status_fd: sandbox.init_argv(
-            python,
-            program,
-            status_fd=status_fd,
-            linger=0,
-            stdin=False,
-            nofile=0,
-            fsize=0,
-            sched_idle=False,
-        ),
-        name=f"selftest-dump-{os.getpid()}",
-        limits=limits,
-        env={"PATH": os.environ.get("PATH", "/usr/bin:/bin")},
-        cwd=rank_dir / "work",
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-    )
+    box = await _start(iso, limits, sock_path, rank_dir, program, python, "selftest-dump")
     scratch = tmp / "ckpt"
     (scratch / "images").mkdir(parents=True)
     try:
