@@ -309,6 +309,9 @@ async def _restore_one(
             shutil.rmtree(scratch, ignore_errors=True)
             if fifo_dir is not None:
                 shutil.rmtree(fifo_dir, ignore_errors=True)
+            if boxed:
+                # A directory of this attempt's own (the next image gets another).
+                shutil.rmtree(rank_dir, ignore_errors=True)
         raise
 
 
