@@ -537,6 +537,9 @@ async def _spawn(
                     nofile=limits.open_files,
                     fsize=limits.disk,
                     sched_idle=limits.sched_idle,
+                    # Without a cgroup, rlimits stand in for its memory and process limits.
+                    data=0 if svc.isolation.has_cgroup else limits.memory,
+                    nproc=0 if svc.isolation.has_cgroup else limits.processes,
                 ),
                 name=f"{lease.job}-{lease.rank}-{lease.incarnation}-{os.getpid()}",
                 limits=limits,

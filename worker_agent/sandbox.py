@@ -255,10 +255,16 @@ def init_argv(
     nofile: int,
     fsize: int,
     sched_idle: bool,
+    data: int = 0,
+    nproc: int = 0,
 ) -> list[str]:
     """``sandbox_init``'s command line (its options: see that module)."""
     argv = [python, "-I", "-S", str(INIT_SCRIPT), "--status-fd", str(status_fd)]
     argv += ["--linger", f"{linger:g}", "--nofile", str(nofile), "--fsize", str(fsize)]
+    if data > 0:
+        argv += ["--data", str(data)]
+    if nproc > 0:
+        argv += ["--nproc", str(nproc)]
     if stdin:
         argv += ["--stdin", STDIN]
     if sched_idle:

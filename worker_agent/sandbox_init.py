@@ -4,7 +4,8 @@ Run by ``bwrap --as-pid-1`` as ``python -I -S sandbox_init.py --status-fd N [opt
 PROGRAM ARGS`` (``sandbox.command``), with no capabilities, ``no_new_privs`` and the sandbox's
 seccomp filter already in force. It
 
-1. forks the rank; the child sets its limits (``--nofile``, ``--fsize``, no core files), the
+1. forks the rank; the child sets its limits (``--nofile``, ``--fsize``, without a cgroup
+   ``--data`` and ``--nproc``; no core files), the
    idle scheduling class (``--sched-idle``: the rank takes only CPU time the volunteer leaves),
    stdin (``--stdin`` or ``/dev/null``, opened inside the sandbox: a host descriptor would
    make the rank's clones undumpable), closes every other descriptor and execs PROGRAM;
@@ -44,6 +45,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stdin", default="")
     parser.add_argument("--nofile", type=int, default=0)
     parser.add_argument("--fsize", type=int, default=0)
+    # Where no cgroup can be had: memory by RLIMIT_DATA (private and anonymous mappings, the
+    # heap; not the address space, which threads and numpy reserve by gigabytes unused) and
+    # processes by RLIMIT_NPROC (per user: ignored for root, which only a cgroup can limit).
+    parser.add_argument("--data", type=int, default=0)
+    parser.add_argument("--nproc", type=int, default=0)
     parser.add_argument("--sched-idle", action="store_true")
     parser.add_argument("program", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
@@ -83,6 +89,10 @@ def _become_rank(args: argparse.Namespace, program: list[str]) -> None:
             resource.setrlimit(resource.RLIMIT_NOFILE, (args.nofile, args.nofile))
         if args.fsize > 0:
             resource.setrlimit(resource.RLIMIT_FSIZE, (args.fsize, args.fsize))
+        if args.data > 0:
+            resource.setrlimit(resource.RLIMIT_DATA, (args.data, args.data))
+        if args.nproc > 0 and os.getuid() != 0:
+            resource.setrlimit(resource.RLIMIT_NPROC, (args.nproc, args.nproc))
         if args.sched_idle:
             os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
         for sig in _FORWARDED:

@@ -51,6 +51,12 @@ class Isolation:
     def on(self) -> bool:
         return self.view is not None
 
+    @property
+    def has_cgroup(self) -> bool:
+        """Ranks get a cgroup with memory and process limits."""
+        cg = self.cgroup
+        return cg is not None and bool(cg.version) and {"memory", "pids"} <= cg.controllers
+
 
 @dataclass(frozen=True)
 class RankLimits:
