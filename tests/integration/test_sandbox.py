@@ -56,8 +56,11 @@ def pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pool]:
         p.vsdk("local", "down", timeout=120)
 
 
-def run(pool: Pool, program: str, ranks: int, *args: str, timeout: float = 180) -> dict:
-    res = pool.vsdk(
+def run(
+    pool: Pool, program: str, ranks: int, *args: str, timeout: float = 180, token: str = ""
+) -> dict:
+    user = Pool(pool.home, {**pool.env, "VSDK_TOKEN": token}) if token else pool
+    res = user.vsdk(
         "submit",
         str(PROGRAMS / program),
         "--ranks",
@@ -68,7 +71,7 @@ def run(pool: Pool, program: str, ranks: int, *args: str, timeout: float = 180) 
         timeout=timeout,
     )
     job = int(res.stderr.decode().split("job ", 1)[1].split()[0].rstrip(":,"))
-    detail = pool.vsdk("status", str(job), "--json")
+    detail = user.vsdk("status", str(job), "--json")
     assert detail.returncode == 0, detail.stderr.decode()
     return {"res": res, "job": job, "detail": json.loads(detail.stdout)}
 
@@ -110,9 +113,24 @@ def test_hostile_acts_are_refused(pool: Pool) -> None:
         assert seen["tmp_is_private"] is True, seen
 
 
-def test_two_jobs_cannot_see_each_other(pool: Pool, tmp_path: Path) -> None:
-    """A job that keeps a secret file and a process, and another on the same agent that looks
-    for them by every path it could know."""
+def add_user(pool: Pool, name: str) -> str:
+    """A second user of the pool, and its API token."""
+    config = pool.home / "state" / "local-pool" / "coordinator" / "config.toml"
+    coordinator = str(Path(sys.executable).parent / "vpool-coordinator")
+    res = subprocess.run(
+        [coordinator, "user", "add", name, "--config", str(config)],
+        capture_output=True,
+        timeout=60,
+        check=False,
+    )
+    assert res.returncode == 0, res.stderr.decode()
+    return res.stdout.decode().strip()
+
+
+def test_two_users_jobs_cannot_see_each_other(pool: Pool, tmp_path: Path) -> None:
+    """A job of one user keeps a secret file and a process; a job of another user on the same
+    agent looks for them by every path it could know."""
+    bob = add_user(pool, "bob")
     first = subprocess.Popen(
         [
             str(Path(sys.executable).parent / "vsdk"),
@@ -141,8 +159,9 @@ def test_two_jobs_cannot_see_each_other(pool: Pool, tmp_path: Path) -> None:
             if keeper_dir is None:
                 time.sleep(0.1)
         assert keeper_dir is not None, "the keeper job never wrote its file"
-        out = run(pool, "snoop.py", 1, str(keeper_dir / "keeper-secret.txt"))
+        out = run(pool, "snoop.py", 1, str(keeper_dir / "keeper-secret.txt"), token=bob)
         assert out["res"].returncode == 0, out["res"].stderr.decode()
+        assert out["detail"]["job"]["user"] == "bob"
         seen = json.loads(out["res"].stdout.decode())
         assert seen["by_host_path"] == "FileNotFoundError", seen
         assert seen["found_elsewhere"] == [], seen
