@@ -122,6 +122,9 @@ class Agent:
         self.capability_told = trio.Event()
         self.isolation_known = trio.Event()  # ``services.isolation`` is what it will be
         self.isolation: IsolationReport | None = None
+        # Set once a heartbeat carrying ``isolation`` was answered: from then on the
+        # coordinator can place ranks here (``run_agent`` reports the agent started then).
+        self.isolation_told = trio.Event()
         ssl_context = tls.client_context(settings.ca_path)
         self.links = RelayLinks(
             nursery,
@@ -378,6 +381,7 @@ class Agent:
             interval = max(self.enrolled.heartbeat_interval, _MIN_HEARTBEAT)
             sent = trio.current_time()
             acks = self.checkpoint_orders.acks()
+            told_isolation = self.isolation_known.is_set()
             resp, refused, unreachable = None, None, False
             with trio.CancelScope() as self._beat:
                 try:
@@ -394,7 +398,7 @@ class Agent:
                             if self.capability_told.is_set() or not self.capability.ready.is_set()
                             else 0.0,
                             checkpoint_acks=acks,
-                            isolation=self.isolation if self.isolation_known.is_set() else None,
+                            isolation=self.isolation if told_isolation else None,
                         )
                     )
                 except CoordinatorUnreachable as exc:
@@ -404,6 +408,8 @@ class Agent:
                     refused = exc
             if resp is not None and self.capability.ready.is_set():
                 self.capability_told.set()
+            if resp is not None and told_isolation:
+                self.isolation_told.set()
             if unreachable and not self._beat.cancelled_caught:
                 with trio.CancelScope() as self._beat:
                     await trio.sleep(retry * (0.75 + random.random() / 2))
@@ -458,6 +464,9 @@ async def _leave_when(agent: Agent, leaving: trio.Event, scope: trio.CancelScope
     scope.cancel()
 
 
+READY_WAIT = 120.0  # s an agent waits at start to have told the coordinator its isolation
+
+
 async def run_agent(
     settings: AgentSettings,
     *,
@@ -486,6 +495,11 @@ async def run_agent(
                 nursery.start_soon(agent.lease_loop)
                 if leaving is not None:
                     nursery.start_soon(_leave_when, agent, leaving, nursery.cancel_scope)
+                # Started means ready for ranks: the sandbox probed and the coordinator told
+                # (a pool whose agents are "up" places a job on all of them, not on the first
+                # to finish its selftest).
+                with trio.move_on_after(READY_WAIT):
+                    await agent.isolation_told.wait()
                 task_status.started(
                     AgentStarted(
                         agent_id=enrolled.agent_id,

@@ -37,11 +37,66 @@ class Pool:
     def pid_of(self, prefix: str) -> int:
         return next(p["pid"] for p in self.pids() if p["name"].startswith(prefix))
 
+    def rank_pids(self) -> dict[int, int]:
+        """MPI rank -> pid (as this test sees it) of the rank processes of the newest running
+        job, found among the agents' descendants: ``python PROGRAM`` in a sandbox, not the
+        sandbox's bwrap or init, and not a checkpoint clone (stdout on /dev/null)."""
+        found: dict[int, dict[int, int]] = {}
+        for p in self.pids():
+            if not p["name"].startswith("agent"):
+                continue
+            todo = [p["pid"]]
+            while todo:
+                for child in _children(todo.pop()):
+                    todo.append(child)
+                    env, argv = _environ(child), _cmdline(child)
+                    if b"VPOOL_RANK" not in env or len(argv) < 2 or not argv[1].endswith(b".py"):
+                        continue
+                    try:
+                        if os.readlink(f"/proc/{child}/fd/1") == "/dev/null":
+                            continue
+                    except OSError:
+                        continue
+                    job = found.setdefault(int(env[b"VPOOL_JOB"]), {})
+                    job.setdefault(int(env[b"VPOOL_RANK"]), child)
+        return found[max(found)] if found else {}
+
     def logs(self) -> str:
         out = []
         for log in sorted((self.home / "state" / "local-pool" / "logs").glob("*.log")):
             out.append(f"----- {log.name}\n{log.read_text(errors='replace')[-4000:]}")
         return "\n".join(out)
+
+
+def _children(pid: int) -> list[int]:
+    found: list[int] = []
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return found
+    for task in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                found += [int(c) for c in f.read().split()]
+        except OSError:
+            continue
+    return found
+
+
+def _environ(pid: int) -> dict[bytes, bytes]:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            return dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
+    except OSError:
+        return {}
+
+
+def _cmdline(pid: int) -> list[bytes]:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().split(b"\0")
+    except OSError:
+        return []
 
 
 def start_pool(tmp: Path, agents: int = 3, relays: int = 2) -> Pool:

@@ -4,9 +4,9 @@ same under mpi4py's runner (`python -m mpi4py`). The other ranks, blocked in a r
 will match, are stopped at once: the coordinator answers their agents' held heartbeats with stop
 orders as soon as the job fails, instead of at each agent's next heartbeat.
 
-The failing rank fails when the test tells it to (a byte on a TCP connection), so the clock starts
-at a known moment; the test then watches every rank's process end through pidfds (ranks are the
-agents' children, not the test's).
+The failing rank fails when the test tells it to (SIGUSR1: a rank has no network), so the clock
+starts at a known moment; the test then watches every rank's process end through pidfds (ranks
+run in their sandboxes under the agents, not as the test's children).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import re
 import select
-import socket
+import signal
 import subprocess
 import sys
 import time
@@ -82,36 +82,31 @@ def _watch_ends(pidfds: dict[int, int], start: float, deadline: float) -> dict[i
 
 
 def run_and_fail(pool: Pool, program: Path, *args: str, before: tuple[str, ...] = ()) -> Ended:
-    """Submit ``program *before PORT *args`` with --wait, cue the failing rank, time the job's
-    end."""
-    with socket.create_server(("127.0.0.1", 0)) as server:
-        server.settimeout(60)
-        port = server.getsockname()[1]
-        cmd = [str(BIN / "vsdk"), "submit", str(program), "--ranks", str(RANKS), "--wait"]
-        proc = subprocess.Popen(
-            [*cmd, "--", *before, str(port), *args],
-            env=pool.env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-        )
-        pidfds: dict[int, int] = {}
-        try:
-            deadline = time.monotonic() + 60
-            cue, _ = server.accept()
-            with cue:
-                pids, seen = _read_pids(proc, deadline)
-                pidfds = {rank: os.pidfd_open(pid) for rank, pid in pids.items()}
-                cue.sendall(b"!")
-                start = time.monotonic()
-                gone = _watch_ends(pidfds, start, deadline)
-                out, err = proc.communicate(timeout=60)
-                job_end = time.monotonic() - start
-        finally:
-            for fd in pidfds.values():
-                os.close(fd)
-            if proc.poll() is None:
-                proc.kill()
-                proc.communicate()
+    """Submit ``program *before *args`` with --wait, cue the failing rank, time the job's end."""
+    cmd = [str(BIN / "vsdk"), "submit", str(program), "--ranks", str(RANKS), "--wait"]
+    proc = subprocess.Popen(
+        [*cmd, "--", *before, *args], env=pool.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    pidfds: dict[int, int] = {}
+    try:
+        deadline = time.monotonic() + 60
+        _, seen = _read_pids(proc, deadline)
+        # The pids the ranks print are their sandboxes'; these are the test's view of them.
+        pids = pool.rank_pids()
+        assert sorted(pids) == list(range(RANKS)), pids
+        pidfds = {rank: os.pidfd_open(pid) for rank, pid in pids.items()}
+        os.kill(pids[2], signal.SIGUSR1)
+        start = time.monotonic()
+        gone = _watch_ends(pidfds, start, deadline)
+        out, err = proc.communicate(timeout=60)
+        job_end = time.monotonic() - start
+    finally:
+        for fd in pidfds.values():
+            os.close(fd)
+        if proc.poll() is None:
+            proc.kill()
+        with proc:  # its pipes closed, whatever ended the test
+            proc.wait()
     return Ended(proc.returncode, (seen + out).decode(), err.decode(), gone, job_end)
 
 

@@ -1,29 +1,29 @@
-"""Every rank prints its pid, then waits in a receive that nothing will ever match; rank 2 first
-connects to the test (127.0.0.1:PORT) and, when the test sends a byte, fails as MODE says:
+"""Every rank prints its pid, then waits in a receive that nothing will ever match; rank 2, when
+the test sends it SIGUSR1 (ranks have no network: the cue is a signal), fails as MODE says:
 `raise` (an uncaught exception), `abort CODE` (MPI.Abort) or `exit CODE` (sys.exit).
 
-    fail_on_cue.py PORT MODE [CODE]
+    fail_on_cue.py MODE [CODE]
 """
 
 import os
-import socket
+import signal
 import sys
 
 from mpi4py import MPI
 
+# Blocked from the start: a cue that comes before the wait below stays pending, never lost.
+signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
 comm = MPI.COMM_WORLD
-port, mode = int(sys.argv[1]), sys.argv[2]
+mode = sys.argv[1]
 VICTIM = 2
-if comm.rank == VICTIM:
-    cue = socket.create_connection(("127.0.0.1", port))
 sys.stdout.write(f"pid {comm.rank} {os.getpid()}\n")  # one write: ranks share the output
 sys.stdout.flush()
 comm.Barrier()
 if comm.rank == VICTIM:
-    cue.recv(1)
+    signal.sigwait({signal.SIGUSR1})
     if mode == "raise":
         raise ValueError(f"boom in rank {comm.rank}")
     if mode == "abort":
-        comm.Abort(int(sys.argv[3]))
-    sys.exit(int(sys.argv[3]))
+        comm.Abort(int(sys.argv[2]))
+    sys.exit(int(sys.argv[2]))
 comm.recv(source=VICTIM)
