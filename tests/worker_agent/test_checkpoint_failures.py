@@ -4,6 +4,7 @@ coordinator told, unless the failure came from the rank's own end."""
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import subprocess
 import sys
@@ -25,10 +26,13 @@ from vpool.worker_agent.settings import AgentSettings
 
 from .test_checkpoints import LEASE, FakeRankConn, _connect
 
+# A rank and its clone: a child of its own (the agent kills only a process of the rank's).
 _RANK = (
-    "import signal, sys, time\n"
+    "import os, signal, sys, time\n"
     "signal.signal(signal.SIGRTMIN + 4, signal.SIG_IGN)\n"
-    "print('ready', flush=True)\n"
+    "clone = os.fork()\n"
+    "if clone == 0:\n    time.sleep(60)\n    os._exit(0)\n"
+    "print('ready', clone, flush=True)\n"
     "time.sleep(60)\n"
 )
 
@@ -90,11 +94,11 @@ async def take_once(
 
 @dataclass
 class Dumping:
-    """A rank (a sleeping process) connected to the proxy, a clone of it (another), and the
+    """A rank (a sleeping process) connected to the proxy, a clone of it (its child), and the
     rank's Checkpointer, whose dumps fail."""
 
     rank_proc: subprocess.Popen[bytes]
-    clone: subprocess.Popen[bytes]
+    clone: int  # the rank's child, not reaped (a zombie once killed)
     data: FakeRankConn
     control: FakeRankConn
     ckpt: Checkpointer
@@ -105,7 +109,7 @@ class Dumping:
         clone's pid goes back on control (with a pause of 1.5 ms, as the rank measured it)."""
         req = await self.data.receive()
         assert isinstance(req, CheckpointRequest)
-        forked = CkptForked(req.request, self.clone.pid, [0, 0], [0, 0], 0, [0, 0], 1500)
+        forked = CkptForked(req.request, self.clone, [0, 0], [0, 0], 0, [0, 0], 1500)
         await self.control.send(forked)
 
 
@@ -114,14 +118,13 @@ async def dumping(proxy: tuple[LocalRanks, Path], tmp_path: Path) -> AsyncIterat
     ranks, path = proxy
     rank = LocalRank(LEASE)
     ranks.add(rank)
-    procs = [
-        subprocess.Popen([sys.executable, "-c", _RANK], stdout=subprocess.PIPE)  # noqa: ASYNC220
-        for _ in range(2)
-    ]
+    procs = [subprocess.Popen([sys.executable, "-c", _RANK], stdout=subprocess.PIPE)]  # noqa: ASYNC220
     try:
-        for p in procs:
-            assert p.stdout is not None and p.stdout.readline() == b"ready\n"
-        rank_proc, clone = procs
+        [rank_proc] = procs
+        assert rank_proc.stdout is not None
+        word, clone_text = rank_proc.stdout.readline().split()
+        assert word == b"ready"
+        clone = int(clone_text)
         rank.pid = rank_proc.pid
         data, _ = await _connect(path, RankHello(PROTOCOL_VERSION, rank.secret))
         control, _ = await _connect(path, RankHello(PROTOCOL_VERSION, rank.secret, control=True))
@@ -148,9 +151,15 @@ async def test_failed_dump_kills_the_clone_and_is_reported(
         assert (failed.job, failed.rank, failed.incarnation) == (3, 1, 2)
         assert failed.ckpt > 0 and "criu" in failed.message
         assert d.ckpt.pauses == [0.0015]  # as the rank measured it
-        with trio.fail_after(5):
-            await trio.to_thread.run_sync(d.clone.wait, abandon_on_cancel=True)
-        assert d.clone.returncode == -signal.SIGKILL
+        fd = os.pidfd_open(d.clone)
+        try:
+            with trio.fail_after(5):
+                await trio.lowlevel.wait_readable(fd)
+        finally:
+            os.close(fd)
+        # Its exit status, as its parent would reap it (/proc/PID/stat's last field).
+        with open(f"/proc/{d.clone}/stat") as f:  # noqa: ASYNC230 - procfs
+            assert int(f.read().rsplit(maxsplit=1)[1]) == signal.SIGKILL
         assert d.rank_proc.poll() is None  # the rank runs on
         assert not any((tmp_path / "scratch").iterdir())  # the scratch dir is gone
 

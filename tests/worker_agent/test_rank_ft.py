@@ -23,6 +23,7 @@ from vpool.protocol.messages import (
     Hello,
     Welcome,
 )
+from vpool.worker_agent.settings import AgentSettings
 
 from .conftest import (
     ENV_PROGRAM,
@@ -130,12 +131,14 @@ async def test_next_incarnation_takes_over_the_relay_attachment(
 
 
 async def test_coordinator_outage_loses_nothing(
-    agent: RunningAgent, coordinator: FakeCoordinator, tmp_path: Path
+    agent: RunningAgent, coordinator: FakeCoordinator, settings: AgentSettings
 ) -> None:
-    go = tmp_path / "go"
-    coordinator.add_lease(lease_for(coordinator, None, program=WAIT_FOR_FILE, args=[str(go)]))
+    # The rank sees only its own directory: the file it waits for goes there.
+    coordinator.add_lease(lease_for(coordinator, None, program=WAIT_FOR_FILE, args=["go"]))
     await coordinator.wait_for(lambda: b"started" in coordinator.output_of(7, 0))
-    pid = int(coordinator.output_of(7, 0).split()[1])
+    ns_pid = int(coordinator.output_of(7, 0).split()[1])
+    pid = host_pid(ns_pid, 7, 0)
+    [go] = [d / "work" / "go" for d in (settings.work_path / "ranks").iterdir()]
 
     coordinator.down = True  # the coordinator stops...
     go.touch()  # ...and meanwhile the rank ends (its output and exit wait to be posted)
@@ -152,7 +155,7 @@ async def test_coordinator_outage_loses_nothing(
 
     done = await coordinator.wait_for(lambda: coordinator.exit_of(7, 0))
     assert (done.code, done.lost) == (0, False)
-    assert coordinator.output_of(7, 0) == f"started {pid}\ndone\n".encode()
+    assert coordinator.output_of(7, 0) == f"started {ns_pid}\ndone\n".encode()
     assert coordinator.problems == []
     await coordinator.wait_for(lambda: len(coordinator.heartbeats) > beats + 2)
     assert not agent.finished.is_set()

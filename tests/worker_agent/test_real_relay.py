@@ -13,6 +13,7 @@ import trio
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from vpool.protocol import api
+from vpool.worker_agent.settings import AgentSettings
 
 from .conftest import FakeCoordinator, Pki, RunningAgent, lease_for, lines
 from .ft_programs import FT_PROGRAM
@@ -198,8 +199,10 @@ async def test_relay_restart_on_the_same_disk(
     pool_pki: Pki,
     tmp_path: Path,
     caplog: pytest.LogCaptureFixture,
+    settings: AgentSettings,
 ) -> None:
     caplog.set_level(logging.INFO, "vpool.agent")
+    agent_settings = settings
     assert coordinator.signing_key is not None
     key = coordinator.signing_key.public_key()
     settings = RelaySettings(
@@ -223,9 +226,8 @@ async def test_relay_restart_on_the_same_disk(
     first, first_ended = trio.CancelScope(), trio.Event()
     host, port = await nursery.start(run_relay, first, first_ended)
     info = api.RelayInfo(name="relay-a", host=host, port=port)
-    go = tmp_path / "go"
     for rank in (0, 1):
-        lease = lease_for(coordinator, None, program=RESTART_PROGRAM, args=[str(go)], rank=rank)
+        lease = lease_for(coordinator, None, program=RESTART_PROGRAM, args=["go"], rank=rank)
         coordinator.add_lease(msgspec.structs.replace(lease, relays=[info], homes=[0, 0]))
     await coordinator.wait_for(
         lambda: b"sent" in coordinator.output_of(7, 0) and b"half" in coordinator.output_of(7, 1)
@@ -237,7 +239,9 @@ async def test_relay_restart_on_the_same_disk(
     settings = dataclasses.replace(settings, port=port)
     # ...and comes back on the same disk and port
     await nursery.start(run_relay, trio.CancelScope(), trio.Event())
-    go.touch()
+    # Each rank sees only its own directory: the cue goes into both.
+    for rank_dir in (agent_settings.work_path / "ranks").iterdir():
+        (rank_dir / "work" / "go").touch()
 
     await coordinator.wait_for(lambda: len(coordinator.exits) == 2, seconds=30)
     errors = [coordinator.output_of(7, r, "stderr").decode() for r in (0, 1)]

@@ -268,9 +268,9 @@ async def test_no_usable_image_starts_from_the_beginning(
     done = await coordinator.wait_for(lambda: coordinator.exit_of(7, 0))
     assert done.code == 0
     env = json.loads(coordinator.output_of(7, 0).splitlines()[0])
-    # No CRIU: the rank gets no checkpoint variables; its directory is under rank_root.
+    # No CRIU: the rank gets no checkpoint variables; it started afresh in its sandbox.
     assert "VPOOL_CKPT_SIGNAL" not in env
-    assert env["cwd"].startswith(str(tmp_path / "ranks" / "uid7-0-2-"))
+    assert env["cwd"] == "/vpool/rank/work" and env["fresh"]
     # The heartbeats said so too.
     assert all(hb.criu == "" for hb in coordinator.heartbeats)
 
