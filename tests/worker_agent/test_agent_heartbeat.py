@@ -19,7 +19,7 @@ def coordinator() -> FakeCoordinator:
 async def test_heartbeat_asks_to_be_held_for_one_interval(
     agent: RunningAgent, coordinator: FakeCoordinator
 ) -> None:
-    [first] = await coordinator.wait_for(lambda: coordinator.heartbeats)
+    first = (await coordinator.wait_for(lambda: coordinator.heartbeats))[0]
     assert first.wait == INTERVAL
     assert first.ranks == []
 

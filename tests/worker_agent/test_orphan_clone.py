@@ -22,7 +22,7 @@ from vpool.protocol.messages import (
 )
 from vpool.worker_agent.local_ranks import LocalRank, LocalRanks
 
-from .test_checkpoint_failures import _RANK, checkpointer, take_once
+from .test_checkpoint_failures import checkpointer, take_once
 from .test_checkpoints import LEASE, _connect
 
 # A clone that reports itself: hello as an orphan, its CkptForked (claiming the pid argv[3]),
@@ -44,6 +44,15 @@ sock.close()
 print("sent", flush=True)
 time.sleep(60)
 """
+
+
+# A rank, or a decoy, that sleeps (and ignores the checkpoint signal).
+_RANK = (
+    "import signal, time\n"
+    "signal.signal(signal.SIGRTMIN + 4, signal.SIG_IGN)\n"
+    "print('ready', flush=True)\n"
+    "time.sleep(60)\n"
+)
 
 
 def _popen(*args: str) -> subprocess.Popen[bytes]:
