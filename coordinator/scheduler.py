@@ -120,14 +120,6 @@ def homes(ranks: int, relays: int) -> list[int]:
     return [r % relays for r in range(ranks)]
 
 
-def size_text(n: int) -> str:
-    """Bytes as people write memory sizes: "512 MiB", "1.5 GiB"."""
-    for unit, scale in (("TiB", 1024**4), ("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
-        if n >= scale:
-            return f"{n / scale:.2f}".rstrip("0").rstrip(".") + f" {unit}"
-    return f"{n} bytes"
-
-
 def exit_reason(rank: int, code: int, aborted: bool) -> str:
     if aborted:
         return f"rank {rank} called MPI.Abort({code})"

@@ -37,6 +37,7 @@ from vpool.protocol.tokens import (
     verify_possession,
     verify_token,
 )
+from vpool.sizes import format_size
 
 OUTPUT_PAGE_RECORDS = 1000
 OUTPUT_PAGE_BYTES = 4 << 20
@@ -486,7 +487,7 @@ def _check_memory(sub: api.JobSubmit) -> None:
     least, most = api.MIN_JOB_MEMORY, api.MAX_JOB_MEMORY
     if sub.memory != 0 and not least <= sub.memory <= most:
         raise BadRequest(
-            f"memory is 0 (what each agent offers) or {least} ({scheduler.size_text(least)}) "
+            f"memory is 0 (what each agent offers) or {least} ({format_size(least)}) "
             f"to {most} bytes per rank, not {sub.memory}",
             code="bad_memory",
         )

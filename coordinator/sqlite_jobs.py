@@ -19,6 +19,7 @@ from vpool.coordinator.errors import Forbidden, NotFound
 from vpool.coordinator.sqlite_faults import FaultsMixin
 from vpool.protocol import api
 from vpool.protocol.tokens import RankClaims
+from vpool.sizes import format_size
 
 Signer = Callable[[RankClaims], str]
 TERMINAL_SQL = "('succeeded', 'failed', 'cancelled')"
@@ -114,7 +115,7 @@ class JobsMixin(FaultsMixin):
             if sub.checkpoint_every > 0:
                 off += f", a checkpoint every {sub.checkpoint_every:g} s"
             if sub.memory:
-                off += f", {scheduler.size_text(sub.memory)} of memory per rank"
+                off += f", {format_size(sub.memory)} of memory per rank"
             if sub.unsandboxed:
                 off += ", unsandboxed agents accepted"
             self._event(job_id, now, "queued", f"submitted by {user}: {sub.ranks} ranks{off}")

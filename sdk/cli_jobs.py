@@ -20,7 +20,7 @@ from vpool.protocol.api import (
 )
 from vpool.sdk.cli_common import Settings, exit_with, json_option, note, pass_settings, print_json
 from vpool.sdk.output import LineAssembler, LineWriter, job_exit_code
-from vpool.sdk.sizes import format_size, parse_size
+from vpool.sizes import format_size, parse_size
 
 JOB = click.argument("job", type=int, metavar="JOB")
 LABEL = click.option(

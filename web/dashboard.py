@@ -10,7 +10,7 @@ import jinja2
 from fastapi import APIRouter, Request
 from fastapi.responses import HTMLResponse
 
-from vpool.coordinator.scheduler import size_text
+from vpool.sizes import format_size
 
 if TYPE_CHECKING:
     from vpool.coordinator.service import Coordinator
@@ -36,7 +36,7 @@ def _ago(then: float | None, now: float) -> str:
 
 
 _env.filters["ago"] = _ago
-_env.filters["size"] = size_text
+_env.filters["size"] = format_size
 
 
 async def _context(core: Coordinator) -> dict[str, Any]:

@@ -52,6 +52,7 @@ from vpool.protocol.api import (
     RestoreReport,
 )
 from vpool.protocol.messages import Stop
+from vpool.sizes import format_size
 from vpool.worker_agent import bundle, restore, sandbox, sandboxed
 from vpool.worker_agent.checkpoints import Capability, Checkpointer, checkpoint_signal
 from vpool.worker_agent.checkpoints import checkpoints_enabled as _ckpt_disabled_because
@@ -482,7 +483,7 @@ async def execute(
         # ends with its own error before the next look at its disk.
         used = await trio.to_thread.run_sync(bundle.tree_size, prepared.rank_dir)
         if used >= box.limits.disk:
-            limit = f"exceeded its disk limit of {sandboxed.format_bytes(box.limits.disk)}"
+            limit = f"exceeded its disk limit of {format_size(box.limits.disk)}"
     if limit and rank.stop_reason is None:
         # The program's doing, not a loss: a replacement would hit the same limit.
         if returncode is None:
@@ -590,8 +591,8 @@ async def _watch_disk(rank_dir: Path, box: sandboxed.Sandboxed) -> None:
         used = await trio.to_thread.run_sync(bundle.tree_size, rank_dir)
         if used > limit:
             box.killed_for = (
-                f"exceeded its disk limit of {sandboxed.format_bytes(limit)} "
-                f"({sandboxed.format_bytes(used)} in its work directory)"
+                f"exceeded its disk limit of {format_size(limit)} "
+                f"({format_size(used)} in its work directory)"
             )
             log.warning("stopping %s: %s", box.pid, box.killed_for)
             box.signal(signal.SIGKILL)

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import trio
 
+from vpool.sizes import format_size
 from vpool.worker_agent import cgroups, criu, sandbox, seccomp
 from vpool.worker_agent.errors import AgentError
 from vpool.worker_agent.settings import AgentSettings
@@ -72,22 +73,14 @@ class RankLimits:
     def describe(self) -> str:
         parts = []
         if self.memory:
-            parts.append(f"memory {format_bytes(self.memory)}")
+            parts.append(f"memory {format_size(self.memory)}")
         if self.processes:
             parts.append(f"{self.processes} processes")
         if self.disk:
-            parts.append(f"disk {format_bytes(self.disk)}")
+            parts.append(f"disk {format_size(self.disk)}")
         if self.open_files:
             parts.append(f"{self.open_files} open files")
         return ", ".join(parts) or "none"
-
-
-def format_bytes(n: int) -> str:
-    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= size:
-            value = n / size
-            return f"{value:.0f} {unit}" if value == int(value) else f"{value:.1f} {unit}"
-    return f"{n} bytes"
 
 
 @dataclass
@@ -138,7 +131,7 @@ class Sandboxed:
         except cgroups.CgroupError:
             return ""
         if events.oom_kills and self.limits.memory:
-            return f"exceeded its memory limit of {format_bytes(self.limits.memory)}"
+            return f"exceeded its memory limit of {format_size(self.limits.memory)}"
         if events.pids_max_hits and self.limits.processes:
             return f"hit its limit of {self.limits.processes} processes"
         return ""

@@ -35,6 +35,7 @@ import trio
 
 from vpool import paths
 from vpool.protocol.api import IsolationReport
+from vpool.sizes import format_size
 from vpool.worker_agent import cgroups, criu, sandbox, sandboxed
 from vpool.worker_agent.proxy import choose_socket_path
 from vpool.worker_agent.settings import AgentSettings
@@ -106,14 +107,12 @@ class SelfTest:
         for name, value in self.limits.items():
             shown = "NOT SET" if value is None else str(value)
             if name == "memory" and value is not None:
-                shown = sandboxed.format_bytes(value)
+                shown = format_size(value)
             elif name == "cpu" and value is not None:
                 shown = f"weight {value} (the lowest)"
             out.append(f"  limit {name:<34} {shown}")
         if "tmp_bytes" in self.probes:
-            out.append(
-                f"  {'private /tmp of':<40} {sandboxed.format_bytes(self.probes['tmp_bytes'])}"
-            )
+            out.append(f"  {'private /tmp of':<40} {format_size(self.probes['tmp_bytes'])}")
         out.append(f"  checkpoints of sandboxed ranks: {self.checkpoints or 'not tried'}")
         for name, value in self.restored.items():
             out.append(f"    after a restore, {name}: {value}")

@@ -65,13 +65,6 @@ def test_open_to_keeps_the_free_slots_of_eligible_agents() -> None:
     assert scheduler.open_to({}, offers, memory=0, unsandboxed=True) == {}
 
 
-def test_size_text() -> None:
-    assert scheduler.size_text(GiB) == "1 GiB"
-    assert scheduler.size_text(3 * GiB // 2) == "1.5 GiB"
-    assert scheduler.size_text(256 * MiB) == "256 MiB"
-    assert scheduler.size_text(1000) == "1000 bytes"
-
-
 # -- through the API ---------------------------------------------------------------------------
 
 

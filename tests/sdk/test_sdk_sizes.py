@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from vpool.sdk.sizes import format_size, parse_size
+from vpool.sizes import format_size, parse_size
 
 KiB, MiB, GiB, TiB = 1024, 1024**2, 1024**3, 1024**4
 

@@ -1,4 +1,5 @@
-"""Memory sizes as people write and read them: ``vsdk submit --memory 1.5G``, the pool view.
+"""Memory sizes as people write and read them: ``vsdk submit --memory 1.5G``, the pool view,
+the limits an agent names when a rank goes past one.
 
 Units are powers of 1024 however they are spelt (``2G``, ``2GB``, ``2GiB``, ``2 g``), as Slurm's
 ``--mem`` and Docker's ``--memory`` read them; a bare number is bytes.
