@@ -37,29 +37,43 @@ class Pool:
     def pid_of(self, prefix: str) -> int:
         return next(p["pid"] for p in self.pids() if p["name"].startswith(prefix))
 
-    def rank_pids(self) -> dict[int, int]:
-        """MPI rank -> pid (as this test sees it) of the rank processes of the newest running
-        job, found among the agents' descendants: ``python PROGRAM`` in a sandbox, not the
-        sandbox's bwrap or init, and not a checkpoint clone (stdout on /dev/null)."""
-        found: dict[int, dict[int, int]] = {}
+    def rank_processes(self, agent_prefix: str = "agent") -> list[tuple[int, int, int]]:
+        """(job, rank, pid as this test sees it) of every rank process under the pool's agents
+        whose names start with ``agent_prefix``: ``python PROGRAM ...`` in its sandbox (not the
+        sandbox's bwrap or init, whose command lines name the program too), and not a
+        checkpoint clone (same command line and environment: its stdout is /dev/null, or its
+        parent is the rank, which just forked it)."""
+        found: dict[int, tuple[int, int, int]] = {}  # pid -> (job, rank, parent)
         for p in self.pids():
-            if not p["name"].startswith("agent"):
+            if not p["name"].startswith(agent_prefix):
                 continue
             todo = [p["pid"]]
-            while todo:
-                for child in _children(todo.pop()):
+            while todo and len(found) < 10_000:
+                parent = todo.pop()
+                for child in children(parent):
                     todo.append(child)
-                    env, argv = _environ(child), _cmdline(child)
+                    env, argv = environ_of(child), cmdline_of(child)
                     if b"VPOOL_RANK" not in env or len(argv) < 2 or not argv[1].endswith(b".py"):
                         continue
-                    try:
-                        if os.readlink(f"/proc/{child}/fd/1") == "/dev/null":
-                            continue
-                    except OSError:
-                        continue
-                    job = found.setdefault(int(env[b"VPOOL_JOB"]), {})
-                    job.setdefault(int(env[b"VPOOL_RANK"]), child)
-        return found[max(found)] if found else {}
+                    found[child] = (int(env[b"VPOOL_JOB"]), int(env[b"VPOOL_RANK"]), parent)
+        return [
+            (job, rank, pid)
+            for pid, (job, rank, parent) in found.items()
+            if parent not in found and stdout_of(pid) != "/dev/null"
+        ]
+
+    def rank_pid(self, rank: int, job: int, agent_prefix: str = "agent") -> int:
+        """The pid of rank ``rank`` of ``job`` (``rank_processes``): exactly one."""
+        pids = [p for j, r, p in self.rank_processes(agent_prefix) if (j, r) == (job, rank)]
+        assert len(pids) <= 1, f"several processes for rank {rank} of job {job}: {pids}"
+        assert pids, f"no process for rank {rank} of job {job}"
+        return pids[0]
+
+    def rank_pids(self) -> dict[int, int]:
+        """MPI rank -> pid of the rank processes of the newest job that runs."""
+        found = self.rank_processes()
+        newest = max((job for job, _, _ in found), default=None)
+        return {rank: pid for job, rank, pid in found if job == newest}
 
     def logs(self) -> str:
         out = []
@@ -68,7 +82,7 @@ class Pool:
         return "\n".join(out)
 
 
-def _children(pid: int) -> list[int]:
+def children(pid: int) -> list[int]:
     found: list[int] = []
     try:
         tasks = os.listdir(f"/proc/{pid}/task")
@@ -83,7 +97,7 @@ def _children(pid: int) -> list[int]:
     return found
 
 
-def _environ(pid: int) -> dict[bytes, bytes]:
+def environ_of(pid: int) -> dict[bytes, bytes]:
     try:
         with open(f"/proc/{pid}/environ", "rb") as f:
             return dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
@@ -91,12 +105,19 @@ def _environ(pid: int) -> dict[bytes, bytes]:
         return {}
 
 
-def _cmdline(pid: int) -> list[bytes]:
+def cmdline_of(pid: int) -> list[bytes]:
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
             return f.read().split(b"\0")
     except OSError:
         return []
+
+
+def stdout_of(pid: int) -> str:
+    try:
+        return os.readlink(f"/proc/{pid}/fd/1")
+    except OSError:
+        return ""
 
 
 def start_pool(tmp: Path, agents: int = 3, relays: int = 2) -> Pool:

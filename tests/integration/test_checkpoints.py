@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING
 
 import pytest
 
+from tests.integration.conftest import children, environ_of, stdout_of
+
 if TYPE_CHECKING:
     from collections.abc import Callable
 
@@ -112,66 +114,8 @@ def finish(pool: Pool, job: int, ref: bytes) -> dict:
     return d
 
 
-def _children(pid: int) -> list[int]:
-    out: list[int] = []
-    try:
-        for task in os.listdir(f"/proc/{pid}/task"):
-            with open(f"/proc/{pid}/task/{task}/children") as f:
-                out += [int(c) for c in f.read().split()]
-    except OSError:
-        pass
-    return out
-
-
-def _environ(pid: int) -> dict[bytes, bytes]:
-    try:
-        with open(f"/proc/{pid}/environ", "rb") as f:
-            return dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
-    except OSError:
-        return {}
-
-
-def _is_program(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            argv = f.read().split(b"\0")
-    except OSError:
-        return False
-    # ``python PROGRAM ...``: not the sandbox's bwrap or init, whose command lines name it too.
-    return len(argv) > 1 and Path(argv[1].decode(errors="replace")).name == Path(PROGRAM).name
-
-
-def _stdout(pid: int) -> str:
-    try:
-        return os.readlink(f"/proc/{pid}/fd/1")
-    except OSError:
-        return ""
-
-
 def rank_pid(pool: Pool, rank: int, job: int, agent_prefix: str = "agent") -> int:
-    """The pid of rank ``rank`` of ``job`` among all descendants of the pool's agents (a
-    restored rank runs under `unshare` and the restore helper). The checkpoint clone has the
-    same command line and environment: it is the one whose stdout is /dev/null, or whose parent
-    is the rank (just forked)."""
-    want = (str(job).encode(), str(rank).encode())
-    for p in pool.pids():
-        if not p["name"].startswith(agent_prefix):
-            continue
-        found: dict[int, int] = {}  # pid -> parent pid
-        todo = [p["pid"]]
-        while todo and len(found) < 10_000:
-            parent = todo.pop()
-            for child in _children(parent):
-                todo.append(child)
-                env = _environ(child)
-                if (env.get(b"VPOOL_JOB"), env.get(b"VPOOL_RANK")) == want and _is_program(child):
-                    found[child] = parent
-        ranks = [c for c, parent in found.items() if parent not in found]
-        ranks = [c for c in ranks if _stdout(c) != "/dev/null"]
-        if len(ranks) == 1:
-            return ranks[0]
-        assert not ranks, f"several processes for rank {rank} of job {job}: {ranks}"
-    raise AssertionError(f"no process for rank {rank} of job {job}")
+    return pool.rank_pid(rank, job, agent_prefix)
 
 
 def job_dirs(pool: Pool, job: int) -> list[Path]:
@@ -229,11 +173,11 @@ def agent_id(pool: Pool, name: str) -> str:
 def wait_clone(pool: Pool, job: int, rank: int, timeout: float = 30) -> int:
     """The checkpoint clone of the rank process ``rank`` (pid): its child with the same rank
     environment whose stdout is /dev/null (what the clone points it at)."""
-    want = _environ(rank).get(b"VPOOL_RANK")
+    want = environ_of(rank).get(b"VPOOL_RANK")
     deadline = time.monotonic() + timeout
     while True:
-        for child in _children(rank):
-            if _environ(child).get(b"VPOOL_RANK") == want and _stdout(child) == "/dev/null":
+        for child in children(rank):
+            if environ_of(child).get(b"VPOOL_RANK") == want and stdout_of(child) == "/dev/null":
                 return child
         if time.monotonic() > deadline:
             d = detail(pool, job)

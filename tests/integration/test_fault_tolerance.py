@@ -74,44 +74,7 @@ def reference(pool: Pool, program: str, ranks: int, *args: str) -> bytes:
 
 
 def rank_pid(pool: Pool, rank: int, job: int) -> int:
-    """The pid of a rank process of ``job``, found among the descendants of the pool's agents
-    (by VPOOL_RANK): the program itself (``python PROGRAM``), not its sandbox's bwrap or init."""
-    want = (str(job).encode(), str(rank).encode())
-    for p in pool.pids():
-        if not p["name"].startswith("agent"):
-            continue
-        todo = [p["pid"]]
-        while todo:
-            parent = todo.pop()
-            for child in _children(parent):
-                todo.append(child)
-                try:
-                    with open(f"/proc/{child}/environ", "rb") as e:
-                        env = dict(kv.split(b"=", 1) for kv in e.read().split(b"\0") if b"=" in kv)
-                    with open(f"/proc/{child}/cmdline", "rb") as c:
-                        argv = c.read().split(b"\0")
-                except OSError:
-                    continue
-                if (env.get(b"VPOOL_JOB"), env.get(b"VPOOL_RANK")) == want and (
-                    len(argv) > 1 and argv[1].endswith(b".py")
-                ):
-                    return child
-    raise AssertionError(f"no process for rank {rank} of job {job}")
-
-
-def _children(pid: int) -> list[int]:
-    found = []
-    try:
-        tasks = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        return found
-    for task in tasks:
-        try:
-            with open(f"/proc/{pid}/task/{task}/children") as f:
-                found += [int(c) for c in f.read().split()]
-        except OSError:
-            continue
-    return found
+    return pool.rank_pid(rank, job)
 
 
 def agent_name(pool: Pool, agent_id: str) -> str:
