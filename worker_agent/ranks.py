@@ -393,12 +393,6 @@ class _Launched:
             return self.box.returncode()
         return self.process.returncode
 
-    def limit_reason(self) -> str:
-        """The limit that ended the rank ("" if none did)."""
-        if self.restored is not None and self.restored.box is not None:
-            return self.restored.box.limit_reason()
-        return self.box.limit_reason() if self.box is not None else ""
-
 
 async def execute(
     svc: RankServices,
@@ -446,8 +440,8 @@ async def execute(
             async with trio.open_nursery() as watch:
                 watch.start_soon(_stop_when_asked, rank, launched, settings.stop_grace)
                 watch.start_soon(checkpointer.run)
-                if launched.box is not None and launched.box.limits.disk:
-                    watch.start_soon(_watch_disk, prepared.rank_dir, launched.box)
+                if box is not None and box.limits.disk:
+                    watch.start_soon(_watch_disk, prepared.rank_dir, box)
                 await launched.wait()
                 checkpointer.close()  # no new checkpoint of a process that is gone
                 returncode = launched.returncode()
@@ -471,9 +465,9 @@ async def execute(
             with trio.move_on_after(_SHIELDED_CLEANUP, shield=True):
                 launched.signal(signal.SIGKILL)
                 await process.wait()
-        # Which limit ended it, read before its cgroup goes.
-        limit = launched.limit_reason()
         if box is not None:
+            # Which limit ended it, read before its cgroup goes.
+            limit = box.limit_reason()
             await box.aclose()
     returncode = launched.returncode() if process.returncode is not None else None
     if returncode is None and restored is not None and rank.stop_reason is None:

@@ -28,6 +28,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 PROGRAMS = Path(__file__).parent / "programs"
+VSDK = str(Path(sys.executable).parent / "vsdk")
 MEMORY = 256 * 1024**2
 PROCESSES = 32
 DISK = 64 * 1024**2
@@ -183,13 +184,31 @@ def test_two_users_jobs_cannot_see_each_other(pool: Pool, tmp_path: Path) -> Non
 def test_a_rank_past_its_limit_fails_the_job_with_the_limit_named(
     pool: Pool, what: str, expected: str
 ) -> None:
-    out = run(pool, "limits.py", 2, what)
-    detail = out["detail"]
-    assert detail["job"]["state"] == "failed", detail
-    text = json.dumps(detail)
-    assert f"rank 1 {expected}" in text, text[-3000:]
-    # Counted as the program's error, not as a lost rank restarted again and again.
-    assert all(r["incarnation"] == 1 for r in detail["ranks"]), detail["ranks"]
+    # A rank of another job runs beside it on the same agent all along.
+    bystander = subprocess.Popen(
+        [VSDK, "submit", str(PROGRAMS / "bystander.py"), "--ranks", "1", "--wait"],
+        env=pool.env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+    )
+    with bystander:
+        assert bystander.stdout is not None
+        ready, _, _ = select.select([bystander.stdout], [], [], 120)
+        assert ready and bystander.stdout.readline() == b"waiting\n"
+        out = run(pool, "limits.py", 2, what)
+        detail = out["detail"]
+        assert detail["job"]["state"] == "failed", detail
+        text = json.dumps(detail)
+        assert f"rank 1 {expected}" in text, text[-3000:]
+        # Counted as the program's error, not as a lost rank restarted again and again.
+        assert all(r["incarnation"] == 1 for r in detail["ranks"]), detail["ranks"]
+        # The other job's rank ran on untouched, and ends normally when told.
+        assert bystander.poll() is None
+        ranks = pool.home / "state" / "local-pool" / "agent-0" / "work" / "ranks"
+        for rank_dir in ranks.iterdir():
+            (rank_dir / "work" / "go").touch()
+        rest, _ = bystander.communicate(timeout=60)
+        assert (rest, bystander.returncode) == (b"done\n", 0)
     # The agent keeps running and the next job is served.
     ok = run(pool, "limits.py", 2, "nothing")
     assert ok["res"].returncode == 0, ok["res"].stderr.decode()
