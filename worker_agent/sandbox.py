@@ -59,6 +59,7 @@ _ETC = (
     "host.conf",
 )
 _USR_LINKS = ("bin", "sbin", "lib", "lib32", "lib64", "libx32")
+_PRIVATE = ("/tmp", "/dev/shm")  # the rank's own tmpfs
 
 # Asked of the rank interpreter: the directories its installation spans.
 _PATHS_QUERY = """
@@ -211,8 +212,20 @@ def command(
     if os.getuid() != 0:
         cmd.append("--unshare-user")
     cmd += ["--cap-add", "ALL"] if privileged else ["--cap-drop", "ALL"]
+    # The private file systems first: an installation that lives under /tmp (a checkout, a
+    # CI clone) is bound on top of the rank's /tmp, not hidden by it.
+    cmd += ["--proc", "/proc", "--dev", "/dev"]
+    for place in _PRIVATE:
+        if tmp_size > 0:
+            cmd += ["--size", str(tmp_size)]
+        cmd += ["--perms", "1777", "--tmpfs", place]
     for path in view.dirs:
-        if path != "/usr" and not path.startswith("/usr/"):
+        if (
+            path not in _PRIVATE
+            and path != "/dev"
+            and path != "/usr"
+            and not path.startswith("/usr/")
+        ):
             cmd += ["--perms", "0755", "--dir", path]
     for path in view.ro:
         cmd += ["--ro-bind", path, path]
@@ -226,11 +239,6 @@ def command(
         cmd += ["--ro-bind", str(view.etc_dir / name), f"/etc/{name}"]
     for path in mounts.extra_ro:
         cmd += ["--ro-bind", path, path]
-    cmd += ["--proc", "/proc", "--dev", "/dev"]
-    for place in ("/tmp", "/dev/shm"):
-        if tmp_size > 0:
-            cmd += ["--size", str(tmp_size)]
-        cmd += ["--perms", "1777", "--tmpfs", place]
     cmd += ["--perms", "0755", "--dir", ROOT, "--bind", str(mounts.rank_dir), RANK_DIR]
     cmd += ["--bind", str(mounts.socket), SOCKET]
     if mounts.stdin is not None:
