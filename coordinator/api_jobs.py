@@ -1,20 +1,20 @@
-"""User endpoints: pool info and agents, whoami, blobs, jobs, output, checkpoints and results
-(see protocol/api.py)."""
+"""User endpoints: pool info, agents and relays, whoami and tokens, blobs, jobs, output,
+checkpoints and results (see protocol/api.py). Who may see what is decided in ``access``."""
 
 from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
 
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import FileResponse
 from starlette.background import BackgroundTask
 
-from vpool.coordinator.transport import bearer, coordinator, declared_length, decode, reply
+from vpool.coordinator.transport import coordinator, declared_length, decode, principal, reply
 from vpool.protocol import api
+from vpool.web import timeline
 
 router = APIRouter(prefix="/api/v1")
-
-
-async def _user(request: Request) -> str:
-    return await coordinator(request).user(bearer(request))
 
 
 @router.get("/pool")
@@ -22,22 +22,50 @@ async def pool(request: Request) -> Response:
     return reply(await coordinator(request).live_pool_info())
 
 
+@router.get("/pool/totals")
+async def totals(request: Request) -> Response:
+    await principal(request)
+    return reply(await coordinator(request).pool_totals())
+
+
 @router.get("/pool/agents")
 async def agents(request: Request) -> Response:
-    c = coordinator(request)
-    await _user(request)
-    return reply(await c.list_agents())
+    return reply(await coordinator(request).list_agents(await principal(request)))
+
+
+@router.get("/pool/relays")
+async def relays(request: Request) -> Response:
+    return reply(await coordinator(request).list_relays(await principal(request)))
 
 
 @router.get("/whoami")
 async def whoami(request: Request) -> Response:
-    return reply(api.UserInfo(name=await _user(request)))
+    return reply((await principal(request)).info())
+
+
+@router.get("/tokens")
+async def tokens(request: Request) -> Response:
+    return reply(await coordinator(request).list_tokens(await principal(request)))
+
+
+@router.post("/tokens")
+async def create_token(request: Request) -> Response:
+    c = coordinator(request)
+    who = await principal(request)
+    ask = await decode(request, api.TokenCreate)
+    return reply(await c.create_token(who, ask.label), status=201)
+
+
+@router.post("/tokens/{token_id}/revoke")
+async def revoke_token(request: Request, token_id: int) -> Response:
+    c = coordinator(request)
+    return reply(await c.revoke_token(await principal(request), token_id))
 
 
 @router.put("/blobs/{sha256}")
 async def put_blob(request: Request, sha256: str) -> Response:
     c = coordinator(request)
-    await _user(request)
+    await principal(request)
     declared_length(request, c.settings.max_blob_bytes)
     return reply(await c.put_blob(sha256, request.stream()))
 
@@ -45,28 +73,49 @@ async def put_blob(request: Request, sha256: str) -> Response:
 @router.head("/blobs/{sha256}")
 async def head_blob(request: Request, sha256: str) -> Response:
     c = coordinator(request)
-    await _user(request)
+    await principal(request)
     return Response(status_code=200 if await c.has_blob(sha256) else 404)
 
 
 @router.post("/jobs")
 async def submit(request: Request) -> Response:
     c = coordinator(request)
-    user = await _user(request)
+    who = await principal(request)
     sub = await decode(request, api.JobSubmit)
-    return reply(await c.submit(user, sub), status=201)
+    return reply(await c.submit(who, sub), status=201)
 
 
 @router.get("/jobs")
-async def list_jobs(request: Request, limit: int = 100) -> Response:
+async def list_jobs(
+    request: Request,
+    limit: int = 100,
+    offset: int = 0,
+    state: api.JobState | None = None,
+    name: str = "",
+    sort: api.JobSort = "id",
+    order: Literal["asc", "desc"] = "desc",
+    all: bool = False,
+) -> Response:
+    """The user's jobs, newest first (a list). ``all=true``: every user's (operators)."""
     c = coordinator(request)
-    return reply(await c.list_jobs(await _user(request), max(1, min(limit, 1000))))
+    query = api.JobQuery(
+        state=state, name=name, sort=sort, descending=order == "desc", offset=offset, limit=limit
+    )
+    page = await c.find_jobs(await principal(request), query, everyone=all)
+    return reply(page.jobs)
 
 
 @router.get("/jobs/{job_id}")
 async def job(request: Request, job_id: int) -> Response:
     c = coordinator(request)
-    return reply(await c.job_detail(await _user(request), job_id))
+    return reply(await c.job_detail(await principal(request), job_id))
+
+
+@router.get("/jobs/{job_id}/timeline")
+async def job_timeline(request: Request, job_id: int) -> Response:
+    c = coordinator(request)
+    detail = await c.job_detail(await principal(request), job_id)
+    return reply(timeline.build(detail.job, detail.events, c.clock()))
 
 
 @router.get("/jobs/{job_id}/output")
@@ -74,28 +123,33 @@ async def output(
     request: Request, job_id: int, after: int = 0, rank: int | None = None, wait: float = 0.0
 ) -> Response:
     c = coordinator(request)
-    user = await _user(request)
-    return reply(await c.output(user, job_id, after, rank, wait))
+    who = await principal(request)
+    return reply(await c.output(who, job_id, after, rank, wait))
 
 
 @router.post("/jobs/{job_id}/cancel")
 async def cancel(request: Request, job_id: int) -> Response:
     c = coordinator(request)
-    return reply(await c.cancel(await _user(request), job_id))
+    return reply(await c.cancel(await principal(request), job_id))
 
 
 @router.post("/jobs/{job_id}/checkpoint")
 async def checkpoint(request: Request, job_id: int) -> Response:
     c = coordinator(request)
-    user = await _user(request)
+    who = await principal(request)
     ask = await decode(request, api.CheckpointAsk)
-    return reply(await c.ask_checkpoint(user, job_id, ask), status=202)
+    return reply(await c.ask_checkpoint(who, job_id, ask), status=202)
 
 
 @router.get("/jobs/{job_id}/results")
 async def results(request: Request, job_id: int) -> Response:
     c = coordinator(request)
-    path = await c.results(await _user(request), job_id)
+    path = await c.results(await principal(request), job_id)
+    return results_file(path, job_id)
+
+
+def results_file(path: Path, job_id: int) -> FileResponse:
+    """A results zip as a download; the temporary file goes once sent."""
     return FileResponse(
         path,
         media_type="application/zip",

@@ -12,10 +12,13 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 import trio
 from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
+from fastapi.responses import RedirectResponse
+from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
@@ -26,9 +29,12 @@ from vpool.coordinator.service import Coordinator
 from vpool.coordinator.settings import CoordinatorSettings
 from vpool.coordinator.transport import reply
 from vpool.protocol import api
-from vpool.web import dashboard
+from vpool.web import portal, session, submit
+from vpool.web.headers import SecurityHeaders
+from vpool.web.render import page
 
 log = logging.getLogger("vpool.coordinator")
+STATIC = Path(portal.__file__).parent / "static"
 
 _STATUS_CODES = {
     400: "bad_request",
@@ -77,18 +83,41 @@ def create_app(
         openapi_url=None,
     )
     app.state.coordinator = core
+    app.state.feeds = portal.make_feeds(core)
     app.include_router(api_jobs.router)
     app.include_router(api_agents.router)
     app.include_router(api_relays.router)
-    app.include_router(dashboard.router)
+    app.include_router(submit.router)  # before portal's /jobs/{job_id}
+    app.include_router(portal.router)
+    app.mount("/static", StaticFiles(directory=STATIC), name="static")
+    app.add_middleware(SecurityHeaders)
     _install_error_handlers(app)
     return app
+
+
+def _is_page(request: Request) -> bool:
+    """A request of the portal (an HTML answer), not of the JSON API or the event stream."""
+    path = request.url.path
+    return not path.startswith("/api/") and not path.endswith("/live")
+
+
+def _answer(request: Request, status: int, code: str, message: str) -> Response:
+    """The error as JSON for the API, as a page for the portal (sign-in for 401)."""
+    if not _is_page(request):
+        return error(status, code, message)
+    if status == 401:
+        return session.login_redirect(request.url.path)
+    return page(request, None, "error.html", status=status, code=code, message=message)
 
 
 def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(CoordinatorError)
     async def coordinator_error(request: Request, exc: CoordinatorError) -> Response:
-        return error(exc.status, exc.code, exc.message)
+        return _answer(request, exc.status, exc.code, exc.message)
+
+    @app.exception_handler(session.SignInRequired)
+    async def sign_in(request: Request, exc: session.SignInRequired) -> RedirectResponse:
+        return session.login_redirect(exc.next_path)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError) -> Response:
@@ -96,12 +125,12 @@ def _install_error_handlers(app: FastAPI) -> None:
         for err in exc.errors():
             where = ".".join(str(p) for p in err.get("loc", ()))
             parts.append(f"{where}: {err.get('msg', 'invalid')}")
-        return error(422, "bad_request", "; ".join(parts) or "invalid request")
+        return _answer(request, 422, "bad_request", "; ".join(parts) or "invalid request")
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
         code = _STATUS_CODES.get(exc.status_code, "error")
-        return error(exc.status_code, code, str(exc.detail))
+        return _answer(request, exc.status_code, code, str(exc.detail))
 
     @app.exception_handler(ClientDisconnect)
     async def client_gone(request: Request, exc: ClientDisconnect) -> Response:
@@ -114,4 +143,4 @@ def _install_error_handlers(app: FastAPI) -> None:
     async def internal_error(request: Request, exc: Exception) -> Response:
         # The traceback goes to our log, never to the client.
         log.error("internal error on %s %s", request.method, request.url.path, exc_info=exc)
-        return error(500, "internal", "internal error; see the coordinator's log")
+        return _answer(request, 500, "internal", "internal error; see the coordinator's log")

@@ -6,6 +6,8 @@ import logging
 import re
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import click
@@ -13,9 +15,10 @@ import trio
 
 from vpool.config import SettingsError
 from vpool.coordinator import keys
-from vpool.coordinator.errors import Conflict
+from vpool.coordinator.errors import CoordinatorError
 from vpool.coordinator.settings import CoordinatorSettings, load
 from vpool.coordinator.sqlite_store import SqliteStore
+from vpool.protocol import api
 from vpool.protocol.tokens import public_key_text
 
 USER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.@-]{0,63}")
@@ -81,28 +84,84 @@ def user() -> None:
 
 @user.command("add")
 @click.argument("name")
+@click.option(
+    "--operator", is_flag=True, help="Also let the user see the whole pool (agents, relays, jobs)."
+)
 @config_option
-def user_add(name: str, config: Path | None) -> None:
+def user_add(name: str, operator: bool, config: Path | None) -> None:
     """Create user NAME and print a new API token for it (shown only once).
+
+    The token signs in to the web portal and is what `vsdk` uses; the user can make more
+    tokens and revoke them on the portal's account page.
 
     \b
     Example:
       vpool-coordinator user add alice --config pool.toml
+      vpool-coordinator user add ops --operator --config pool.toml
     """
     if not USER_NAME.fullmatch(name):
         raise click.ClickException(
             f"{name!r} is not a user name (letters, digits, _ . @ -; at most 64)"
         )
-    settings = _settings(config)
-    store = _open(settings)
     token, token_hash = keys.new_api_token()
+    with _store(config) as store:
+        store.add_user(name, token_hash, time.time(), role="operator" if operator else "user")
+    click.echo(token)
+
+
+@user.command("token")
+@click.argument("name")
+@click.option("--label", default="", help="What the token is for (shown on the account page).")
+@config_option
+def user_token(name: str, label: str, config: Path | None) -> None:
+    """Print a new API token for existing user NAME (for a user who lost theirs).
+
+    \b
+    Example:
+      vpool-coordinator user token alice --label laptop --config pool.toml
+    """
+    token, token_hash = keys.new_api_token()
+    with _store(config) as store:
+        store.create_token(name, token_hash, label or "made by an operator", time.time())
+    click.echo(token)
+
+
+@user.command("role")
+@click.argument("name")
+@click.argument("role", type=click.Choice(api.ROLES))
+@config_option
+def user_role(name: str, role: api.Role, config: Path | None) -> None:
+    """Make user NAME a plain user or an operator.
+
+    \b
+    Example:
+      vpool-coordinator user role alice operator --config pool.toml
+    """
+    with _store(config) as store:
+        store.set_role(name, role)
+    click.echo(f"{name} is now {'an' if role == 'operator' else 'a'} {role}")
+
+
+@user.command("list")
+@config_option
+def user_list(config: Path | None) -> None:
+    """List the users, their roles and how many live tokens each has."""
+    with _store(config) as store:
+        rows = store.list_users()
+    for row in rows:
+        click.echo(f"{row['name']}\t{row['role']}\t{row['tokens']} token(s)")
+
+
+@contextmanager
+def _store(config: Path | None) -> Iterator[SqliteStore]:
+    """The store, with store errors (unknown user, ...) as click errors."""
+    store = _open(_settings(config))
     try:
-        store.add_user(name, token_hash, time.time())
-    except Conflict as exc:
+        yield store
+    except CoordinatorError as exc:
         raise click.ClickException(exc.message) from exc
     finally:
         store.close()
-    click.echo(token)
 
 
 @main.command()

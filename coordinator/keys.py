@@ -43,5 +43,10 @@ def new_api_token() -> tuple[str, str]:
     return token, hash_token(token)
 
 
+def new_session_secret() -> str:
+    """A portal session cookie or CSRF secret (256 random bits)."""
+    return secrets.token_urlsafe(32)
+
+
 def hash_token(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()

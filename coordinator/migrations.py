@@ -205,6 +205,40 @@ def _m6_isolation(db: sqlite_utils.Database) -> None:
         db.execute(sql)
 
 
+def _m7_accounts(db: sqlite_utils.Database) -> None:
+    """The web portal (issue 17). A user has a ``role`` (``user`` or ``operator``, who sees the
+    whole pool) and any number of named API ``tokens``, each revocable; the one token a user
+    had becomes their first. ``sessions`` are the portal's sign-ins: the sha256 of the cookie,
+    the token it was opened with (revoking the token ends it), its CSRF secret and expiry."""
+    for sql in (
+        """CREATE TABLE accounts (
+            name TEXT PRIMARY KEY,
+            role TEXT NOT NULL DEFAULT 'user',
+            created REAL NOT NULL)""",
+        "INSERT INTO accounts (name, created) SELECT name, created FROM users",
+        """CREATE TABLE tokens (
+            id INTEGER PRIMARY KEY AUTOINCREMENT,
+            user TEXT NOT NULL REFERENCES accounts(name),
+            hash TEXT NOT NULL UNIQUE,
+            label TEXT NOT NULL,
+            created REAL NOT NULL,
+            last_used REAL,
+            revoked REAL)""",
+        "CREATE INDEX tokens_user ON tokens(user, id)",
+        "INSERT INTO tokens (user, hash, label, created) "
+        "SELECT name, token_hash, 'first token', created FROM users",
+        "DROP TABLE users",
+        """CREATE TABLE sessions (
+            hash TEXT PRIMARY KEY,
+            token INTEGER NOT NULL REFERENCES tokens(id),
+            csrf TEXT NOT NULL,
+            created REAL NOT NULL,
+            expires REAL NOT NULL)""",
+        "CREATE INDEX sessions_token ON sessions(token)",
+    ):
+        db.execute(sql)
+
+
 def new_job_uid() -> str:
     return secrets.token_hex(16)
 
@@ -221,6 +255,7 @@ MIGRATIONS: list[Callable[[sqlite_utils.Database], None]] = [
     _m4_checkpoints,
     _m5_image_digest_blake3,
     _m6_isolation,
+    _m7_accounts,
 ]
 
 

@@ -21,6 +21,7 @@ import trio
 
 from vpool import __version__
 from vpool.coordinator import keys, scheduler
+from vpool.coordinator.access import Action, Principal, check_job, check_operator, jobs_owner
 from vpool.coordinator.blobs import BlobFiles, check_sha256
 from vpool.coordinator.errors import BadRequest, Forbidden, NotFound, Unauthorized
 from vpool.coordinator.results import build_results_zip
@@ -46,7 +47,10 @@ MAX_AGENT_SLOTS = 4096
 MAX_CHECKPOINT_EVERY = 7 * 24 * 3600.0
 MAX_ISOLATION_REPORT = 16 << 10  # bytes of JSON kept per agent
 MAX_ISOLATION_LEVEL = 40
-MAX_LIMIT = 2**62  # a limit of an isolation report (SQLite integers are 64-bit)
+MAX_LIMIT = 2**62
+MAX_JOB_ID = 2**63 - 1
+MAX_PAGE = 1000  # jobs in one listing
+MAX_OFFSET = 2**31  # a limit of an isolation report (SQLite integers are 64-bit)
 
 
 class Signal:
@@ -107,8 +111,42 @@ class Coordinator:
             relays=relays,
         )
 
-    async def list_agents(self) -> list[api.AgentInfo]:
-        return [_agent_info(row) for row in await self.db.call(self.store.list_agents)]
+    async def list_agents(self, who: Principal) -> list[api.AgentInfo]:
+        """The pool's agents. Operators see who they are; users see what each offers (to choose
+        ``--memory``), not the volunteers' names or ids."""
+        agents = [_agent_info(row) for row in await self.db.call(self.store.list_agents)]
+        if who.operator:
+            return agents
+        return [
+            msgspec.structs.replace(a, id="", name=f"volunteer {n}")
+            for n, a in enumerate(agents, start=1)
+        ]
+
+    async def list_relays(self, who: Principal) -> list[api.RelayStatus]:
+        check_operator(who)
+        return [
+            api.RelayStatus(
+                name=r["name"],
+                host=r["host"],
+                port=r["port"],
+                state=r["state"],
+                last_seen=r["last_seen"],
+                load=msgspec.convert(r["load"], api.RelayLoad),
+            )
+            for r in await self.db.call(self.store.list_relays)
+        ]
+
+    async def pool_totals(self) -> api.PoolTotals:
+        agents = await self.db.call(self.store.list_agents)
+        relays = await self.db.call(self.store.list_relays)
+        alive = [a for a in agents if a["state"] == "alive"]
+        return api.PoolTotals(
+            agents=len(alive),
+            slots=sum(int(a["slots"]) for a in alive),
+            busy=sum(int(a["active"]) for a in alive),
+            relays=sum(1 for r in relays if r["state"] == "alive"),
+            jobs=await self.db.call(self.store.count_jobs, None),
+        )
 
     async def live_pool_info(self) -> api.PoolInfo:
         now = self.clock()
@@ -124,11 +162,54 @@ class Coordinator:
 
     # -- authentication -----------------------------------------------------------------------
 
-    async def user(self, token: str) -> str:
-        name = await self.db.call(self.store.user_by_token_hash, keys.hash_token(token))
-        if name is None:
-            raise Unauthorized("unknown API token", code="bad_token")
-        return name
+    async def principal(self, token: str) -> Principal:
+        """The user an API token belongs to."""
+        who = await self.db.call(
+            self.store.principal_by_token_hash, keys.hash_token(token), self.clock()
+        )
+        if who is None:
+            raise Unauthorized("unknown or revoked API token", code="bad_token")
+        return who
+
+    async def sign_in(self, token: str) -> tuple[str, str, Principal]:
+        """Open a portal session with an API token: (cookie, CSRF secret, who)."""
+        who = await self.principal(token)
+        cookie, csrf = keys.new_session_secret(), keys.new_session_secret()
+        now = self.clock()
+        await self.db.call(
+            self.store.create_session,
+            keys.hash_token(cookie),
+            who.token,
+            csrf,
+            now,
+            now + self.settings.session_lifetime,
+        )
+        return cookie, csrf, who
+
+    async def session(self, cookie: str) -> tuple[Principal, str]:
+        """The principal and CSRF secret of a portal session cookie."""
+        found = await self.db.call(self.store.session, keys.hash_token(cookie), self.clock())
+        if found is None:
+            raise Unauthorized("not signed in, or the session ended", code="no_session")
+        return found
+
+    async def sign_out(self, cookie: str) -> None:
+        await self.db.call(self.store.end_session, keys.hash_token(cookie))
+
+    async def create_token(self, who: Principal, label: str) -> api.TokenCreated:
+        token, token_hash = keys.new_api_token()
+        info = await self.db.call(
+            self.store.create_token, who.name, token_hash, label, self.clock()
+        )
+        return api.TokenCreated(info=info, token=token)
+
+    async def list_tokens(self, who: Principal) -> list[api.TokenInfo]:
+        return await self.db.call(self.store.list_tokens, who.name)
+
+    async def revoke_token(self, who: Principal, token_id: int) -> api.TokenInfo:
+        if not 0 < token_id <= MAX_JOB_ID:  # SQLite integers are 64-bit
+            raise NotFound(f"no token {token_id}", code="unknown_token")
+        return await self.db.call(self.store.revoke_token, who.name, token_id, self.clock())
 
     def agent_id(self, token: str) -> str:
         """The agent a token was issued to; checks the signature only (no database)."""
@@ -181,7 +262,7 @@ class Coordinator:
 
     # -- jobs ---------------------------------------------------------------------------------
 
-    async def submit(self, user: str, sub: api.JobSubmit) -> api.JobInfo:
+    async def submit(self, who: Principal, sub: api.JobSubmit) -> api.JobInfo:
         limit = self.settings.max_ranks
         if not 1 <= sub.ranks <= limit:
             raise BadRequest(
@@ -195,7 +276,7 @@ class Coordinator:
         self._check_checkpoint_every(sub)
         _check_memory(sub)
         await self.blobs.check_bundle(sub.bundle, sub.entry)
-        info = await self.db.call(self.store.create_job, user, sub, self.clock())
+        info = await self.db.call(self.store.create_job, who.name, sub, self.clock())
         self.changes.fire()
         await self.schedule()
         return info
@@ -218,46 +299,55 @@ class Coordinator:
             )
 
     async def ask_checkpoint(
-        self, user: str, job_id: int, ask: api.CheckpointAsk
+        self, who: Principal, job_id: int, ask: api.CheckpointAsk
     ) -> api.CheckpointAsked:
         """Queue checkpoint orders for the agents running the job's ranks (or one rank); they
         go out in each agent's next heartbeat answer."""
-        await self.own_job(user, job_id)
+        await self.job(who, job_id, Action.CONTROL)
         orders = await self.db.call(self.store.ask_checkpoint, job_id, ask.rank)
         self.ended.fire()  # held heartbeats answer at once with the orders
         return api.CheckpointAsked(job=job_id, ranks=[o.rank for o in orders])
 
-    async def own_job(self, user: str, job_id: int) -> api.JobInfo:
-        """The job, if it exists and belongs to ``user``; other users' jobs do not exist."""
-        info = await self.db.call(self.store.job_info, job_id)
-        if info is None or info.user != user:
+    async def job(self, who: Principal, job_id: int, action: Action = Action.READ) -> api.JobInfo:
+        """The job, if ``who`` may do ``action`` on it (``access.check_job``)."""
+        if not 0 < job_id <= MAX_JOB_ID:  # SQLite integers are 64-bit
             raise NotFound(f"no job {job_id}", code="unknown_job")
-        return info
+        info = await self.db.call(self.store.job_info, job_id)
+        return check_job(who, info, job_id, action)
 
-    async def list_jobs(self, user: str, limit: int = 100) -> list[api.JobInfo]:
-        return await self.db.call(self.store.list_jobs, user, limit)
+    async def find_jobs(
+        self, who: Principal, query: api.JobQuery, *, everyone: bool = False
+    ) -> api.JobPage:
+        """A page of ``who``'s jobs (of everyone's, for an operator asking for it)."""
+        if not (0 <= query.offset <= MAX_OFFSET and 1 <= query.limit <= MAX_PAGE):
+            raise BadRequest(
+                f"offset is 0 to {MAX_OFFSET} and limit 1 to {MAX_PAGE}", code="bad_page"
+            )
+        if len(query.name) > 200:
+            raise BadRequest("a name filter is at most 200 characters", code="bad_page")
+        return await self.db.call(self.store.find_jobs, jobs_owner(who, everyone), query)
 
-    async def job_detail(self, user: str, job_id: int) -> api.JobDetail:
-        await self.own_job(user, job_id)
+    async def job_detail(self, who: Principal, job_id: int) -> api.JobDetail:
+        await self.job(who, job_id)
         detail = await self.db.call(self.store.job_detail, job_id)
         assert detail is not None
         return detail
 
-    async def cancel(self, user: str, job_id: int) -> api.JobInfo:
-        await self.own_job(user, job_id)
+    async def cancel(self, who: Principal, job_id: int) -> api.JobInfo:
+        await self.job(who, job_id, Action.CONTROL)
         info = await self.db.call(self.store.cancel_job, job_id, self.clock())
         self._states_changed()
         return info
 
     async def output(
-        self, user: str, job_id: int, after: int, rank: int | None, wait: float
+        self, who: Principal, job_id: int, after: int, rank: int | None, wait: float
     ) -> api.OutputPage:
         deadline = trio.current_time() + max(0.0, min(wait, self.settings.max_wait))
         while True:
             changed = self.changes.current()
             # The state is read before the output: once terminal, every exited rank's output
             # is already stored, so the page below holds it.
-            job = await self.own_job(user, job_id)
+            job = await self.job(who, job_id)
             records, more = await self.db.call(
                 self.store.output_page, job_id, after, rank, OUTPUT_PAGE_RECORDS
             )
@@ -273,9 +363,9 @@ class Coordinator:
             with trio.move_on_at(deadline):
                 await changed.wait()
 
-    async def results(self, user: str, job_id: int) -> Path:
+    async def results(self, who: Principal, job_id: int) -> Path:
         """A temporary zip of the job's results; the caller deletes it."""
-        job = await self.own_job(user, job_id)
+        job = await self.job(who, job_id)
         blobs = await self.db.call(self.store.job_results, job_id)
         streams = await self.db.call(self.store.output_streams, job_id)
         zips = {rank: self.blobs.path(sha) for rank, sha in blobs.items()}

@@ -66,12 +66,19 @@ class CoordinatorSettings:
         64 << 20, "Largest JSON request body (e.g. an agent's output batch)."
     )
     max_wait: float = setting(60.0, "Longest a long-poll (lease, output) may wait, in seconds.")
+    session_lifetime: float = setting(
+        12 * 3600.0, "Seconds a web portal sign-in lasts before the user signs in again."
+    )
 
     def __post_init__(self) -> None:
         if not 0 < self.agent_timeout <= MAX_AGENT_TIMEOUT:
             raise ValueError(
                 f"agent_timeout must be more than 0 and at most {MAX_AGENT_TIMEOUT:g} s, "
                 f"not {self.agent_timeout:g}"
+            )
+        if not self.session_lifetime > 0:
+            raise ValueError(
+                f"session_lifetime must be more than 0 s, not {self.session_lifetime:g}"
             )
         if self.max_restarts < 0:
             raise ValueError(f"max_restarts must be >= 0, not {self.max_restarts}")

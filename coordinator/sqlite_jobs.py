@@ -41,13 +41,34 @@ class JobsMixin(FaultsMixin):
         return None if row is None else _info(row)
 
     def list_jobs(self, user: str | None, limit: int) -> list[api.JobInfo]:
-        if user is None:
-            rows = self.db.query("SELECT * FROM jobs ORDER BY id DESC LIMIT ?", [limit])
-        else:
-            rows = self.db.query(
-                "SELECT * FROM jobs WHERE user = ? ORDER BY id DESC LIMIT ?", [user, limit]
-            )
-        return [_info(r) for r in rows]
+        return self.find_jobs(user, api.JobQuery(limit=limit)).jobs
+
+    def find_jobs(self, user: str | None, query: api.JobQuery) -> api.JobPage:
+        """``query``'s page of ``user``'s jobs (everyone's for None)."""
+        where, params = ["1"], []
+        if user is not None:
+            where.append("user = ?")
+            params.append(user)
+        counts = self.count_jobs(user)
+        if query.state is not None:
+            where.append("state = ?")
+            params.append(query.state)
+        if query.name:
+            where.append("instr(lower(name), ?) > 0")
+            params.append(query.name.lower())
+        cond = " AND ".join(where)
+        total = self._one(f"SELECT COUNT(*) AS n FROM jobs WHERE {cond}", params)
+        order = "DESC" if query.descending else "ASC"
+        # ``query.sort`` is one of api.JOB_SORTS (msgspec checked it): a column name.
+        assert query.sort in api.JOB_SORTS
+        rows = self.db.query(
+            f"SELECT * FROM jobs WHERE {cond} ORDER BY {query.sort} {order}, id {order} "
+            "LIMIT ? OFFSET ?",
+            [*params, query.limit, query.offset],
+        )
+        return api.JobPage(
+            jobs=[_info(r) for r in rows], total=int(total["n"]) if total else 0, counts=counts
+        )
 
     def job_detail(self, job_id: int) -> api.JobDetail | None:
         row = self.job_row(job_id)
@@ -62,22 +83,33 @@ class JobsMixin(FaultsMixin):
                 state=r["state"],
                 exit_code=r["exit_code"],
                 restored_from=-1 if r["restored_from"] is None else r["restored_from"],
+                agent_name=r["agent_name"] or "",
+                last_checkpoint=r["last_checkpoint"],
             )
             for r in self.db.query(
-                "SELECT r.*, i.restored_from FROM ranks r LEFT JOIN incarnations i "
+                "SELECT r.*, i.restored_from, a.name AS agent_name, "
+                "(SELECT MAX(c.created) FROM checkpoints c WHERE c.job = r.job AND c.rank = r.rank)"
+                " AS last_checkpoint FROM ranks r LEFT JOIN incarnations i "
                 "ON i.job = r.job AND i.rank = r.rank AND i.incarnation = r.incarnation "
-                "WHERE r.job = ? ORDER BY r.rank",
+                "LEFT JOIN agents a ON a.id = r.agent WHERE r.job = ? ORDER BY r.rank",
                 [job_id],
             )
         ]
         events = [
-            api.JobEvent(time=e["time"], kind=e["kind"], message=e["message"], rank=e["rank"])
+            api.JobEvent(
+                time=e["time"], kind=e["kind"], message=e["message"], rank=e["rank"], id=e["id"]
+            )
             for e in self.db.query("SELECT * FROM events WHERE job = ? ORDER BY id", [job_id])
         ]
         return api.JobDetail(job=_info(row), ranks=ranks, events=events)
 
-    def count_jobs(self) -> dict[str, int]:
-        rows = self.db.query("SELECT state, COUNT(*) AS n FROM jobs GROUP BY state")
+    def count_jobs(self, user: str | None = None) -> dict[str, int]:
+        if user is None:
+            rows = self.db.query("SELECT state, COUNT(*) AS n FROM jobs GROUP BY state")
+        else:
+            rows = self.db.query(
+                "SELECT state, COUNT(*) AS n FROM jobs WHERE user = ? GROUP BY state", [user]
+            )
         return {str(r["state"]): int(r["n"]) for r in rows}
 
     # -- user actions -------------------------------------------------------------------------

@@ -1,7 +1,8 @@
-"""The SQLite implementation of ``Store``: users, blobs, agents, relays, output and results.
+"""The SQLite implementation of ``Store``: blobs, agents, relays, output and results.
 
-Job life cycles (placement, exits, losses) are in ``sqlite_jobs``. Every method is synchronous
-and runs one transaction; ``store.Database`` calls them on a worker thread, one at a time.
+Users, tokens and sessions are in ``sqlite_accounts``; job life cycles (placement, exits,
+losses) in ``sqlite_jobs``. Every method is synchronous and runs one transaction;
+``store.Database`` calls them on a worker thread, one at a time.
 """
 
 from __future__ import annotations
@@ -12,15 +13,17 @@ import sqlite3
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import sqlite_utils
 
 from vpool.coordinator import migrations
-from vpool.coordinator.errors import Conflict, Forbidden
+from vpool.coordinator.errors import Forbidden
+from vpool.coordinator.sqlite_accounts import AccountsMixin
 from vpool.coordinator.sqlite_jobs import JobsMixin
 from vpool.protocol import api
 
 
-class SqliteStore(JobsMixin):
+class SqliteStore(AccountsMixin, JobsMixin):
     def __init__(
         self, path: Path | str, *, max_restarts: int = 50, restore_wait_timeout: float = 600.0
     ) -> None:
@@ -33,6 +36,9 @@ class SqliteStore(JobsMixin):
         if str(path) != ":memory:":
             self.db.execute("PRAGMA journal_mode=WAL")
         self.db.execute("PRAGMA foreign_keys=ON")
+        # ``vpool-coordinator user add`` may write while the coordinator runs: wait for the
+        # other's transaction instead of failing with "database is locked".
+        self.db.execute("PRAGMA busy_timeout=10000")
         self.schema_version = migrations.migrate(self.db)
 
     def close(self) -> None:
@@ -41,21 +47,6 @@ class SqliteStore(JobsMixin):
     def _one(self, sql: str, params: Any = ()) -> dict[str, Any] | None:
         rows = list(self.db.query(sql, params))
         return rows[0] if rows else None
-
-    # -- users --------------------------------------------------------------------------------
-
-    def add_user(self, name: str, token_hash: str, now: float) -> None:
-        with self.db.atomic():
-            if self._one("SELECT name FROM users WHERE name = ?", [name]):
-                raise Conflict(f"user {name!r} already exists", code="user_exists")
-            self.db.execute(
-                "INSERT INTO users (name, token_hash, created) VALUES (?, ?, ?)",
-                [name, token_hash, now],
-            )
-
-    def user_by_token_hash(self, token_hash: str) -> str | None:
-        row = self._one("SELECT name FROM users WHERE token_hash = ?", [token_hash])
-        return None if row is None else str(row["name"])
 
     # -- blobs --------------------------------------------------------------------------------
 
@@ -284,9 +275,4 @@ class SqliteStore(JobsMixin):
 
 
 def _load_dict(load: api.RelayLoad) -> dict[str, int]:
-    return {
-        "connections": load.connections,
-        "ranks": load.ranks,
-        "messages_stored": load.messages_stored,
-        "bytes_stored": load.bytes_stored,
-    }
+    return msgspec.structs.asdict(load)

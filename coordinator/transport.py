@@ -11,6 +11,7 @@ from fastapi import Request, Response
 from vpool.coordinator.errors import BadRequest, TooLarge, Unauthorized
 
 if TYPE_CHECKING:
+    from vpool.coordinator.access import Principal
     from vpool.coordinator.service import Coordinator
 
 T = TypeVar("T")
@@ -55,6 +56,11 @@ async def decode(request: Request, type_: type[T]) -> T:
         raise BadRequest(f"invalid {type_.__name__}: {exc}") from exc
     except msgspec.DecodeError as exc:
         raise BadRequest(f"the body is not valid JSON: {exc}") from exc
+
+
+async def principal(request: Request) -> Principal:
+    """The user a JSON API request is made by (its bearer token)."""
+    return await coordinator(request).principal(bearer(request))
 
 
 def bearer(request: Request) -> str:

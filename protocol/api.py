@@ -87,8 +87,56 @@ class AgentInfo(msgspec.Struct, frozen=True):
     checkpoints: bool = False  # it can checkpoint and restore ranks (CRIU)
 
 
-class UserInfo(msgspec.Struct, frozen=True):
+Role = Literal["user", "operator"]
+ROLES: tuple[Role, ...] = ("user", "operator")
+
+
+class RelayStatus(msgspec.Struct, frozen=True):
+    """A relay as operators see it (``GET /api/v1/pool/relays``, the portal's pool page)."""
+
     name: str
+    host: str
+    port: int
+    state: str  # alive | lost
+    last_seen: float
+    load: RelayLoad
+
+
+class PoolTotals(msgspec.Struct, frozen=True):
+    """What every user may know of the pool: how big and how busy it is."""
+
+    agents: int  # alive
+    slots: int  # of the live agents
+    busy: int  # ranks placed on live agents
+    relays: int  # alive
+    jobs: dict[str, int]  # every user's jobs per state
+
+
+class UserInfo(msgspec.Struct, frozen=True):
+    """Who a credential belongs to. Operators also see the whole pool (agents, relays, every
+    user's jobs); users see their own jobs and the pool's totals."""
+
+    name: str
+    role: Role = "user"
+
+
+class TokenInfo(msgspec.Struct, frozen=True):
+    """One of a user's API tokens (only its hash is stored; the token is shown once)."""
+
+    id: int
+    label: str
+    created: float
+    last_used: float | None = None
+    revoked: float | None = None
+
+
+class TokenCreate(msgspec.Struct, frozen=True):
+    label: str = ""
+
+
+class TokenCreated(msgspec.Struct, frozen=True):
+    info: TokenInfo
+    token: str  # shown this once
 
 
 class BlobInfo(msgspec.Struct, frozen=True):
@@ -141,6 +189,31 @@ class JobInfo(msgspec.Struct, frozen=True):
     unsandboxed: bool = False  # ``JobSubmit.unsandboxed``
 
 
+JobSort = Literal["id", "name", "state", "ranks", "created", "finished"]
+JOB_SORTS: tuple[JobSort, ...] = ("id", "name", "state", "ranks", "created", "finished")
+
+
+class JobQuery(msgspec.Struct, frozen=True):
+    """Which of a user's jobs a listing shows (``GET /api/v1/jobs``, the portal's jobs page):
+    ``state`` exactly, ``name`` as a case-insensitive substring, sorted, one page of them."""
+
+    state: JobState | None = None
+    name: str = ""
+    sort: JobSort = "id"
+    descending: bool = True
+    offset: int = 0
+    limit: int = 100
+
+
+class JobPage(msgspec.Struct, frozen=True):
+    """One page of a listing; ``total`` jobs matched, ``counts`` are the owner's jobs per state
+    (all of them, whatever the filter)."""
+
+    jobs: list[JobInfo]
+    total: int
+    counts: dict[str, int]
+
+
 class RankInfo(msgspec.Struct, frozen=True):
     rank: int
     incarnation: int
@@ -151,6 +224,8 @@ class RankInfo(msgspec.Struct, frozen=True):
     # The checkpoint (id: its wall-clock time in ms) this incarnation was restored from; -1 when
     # it started from the beginning (or has not said yet).
     restored_from: int = -1
+    agent_name: str = ""  # the name of ``agent`` (as the job's events name it)
+    last_checkpoint: float | None = None  # when its newest committed image was made
 
 
 class JobEvent(msgspec.Struct, frozen=True):
@@ -158,6 +233,7 @@ class JobEvent(msgspec.Struct, frozen=True):
     kind: str
     message: str
     rank: int | None = None
+    id: int = 0  # increasing over the pool's events: a cursor for live pages
 
 
 class JobDetail(msgspec.Struct, frozen=True):
@@ -418,6 +494,7 @@ class RelayLoad(msgspec.Struct, frozen=True):
     ranks: int = 0
     messages_stored: int = 0
     bytes_stored: int = 0
+    disk_free: int = 0  # bytes free on the disk of its logs and images (0: not reported)
 
 
 class RankLost(msgspec.Struct, frozen=True):

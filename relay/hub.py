@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import math
+import shutil
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -531,7 +532,15 @@ class Hub:
             messages_stored=self.messages_stored,
             # The log's frames and the checkpoint images: what this relay's disk holds.
             bytes_stored=self.bytes_stored + self.store.nbytes,
+            disk_free=_disk_free(self.data_dir),
         )
+
+
+def _disk_free(path: Path) -> int:
+    try:
+        return shutil.disk_usage(path).free
+    except OSError:
+        return 0
 
 
 def now() -> float:

@@ -184,11 +184,13 @@ def coordinator_argv(lay: Layout) -> list[str]:
 
 
 def user_add_argv(lay: Layout) -> list[str]:
+    """Who runs a local pool operates it: its user sees the whole pool."""
     return [
         *component_command("vpool-coordinator", "vpool.coordinator.cli"),
         "user",
         "add",
         LOCAL_USER,
+        "--operator",
         "--config",
         str(lay.config("coordinator")),
     ]

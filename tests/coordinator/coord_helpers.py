@@ -74,9 +74,9 @@ class Pool:
     clock: FakeClock
     users: dict[str, str] = field(default_factory=dict)
 
-    def add_user(self, name: str) -> dict[str, str]:
+    def add_user(self, name: str, role: api.Role = "user") -> dict[str, str]:
         token, token_hash = keys.new_api_token()
-        self.core.store.add_user(name, token_hash, self.clock())
+        self.core.store.add_user(name, token_hash, self.clock(), role=role)
         self.users[name] = token
         return {"Authorization": f"Bearer {token}"}
 

@@ -189,7 +189,7 @@ async def test_isolation_reports_are_stored_and_shown(pool: Pool) -> None:
     assert decode(httpx.Response(200, content=stored), api.IsolationReport) == report
     assert (rows["old-agent"]["isolation"], rows["old-agent"]["isolation_report"]) == ("", "")
 
-    r = await pool.client.get("/api/v1/pool/agents", headers=pool.user())
+    r = await pool.client.get("/api/v1/pool/agents", headers=pool.add_user("ops", "operator"))
     agents = {a.name: a for a in decode(r, list[api.AgentInfo])}
     assert agents["volunteer-1"] == api.AgentInfo(
         id=agent.id,
@@ -204,6 +204,11 @@ async def test_isolation_reports_are_stored_and_shown(pool: Pool) -> None:
         checkpoints=False,  # its heartbeats said no CRIU
     )
     assert (agents["old-agent"].isolation, agents["old-agent"].rank_memory) == ("", 0)
+    # Users see what each agent offers, not who the volunteers are.
+    r = await pool.client.get("/api/v1/pool/agents", headers=pool.user())
+    seen = decode(r, list[api.AgentInfo])
+    assert sorted(a.rank_memory for a in seen) == [0, 3 * GiB // 2]
+    assert {(a.id, a.name) for a in seen} == {("", "volunteer 1"), ("", "volunteer 2")}
 
     # A changed report replaces the stored one; the same one again changes nothing.
     await pool.heartbeat(agent, [], isolation=sandbox(GiB))

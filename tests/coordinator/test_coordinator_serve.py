@@ -107,9 +107,10 @@ def test_serve_https_port_zero(tmp_path: Path) -> None:
             pool = client.get("/api/v1/pool")
             assert pool.status_code == 200 and pool.json()["name"] == "serve-test"
             who = client.get("/api/v1/whoami", headers={"Authorization": f"Bearer {token}"})
-            assert who.json() == {"name": "alice"}
-            page = client.get("/")
+            assert who.json() == {"name": "alice", "role": "user"}
+            page = client.get("/", follow_redirects=True)  # signed out: the sign-in page
             assert page.status_code == 200 and "serve-test" in page.text
+            assert page.url.path == "/login" and 'name="token"' in page.text
             missing = client.get("/api/v1/jobs/1", headers={"Authorization": f"Bearer {token}"})
             assert missing.status_code == 404 and missing.json()["error"]["code"]
         proc.send_signal(signal.SIGTERM)

@@ -8,6 +8,7 @@ import sqlite_utils
 from coord_helpers import SANDBOX, FakeClock, test_settings
 
 from vpool.coordinator import migrations, scheduler
+from vpool.coordinator.access import Principal
 from vpool.coordinator.service import Coordinator
 from vpool.coordinator.sqlite_store import SqliteStore
 from vpool.protocol import api
@@ -22,14 +23,16 @@ def test_migrations_from_empty_and_reopen(tmp_path: Path) -> None:
 
     again = SqliteStore(path)  # re-open: nothing re-applied, data kept
     assert again.schema_version == len(migrations.MIGRATIONS)
-    assert again.user_by_token_hash("h" * 64) == "alice"
+    assert again.principal_by_token_hash("h" * 64, 2.0) == Principal("alice", "user", 1)
     again.close()
 
     db = sqlite_utils.Database(path)
     assert migrations.current_version(db) == len(migrations.MIGRATIONS)
     tables = set(db.table_names())
     assert {
-        "users",
+        "accounts",
+        "tokens",
+        "sessions",
         "jobs",
         "ranks",
         "incarnations",
@@ -66,7 +69,8 @@ async def test_state_survives_restart(tmp_path: Path) -> None:
     core.close()
     core = Coordinator(settings, clock=FakeClock())
     assert core.signing_key == key  # same signing key: issued tokens stay valid
-    assert await core.db.call(core.store.user_by_token_hash, "x" * 64) == "alice"
+    who = await core.db.call(core.store.principal_by_token_hash, "x" * 64, 2.0)
+    assert who is not None and who.name == "alice"
     core.close()
     assert (settings.state_path() / "signing.key").stat().st_mode & 0o777 == 0o600
 

@@ -189,6 +189,7 @@ def test_status_shows_fault_events_as_a_table(coord: Any, app: Path) -> None:
         "kind": "rank_lost",
         "message": "rank 1 lost: agent a-1 died",
         "rank": 1,
+        "id": 0,  # the fake coordinator numbers no events
     }
 
 

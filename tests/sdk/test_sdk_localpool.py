@@ -124,10 +124,11 @@ def test_command_lines(lay: localpool.Layout) -> None:
         "--ready-file",
         str(lay.ready_file("coordinator")),
     ]
-    assert localpool.user_add_argv(lay)[-5:] == [
+    assert localpool.user_add_argv(lay)[-6:] == [
         "user",
         "add",
         "local",
+        "--operator",  # who runs a local pool operates it
         "--config",
         str(lay.config("coordinator")),
     ]

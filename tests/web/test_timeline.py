@@ -1,0 +1,460 @@
+"""The job timeline: ``build`` turns a job's events into segments and marks, ``render_svg`` draws
+them as an inline SVG the page's Content-Security-Policy allows."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import re
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import msgspec
+import pytest
+
+from vpool.protocol import api
+from vpool.web.timeline import MARK_KINDS, STATES, Mark, Segment, Timeline, build, render_svg
+
+SVG = "{http://www.w3.org/2000/svg}"
+T0 = 1000.0
+
+
+def job(
+    state: api.JobState = "running",
+    ranks: int = 2,
+    created: float = T0,
+    finished: float | None = None,
+) -> api.JobInfo:
+    return api.JobInfo(
+        id=7,
+        name="j",
+        user="alice",
+        state=state,
+        ranks=ranks,
+        exit_code=None,
+        reason="",
+        created=created,
+        started=None,
+        finished=finished,
+    )
+
+
+def ev(at: float, kind: str, rank: int | None = None, message: str = "") -> api.JobEvent:
+    return api.JobEvent(time=T0 + at, kind=kind, message=message or kind, rank=rank)
+
+
+def rows(tl: Timeline, rank: int) -> list[tuple[str, float, float, int | None]]:
+    """(state, start, end, incarnation) of a rank's segments, times from T0."""
+    return [
+        (s.state, s.start - T0, s.end - T0, s.incarnation) for s in tl.segments if s.rank == rank
+    ]
+
+
+STARTED = [
+    ev(0, "queued", message="submitted by alice: 2 ranks"),
+    ev(1, "running", message="placed 2 ranks on 1 agent(s), relays relay-0"),
+    ev(2, "rank_running", 0),
+    ev(2, "rank_running", 1),
+]
+
+
+def test_plain_run() -> None:
+    events = [
+        *STARTED,
+        ev(10, "rank_exited", 0),
+        ev(11, "rank_exited", 1),
+        ev(11, "succeeded", message="every rank exited with code 0"),
+    ]
+    tl = build(job("succeeded", finished=T0 + 11), events, now=T0 + 500)
+    assert rows(tl, 0) == [
+        ("queued", 0, 1, None),
+        ("starting", 1, 2, 1),
+        ("running", 2, 10, 1),
+    ]
+    assert rows(tl, 1)[-1] == ("running", 2, 11, 1)
+    assert tl.segments[0].label == "submitted by alice: 2 ranks"
+    assert (tl.start, tl.end, tl.ranks, tl.live, tl.marks) == (T0, T0 + 11, 2, False, [])
+
+
+@pytest.mark.parametrize("replaying_first", [False, True])
+def test_lost_rank_restarted_and_replaying(replaying_first: bool) -> None:
+    # The coordinator says "rank_replaying" at placement when the images cannot be used there
+    # (before the rank runs), or at the incarnation's first heartbeat (right after it runs).
+    then = (
+        [ev(8, "rank_replaying", 1, "starts from the beginning"), ev(9, "rank_running", 1)]
+        if replaying_first
+        else [ev(9, "rank_running", 1), ev(9, "rank_replaying", 1, "replays 3 frames")]
+    )
+    events = [
+        *STARTED,
+        ev(5, "rank_lost", 1, "rank 1 lost: agent a stopped heartbeating"),
+        ev(8, "rank_restarted", 1, "rank 1 incarnation 2 on agent b"),
+        *then,
+        ev(20, "rank_exited", 0),
+        ev(21, "rank_exited", 1),
+        ev(21, "succeeded"),
+    ]
+    tl = build(job("succeeded", finished=T0 + 21), events, now=T0 + 21)
+    assert rows(tl, 1) == [
+        ("queued", 0, 1, None),
+        ("starting", 1, 2, 1),
+        ("running", 2, 5, 1),
+        ("lost", 5, 8, 1),
+        ("starting", 8, 9, 2),
+        ("replaying", 9, 21, 2),
+    ]
+    assert rows(tl, 0)[-1] == ("running", 2, 20, 1)
+    (lost,) = [s for s in tl.segments if s.state == "lost"]
+    assert lost.label == "rank 1 lost: agent a stopped heartbeating"
+    later = [s for s in tl.segments if s.rank == 1 and s.start >= lost.end]
+    assert later and all(s.state != "lost" for s in later)
+    assert [(m.rank, m.time - T0, m.kind) for m in tl.marks] == [(1, 5, "fault")]
+
+
+def test_waiting_for_a_restorer_then_restored_from_a_checkpoint() -> None:
+    events = [
+        *STARTED,
+        ev(3, "checkpoint", 0, "rank 0: checkpoint 1 committed"),
+        ev(3, "checkpoint", 1, "rank 1: checkpoint 1 committed"),
+        ev(4, "checkpoint_failed", 1, "checkpoint 2 failed"),
+        ev(5, "rank_lost", 1),
+        ev(5, "rank_waiting_restore", 1, "rank 1 incarnation 2 waits"),
+        ev(7, "rank_restarted", 1, "to restore from checkpoint 1"),
+        ev(8, "restore_failed", 1, "checkpoint 0 not used"),
+        ev(8, "rank_restored", 1, "rank 1 incarnation 2 restored from checkpoint 1"),
+        ev(9, "rank_running", 1),
+    ]
+    tl = build(job(), events, now=T0 + 12)
+    assert rows(tl, 1)[2:] == [
+        ("running", 2, 5, 1),
+        ("waiting", 5, 7, 1),
+        ("starting", 7, 9, 2),
+        ("restored", 9, 12, 2),
+    ]
+    restored = [s for s in tl.segments if s.state == "restored"]
+    assert restored[0].label == "rank 1 incarnation 2 restored from checkpoint 1"
+    assert [(m.rank, m.time - T0, m.kind) for m in tl.marks] == [
+        (0, 3, "checkpoint"),
+        (1, 3, "checkpoint"),
+        (1, 4, "fault"),
+        (1, 5, "fault"),
+        (1, 8, "fault"),
+    ]
+
+
+def test_restore_reported_after_the_rank_runs() -> None:
+    events = [
+        *STARTED,
+        ev(5, "rank_lost", 1),
+        ev(6, "rank_restarted", 1),
+        ev(7, "rank_running", 1),
+        ev(8, "rank_restored", 1),
+    ]
+    tl = build(job(), events, now=T0 + 10)
+    assert rows(tl, 1)[-2:] == [("running", 7, 8, 2), ("restored", 8, 10, 2)]
+
+
+def test_fence_marks_and_a_late_fenced_exit_after_the_end() -> None:
+    events = [
+        *STARTED,
+        ev(5, "rank_lost", 0),
+        ev(5, "rank_restarted", 0),
+        ev(6, "rank_fenced", 0, "rank 0 incarnation 1 exited with code 143; ignored"),
+        ev(7, "rank_running", 0),
+        ev(9, "rank_exited", 0),
+        ev(9, "rank_exited", 1),
+        ev(9, "succeeded"),
+        ev(12, "rank_fenced", 1, "a late exit"),
+    ]
+    tl = build(job("succeeded", finished=T0 + 9), events, now=T0 + 50)
+    fences = [(m.rank, m.time - T0, m.label) for m in tl.marks if m.kind == "fence"]
+    assert fences == [
+        (0, 6, "rank 0 incarnation 1 exited with code 143; ignored"),
+        (1, 12, "a late exit"),
+    ]
+    # The axis reaches the late mark; no row goes on after the job's end.
+    assert tl.end == T0 + 12
+    assert max(s.end for s in tl.segments) == T0 + 9
+
+
+def test_live_job_ends_at_now() -> None:
+    events = [*STARTED, ev(5, "rank_exited", 0), ev(30, "rank_lost", 1)]
+    tl = build(job("running"), events, now=T0 + 30)
+    assert tl.live and tl.end == T0 + 30
+    assert rows(tl, 0)[-1] == ("running", 2, 5, 1)  # exited: the row ends
+    # The current state shows from its first instant.
+    assert rows(tl, 1)[-2:] == [("running", 2, 30, 1), ("lost", 30, 30, 1)]
+    queued = build(job("queued"), [ev(0, "queued")], now=T0 + 4)
+    assert rows(queued, 1) == [("queued", 0, 4, None)]
+    assert queued.live and queued.end == T0 + 4
+
+
+def test_finished_job_ends_at_finished_with_job_wide_marks() -> None:
+    events = [
+        *STARTED,
+        ev(4, "relay_down", message="relay relay-0 stopped heartbeating"),
+        ev(6, "relay_up", message="relay relay-0 is back"),
+        ev(8, "job_failed", 1, "program is not deterministic"),
+        ev(8, "failed", message="program is not deterministic"),
+    ]
+    tl = build(job("failed", finished=T0 + 8), events, now=T0 + 100)
+    assert not tl.live and tl.end == T0 + 8
+    assert all(s.end <= T0 + 8 for s in tl.segments)
+    assert rows(tl, 0)[-1] == ("running", 2, 8, 1)
+    assert [(m.rank, m.kind) for m in tl.marks] == [
+        (None, "fault"),
+        (None, "recovery"),
+        (1, "fault"),
+        (None, "fault"),
+    ]
+
+
+def test_cancelled_while_queued() -> None:
+    tl = build(job("cancelled", finished=T0 + 3), [ev(0, "queued"), ev(3, "cancelled")], now=T0 + 9)
+    assert rows(tl, 0) == rows(tl, 1) == [("queued", 0, 3, None)]
+
+
+def _check(tl: Timeline) -> None:
+    assert tl.start <= tl.end
+    for s in tl.segments:
+        assert 0 <= s.rank < tl.ranks and s.state in STATES
+        assert tl.start <= s.start <= s.end <= tl.end
+    for m in tl.marks:
+        assert m.kind in MARK_KINDS and (m.rank is None or 0 <= m.rank < tl.ranks)
+    ET.fromstring(str(render_svg(tl)))
+
+
+def test_garbage_events_do_not_raise() -> None:
+    garbage = [
+        ev(3, "rank_running", 999),
+        ev(3, "rank_lost", -1),
+        ev(3, "rank_lost", None),
+        ev(3, "checkpoint", 5),
+        ev(4, "no_such_kind", 0),
+        ev(4, "rank_running", 0),  # before the job runs
+        api.JobEvent(time=math.nan, kind="rank_lost", message="", rank=0),
+        api.JobEvent(time=math.inf, kind="rank_exited", message="", rank=1),
+        ev(-50, "rank_restarted", 1),  # before the job was created
+        ev(2, "rank_exited", 0),
+        ev(1, "rank_exited", 0),  # twice, out of order
+        ev(6, "running"),  # twice
+        ev(7, "rank_replaying", 1),
+        ev(7, "rank_restored", 1),
+        ev(8, "succeeded"),
+        ev(9, "rank_running", 1),  # after the end
+        ev(9, "failed"),
+    ]
+    for j in (
+        job(),
+        job("succeeded", finished=T0 + 8),
+        job("failed", finished=None),
+        job(ranks=0),
+        job(ranks=-3),
+        job(created=math.nan),
+        job("cancelled", finished=math.inf),
+    ):
+        for events in (garbage, list(reversed(garbage)), []):
+            _check(build(j, events, now=T0 + 10))
+    tl = build(job(), garbage, now=T0 + 10)
+    assert tl.start == T0 - 50
+    assert all(m.rank in (None, 0, 1) for m in tl.marks)
+
+
+def test_events_out_of_order_are_taken_by_time() -> None:
+    events = [*STARTED, ev(5, "rank_lost", 1), ev(7, "rank_restarted", 1), ev(8, "rank_running", 1)]
+    shuffled = [events[i] for i in (6, 2, 0, 5, 4, 3, 1)]
+    assert build(job(), shuffled, now=T0 + 9) == build(job(), events, now=T0 + 9)
+
+
+def test_timeline_is_json() -> None:
+    tl = build(job(), [*STARTED, ev(3, "checkpoint", 0)], now=T0 + 5)
+    assert msgspec.json.decode(msgspec.json.encode(tl), type=Timeline) == tl
+
+
+# -- render_svg ---------------------------------------------------------------------------------
+
+
+def _classes(el: ET.Element) -> list[str]:
+    return el.get("class", "").split()
+
+
+def _svg(tl: Timeline, **kw: Any) -> tuple[str, ET.Element]:
+    text = str(render_svg(tl, **kw))
+    return text, ET.fromstring(text)
+
+
+def test_svg_rows_segments_marks_and_legend() -> None:
+    events = [
+        *STARTED,
+        ev(3, "checkpoint", 0),
+        ev(4, "relay_down"),
+        ev(5, "rank_lost", 1),
+        ev(6, "rank_restarted", 1),
+        ev(6, "rank_fenced", 1),
+        ev(7, "rank_running", 1),
+        ev(7, "rank_replaying", 1),
+    ]
+    tl = build(job(ranks=3), events, now=T0 + 10)
+    text, root = _svg(tl)
+    assert root.tag == f"{SVG}svg"
+    assert _classes(root) == ["timeline"]
+    assert root.get("role") == "img" and "3 ranks" in root.get("aria-label", "")
+    assert root.get("data-live") == "true"
+    labels = [t.text for t in root.iter(f"{SVG}text") if "row-label" in _classes(t)]
+    assert labels == ["job", "rank 0", "rank 1", "rank 2"]
+    segs = [r for r in root.iter(f"{SVG}rect") if "seg" in _classes(r)]
+    assert len(segs) == len(tl.segments)
+    for rect, seg in zip(segs, tl.segments, strict=True):
+        assert _classes(rect) == ["seg", f"seg-{seg.state}"]
+        assert rect.get("data-rank") == str(seg.rank) and rect.get("data-state") == seg.state
+        title = rect.find(f"{SVG}title")
+        assert title is not None and title.text and seg.state in title.text
+        assert float(rect.get("width", "0")) >= 1
+    assert {r.get("data-state") for r in segs} == {
+        "queued",
+        "starting",
+        "running",
+        "lost",
+        "replaying",
+    }
+    marks = [(el.get("data-rank"), _classes(el)) for el in root.iter() if "mark" in _classes(el)]
+    assert marks == [
+        ("0", ["mark", "mark-checkpoint"]),
+        ("job", ["mark", "mark-fault"]),
+        ("1", ["mark", "mark-fault"]),
+        ("1", ["mark", "mark-fence"]),
+    ]
+    legend = [t.text for t in root.iter(f"{SVG}text") if "legend-label" in _classes(t)]
+    assert legend == [*STATES, *MARK_KINDS]
+    ticks = [t.text for t in root.iter(f"{SVG}text") if "tick-label" in _classes(t)]
+    assert ticks[0] == "0 s" and len(ticks) >= 3 and all(t and t.endswith(" s") for t in ticks)
+    assert 'class="now"' in text
+
+
+def test_svg_escapes_text_and_needs_no_styles_or_outside_urls() -> None:
+    hostile = "<script>alert(\"x\")</script> & 'quotes'"
+    events = [
+        ev(0, "queued", message=hostile),
+        ev(1, "running"),
+        ev(2, "rank_lost", 0, hostile),
+        ev(3, "relay_down", message=hostile),
+    ]
+    tl = build(job(ranks=1), events, now=T0 + 4)
+    text, root = _svg(tl)
+    assert "<script" not in text and "&lt;script&gt;" in text
+    assert not [el for el in root.iter() if el.tag.endswith("script") or el.tag.endswith("style")]
+    titles = [t.text for t in root.iter(f"{SVG}title")]
+    # The queued and lost segments, the loss and the relay's marks.
+    assert sum(hostile in (t or "") for t in titles) == 4
+    assert "style=" not in text
+    assert not [el for el in root.iter() if "style" in el.attrib]
+    assert re.findall(r"https?://[^\"'\s<>]*", text) == ["http://www.w3.org/2000/svg"]
+    assert not [el for el in root.iter() if any(k.endswith("href") for k in el.attrib)]
+
+
+def test_svg_of_64_ranks_and_of_odd_timelines() -> None:
+    events = [ev(0, "queued"), ev(1, "running")]
+    for r in range(64):
+        events += [ev(2 + r / 10, "rank_running", r), ev(60, "checkpoint", r)]
+        events += [ev(70 + r, "rank_lost", r), ev(71 + r, "rank_restarted", r)]
+        events += [ev(72 + r, "rank_running", r), ev(72 + r, "rank_replaying", r)]
+    tl = build(job(ranks=64), events, now=T0 + 200)
+    _, root = _svg(tl, row_height=12)
+    labels = [t.text for t in root.iter(f"{SVG}text") if "row-label" in _classes(t)]
+    assert labels == ["job"] + [f"rank {r}" for r in range(64)]
+    assert len([r for r in root.iter(f"{SVG}rect") if "seg" in _classes(r)]) == 64 * 6
+    assert float(root.get("height", "0")) > 64 * 12
+    # Hand-made timelines: nothing to draw, no duration, things outside the rows.
+    odd = [
+        Timeline(start=0, end=0, ranks=0, segments=[], marks=[], live=False),
+        Timeline(
+            start=5,
+            end=5,
+            ranks=1,
+            segments=[
+                Segment(rank=0, start=5, end=5, state="running", incarnation=1, label=""),
+                Segment(rank=3, start=5, end=5, state="lost", incarnation=None, label=""),
+            ],
+            marks=[
+                Mark(rank=9, time=5, kind="fault", label=""),
+                Mark(rank=0, time=5, kind="other", label="<b>"),
+            ],
+            live=True,
+        ),
+    ]
+    for tl in odd:
+        _, root = _svg(tl, width=10, row_height=1)
+        assert _classes(root) == ["timeline"]
+
+
+# -- from the real store ------------------------------------------------------------------------
+
+
+def _coord_helpers() -> ModuleType:
+    """``tests/coordinator/coord_helpers.py``, loaded by path as that folder's conftest does
+    (pytest runs with --import-mode=importlib); the same module if it is loaded already."""
+    name = "coord_helpers"
+    if name not in sys.modules:
+        path = Path(__file__).parents[1] / "coordinator" / f"{name}.py"
+        spec = importlib.util.spec_from_file_location(name, path)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+async def test_timeline_from_the_store_shows_a_lost_and_replaced_rank(tmp_path: Path) -> None:
+    helpers = _coord_helpers()
+    clock = helpers.FakeClock()
+    async with helpers.open_pool(tmp_path, clock) as pool:
+        await pool.register_relay("relay-0")
+        info = await pool.submit(2)
+        clock.advance(1)
+        agent = await pool.enroll("agent-1", slots=2)  # the job is placed
+        leases = await pool.lease(agent)
+        clock.advance(1)
+        await pool.heartbeat(agent, leases, free=0)
+        clock.advance(5)
+        killed = api.RankExit(job=info.id, rank=1, incarnation=1, code=-9, lost=True)
+        r = await pool.post("/api/v1/agents/exit", killed, agent.headers)
+        assert r.status_code == 200, r.text  # no free slot: the replacement waits
+        clock.advance(3)
+        await pool.heartbeat(agent, leases[:1], free=1)  # a slot: the replacement is placed
+        (fresh,) = await pool.lease(agent, free=1)
+        assert (fresh.rank, fresh.incarnation) == (1, 2)
+        clock.advance(1)
+        hb = api.AgentHeartbeat(
+            ranks=[
+                api.RankState(job=info.id, rank=0, incarnation=1, state="running"),
+                api.RankState(job=info.id, rank=1, incarnation=2, state="running", replay_dets=3),
+            ],
+            free_slots=0,
+            isolation=helpers.SANDBOX,
+        )
+        r = await pool.post("/api/v1/agents/heartbeat", hb, agent.headers)
+        assert r.status_code == 200, r.text
+        clock.advance(2)
+        await pool.exit(agent, leases[0], 0)
+        await pool.exit(agent, fresh, 0)
+        detail = pool.core.store.job_detail(info.id)
+    assert detail is not None and detail.job.state == "succeeded"
+    t0 = detail.job.created
+    tl = build(detail.job, detail.events, now=clock())
+    got = [(s.state, s.start - t0, s.end - t0, s.incarnation) for s in tl.segments if s.rank == 1]
+    assert got == [
+        ("queued", 0, 1, None),
+        ("starting", 1, 2, 1),
+        ("running", 2, 7, 1),
+        ("lost", 7, 10, 1),
+        ("starting", 10, 11, 2),
+        ("replaying", 11, 13, 2),
+    ]
+    (lost,) = [s for s in tl.segments if s.state == "lost"]
+    assert any(s.rank == 1 and s.start >= lost.end and s.state != "lost" for s in tl.segments)
+    assert [(m.rank, m.kind) for m in tl.marks] == [(1, "fault")]
+    assert not tl.live and tl.end == detail.job.finished
+    ET.fromstring(str(render_svg(tl)))

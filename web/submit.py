@@ -1,0 +1,218 @@
+"""The portal's submit form (``/jobs/new``): the files and settings of ``vsdk submit``.
+
+The form's files are packed exactly as ``vsdk submit`` packs them (``vpool.bundle.pack``),
+stored as blobs and submitted through ``Coordinator.submit``, so the checks and their messages
+are the same; each error is shown next to the field that caused it and nothing is kept from a
+refused form but what the user typed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import shlex
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+from fastapi import APIRouter, Request, Response
+from fastapi.responses import HTMLResponse, RedirectResponse
+from starlette.datastructures import FormData, UploadFile
+
+from vpool import bundle
+from vpool.coordinator.errors import BadRequest, CoordinatorError, TooLarge
+from vpool.coordinator.service import Coordinator
+from vpool.coordinator.transport import coordinator
+from vpool.protocol import api
+from vpool.sizes import parse_size
+from vpool.web import session
+from vpool.web.render import page
+from vpool.web.session import Viewer, viewer
+
+router = APIRouter()
+
+MAX_INPUTS = 100
+MAX_ARGS_TEXT = 64 << 10
+# Which field an error of ``Coordinator.submit`` belongs to, by its code.
+FIELD_OF_CODE = {
+    "bad_ranks": "ranks",
+    "bad_checkpoint_every": "checkpoint_every",
+    "bad_memory": "memory",
+    "bad_bundle": "program",
+    "not_python": "program",
+    "too_large": "program",
+}
+
+
+@dataclass
+class Draft:
+    """What the user typed, to show again with the errors."""
+
+    name: str = ""
+    ranks: str = "4"
+    args: str = ""
+    entry: str = ""
+    checkpoint_every: str = ""
+    memory: str = ""
+    fault_tolerance: bool = True
+    unsandboxed: bool = False
+    errors: dict[str, str] = field(default_factory=dict)
+
+    def error(self, name: str, message: str) -> None:
+        self.errors.setdefault(name, message)
+
+
+@router.get("/jobs/new", response_class=HTMLResponse)
+async def new_job(request: Request) -> Response:
+    v = await viewer(request)
+    return _form(request, v, Draft())
+
+
+def _form(request: Request, v: Viewer, draft: Draft, status: int = 200) -> Response:
+    core = coordinator(request)
+    return page(
+        request,
+        v,
+        "new_job.html",
+        status=status,
+        draft=draft,
+        max_ranks=core.settings.max_ranks,
+        min_checkpoint=core.settings.min_checkpoint_every,
+    )
+
+
+@router.post("/jobs/new", response_class=HTMLResponse)
+async def submit(request: Request) -> Response:
+    v = await viewer(request)
+    core = coordinator(request)
+    length = request.headers.get("content-length", "")
+    if not length.isdigit():
+        raise BadRequest("a form upload must say its length", code="length_required")
+    if int(length) > core.settings.max_blob_bytes:
+        raise TooLarge(f"the upload is larger than {core.settings.max_blob_bytes} bytes")
+    form = await request.form(max_files=MAX_INPUTS + 2, max_fields=40)
+    try:
+        session.check_post(request, form, v.csrf)
+        draft = _draft(form)
+        sub = await _submission(core, form, draft)
+        if sub is None:
+            return _form(request, v, draft, status=422)
+        try:
+            job = await core.submit(v.who, sub)
+        except CoordinatorError as exc:
+            draft.error(_field(exc), exc.message)
+            return _form(request, v, draft, status=exc.status)
+    finally:
+        await form.close()
+    return RedirectResponse(f"/jobs/{job.id}", 303)
+
+
+def _text(form: FormData, name: str, limit: int = 4096) -> str:
+    value = form.get(name)
+    return value[:limit] if isinstance(value, str) else ""
+
+
+def _files(form: FormData, name: str) -> list[UploadFile]:
+    """The files of a file field; a field left empty sends one nameless empty part."""
+    return [f for f in form.getlist(name) if isinstance(f, UploadFile) and f.filename]
+
+
+def _draft(form: FormData) -> Draft:
+    return Draft(
+        name=_text(form, "name"),
+        ranks=_text(form, "ranks"),
+        args=_text(form, "args", MAX_ARGS_TEXT),
+        entry=_text(form, "entry"),
+        checkpoint_every=_text(form, "checkpoint_every"),
+        memory=_text(form, "memory"),
+        fault_tolerance=form.get("fault_tolerance") == "on",
+        unsandboxed=form.get("unsandboxed") == "on",
+    )
+
+
+async def _submission(core: Coordinator, form: FormData, draft: Draft) -> api.JobSubmit | None:
+    """The job the form asks for, its blobs stored; None (and ``draft.errors``) if wrong."""
+    ranks = _number(draft, "ranks", draft.ranks, int, "a whole number of ranks")
+    every = 0.0
+    if draft.checkpoint_every.strip():
+        every = _number(draft, "checkpoint_every", draft.checkpoint_every, float, "seconds")
+    if every > 0 and not draft.fault_tolerance:
+        draft.error(
+            "checkpoint_every", "checkpoints need fault tolerance: turn it on or leave this empty"
+        )
+    memory = 0
+    if draft.memory.strip():
+        try:
+            memory = parse_size(draft.memory)
+        except ValueError as exc:
+            draft.error("memory", str(exc))
+    try:
+        args = shlex.split(draft.args)
+    except ValueError as exc:
+        draft.error("args", f"cannot split the arguments as a shell would: {exc}")
+        args = []
+
+    programs, inputs = _files(form, "program"), _files(form, "inputs")
+    stdins = _files(form, "stdin")
+    if len(programs) != 1:
+        draft.error("program", "choose the program: one .py file or a .zip")
+    elif not (programs[0].filename or "").endswith((".py", ".zip")):
+        draft.error("program", f"{programs[0].filename} is neither a .py file nor a .zip")
+    if len(inputs) > MAX_INPUTS:
+        draft.error("inputs", f"at most {MAX_INPUTS} input files")
+    if draft.errors:
+        return None
+
+    program = programs[0]
+    try:
+        packed = bundle.pack(
+            program.filename or "",
+            await program.read(),
+            [(f.filename or "", await f.read()) for f in inputs],
+            entry=draft.entry.strip() or None,
+        )
+    except bundle.BundleError as exc:
+        draft.error(exc.field, exc.message)
+        return None
+    bundle_sha = await _store(core, packed.data)
+    stdin_sha = await _store(core, await stdins[0].read()) if stdins else None
+    return api.JobSubmit(
+        ranks=ranks,
+        bundle=bundle_sha,
+        entry=packed.entry,
+        args=args,
+        stdin=stdin_sha,
+        name=draft.name.strip() or (program.filename or ""),
+        fault_tolerance=draft.fault_tolerance,
+        checkpoint_every=every,
+        memory=memory,
+        unsandboxed=draft.unsandboxed,
+    )
+
+
+N = TypeVar("N", int, float)
+
+
+def _number(draft: Draft, name: str, text: str, kind: type[N], what: str) -> N:
+    try:
+        return kind(text.strip())
+    except ValueError:
+        draft.error(name, f"{text.strip() or 'nothing'} is not {what}")
+        return kind(0)
+
+
+async def _store(core: Coordinator, data: bytes) -> str:
+    async def chunks() -> AsyncIterator[bytes]:
+        yield data
+
+    info = await core.put_blob(hashlib.sha256(data).hexdigest(), chunks())
+    return info.sha256
+
+
+def _field(exc: CoordinatorError) -> str:
+    if exc.code in FIELD_OF_CODE:
+        if exc.code == "bad_bundle" and "entry" in exc.message:
+            return "entry"
+        return FIELD_OF_CODE[exc.code]
+    if "name" in exc.message:
+        return "name"
+    return "form"

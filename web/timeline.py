@@ -1,0 +1,433 @@
+"""The job timeline of the portal's job page: one row per rank over time, segments coloured by
+state, marks for checkpoints, faults and fencing.
+
+``build`` turns a job's event list (``api.JobDetail.events``, written by the coordinator's
+store) into a ``Timeline``: plain msgspec Structs, so an API route can return the same model as
+JSON. ``render_svg`` draws it as an inline ``<svg>`` with no scripts and no style attributes:
+the page's Content-Security-Policy allows neither, so every colour comes from a class in
+``static/timeline.css``.
+
+Segment states (``STATES``) and the events that start them:
+
+- ``queued``: from the job's creation until the job is placed (job event ``running``);
+- ``starting``: an incarnation is leased to an agent (``running``, ``rank_restarted``) and has
+  not said it runs yet;
+- ``running``: the first incarnation runs (``rank_running``);
+- ``replaying``: a replacement that re-runs from the beginning and replays its log
+  (``rank_replaying``). No event says when it caught up, so the whole run of that incarnation
+  (from ``rank_running``, or from ``rank_replaying`` if that comes later) is ``replaying``: it
+  is a replacement, which is what the row should show;
+- ``restored``: a replacement restored from a checkpoint image (``rank_restored``): its whole
+  run, or from the report on if the incarnation said it runs before it reported the restore;
+- ``lost``: from ``rank_lost`` until the replacement incarnation is placed
+  (``rank_restarted``), or until the job ends;
+- ``waiting``: the replacement can only start from a checkpoint image and no agent can restore
+  it (``rank_waiting_restore``), until it is placed or the job ends.
+
+A rank's row ends at ``rank_exited`` or ``rank_failed`` (no segment after; ``rank_failed`` is
+also a fault mark), and every row ends at the job's end event (``succeeded``, ``failed``,
+``cancelled``). The current segment of an unfinished job ends at ``now``.
+
+Mark kinds (``MARK_KINDS``): ``checkpoint`` (a committed image), ``fault`` (``rank_lost``,
+``rank_failed``, ``checkpoint_failed``, ``restore_failed``, ``relay_down``, ``job_failed``, the
+job's ``failed`` end), ``fence`` (``rank_fenced``: a replaced incarnation's late exit) and
+``recovery`` (``relay_up``). Marks without a rank are job-wide and drawn on the ``job`` row.
+
+The events come from the database, so ``build`` never raises on odd data: events of unknown
+kinds, of ranks out of range or at non-finite times are skipped, a rank event without a rank
+changes no row (its mark, if any, is job-wide), and events are taken in time order (a stable
+sort: events of one instant keep their recorded order).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import msgspec
+from markupsafe import Markup, escape
+
+from vpool.protocol import api
+
+STATES: tuple[str, ...] = (
+    "queued",
+    "starting",
+    "running",
+    "replaying",
+    "restored",
+    "lost",
+    "waiting",
+)
+MARK_KINDS: tuple[str, ...] = ("checkpoint", "fault", "fence", "recovery")
+
+# Event kind -> mark kind. A mark is made whatever the event does to the rank's row.
+_MARKS: dict[str, str] = {
+    "checkpoint": "checkpoint",
+    "rank_lost": "fault",
+    "rank_failed": "fault",
+    "checkpoint_failed": "fault",
+    "restore_failed": "fault",
+    "relay_down": "fault",
+    "job_failed": "fault",
+    "failed": "fault",
+    "rank_fenced": "fence",
+    "relay_up": "recovery",
+}
+_JOB_ENDS = frozenset(api.TERMINAL_STATES)
+
+
+class Segment(msgspec.Struct, frozen=True):
+    """Rank ``rank`` was in ``state`` from ``start`` to ``end`` (seconds since the epoch).
+    ``incarnation``: the incarnation it concerns (for ``lost`` and ``waiting``: the one that
+    was lost), None while queued. ``label``: the message of the event that started it."""
+
+    rank: int
+    start: float
+    end: float
+    state: str
+    incarnation: int | None
+    label: str
+
+
+class Mark(msgspec.Struct, frozen=True):
+    """An instant: ``kind`` one of ``MARK_KINDS``; ``rank`` None for job-wide marks."""
+
+    rank: int | None
+    time: float
+    kind: str
+    label: str
+
+
+class Timeline(msgspec.Struct, frozen=True):
+    start: float
+    end: float
+    ranks: int
+    segments: list[Segment]  # by rank, then start
+    marks: list[Mark]  # by time
+    live: bool  # the job is not over: the page should fetch it again
+
+
+@dataclass
+class _Row:
+    rank: int
+    state: str | None  # of the open segment; None once the row ended
+    since: float
+    label: str
+    incarnation: int | None = None
+    # What the current incarnation shows once it runs, and the message that said so.
+    runs_as: str = "running"
+    runs_label: str = ""
+
+
+class _Builder:
+    """Replays events onto one ``_Row`` per rank, collecting closed segments and marks."""
+
+    def __init__(self, ranks: int, start: float) -> None:
+        self.rows = [_Row(rank, "queued", start, "queued") for rank in range(ranks)]
+        self.segments: list[Segment] = []
+        self.marks: list[Mark] = []
+        self.over = False
+        # Rank event kind -> what it does to the rank's row.
+        self.handlers: dict[str, Callable[[_Row, str, float], None]] = {
+            "rank_running": self._rank_running,
+            "rank_replaying": self._rank_replaying,
+            "rank_restored": self._rank_restored,
+            "rank_lost": self._rank_lost,
+            "rank_waiting_restore": self._rank_waiting,
+            "rank_restarted": self._rank_restarted,
+            "rank_exited": self._rank_ended,
+            "rank_failed": self._rank_ended,
+        }
+
+    def event(self, e: api.JobEvent) -> None:
+        rank, t = e.rank, e.time
+        if rank is not None and not 0 <= rank < len(self.rows):
+            return
+        mark = _MARKS.get(e.kind)
+        if mark is not None:
+            self.marks.append(Mark(rank=rank, time=t, kind=mark, label=e.message))
+        if self.over:
+            return  # after the job's end only marks count (e.g. a late fenced exit)
+        if e.kind == "queued":
+            for row in self.rows:
+                if row.state == "queued":
+                    row.label = e.message
+        elif e.kind == "running":
+            for row in self.rows:
+                if row.state == "queued":
+                    self._to(row, "starting", t, e.message, 1)
+        elif e.kind in _JOB_ENDS:
+            for row in self.rows:
+                self._close(row, t)
+            self.over = True
+        elif rank is not None:
+            handler = self.handlers.get(e.kind)
+            if handler is not None and self.rows[rank].state is not None:
+                handler(self.rows[rank], e.message, t)
+
+    def finish(self, t: float, *, live: bool) -> None:
+        """Close the open segments at ``t``: the current states of a live job (shown even at
+        their first instant), or those of a finished job whose end event is missing."""
+        for row in self.rows:
+            if live and row.state is not None and t <= row.since:
+                self._append(row, row.since)
+            self._close(row, t)
+
+    def _rank_running(self, row: _Row, message: str, t: float) -> None:
+        self._to(row, row.runs_as, t, row.runs_label or message, row.incarnation)
+
+    def _rank_replaying(self, row: _Row, message: str, t: float) -> None:
+        row.runs_as, row.runs_label = "replaying", message
+        if row.state in ("running", "restored"):
+            self._to(row, "replaying", t, message, row.incarnation)
+
+    def _rank_restored(self, row: _Row, message: str, t: float) -> None:
+        row.runs_as, row.runs_label = "restored", message
+        if row.state in ("running", "replaying"):
+            self._to(row, "restored", t, message, row.incarnation)
+
+    def _rank_lost(self, row: _Row, message: str, t: float) -> None:
+        self._to(row, "lost", t, message, row.incarnation)
+
+    def _rank_waiting(self, row: _Row, message: str, t: float) -> None:
+        self._to(row, "waiting", t, message, row.incarnation)
+
+    def _rank_restarted(self, row: _Row, message: str, t: float) -> None:
+        row.runs_as, row.runs_label = "running", ""
+        self._to(row, "starting", t, message, (row.incarnation or 1) + 1)
+
+    def _rank_ended(self, row: _Row, message: str, t: float) -> None:
+        self._close(row, t)
+
+    def _to(self, row: _Row, state: str, t: float, label: str, incarnation: int | None) -> None:
+        if row.state == state and row.incarnation == incarnation:
+            return
+        self._close(row, t)
+        row.state, row.since, row.label, row.incarnation = state, t, label, incarnation
+
+    def _close(self, row: _Row, t: float) -> None:
+        """End the row's open segment at ``t``. One of no duration is dropped: several events
+        of one instant (``rank_running`` then ``rank_replaying``) make one segment."""
+        if row.state is not None and t > row.since:
+            self._append(row, t)
+        row.state = None
+
+    def _append(self, row: _Row, end: float) -> None:
+        assert row.state is not None
+        self.segments.append(
+            Segment(
+                rank=row.rank,
+                start=row.since,
+                end=end,
+                state=row.state,
+                incarnation=row.incarnation,
+                label=row.label,
+            )
+        )
+
+
+def build(job: api.JobInfo, events: Sequence[api.JobEvent], now: float) -> Timeline:
+    """The timeline of ``job`` from its events (``api.JobDetail.events``) as of ``now``.
+
+    It starts at the job's creation and ends at ``now`` while the job is live, at
+    ``job.finished`` once it is over; in both cases at the latest event if one is later (the
+    late exit of a fenced incarnation comes after the job's end)."""
+    timed = sorted((e for e in events if math.isfinite(e.time)), key=lambda e: e.time)
+    first = [timed[0].time] if timed else []
+    last = [timed[-1].time] if timed else []
+    start = min([job.created, *first]) if math.isfinite(job.created) else min([now, *first])
+    live = job.state not in api.TERMINAL_STATES
+    if live:
+        end = now
+    elif job.finished is not None:
+        end = job.finished
+    else:
+        end = max([start, *last])
+    end = max([end, start, *last]) if math.isfinite(end) else max([start, *last])
+    builder = _Builder(max(0, job.ranks), start)
+    for e in timed:
+        builder.event(e)
+    builder.finish(end, live=live)
+    return Timeline(
+        start=start,
+        end=end,
+        ranks=len(builder.rows),
+        segments=sorted(builder.segments, key=lambda s: (s.rank, s.start)),
+        marks=builder.marks,
+        live=live,
+    )
+
+
+# -- SVG ----------------------------------------------------------------------------------------
+
+_LABEL_WIDTH = 64  # the "rank N" column
+_PAD = 6
+_AXIS_HEIGHT = 22
+_LEGEND_HEIGHT = 18
+_SVG_NS = "http://www.w3.org/2000/svg"
+
+
+def render_svg(tl: Timeline, *, width: int = 900, row_height: int = 18) -> Markup:
+    """``tl`` as an inline ``<svg class="timeline">``: a ``job`` row for job-wide marks, one
+    row per rank, a time axis in seconds from the job's start, and a legend. No scripts, no
+    style attributes: colours come from ``static/timeline.css``. Segments are ``<rect
+    class="seg seg-STATE" data-rank data-state data-incarnation>``, marks shapes with ``class=
+    "mark mark-KIND" data-rank`` (``data-rank="job"`` for job-wide marks), each with a
+    ``<title>`` tooltip."""
+    width = max(width, _LABEL_WIDTH + 4 * _PAD)
+    row_height = max(row_height, 8)
+    x0, plot = _LABEL_WIDTH, width - _LABEL_WIDTH - 2 * _PAD
+    span = tl.end - tl.start
+    if not (math.isfinite(span) and span > 0):
+        span = 1.0
+    top = _PAD
+
+    def x(t: float) -> float:
+        return x0 + (min(max(t, tl.start), tl.start + span) - tl.start) / span * plot
+
+    def row_y(rank: int | None) -> int:
+        return top + (0 if rank is None else rank + 1) * row_height
+
+    axis_y = row_y(tl.ranks)
+    parts: list[str] = []
+    parts.append(_text("row-label", x0 - _PAD, top + row_height / 2, "job"))
+    for rank in range(tl.ranks):
+        y = row_y(rank)
+        parts.append(f'<rect class="row row-{rank % 2}" x="{x0}" y="{y}" ')
+        parts.append(f'width="{plot}" height="{row_height}"/>')
+        parts.append(_text("row-label", x0 - _PAD, y + row_height / 2, f"rank {rank}"))
+    parts.extend(_axis(tl, x, span, top, axis_y))
+    for seg in tl.segments:
+        if not 0 <= seg.rank < tl.ranks:
+            continue
+        left = x(seg.start)
+        inc = "" if seg.incarnation is None else f", incarnation {seg.incarnation}"
+        tip = (
+            f"rank {seg.rank}{inc}: {seg.state} from {_secs(seg.start - tl.start)} "
+            f"to {_secs(seg.end - tl.start)}: {seg.label}"
+        )
+        parts.append(
+            f'<rect class="seg seg-{escape(seg.state)}" data-rank="{seg.rank}" '
+            f'data-state="{escape(seg.state)}" data-incarnation="{_attr(seg.incarnation)}" '
+            f'x="{left:.1f}" y="{row_y(seg.rank) + 2}" '
+            f'width="{max(x(seg.end) - left, 1.0):.1f}" height="{row_height - 4}">'
+            f"<title>{escape(tip)}</title></rect>"
+        )
+    for mark in tl.marks:
+        if mark.rank is not None and not 0 <= mark.rank < tl.ranks:
+            continue
+        parts.extend(_mark(mark, x(mark.time), row_y(mark.rank), row_height, axis_y, tl.start))
+    if tl.live:
+        parts.append(f'<line class="now" x1="{x(tl.end):.1f}" y1="{top}" ')
+        parts.append(f'x2="{x(tl.end):.1f}" y2="{axis_y}"><title>now</title></line>')
+    legend, legend_height = _legend(width, axis_y + _AXIS_HEIGHT)
+    parts.extend(legend)
+    height = axis_y + _AXIS_HEIGHT + legend_height + _PAD
+    faults = sum(m.kind == "fault" for m in tl.marks)
+    checkpoints = sum(m.kind == "checkpoint" for m in tl.marks)
+    label = (
+        f"Job timeline: {tl.ranks} rank{'s' * (tl.ranks != 1)} over {_secs(span)}, "
+        f"{faults} fault{'s' * (faults != 1)}, "
+        f"{checkpoints} checkpoint{'s' * (checkpoints != 1)}"
+        f"{', live' if tl.live else ''}"
+    )
+    head = (
+        f'<svg xmlns="{_SVG_NS}" class="timeline" role="img" aria-label="{escape(label)}" '
+        f'data-live="{str(tl.live).lower()}" width="{width}" height="{height}" '
+        f'viewBox="0 0 {width} {height}">'
+    )
+    return Markup(head + "".join(parts) + "</svg>")
+
+
+def _axis(
+    tl: Timeline, x: Callable[[float], float], span: float, top: int, axis_y: int
+) -> list[str]:
+    parts = [f'<line class="axis" x1="{x(tl.start):.1f}" y1="{axis_y}" ']
+    parts.append(f'x2="{x(tl.start + span):.1f}" y2="{axis_y}"/>')
+    step = _tick_step(span)
+    for k in range(int(span / step + 1e-9) + 1):
+        at = x(tl.start + k * step)
+        parts.append(f'<line class="tick" x1="{at:.1f}" y1="{top}" x2="{at:.1f}" ')
+        parts.append(f'y2="{axis_y + 4}"/>')
+        parts.append(_text("tick-label", at, axis_y + 14, _tick_label(k * step, step)))
+    return parts
+
+
+def _mark(mark: Mark, at: float, y: int, row_height: int, axis_y: int, start: float) -> list[str]:
+    rank = "job" if mark.rank is None else str(mark.rank)
+    where = "the job" if mark.rank is None else f"rank {mark.rank}"
+    tip = f"{mark.kind} at {_secs(mark.time - start)}, {where}: {mark.label}"
+    parts = []
+    if mark.rank is None:  # job-wide: a rule across the rank rows too
+        parts.append(f'<line class="mark-rule mark-rule-{escape(mark.kind)}" x1="{at:.1f}" ')
+        parts.append(f'y1="{y + row_height}" x2="{at:.1f}" y2="{axis_y}"/>')
+    attrs = f'class="mark mark-{escape(mark.kind)}" data-rank="{rank}"'
+    parts.append(_shape(mark.kind, attrs, at, y + row_height / 2, row_height / 2 - 2, tip))
+    return parts
+
+
+def _shape(kind: str, attrs: str, at: float, mid: float, half: float, tip: str) -> str:
+    """The shape of a mark kind centred on (``at``, ``mid``): shapes differ as well as
+    colours, for readers who cannot tell the colours apart."""
+    title = f"<title>{escape(tip)}</title>" if tip else ""
+    if kind == "checkpoint":
+        return f'<circle {attrs} cx="{at:.1f}" cy="{mid:.1f}" r="{half * 0.6:.1f}">{title}</circle>'
+    if kind == "fence":
+        return (
+            f'<rect {attrs} x="{at - 1.5:.1f}" y="{mid - half:.1f}" width="3" '
+            f'height="{2 * half:.1f}">{title}</rect>'
+        )
+    h = half * 0.9
+    if kind == "recovery":  # a triangle pointing up
+        points = [(at, mid - h), (at + h, mid + h), (at - h, mid + h)]
+    else:  # a fault, or a kind this renderer does not know: a diamond
+        points = [(at, mid - h), (at + h, mid), (at, mid + h), (at - h, mid)]
+    coords = " ".join(f"{px:.1f},{py:.1f}" for px, py in points)
+    return f'<polygon {attrs} points="{coords}">{title}</polygon>'
+
+
+def _legend(width: int, y: int) -> tuple[list[str], int]:
+    """The legend below the axis, wrapped to ``width``; returns its parts and height."""
+    items = [("seg", state) for state in STATES] + [("mark", kind) for kind in MARK_KINDS]
+    parts = ['<g class="legend">']
+    left, line, size = _PAD, 0, 10
+    for what, name in items:
+        item_width = size + 4 + 7 * len(name) + 14
+        if left + item_width > width - _PAD and left > _PAD:
+            left, line = _PAD, line + 1
+        top = y + line * _LEGEND_HEIGHT
+        if what == "seg":
+            parts.append(f'<rect class="swatch seg-{name}" x="{left}" y="{top}" ')
+            parts.append(f'width="{size}" height="{size}"/>')
+        else:
+            attrs = f'class="swatch mark-{name}"'
+            parts.append(_shape(name, attrs, left + size / 2, top + size / 2, size / 2, ""))
+        parts.append(_text("legend-label", left + size + 4, top + size / 2, name))
+        left += item_width
+    parts.append("</g>")
+    return parts, (line + 1) * _LEGEND_HEIGHT
+
+
+def _text(cls: str, x: float, y: float, text: str) -> str:
+    return f'<text class="{cls}" x="{x:.1f}" y="{y:.1f}">{escape(text)}</text>'
+
+
+def _attr(value: int | None) -> str:
+    return "" if value is None else str(value)
+
+
+def _secs(seconds: float) -> str:
+    return f"{seconds:.1f} s"
+
+
+def _tick_step(span: float, ticks: int = 6) -> float:
+    """A round step (1, 2 or 5 times a power of ten) giving at most about ``ticks`` ticks."""
+    raw = span / ticks
+    power = 10.0 ** math.floor(math.log10(raw))
+    return next(m * power for m in (1, 2, 5, 10) if m * power >= raw)
+
+
+def _tick_label(value: float, step: float) -> str:
+    decimals = max(0, -math.floor(math.log10(step)))
+    return f"{value:.{decimals}f} s"
