@@ -10,6 +10,7 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import FileResponse
 from starlette.background import BackgroundTask
 
+from vpool.coordinator.access import Action
 from vpool.coordinator.transport import coordinator, declared_length, decode, principal, reply
 from vpool.protocol import api
 from vpool.web import timeline
@@ -137,6 +138,7 @@ async def cancel(request: Request, job_id: int) -> Response:
 async def checkpoint(request: Request, job_id: int) -> Response:
     c = coordinator(request)
     who = await principal(request)
+    await c.job(who, job_id, Action.CONTROL)  # someone else's job: 404 whatever the body
     ask = await decode(request, api.CheckpointAsk)
     return reply(await c.ask_checkpoint(who, job_id, ask), status=202)
 

@@ -54,6 +54,7 @@ class Sources:
     output: OutputReader
     render: Renderer
     changes: Callable[[], trio.Event]
+    tick: float = TICK
 
 
 @dataclass
@@ -82,7 +83,8 @@ class JobFeed:
         one subscriber at a time; the others find it done. False if nothing was read."""
         async with self.lock:
             changed = self.sources.changes()
-            stale = not self.terminal and trio.current_time() - self.rendered_at >= TICK
+            age = trio.current_time() - self.rendered_at
+            stale = not self.terminal and age >= self.sources.tick
             if changed is self.seen and not stale:
                 return False
             self.seen = changed
@@ -146,7 +148,7 @@ class JobFeed:
                 continue
             if self.terminal:
                 continue
-            with trio.move_on_after(TICK):
+            with trio.move_on_after(self.sources.tick):
                 await changed.wait()
 
 

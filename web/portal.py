@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import math
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from typing import Literal
 from urllib.parse import urlencode
 
@@ -247,15 +248,16 @@ async def live(request: Request, job_id: int, after: int = 0, rank: int | None =
     async def events() -> AsyncIterator[bytes]:
         async with feeds(request).watch(job_id, after) as f:
             with trio.move_on_after(MAX_STREAM):
-                async for update in f.follow(after, rank):
-                    if update.records:
-                        data = msgspec.json.encode(update.records).decode()
-                        yield _sse("output", data, event_id=update.records[-1].id)
-                    if update.panel is not None:
-                        yield _sse("state", update.panel, extra=update.state)
-                    if update.done:
-                        yield _sse("end", update.state)
-                        return
+                async with aclosing(f.follow(after, rank)) as updates:
+                    async for update in updates:
+                        if update.records:
+                            data = msgspec.json.encode(update.records).decode()
+                            yield _sse("output", data, event_id=update.records[-1].id)
+                        if update.panel is not None:
+                            yield _sse("state", update.panel, extra=update.state)
+                        if update.done:
+                            yield _sse("end", update.state)
+                            return
 
     return StreamingResponse(
         events(),

@@ -74,11 +74,16 @@ def check_post(request: Request, form: FormData, secret: str) -> None:
 
 
 def check_origin(request: Request) -> None:
+    """A browser's word on where a POST comes from: ``Sec-Fetch-Site`` when it sends it (all
+    current browsers), else ``Origin``. Clients that send neither are not browsers a forged
+    page could drive; the CSRF secret still has to match."""
+    site = request.headers.get("sec-fetch-site")
+    if site is not None:
+        if site != "same-origin":
+            raise Forbidden(f"a form from a {site} page may not post here", code="bad_origin")
+        return
     origin = request.headers.get("origin")
-    if origin is None:
-        return  # not a browser that tells; the CSRF secret still has to match
-    host = request.headers.get("host", "")
-    if urlsplit(origin).netloc != host:
+    if origin is not None and urlsplit(origin).netloc != request.headers.get("host", ""):
         raise Forbidden(f"a form from {origin} may not post here", code="bad_origin")
 
 
