@@ -161,23 +161,30 @@ def mpiexec(ranks: int, stdin: Path | None, argv: tuple[str, ...]) -> None:
 
 
 @cli.command()
+@click.option(
+    "--show-token", is_flag=True, help="Print the token itself (to sign in to the web portal)."
+)
 @click.pass_context
-def config(ctx: click.Context) -> None:
-    """Show the client config in use (the token is not shown).
+def config(ctx: click.Context, show_token: bool) -> None:
+    """Show the client config in use (the token only with --show-token).
+
+    The web portal is at the coordinator's URL; sign in there with the token.
 
     \b
     Example:
       vsdk config
+      vsdk config --show-token
     """
     settings: Settings = ctx.ensure_object(Settings)
     path = settings.config
     cfg = clientconfig.load(path)
+    token = (cfg.token or "missing") if show_token else ("set" if cfg.token else "missing")
     print_json(
         {
             "file": str(path or paths.client_config_file()),
             "url": cfg.url,
             "ca": str(cfg.ca) if cfg.ca else None,
-            "token": "set" if cfg.token else "missing",
+            "token": token,
         }
     )
 

@@ -103,6 +103,11 @@ def up(
             f"local pool up at {started.url} ({agents} agent(s) x {slots} slots, "
             f"{relays} relay(s)); logs in {started.root / 'logs'}",
         )
+        note(
+            settings,
+            f"web portal: {started.url}/ (sign in with the token `vsdk config --show-token` "
+            f"prints; the browser has to trust the pool's CA, {started.ca})",
+        )
 
 
 @local.command()

@@ -197,7 +197,9 @@ async def jobs(
 
 
 @router.get("/jobs/{job_id}", response_class=HTMLResponse)
-async def job_page(request: Request, job_id: int, rank: int | None = None) -> Response:
+async def job_page(
+    request: Request, job_id: int, rank: int | None = None, asked: int | None = None
+) -> Response:
     v = await viewer(request)
     core = coordinator(request)
     detail = await core.job_detail(v.who, job_id)
@@ -227,6 +229,7 @@ async def job_page(request: Request, job_id: int, rank: int | None = None) -> Re
         seed=msgspec.json.encode(seed).decode(),
         rank=rank,
         terminal=terminal,
+        asked=asked,
     )
 
 
@@ -286,8 +289,8 @@ async def cancel(request: Request, job_id: int) -> Response:
 async def checkpoint(request: Request, job_id: int) -> Response:
     v = await viewer(request)
     session.check_post(request, await request.form(max_files=0, max_fields=10), v.csrf)
-    await coordinator(request).ask_checkpoint(v.who, job_id, api.CheckpointAsk())
-    return RedirectResponse(f"/jobs/{job_id}?asked=checkpoint", 303)
+    asked = await coordinator(request).ask_checkpoint(v.who, job_id, api.CheckpointAsk())
+    return RedirectResponse(f"/jobs/{job_id}?asked={len(asked.ranks)}", 303)
 
 
 @router.get("/jobs/{job_id}/results")

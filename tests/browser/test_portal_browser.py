@@ -99,6 +99,23 @@ def _sign_in(b: Browser, url: str, token: str) -> None:
         raise
 
 
+def _submit_from_form(b: Browser, *, ranks: int, args: str) -> int:
+    """Submit examples/pi.py from the form; the job's number, once its page shows."""
+    from selenium.webdriver.common.by import By
+
+    b.driver.find_element(By.LINK_TEXT, "Submit").click()
+    b.wait_for("h1", text="Submit a job")
+    b.driver.find_element(By.ID, "program").send_keys(str(PI))
+    field = b.driver.find_element(By.ID, "ranks")
+    field.clear()
+    field.send_keys(str(ranks))
+    b.driver.find_element(By.ID, "args").send_keys(args)
+    b.driver.find_element(By.ID, "submit").click()
+    b.wait_until(lambda d: urlsplit(d.current_url).path.startswith("/jobs/"), 30, "no job page")
+    b.wait_for("#job-state")
+    return int(urlsplit(b.driver.current_url).path.rsplit("/", 1)[1])
+
+
 def _ranks_on_timeline(b: Browser, rank: int) -> list[tuple[str, str]]:
     """(state, incarnation) of the timeline's segments of ``rank``, left to right."""
     return b.driver.execute_script(
@@ -132,18 +149,7 @@ def test_scientist_submits_watches_a_fault_and_downloads(
     b = browser(cert, downloads=tmp_path / "downloads")
     _sign_in(b, url, token)
 
-    # Submit from the form.
-    b.driver.find_element(By.LINK_TEXT, "Submit").click()
-    b.wait_for("h1", text="Submit a job")
-    b.driver.find_element(By.ID, "program").send_keys(str(PI))
-    ranks = b.driver.find_element(By.ID, "ranks")
-    ranks.clear()
-    ranks.send_keys("4")
-    b.driver.find_element(By.ID, "args").send_keys(INTERVALS)
-    b.driver.find_element(By.ID, "submit").click()
-    b.wait_until(lambda d: urlsplit(d.current_url).path.startswith("/jobs/"), 30, "no job page")
-    job = int(urlsplit(b.driver.current_url).path.rsplit("/", 1)[1])
-    b.wait_for("#job-state")
+    job = _submit_from_form(b, ranks=4, args=INTERVALS)
     b.driver.execute_script("window.vpoolNoReload = true")  # gone if the page reloads
 
     # Kill rank 1 once it runs; the page shows it lost, then its replacement.
@@ -213,26 +219,47 @@ def test_scientist_submits_watches_a_fault_and_downloads(
     assert urlsplit(b.driver.current_url).path == "/login"
     assert "pi is approximately" not in b.driver.page_source
 
-    # A second user sees none of it, on any page.
-    bob = browser(cert, downloads=tmp_path / "bob-downloads")
-    _sign_in(bob, url, _add_user(pool, "bob"))
-    assert "pi.py" not in bob.driver.page_source and f"/jobs/{job}" not in bob.driver.page_source
+
+@pytest.mark.slow
+def test_another_user_sees_none_of_the_first_users_jobs(
+    pool: object, browser: OpenBrowser, tmp_path: Path
+) -> None:
+    from selenium.webdriver.common.by import By
+
+    url, cert, _ = _local(pool)
+    carol = browser(cert, downloads=tmp_path / "carol")
+    _sign_in(carol, url, _add_user(pool, "carol"))
+    job = _submit_from_form(carol, ranks=2, args="1000")
+    carol.wait_until(
+        lambda d: d.find_element(By.ID, "job").get_attribute("data-state") == "succeeded",
+        DEADLINE,
+        "carol's job did not succeed",
+    )
+    carol.wait_for("#output", text="pi is approximately")
+
+    dave = browser(cert, downloads=tmp_path / "dave")
+    _sign_in(dave, url, _add_user(pool, "dave"))
+    assert f"/jobs/{job}" not in dave.driver.page_source
     for path in (
+        "/jobs",
+        "/jobs?all=true",
+        "/jobs?q=pi",
         f"/jobs/{job}",
         f"/jobs/{job}?rank=0",
-        "/jobs?all=true",
+        f"/jobs/{job}/live",
+        f"/jobs/{job}/results",
         "/pool",
         "/account",
-        f"/jobs/{job}/live",
     ):
-        bob.get(url + path)
-        bob.wait_for("footer" if not path.endswith("/live") else "body")
-        source = bob.driver.page_source
-        assert "pi is approximately" not in source and "pi.py" not in source, path
-        assert "alice" not in source, path
-    bob.get(f"{url}/jobs/{job}")
-    bob.wait_for("h1", text=f"no job {job}")
-    _all_on_origin(bob, url)
+        dave.get(url + path)
+        dave.wait_for("body")
+        source = dave.driver.page_source
+        for secret in ("pi is approximately", "pi.py", "carol", f'href="/jobs/{job}"'):
+            assert secret not in source, (path, secret)
+    dave.get(f"{url}/jobs/{job}")
+    dave.wait_for("h1", text=f"no job {job}")
+    assert list((tmp_path / "dave").glob("*")) == []  # the results link gave no file
+    _all_on_origin(dave, url)
 
 
 @pytest.mark.slow

@@ -264,3 +264,12 @@ def test_mpiexec_passes_the_program_and_args(monkeypatch: pytest.MonkeyPatch) ->
     assert calls == [(4, ["app.py", "-x", "--y"], None)]
     res = run("mpiexec", "-n", "2", "--", "app.py")
     assert calls[-1] == (2, ["app.py"], None)
+
+
+def test_config_shows_the_token_only_when_asked(home: Path) -> None:
+    from vpool.sdk import clientconfig
+
+    clientconfig.save(clientconfig.ClientConfig(url="https://pool:8443", token="vpt_secret"), None)
+    shown = json.loads(run("config").stdout)
+    assert shown["url"] == "https://pool:8443" and shown["token"] == "set"
+    assert json.loads(run("config", "--show-token").stdout)["token"] == "vpt_secret"

@@ -25,6 +25,7 @@ def _load(name: str, path: Path) -> None:
 
 
 _load("coord_helpers", HERE.parent / "coordinator" / "coord_helpers.py")
+_load("ckpt_helpers", HERE.parent / "coordinator" / "ckpt_helpers.py")
 _load("portal_helpers", HERE / "portal_helpers.py")
 from portal_helpers import Portal, open_portal  # noqa: E402
 

@@ -4,10 +4,10 @@ that sign in through the real form, each with its own cookie jar, as separate br
 from __future__ import annotations
 
 import re
-from html import unescape
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
+from html import unescape
 from pathlib import Path
 from typing import Any
 

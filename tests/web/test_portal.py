@@ -8,6 +8,7 @@ import re
 import zipfile
 from pathlib import Path
 
+from ckpt_helpers import beat
 from coord_helpers import HELLO
 from portal_helpers import BASE, Portal, csrf_of, field_errors
 
@@ -419,5 +420,22 @@ async def test_pages_carry_a_policy_that_blocks_outside_resources(portal: Portal
         assert "default-src 'none'" in csp and "script-src 'self'" in csp, url
         assert r.headers["x-frame-options"] == "DENY"
         for src in re.findall(r'(?:src|href|action)="([^"]*)"', r.text):
-            assert src.startswith(("/", "#", "?")) or src == "", (url, src)
+            assert src.startswith(("/", "#", "?", "data:")) or src == "", (url, src)
     assert BASE.startswith("https://")
+
+
+async def test_checkpoint_now_from_the_page(portal: Portal) -> None:
+    pool = portal.pool
+    alice = await portal.sign_in("alice")
+    await pool.register_relay()
+    job = await pool.submit(2)
+    agent = await pool.enroll()
+    leases = await pool.lease(agent)
+    await beat(pool, agent, leases)  # an agent with CRIU
+    r = await alice.post_form(f"/jobs/{job.id}/checkpoint")
+    assert r.status_code == 303, r.text
+    assert r.headers["location"] == f"/jobs/{job.id}?asked=2"
+    page = await alice.get(r.headers["location"])
+    assert "A checkpoint of 2 ranks was asked for" in page.text
+    orders = (await beat(pool, agent, leases)).checkpoint
+    assert sorted(o.rank for o in orders) == [0, 1]
