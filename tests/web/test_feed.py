@@ -10,6 +10,7 @@ import math
 from contextlib import aclosing
 
 import trio
+import trio.testing
 
 from vpool.coordinator.service import Signal
 from vpool.protocol import api
