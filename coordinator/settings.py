@@ -60,7 +60,7 @@ class CoordinatorSettings:
     max_blob_bytes: int = setting(1 << 30, "Largest blob (bundle, stdin, results) accepted.")
     max_ranks: int = setting(256, "Largest number of ranks a job may ask for.")
     public_url: str = setting(
-        "", "URL clients use to reach this coordinator (shown on the dashboard)."
+        "", "URL clients use to reach this coordinator (shown on the web portal's pool page)."
     )
     max_request_bytes: int = setting(
         64 << 20, "Largest JSON request body (e.g. an agent's output batch)."

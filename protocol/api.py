@@ -2,20 +2,31 @@
 
 Prefix ``/api/v1``. Authentication by ``Authorization: Bearer <token>``:
 
-- users (``vsdk``): an API token made by ``vpool-coordinator user add``;
+- users (``vsdk``): an API token made by ``vpool-coordinator user add``/``user token``, the
+  portal's account page or ``POST /api/v1/tokens``; revocable. Who may see what is decided in
+  one place, ``coordinator/access.py``: a user's own jobs only (others' are 404); operators
+  (``UserInfo.role``) also the agents, relays and every job;
 - agents: the agent token (``AgentClaims``) returned by enroll and renewed by heartbeats;
 - relays: the pool's relay secret.
 
 Every error is ``ErrorBody`` with a 4xx/5xx status. Endpoints::
 
     GET  /api/v1/pool                         -> PoolInfo            (no auth)
-    GET  /api/v1/pool/agents                  -> list[AgentInfo]     (user)
+    GET  /api/v1/pool/totals                  -> PoolTotals          (user)
+    GET  /api/v1/pool/agents                  -> list[AgentInfo]     (user: without names)
+    GET  /api/v1/pool/relays                  -> list[RelayStatus]   (operator)
     GET  /api/v1/whoami                       -> UserInfo            (user)
+    GET  /api/v1/tokens                       -> list[TokenInfo]     (user: own tokens)
+    POST /api/v1/tokens           TokenCreate -> TokenCreated (201)  (user)
+    POST /api/v1/tokens/{id}/revoke           -> TokenInfo           (user: own tokens)
     PUT  /api/v1/blobs/{sha256}   raw bytes   -> BlobInfo            (user; hash checked)
     HEAD /api/v1/blobs/{sha256}               -> 200 / 404           (user)
     POST /api/v1/jobs             JobSubmit   -> JobInfo  (201)      (user)
-    GET  /api/v1/jobs                         -> list[JobInfo]       (user: own jobs)
+    GET  /api/v1/jobs?state=&name=&sort=&order=&offset=&limit=&all= -> list[JobInfo]
+                                                                     (user: own jobs; all=true
+                                                                      every job, operators)
     GET  /api/v1/jobs/{id}                    -> JobDetail           (user)
+    GET  /api/v1/jobs/{id}/timeline           -> web.timeline.Timeline (user)
     GET  /api/v1/jobs/{id}/output?after=&rank=&wait= -> OutputPage   (user; long-poll)
     POST /api/v1/jobs/{id}/cancel             -> JobInfo             (user)
     POST /api/v1/jobs/{id}/checkpoint CheckpointAsk -> CheckpointAsked (202) (user)
