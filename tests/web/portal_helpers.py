@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from coord_helpers import Pool, open_pool
+from coord_helpers import Agent, Pool, open_pool
 
 from vpool.protocol import api
 
@@ -78,6 +78,16 @@ class Portal:
         browser.csrf = csrf_of((await client.get("/account")).text)
         self.browsers[name] = browser
         return browser
+
+
+async def running_job(pool: Pool, ranks: int) -> tuple[api.JobInfo, Agent, list[api.Lease]]:
+    """A job of alice's whose ranks all run on one agent (a relay registered first)."""
+    await pool.register_relay()
+    job = await pool.submit(ranks)
+    agent = await pool.enroll()
+    leases = await pool.lease(agent)
+    await pool.heartbeat(agent, leases)
+    return job, agent, leases
 
 
 @asynccontextmanager

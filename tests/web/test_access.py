@@ -8,9 +8,8 @@ its output, events, timeline and results do not exist for a second user (404), o
 
 from __future__ import annotations
 
-from coord_helpers import HELLO
 from fastapi.routing import APIRoute
-from portal_helpers import Portal
+from portal_helpers import Portal, running_job
 from starlette.routing import Mount
 
 from vpool.protocol import api
@@ -128,14 +127,10 @@ def fill(path: str, job: int) -> str:
 async def alice_job(portal: Portal) -> api.JobInfo:
     """A job of alice's that ran and printed something, so every route has something to show."""
     pool = portal.pool
-    await pool.register_relay()
-    job = await pool.submit(1, user="alice", program=HELLO)
+    job, agent, (lease,) = await running_job(pool, 1)
     await pool.core.db.call(
         pool.core.store.db.execute, "UPDATE jobs SET name = ? WHERE id = ?", [SECRET, job.id]
     )
-    agent = await pool.enroll()
-    (lease,) = await pool.lease(agent)
-    await pool.heartbeat(agent, [lease])
     assert (await pool.output(agent, lease, "stdout", 0, SECRET_OUTPUT)).status_code == 200
     assert (await pool.exit(agent, lease, 0)).status_code == 200
     return job

@@ -9,8 +9,8 @@ import zipfile
 from pathlib import Path
 
 from ckpt_helpers import beat
-from coord_helpers import HELLO
-from portal_helpers import BASE, Portal, csrf_of, field_errors
+from coord_helpers import HELLO, make_zip
+from portal_helpers import BASE, Portal, csrf_of, field_errors, running_job
 
 from vpool.protocol import api
 from vpool.web import session
@@ -226,14 +226,6 @@ async def test_submit_form_makes_the_job_vsdk_would(portal: Portal) -> None:
     assert same.data == portal.pool.core.blobs.path(row["bundle"]).read_bytes()
 
 
-def _zip(files: dict[str, bytes]) -> bytes:
-    buf = io.BytesIO()
-    with zipfile.ZipFile(buf, "w") as zf:
-        for name, data in files.items():
-            zf.writestr(name, data)
-    return buf.getvalue()
-
-
 async def test_submit_form_shows_each_error_next_to_its_field(portal: Portal) -> None:
     alice = await portal.sign_in("alice")
 
@@ -257,7 +249,7 @@ async def test_submit_form_shows_each_error_next_to_its_field(portal: Portal) ->
     assert "not a size" in (await post({"memory": "lots"}, _files(py)))["memory"]
     assert "shell" in (await post({"args": "'unclosed"}, _files(py)))["args"]
     assert "not a valid zip" in (await post({}, _files(("app.zip", b"PK nope"))))["program"]
-    errors = await post({}, _files(("app.zip", _zip({"x.py": HELLO}))))
+    errors = await post({}, _files(("app.zip", make_zip({"x.py": HELLO}))))
     assert "has no '__main__.py'" in errors["entry"]
     errors = await post({}, _files(py, inputs=[("a.txt", b"1"), ("a.txt", b"2")]))
     assert "two input files" in errors["inputs"]
@@ -292,11 +284,7 @@ async def test_submit_form_refuses_oversized_and_forged_uploads(portal: Portal) 
 async def test_job_page_shows_ranks_output_and_events_escaped(portal: Portal) -> None:
     pool = portal.pool
     alice = await portal.sign_in("alice")
-    await pool.register_relay()
-    job = await pool.submit(2)
-    agent = await pool.enroll()
-    leases = await pool.lease(agent)
-    await pool.heartbeat(agent, leases)
+    job, agent, leases = await running_job(pool, 2)
     await pool.output(agent, leases[0], "stdout", 0, b"<script>alert(1)</script>\nhalf a li")
     await pool.output(agent, leases[1], "stderr", 0, b"rank one complains\n")
     r = await alice.get(f"/jobs/{job.id}")
@@ -356,11 +344,7 @@ async def test_job_page_with_64_ranks_and_10000_lines(portal: Portal) -> None:
 async def test_results_download_from_the_page(portal: Portal) -> None:
     pool = portal.pool
     alice = await portal.sign_in("alice")
-    await pool.register_relay()
-    job = await pool.submit(1)
-    agent = await pool.enroll()
-    (lease,) = await pool.lease(agent)
-    await pool.heartbeat(agent, [lease])
+    job, agent, (lease,) = await running_job(pool, 1)
     await pool.output(agent, lease, "stdout", 0, b"hello\n")
     await pool.exit(agent, lease, 0)
     r = await alice.get(f"/jobs/{job.id}/results")
@@ -374,11 +358,7 @@ async def test_live_stream_of_an_ended_job(portal: Portal) -> None:
     """The event stream: output records from the cursor, the live panel, the end."""
     pool = portal.pool
     alice = await portal.sign_in("alice")
-    await pool.register_relay()
-    job = await pool.submit(1)
-    agent = await pool.enroll()
-    (lease,) = await pool.lease(agent)
-    await pool.heartbeat(agent, [lease])
+    job, agent, (lease,) = await running_job(pool, 1)
     await pool.output(agent, lease, "stdout", 0, b"first\n")
     await pool.output(agent, lease, "stdout", 6, b"second\n")
     await pool.exit(agent, lease, 0)
@@ -427,11 +407,8 @@ async def test_pages_carry_a_policy_that_blocks_outside_resources(portal: Portal
 async def test_checkpoint_now_from_the_page(portal: Portal) -> None:
     pool = portal.pool
     alice = await portal.sign_in("alice")
-    await pool.register_relay()
-    job = await pool.submit(2)
-    agent = await pool.enroll()
-    leases = await pool.lease(agent)
-    await beat(pool, agent, leases)  # an agent with CRIU
+    job, agent, leases = await running_job(pool, 2)
+    await beat(pool, agent, leases)  # it says it has CRIU
     r = await alice.post_form(f"/jobs/{job.id}/checkpoint")
     assert r.status_code == 303, r.text
     assert r.headers["location"] == f"/jobs/{job.id}?asked=2"

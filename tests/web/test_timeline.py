@@ -3,13 +3,10 @@ them as an inline SVG the page's Content-Security-Policy allows."""
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import re
-import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import msgspec
@@ -393,22 +390,9 @@ def test_svg_of_64_ranks_and_of_odd_timelines() -> None:
 # -- from the real store ------------------------------------------------------------------------
 
 
-def _coord_helpers() -> ModuleType:
-    """``tests/coordinator/coord_helpers.py``, loaded by path as that folder's conftest does
-    (pytest runs with --import-mode=importlib); the same module if it is loaded already."""
-    name = "coord_helpers"
-    if name not in sys.modules:
-        path = Path(__file__).parents[1] / "coordinator" / f"{name}.py"
-        spec = importlib.util.spec_from_file_location(name, path)
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
 async def test_timeline_from_the_store_shows_a_lost_and_replaced_rank(tmp_path: Path) -> None:
-    helpers = _coord_helpers()
+    import coord_helpers as helpers  # loaded by this folder's conftest
+
     clock = helpers.FakeClock()
     async with helpers.open_pool(tmp_path, clock) as pool:
         await pool.register_relay("relay-0")
