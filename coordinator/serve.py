@@ -100,8 +100,8 @@ async def serve(settings: CoordinatorSettings, ready_file: Path | None) -> None:
             await nursery.start(
                 partial(
                     hypercorn_serve,
-                    app,
-                    config,  # type: ignore[arg-type]
+                    app,  # type: ignore[arg-type]
+                    config,
                     shutdown_trigger=_until_signal,
                 )
             )

@@ -29,9 +29,8 @@ class SettingsError(Exception):
 def setting(default: Any, help: str) -> Any:
     """Declare one setting: its default and a one-line help text."""
     if isinstance(default, list | dict):
-        return dataclasses.field(
-            default_factory=lambda d=default: type(d)(d), metadata={"help": help}
-        )
+        kind: Any = type(default)
+        return dataclasses.field(default_factory=lambda: kind(default), metadata={"help": help})
     return dataclasses.field(default=default, metadata={"help": help})
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import bisect
 import math
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
@@ -118,7 +118,7 @@ class JobFeed:
         records = [self.records[i] for i in range(start, len(self.records))]
         return records if rank is None else [r for r in records if r.rank == rank]
 
-    async def follow(self, after: int, rank: int | None = None) -> AsyncIterator[Update]:
+    async def follow(self, after: int, rank: int | None = None) -> AsyncGenerator[Update, None]:
         """Updates for a subscriber that has seen the records up to ``after``."""
         cursor, version = after, -1
         while True:
