@@ -5,8 +5,9 @@ open tabs, each job has one ``JobFeed``: when the coordinator's ``changes`` sign
 output, a rank state, an event) or, while the job runs, every ``TICK`` seconds (the timeline
 grows with time), *one* subscriber takes the feed's lock and reads the job once: its detail
 and the output records since the feed's ``head``. It renders the live panel (state, ranks,
-timeline, events) once and keeps the records in a ring; every subscriber takes what it has not
-seen from there. So the database work grows with the number of watched jobs, not of tabs.
+timeline, events) once and keeps the records in a ring (bounded in records and bytes); every
+subscriber takes what it has not seen from there. So the database work grows with the number
+of watched jobs, not of tabs.
 
 A subscriber that starts (or reconnects, with ``Last-Event-ID``) behind the ring's ``floor``
 reads the missing records itself, once, in pages, then joins the ring. There is no background
@@ -27,7 +28,8 @@ import trio
 from vpool.protocol import api
 
 TICK = 2.0  # seconds between re-renders of a running job's panel
-RING = 5000  # output records a feed keeps for its subscribers
+RING = 5000  # output records a feed keeps for its subscribers, at most
+RING_BYTES = 8 << 20  # and at most this many bytes of them
 PAGE = 1000  # output records read at once
 
 DetailReader = Callable[[int], Awaitable[api.JobDetail | None]]
@@ -65,6 +67,7 @@ class JobFeed:
     head: int = 0  # the last record id read
     ids: deque[int] = field(default_factory=deque)
     records: deque[api.OutputRecord] = field(default_factory=deque)
+    nbytes: int = 0  # of the records' data
     panel: str = ""
     state: str = ""
     version: int = 0  # of the panel
@@ -101,10 +104,11 @@ class JobFeed:
                 for record in records:
                     self.ids.append(record.id)
                     self.records.append(record)
+                    self.nbytes += len(record.data)
                 if records:
                     self.head = records[-1].id
-            while len(self.records) > RING:
-                self.records.popleft()
+            while len(self.records) > RING or (self.nbytes > RING_BYTES and self.records):
+                self.nbytes -= len(self.records.popleft().data)
                 self.floor = self.ids.popleft()
             self.panel = self.sources.render(detail)
             self.state = detail.job.state

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from contextlib import aclosing
 
+import pytest
 import trio
 import trio.testing
 
@@ -139,3 +140,27 @@ async def test_a_late_tab_behind_the_ring_catches_up_alone() -> None:
     assert [r.data for r in early] == [b"new 1\n", b"new 2\n"]
     assert [r.id for r in late] == list(range(1, 33))
     assert [r.data for r in rank1] == [b"new 1\n"]
+
+
+async def test_the_ring_is_bounded_and_slow_tabs_catch_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(feed, "RING_BYTES", 100)  # a few records of ~10 bytes
+    job = FakeJob()
+    feeds = feed.Feeds(job.sources())
+    got: list[api.OutputRecord] = []
+    async with feeds.watch(1, 0) as f:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_follow, feeds, got, [])
+            await trio.testing.wait_all_tasks_blocked()
+            for n in range(50):  # bursts of 10 between reads: the ring drops the oldest
+                for m in range(10):
+                    job.add(0, f"l{n:02d}-{m}\n")
+                await trio.testing.wait_all_tasks_blocked()
+                assert f.nbytes <= 100 and len(f.records) <= 100
+            # A tab that starts now, from the beginning, is far behind the ring.
+            late: list[api.OutputRecord] = []
+            nursery.start_soon(_follow, feeds, late, [])
+            await trio.testing.wait_all_tasks_blocked()
+            job.end()
+    assert f.floor > 400  # the ring moved on
+    assert [r.id for r in got] == list(range(1, 501))
+    assert [r.id for r in late] == list(range(1, 501))
