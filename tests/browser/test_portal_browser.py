@@ -17,7 +17,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import zipfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -152,16 +151,14 @@ def test_scientist_submits_watches_a_fault_and_downloads(
     job = _submit_from_form(b, ranks=4, args=INTERVALS)
     b.driver.execute_script("window.vpoolNoReload = true")  # gone if the page reloads
 
-    # Kill rank 1 once it runs; the page shows it lost, then its replacement.
-    deadline = time.monotonic() + DEADLINE
-    while True:
-        found = [p for j, r, p in pool.rank_processes() if (j, r) == (job, 1)]  # type: ignore[attr-defined]
-        if found:
-            break
-        assert time.monotonic() < deadline, "rank 1 never started"
-        time.sleep(0.05)
-    os.kill(found[0], signal.SIGKILL)
+    # Kill rank 1 once the page shows it running; the page then shows it lost and replaced.
     b.wait_until(lambda d: ["running", "1"] in _ranks_on_timeline(b, 1), 30, "rank 1 never ran")
+
+    def rank_1_pid(_: object) -> int | None:
+        found = [p for j, r, p in pool.rank_processes() if (j, r) == (job, 1)]  # type: ignore[attr-defined]
+        return found[0] if found else None
+
+    os.kill(b.wait_until(rank_1_pid, 30, "no process of rank 1"), signal.SIGKILL)
 
     def lost_then_restarted(_: object) -> bool:
         segs = _ranks_on_timeline(b, 1)
