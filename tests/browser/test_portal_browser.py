@@ -14,6 +14,7 @@ import importlib.util
 import io
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -110,9 +111,11 @@ def _submit_from_form(b: Browser, *, ranks: int, args: str) -> int:
     field.send_keys(str(ranks))
     b.driver.find_element(By.ID, "args").send_keys(args)
     b.driver.find_element(By.ID, "submit").click()
-    b.wait_until(lambda d: urlsplit(d.current_url).path.startswith("/jobs/"), 30, "no job page")
+    page = b.wait_until(
+        lambda d: re.fullmatch(r"/jobs/(\d+)", urlsplit(d.current_url).path), 30, "no job page"
+    )
     b.wait_for("#job-state")
-    return int(urlsplit(b.driver.current_url).path.rsplit("/", 1)[1])
+    return int(page.group(1))
 
 
 def _ranks_on_timeline(b: Browser, rank: int) -> list[tuple[str, str]]:
