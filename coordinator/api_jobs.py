@@ -121,11 +121,16 @@ async def job_timeline(request: Request, job_id: int) -> Response:
 
 @router.get("/jobs/{job_id}/output")
 async def output(
-    request: Request, job_id: int, after: int = 0, rank: int | None = None, wait: float = 0.0
+    request: Request,
+    job_id: int,
+    after: int = 0,
+    rank: int | None = None,
+    wait: float = 0.0,
+    seen: str = "",
 ) -> Response:
     c = coordinator(request)
     who = await principal(request)
-    return reply(await c.output(who, job_id, after, rank, wait))
+    return reply(await c.output(who, job_id, after, rank, wait, seen[:64]))
 
 
 @router.post("/jobs/{job_id}/cancel")

@@ -239,6 +239,16 @@ def _m7_accounts(db: sqlite_utils.Database) -> None:
         db.execute(sql)
 
 
+def _m8_queue_reasons(db: sqlite_utils.Database) -> None:
+    """A queued job says why it waits (``scheduler.queue_reason``): ``waiting`` the reason
+    ("" once placed) and ``never_fits`` whether the pool as it is can never run it."""
+    for sql in (
+        "ALTER TABLE jobs ADD COLUMN waiting TEXT NOT NULL DEFAULT ''",
+        "ALTER TABLE jobs ADD COLUMN never_fits INTEGER NOT NULL DEFAULT 0",
+    ):
+        db.execute(sql)
+
+
 def new_job_uid() -> str:
     return secrets.token_hex(16)
 
@@ -256,6 +266,7 @@ MIGRATIONS: list[Callable[[sqlite_utils.Database], None]] = [
     _m5_image_digest_blake3,
     _m6_isolation,
     _m7_accounts,
+    _m8_queue_reasons,
 ]
 
 

@@ -15,6 +15,10 @@ free of I/O lets them be read, and tested, on their own.
   Replacements are placed before any queued job. A rank with checkpoint images prefers an
   agent that can restore one (CRIU and the image's environment fingerprint); one that can no
   longer start from the beginning goes only to such an agent (``sqlite_checkpoints``).
+- Queue reasons (``queue_reason``): a queued job that is not placed says why, in the order a
+  user can act on: no relay, no agent, no agent that may run it (isolation, memory), more
+  ranks than those agents have slots in all (it can never run on the pool as it is: flagged),
+  or not enough free slots now.
 - Job end: a non-zero exit (or ``MPI.Abort``) fails the job with that code; every rank's
   current incarnation exiting 0 makes it succeed; too many restarts, a relay down for too long
   or a divergence report fail it with no exit code.
@@ -23,10 +27,12 @@ free of I/O lets them be read, and tested, on their own.
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import trio
+
+from vpool.sizes import format_size
 
 if TYPE_CHECKING:
     from vpool.coordinator.service import Coordinator
@@ -68,6 +74,75 @@ def open_to(
         for agent, n in free.items()
         if can_run(offers.get(agent, Offer()), memory=memory, unsandboxed=unsandboxed)
     }
+
+
+@dataclass(frozen=True)
+class AgentView:
+    """A live agent as the queue sees it: its slots, how many are free now, its offer."""
+
+    slots: int
+    free: int
+    offer: Offer
+
+
+@dataclass(frozen=True)
+class Waiting:
+    """Why a queued job is not placed; ``never``: it cannot be placed on the pool as it is
+    (every live agent idle would not be enough), until other volunteers join."""
+
+    reason: str
+    never: bool = False
+
+
+def queue_reason(
+    ranks: int, *, memory: int, unsandboxed: bool, agents: Sequence[AgentView], relays: int
+) -> Waiting:
+    """Why a job of ``ranks`` ranks (``memory`` bytes each, 0: any) is not placed now."""
+    if relays == 0:
+        return Waiting("no relay is up: ranks talk through relays")
+    if not agents:
+        return Waiting("no volunteer's agent is online", never=True)
+    reported = [a for a in agents if a.offer.level]
+    if not reported:
+        return Waiting("the agents online have not said yet how they isolate ranks")
+    allowed = [a for a in reported if a.offer.level in SANDBOXED or unsandboxed]
+    if not allowed:
+        return Waiting(
+            "no agent online can sandbox ranks, and the job does not accept unsandboxed "
+            "agents (vsdk submit --allow-unsandboxed)",
+            never=True,
+        )
+    fit = [a for a in allowed if can_run(a.offer, memory=memory, unsandboxed=unsandboxed)]
+    if not fit:
+        most = max(a.offer.rank_memory for a in allowed)
+        return Waiting(
+            f"no agent online offers {format_size(memory)} per rank (the most is "
+            f"{format_size(most)}; vsdk submit --memory asks for less)",
+            never=True,
+        )
+    total, free = sum(a.slots for a in fit), sum(a.free for a in fit)
+    if total < ranks:
+        others = sum(a.slots for a in agents) - total
+        why = f" ({others} more on agents that cannot run it)" if others else ""
+        return Waiting(
+            f"needs {ranks} slots; the agents that may run it have {total} in all{why}",
+            never=True,
+        )
+    busy = total - free
+    return Waiting(
+        f"needs {ranks} slots; {free} are free now ({busy} run other ranks)"
+        if free < ranks
+        else f"needs {ranks} slots; the free ones went to earlier jobs"
+    )
+
+
+@dataclass
+class Scheduled:
+    """What one scheduling pass did: jobs that got placements, and queued jobs whose reason
+    for waiting changed."""
+
+    started: list[int] = field(default_factory=list)
+    explained: list[int] = field(default_factory=list)
 
 
 def free_slots(slots: int, reported_free: int, active: int) -> int:

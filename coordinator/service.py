@@ -10,6 +10,7 @@ comes from the injected ``clock`` so tests can move it.
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import time
 from collections.abc import AsyncIterator, Callable
@@ -279,7 +280,10 @@ class Coordinator:
         info = await self.db.call(self.store.create_job, who.name, sub, self.clock())
         self.changes.fire()
         await self.schedule()
-        return info
+        # As scheduling left it: running, or queued with the reason it waits.
+        placed = await self.db.call(self.store.job_info, info.id)
+        assert placed is not None
+        return placed
 
     def _check_checkpoint_every(self, sub: api.JobSubmit) -> None:
         every, least = sub.checkpoint_every, self.settings.min_checkpoint_every
@@ -340,8 +344,17 @@ class Coordinator:
         return info
 
     async def output(
-        self, who: Principal, job_id: int, after: int, rank: int | None, wait: float
+        self,
+        who: Principal,
+        job_id: int,
+        after: int,
+        rank: int | None,
+        wait: float,
+        seen: str = "",
     ) -> api.OutputPage:
+        """Records after ``after``; with ``wait``, held until there are some, the job ended or
+        (given the ``mark`` of the last page as ``seen``) its state, reason or restarts
+        changed."""
         deadline = trio.current_time() + max(0.0, min(wait, self.settings.max_wait))
         while True:
             changed = self.changes.current()
@@ -353,12 +366,18 @@ class Coordinator:
             )
             records, trimmed = _trim(records, OUTPUT_PAGE_BYTES)
             terminal = job.state in api.TERMINAL_STATES
-            if records or terminal or trio.current_time() >= deadline:
+            mark = progress_mark(job)
+            moved = bool(seen) and mark != seen
+            if records or terminal or moved or trio.current_time() >= deadline:
                 return api.OutputPage(
                     records=records,
                     next=records[-1].id if records else after,
                     complete=terminal and not (more or trimmed),
                     state=job.state,
+                    waiting=job.waiting,
+                    never_fits=job.never_fits,
+                    restarts=job.restarts,
+                    mark=mark,
                 )
             with trio.move_on_at(deadline):
                 await changed.wait()
@@ -540,15 +559,16 @@ class Coordinator:
 
     async def schedule(self) -> None:
         now = self.clock()
-        started = await self.db.call(
+        done = await self.db.call(
             self.store.schedule,
             now,
             now - self.settings.agent_timeout,
             now - self.settings.relay_timeout,
             self._sign_rank,
         )
-        if started:
+        if done.started:
             self.work.fire()
+        if done.started or done.explained:
             self.changes.fire()
 
     async def check_timeouts(self) -> None:
@@ -571,6 +591,12 @@ class Coordinator:
         """Job or rank states changed: wake output long-polls and held heartbeats."""
         self.changes.fire()
         self.ended.fire()
+
+
+def progress_mark(job: api.JobInfo) -> str:
+    """A short digest of what a follower of the job reports: state, reason, restarts."""
+    text = f"{job.state}\0{job.waiting}\0{job.never_fits}\0{job.restarts}"
+    return hashlib.blake2s(text.encode(), digest_size=6).hexdigest()
 
 
 def _check_memory(sub: api.JobSubmit) -> None:

@@ -169,10 +169,10 @@ class JobsMixin(FaultsMixin):
 
     def schedule(
         self, now: float, agent_deadline: float, relay_deadline: float, sign: Signer
-    ) -> list[int]:
+    ) -> scheduler.Scheduled:
         """Place pending replacement incarnations, then start every queued job whose ranks all
-        fit now on agents that may run them (``scheduler.can_run``), oldest first; return the
-        jobs that got placements."""
+        fit now on agents that may run them (``scheduler.can_run``), oldest first; the others
+        get the reason they wait (``scheduler.queue_reason``)."""
         with self.db.atomic():
             live = list(
                 self.db.query(
@@ -191,10 +191,10 @@ class JobsMixin(FaultsMixin):
                 str(a["id"]): scheduler.Offer(str(a["isolation"]), int(a["rank_memory"]))
                 for a in live
             }
-            started = self.place_replacements(free, offers, now, sign)
+            done = scheduler.Scheduled(started=self.place_replacements(free, offers, now, sign))
             queued = list(self.db.query("SELECT * FROM jobs WHERE state = 'queued' ORDER BY id"))
             if not queued:
-                return started
+                return done
             relays = [
                 str(r["name"])
                 for r in self.db.query(
@@ -202,20 +202,37 @@ class JobsMixin(FaultsMixin):
                     [relay_deadline],
                 )
             ]
-            if not relays:
-                return started
             for job in queued:
                 fit = scheduler.open_to(
                     free, offers, memory=job["memory"], unsandboxed=bool(job["unsandboxed"])
                 )
-                placement = scheduler.plan_gang(job["ranks"], list(fit.items()))
+                placement = scheduler.plan_gang(job["ranks"], list(fit.items())) if relays else None
                 if placement is None:
+                    views = [
+                        scheduler.AgentView(
+                            int(a["slots"]), free[str(a["id"])], offers[str(a["id"])]
+                        )
+                        for a in live
+                    ]
+                    waiting = scheduler.queue_reason(
+                        job["ranks"],
+                        memory=job["memory"],
+                        unsandboxed=bool(job["unsandboxed"]),
+                        agents=views,
+                        relays=len(relays),
+                    )
+                    if (waiting.reason, waiting.never) != (job["waiting"], bool(job["never_fits"])):
+                        self.db.execute(
+                            "UPDATE jobs SET waiting = ?, never_fits = ? WHERE id = ?",
+                            [waiting.reason, int(waiting.never), job["id"]],
+                        )
+                        done.explained.append(int(job["id"]))
                     continue
                 for agent in placement:
                     free[agent] -= 1
                 self._start(job, placement, relays, now, sign)
-                started.append(int(job["id"]))
-        return started
+                done.started.append(int(job["id"]))
+        return done
 
     def _start(
         self,
@@ -229,7 +246,8 @@ class JobsMixin(FaultsMixin):
         relays = scheduler.pick_relays(live, size, job_id)
         homes = scheduler.homes(size, len(relays))
         self.db.execute(
-            "UPDATE jobs SET state = 'running', started = ?, relays = ? WHERE id = ?",
+            "UPDATE jobs SET state = 'running', started = ?, relays = ?, waiting = '', "
+            "never_fits = 0 WHERE id = ?",
             [now, json.dumps(relays), job_id],
         )
         for rank, agent in enumerate(placement):
@@ -563,4 +581,7 @@ def _info(row: dict[str, Any]) -> api.JobInfo:
         checkpoint_every=row["checkpoint_every"],
         memory=row["memory"],
         unsandboxed=bool(row["unsandboxed"]),
+        waiting=row["waiting"],
+        never_fits=bool(row["never_fits"]),
+        restarts=row["restarts"],
     )

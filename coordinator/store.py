@@ -13,6 +13,7 @@ from typing import Any, ParamSpec, Protocol, TypeVar
 
 import trio
 
+from vpool.coordinator import scheduler
 from vpool.coordinator.access import Principal
 from vpool.protocol import api
 from vpool.protocol.tokens import RankClaims
@@ -87,7 +88,7 @@ class Store(Protocol):
         agent_deadline: float,
         relay_deadline: float,
         sign: Callable[[RankClaims], str],
-    ) -> list[int]: ...
+    ) -> scheduler.Scheduled: ...
     def take_leases(self, agent_id: str, now: float) -> list[api.Lease]: ...
     def agent_heartbeat(
         self, agent_id: str, hb: api.AgentHeartbeat, now: float, grace: float

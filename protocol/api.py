@@ -27,7 +27,7 @@ Every error is ``ErrorBody`` with a 4xx/5xx status. Endpoints::
                                                                       every job, operators)
     GET  /api/v1/jobs/{id}                    -> JobDetail           (user)
     GET  /api/v1/jobs/{id}/timeline           -> web.timeline.Timeline (user)
-    GET  /api/v1/jobs/{id}/output?after=&rank=&wait= -> OutputPage   (user; long-poll)
+    GET  /api/v1/jobs/{id}/output?after=&rank=&wait=&seen= -> OutputPage (user; long-poll)
     POST /api/v1/jobs/{id}/cancel             -> JobInfo             (user)
     POST /api/v1/jobs/{id}/checkpoint CheckpointAsk -> CheckpointAsked (202) (user)
     GET  /api/v1/jobs/{id}/results            -> application/zip     (user)
@@ -198,6 +198,11 @@ class JobInfo(msgspec.Struct, frozen=True):
     checkpoint_every: float = 0.0
     memory: int = 0  # ``JobSubmit.memory``
     unsandboxed: bool = False  # ``JobSubmit.unsandboxed``
+    # Why a queued job is not placed yet ("" once it is), and whether the pool as it is can
+    # never run it (more ranks than all the agents that may run it have slots, say).
+    waiting: str = ""
+    never_fits: bool = False
+    restarts: int = 0  # replacement incarnations started so far, all ranks together
 
 
 JobSort = Literal["id", "name", "state", "ranks", "created", "finished"]
@@ -262,12 +267,18 @@ class OutputRecord(msgspec.Struct, frozen=True):
 
 class OutputPage(msgspec.Struct, frozen=True):
     """Output records with id > ``after``, in arrival order. ``next`` is the cursor for the
-    next call; ``complete`` is true once the job is terminal and every record was returned."""
+    next call; ``complete`` is true once the job is terminal and every record was returned.
+    ``waiting`` and ``restarts`` are the job's (``JobInfo``); ``mark`` sums up its state,
+    reason and restarts: a long-poll given ``seen=MARK`` also returns when they change."""
 
     records: list[OutputRecord]
     next: int
     complete: bool
     state: JobState
+    waiting: str = ""
+    never_fits: bool = False
+    restarts: int = 0
+    mark: str = ""
 
 
 class CheckpointAsk(msgspec.Struct, frozen=True):

@@ -17,6 +17,7 @@ from vpool.protocol.api import (
     AgentInfo,
     JobDetail,
     JobInfo,
+    OutputPage,
 )
 from vpool.sdk.cli_common import Settings, exit_with, json_option, note, pass_settings, print_json
 from vpool.sdk.output import LineAssembler, LineWriter, job_exit_code
@@ -76,6 +77,24 @@ def finish(settings: Settings, job: JobInfo, *, as_json: bool = False) -> None:
     exit_with(job_exit_code(job))
 
 
+def _progress(
+    settings: Settings, job_id: int, page: OutputPage, last: tuple[str, str, int]
+) -> tuple[str, str, int]:
+    """Say on stderr what changed since ``last`` (state, queue reason, restarts)."""
+    state, waiting, restarts = last
+    if page.state != state and page.state in ("queued", "running"):
+        note(settings, f"job {job_id} {page.state}")
+    if page.waiting and page.waiting != waiting:
+        _say_waiting(settings, job_id, page.waiting, page.never_fits)
+    if page.restarts > restarts:
+        n = page.restarts
+        note(
+            settings,
+            f"job {job_id}: a lost rank was restarted ({n} restart{'s' * (n != 1)} so far)",
+        )
+    return page.state, page.waiting, max(restarts, page.restarts)
+
+
 def stream_output(
     client: Any,
     settings: Settings,
@@ -89,12 +108,11 @@ def stream_output(
     until the job ended and all its output arrived."""
     assembler = LineAssembler(label=label)
     writer = LineWriter(sys.stdout.buffer, sys.stderr.buffer)
-    last_state = None
+    last: tuple[str, str, int] = ("", "", 0)
     try:
         for page in client.follow_pages(job_id, rank):
-            if progress and page.state != last_state and page.state in ("queued", "running"):
-                note(settings, f"job {job_id} {page.state}")
-            last_state = page.state
+            if progress:
+                last = _progress(settings, job_id, page, last)
             writer.write(assembler.feed_records(page.records))
     except KeyboardInterrupt:
         writer.write(assembler.flush())
@@ -244,12 +262,24 @@ def submit(
                 settings,
                 f"job {job.id} submitted ({what}); `vsdk logs {job.id} --follow` shows its output",
             )
+            _say_waiting(settings, job.id, job.waiting, job.never_fits)
             return
         note(settings, f"job {job.id} submitted ({what})")
         if as_json:
             finish(settings, client.wait(job.id), as_json=True)
         stream_output(client, settings, job.id, label=label)
         finish(settings, client.status(job.id).job)
+
+
+def _say_waiting(settings: Settings, job_id: int, waiting: str, never: bool) -> None:
+    """Why a job waits; said even with --quiet when the pool as it is can never run it (it
+    would wait forever)."""
+    if never:
+        click.echo(
+            f"vsdk: job {job_id} waits: {waiting} (the pool as it is can never run it)", err=True
+        )
+    elif waiting:
+        note(settings, f"job {job_id} waits: {waiting}")
 
 
 def _rank_table(detail: JobDetail) -> str:
@@ -395,6 +425,11 @@ def status(settings: Settings, job: int | None, as_json: bool) -> None:
     click.echo(line)
     if j.reason:
         click.echo(f"reason: {j.reason}")
+    if j.waiting:
+        never = "  (the pool as it is can never run it)" if j.never_fits else ""
+        click.echo(f"waiting: {j.waiting}{never}")
+    if j.restarts:
+        click.echo(f"restarts: {j.restarts}")
     click.echo(
         f"created {_when(j.created)}  started {_when(j.started)}  "
         f"finished {_when(j.finished)}" + (f"  ({_duration(j)})" if j.started else "")

@@ -254,14 +254,20 @@ class Client:
         return _decode(resp, CheckpointAsked)
 
     def output(
-        self, job: int, after: int = 0, rank: int | None = None, wait: float = 0.0
+        self,
+        job: int,
+        after: int = 0,
+        rank: int | None = None,
+        wait: float = 0.0,
+        seen: str = "",
     ) -> OutputPage:
         """Output records with id > ``after``; with ``wait`` > 0 the coordinator holds the call
-        until there are some or the job has ended."""
+        until there are some, the job has ended, or (``seen``: the ``mark`` of the last page)
+        its state, queue reason or restarts changed."""
         return self._get(
             f"/jobs/{int(job)}/output",
             OutputPage,
-            params={"after": after, "rank": rank, "wait": wait or None},
+            params={"after": after, "rank": rank, "wait": wait or None, "seen": seen or None},
             timeout=self._timeout + wait,
         )
 
@@ -278,10 +284,10 @@ class Client:
         record was returned). Pages may be empty: each shows the job's current state. Up to
         ``retries`` consecutive connection failures are retried (with growing pauses), so a
         long stream survives a coordinator restart; the cursor makes retries exact."""
-        failures = 0
+        failures, seen = 0, ""
         while True:
             try:
-                page = self.output(job, after=after, rank=rank, wait=wait)
+                page = self.output(job, after=after, rank=rank, wait=wait, seen=seen)
             except ConnectionError:
                 failures += 1
                 if failures > retries:
@@ -289,7 +295,7 @@ class Client:
                 time.sleep(min(0.5 * 2**failures, 10.0))
                 continue
             failures = 0
-            after = page.next
+            after, seen = page.next, page.mark
             yield page
             if page.complete:
                 return

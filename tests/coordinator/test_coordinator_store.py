@@ -119,7 +119,8 @@ def _store_with_running_job(tmp_path: Path) -> tuple[SqliteStore, str]:
     store.agent_heartbeat(agent, hb, 100.0, 10.0)
     sub = api.JobSubmit(ranks=2, bundle="b" * 64, entry="app.py")
     store.create_job("alice", sub, 100.0)
-    assert store.schedule(100.0, 90.0, 90.0, lambda claims: f"token-{claims.incarnation}") == [1]
+    done = store.schedule(100.0, 90.0, 90.0, lambda claims: f"token-{claims.incarnation}")
+    assert done.started == [1]
     assert len(store.take_leases(agent, 100.0)) == 2
     return store, agent
 

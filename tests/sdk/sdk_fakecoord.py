@@ -44,6 +44,9 @@ class Script:
     chunks: list[tuple[int, str, bytes]] = field(default_factory=list)
     events: list[JobEvent] = field(default_factory=list)  # between "submitted" and the end
     restored_from: dict[int, int] = field(default_factory=dict)  # rank -> checkpoint id
+    # (state, waiting, never_fits, restarts) of empty output pages served before the records,
+    # as the coordinator's long-poll returns them when the job's progress changes
+    progress: list[tuple[str, str, bool, int]] = field(default_factory=list)
 
 
 @dataclass
@@ -190,6 +193,23 @@ class FakeCoordinator:
         if job is None:
             return self._error(404, "no_such_job", f"job {job_id} does not exist")
         after = int(request.url.params.get("after", "0"))
+        if job.script.progress:
+            state, waiting, never, restarts = job.script.progress.pop(0)
+            job.info = msgspec.structs.replace(
+                job.info, state=state, waiting=waiting, never_fits=never, restarts=restarts
+            )
+            return self._json(
+                OutputPage(
+                    records=[],
+                    next=after,
+                    complete=False,
+                    state=job.info.state,
+                    waiting=waiting,
+                    never_fits=never,
+                    restarts=restarts,
+                    mark=f"{state}/{waiting}/{restarts}",
+                )
+            )
         rank = request.url.params.get("rank")
         wanted = [r for r in job.records if r.id > after and (rank is None or r.rank == int(rank))]
         page = wanted[: self.page_size]

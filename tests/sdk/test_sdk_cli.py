@@ -273,3 +273,50 @@ def test_config_shows_the_token_only_when_asked(home: Path) -> None:
     shown = json.loads(run("config").stdout)
     assert shown["url"] == "https://pool:8443" and shown["token"] == "set"
     assert json.loads(run("config", "--show-token").stdout)["token"] == "vpt_secret"
+
+
+def test_submit_wait_says_why_the_job_waits_and_when_ranks_restart(coord: Any, app: Path) -> None:
+    coord.script(
+        chunks=[(0, "stdout", b"done\n")],
+        progress=[
+            ("queued", "needs 3 slots; 2 are free now (6 run other ranks)", False, 0),
+            ("queued", "needs 3 slots; 2 are free now (6 run other ranks)", False, 0),
+            ("running", "", False, 0),
+            ("running", "", False, 1),
+        ],
+    )
+    res = run("submit", str(app), "-n", "3", "--wait")
+    assert res.exit_code == 0, res.stderr
+    assert res.stdout == "done\n"
+    lines = res.stderr.splitlines()
+    waits = [line for line in lines if "waits:" in line]
+    assert waits == ["vsdk: job 1 waits: needs 3 slots; 2 are free now (6 run other ranks)"]
+    assert "vsdk: job 1: a lost rank was restarted (1 restart so far)" in lines
+    assert lines.index(waits[0]) < lines.index("vsdk: job 1 running")
+
+
+def test_a_job_the_pool_can_never_run_is_said_even_quietly(coord: Any, app: Path) -> None:
+    coord.script(
+        progress=[("queued", "needs 30 slots; the agents that may run it have 24 in all", True, 0)]
+    )
+    res = run("-q", "submit", str(app), "-n", "30", "--wait")
+    assert "the pool as it is can never run it" in res.stderr
+
+
+def test_status_says_why_a_job_waits(coord: Any, app: Path) -> None:
+    import msgspec
+
+    coord.script(state="queued", exit_code=None)
+    assert run("submit", str(app), "-n", "30").exit_code == 0
+    job = coord.jobs[1]
+    job.info = msgspec.structs.replace(
+        job.info,
+        waiting="needs 30 slots; the agents that may run it have 24 in all",
+        never_fits=True,
+    )
+    res = run("status", "1")
+    assert res.exit_code == 0, res.stderr
+    assert (
+        "waiting: needs 30 slots; the agents that may run it have 24 in all  "
+        "(the pool as it is can never run it)" in res.stdout.splitlines()
+    )

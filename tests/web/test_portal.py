@@ -416,3 +416,14 @@ async def test_checkpoint_now_from_the_page(portal: Portal) -> None:
     assert "A checkpoint of 2 ranks was asked for" in page.text
     orders = (await beat(pool, agent, leases)).checkpoint
     assert sorted(o.rank for o in orders) == [0, 1]
+
+
+async def test_a_waiting_job_says_why_on_its_page_and_in_the_list(portal: Portal) -> None:
+    alice = await portal.sign_in("alice")
+    await portal.pool.register_relay()
+    await portal.pool.enroll("agent-1", slots=2)
+    job = await portal.pool.submit(5)
+    page = (await alice.get(f"/jobs/{job.id}")).text
+    assert "Waiting: needs 5 slots; the agents that may run it have 2 in all." in page
+    assert "can never run this job" in page
+    assert "needs 5 slots" in (await alice.get("/jobs")).text
