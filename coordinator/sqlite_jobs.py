@@ -15,7 +15,7 @@ import msgspec
 import sqlite_utils
 
 from vpool.coordinator import migrations, scheduler
-from vpool.coordinator.errors import Forbidden, NotFound
+from vpool.coordinator.errors import Conflict, Forbidden, NotFound
 from vpool.coordinator.sqlite_faults import FaultsMixin
 from vpool.protocol import api
 from vpool.protocol.tokens import RankClaims
@@ -160,6 +160,11 @@ class JobsMixin(FaultsMixin):
             row = self.job_row(job_id)
             if row is None:
                 raise NotFound(f"no job {job_id}", code="unknown_job")
+            if row["state"] in api.TERMINAL_STATES:
+                raise Conflict(
+                    f"job {job_id} already ended ({row['state']}); there is nothing to cancel",
+                    code="job_ended",
+                )
             self._end(job_id, "cancelled", None, "cancelled by user", now)
         info = self.job_info(job_id)
         assert info is not None

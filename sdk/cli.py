@@ -22,6 +22,7 @@ from vpool.sdk.cli_common import (
     note,
     pass_settings,
     print_json,
+    quiet_everywhere,
 )
 from vpool.sdk.cli_jobs import COMMANDS as JOB_COMMANDS
 from vpool.sdk.cli_local import local
@@ -187,6 +188,9 @@ def config(ctx: click.Context, show_token: bool) -> None:
             "token": token,
         }
     )
+
+
+quiet_everywhere(cli)
 
 
 def main() -> None:

@@ -57,6 +57,32 @@ class VsdkGroup(click.Group):
             raise click.exceptions.Exit(1) from None
 
 
+def _quiet(ctx: click.Context, _param: click.Parameter, value: bool) -> None:
+    if value:
+        ctx.ensure_object(Settings).quiet = True
+
+
+def quiet_everywhere(group: click.Group) -> None:
+    """Let ``-q/--quiet`` come after a subcommand too (``vsdk submit app.py -n 4 -q``), as
+    well as before it, on every command of ``group`` and its subgroups."""
+    for command in group.commands.values():
+        if isinstance(command, click.Group):
+            quiet_everywhere(command)
+        names = {opt for p in command.params for opt in getattr(p, "opts", [])}
+        if "-q" in names or "--quiet" in names:
+            continue
+        command.params.append(
+            click.Option(
+                ["-q", "--quiet"],
+                is_flag=True,
+                expose_value=False,
+                is_eager=True,
+                callback=_quiet,
+                help="No progress messages on stderr.",
+            )
+        )
+
+
 def error(message: str) -> None:
     click.echo(f"vsdk: error: {message}", err=True)
 

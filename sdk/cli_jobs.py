@@ -20,6 +20,7 @@ from vpool.protocol.api import (
     OutputPage,
 )
 from vpool.sdk.cli_common import Settings, exit_with, json_option, note, pass_settings, print_json
+from vpool.sdk.errors import WaitTimeout
 from vpool.sdk.output import LineAssembler, LineWriter, job_exit_code
 from vpool.sizes import format_size, parse_size
 
@@ -291,7 +292,7 @@ def _rank_table(detail: JobDetail) -> str:
                 str(r.incarnation),
                 r.state,
                 "-" if r.exit_code is None else str(r.exit_code),
-                r.agent or "-",
+                r.agent_name or r.agent or "-",  # by name, as the events name agents
                 r.relay or "-",
                 _image_name(r.restored_from),
             )
@@ -495,7 +496,13 @@ def wait(settings: Settings, job: int, timeout: float | None, as_json: bool) -> 
         note(settings, f"job {job} {detail.job.state}" + (f" (ranks: {ranks})" if ranks else ""))
 
     with settings.client() as client:
-        finish(settings, client.wait(job, timeout=timeout, on_change=progress), as_json=as_json)
+        try:
+            ended = client.wait(job, timeout=timeout, on_change=progress)
+        except WaitTimeout as exc:
+            if as_json:  # the job as it is, for scripts: they get JSON either way
+                print_json(exc.job)
+            raise
+        finish(settings, ended, as_json=as_json)
 
 
 @click.command()
@@ -587,12 +594,22 @@ def jobs(settings: Settings, as_json: bool) -> None:
 def results(settings: Settings, job: int, dest: Path, as_json: bool) -> None:
     """Download a job's result files into the directory DEST.
 
+    A job that has not ended yet gives what its ranks have sent so far (a rank's files come
+    when it ends); vsdk says so.
+
     \b
     Example:
       vsdk results 12 out/
     """
     with settings.client() as client:
+        state = client.status(job).job.state
         files = client.results(job, dest)
+    if state not in TERMINAL_STATES:
+        click.echo(
+            f"vsdk: job {job} is {state}: these are its results so far (the files of ranks that "
+            f"have not ended come when they end; `vsdk wait {job}` first for all of them)",
+            err=True,
+        )
     if as_json:
         print_json([str(f) for f in files])
     else:

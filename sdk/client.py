@@ -48,6 +48,7 @@ from vpool.sdk.errors import (
     BundleError,
     ConnectionError,
     VsdkError,
+    WaitTimeout,
     api_error,
 )
 
@@ -328,7 +329,7 @@ class Client:
             if detail.job.state in TERMINAL_STATES:
                 return detail.job
             if deadline is not None and time.monotonic() >= deadline:
-                raise VsdkError(f"job {job} did not end within {timeout:g} s")
+                raise WaitTimeout(f"job {job} did not end within {timeout:g} s", detail.job)
             time.sleep(delay)
             delay = min(delay * 1.5, 2.0)
 

@@ -4,6 +4,7 @@
      +-- ConfigError            the client config is missing or malformed
      +-- BundleError            a program or input file cannot be bundled
      +-- LocalPoolError         ``vsdk local`` cannot start, stop or find the local pool
+     +-- WaitTimeout            ``Client.wait`` gave up; ``job`` is the job as it was then
      +-- ConnectionError        the coordinator cannot be reached (refused, TLS, timeout; exit 5)
      +-- ApiError               the coordinator answered with an error ``{code, message}``
           +-- AuthError         401/403: the token is missing, wrong or not allowed (exit 5)
@@ -14,6 +15,11 @@ Lower-layer errors (httpx, zipfile, OS) are translated in one place each (``Clie
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from vpool.protocol.api import JobInfo
 
 
 class VsdkError(Exception):
@@ -36,6 +42,14 @@ class BundleError(VsdkError):
 
 class LocalPoolError(VsdkError):
     """The local pool cannot be started, stopped or inspected."""
+
+
+class WaitTimeout(VsdkError):
+    """A job did not end within the time given; ``job`` is how it was when we gave up."""
+
+    def __init__(self, message: str, job: JobInfo) -> None:
+        super().__init__(message)
+        self.job = job
 
 
 class ConnectionError(VsdkError):

@@ -157,11 +157,11 @@ async def test_cancel(pool: Pool) -> None:
     assert info.state == "cancelled" and info.exit_code is None
     hb = await pool.heartbeat(agent, leases, state="starting")
     assert [s.reason for s in hb.stop] == ["job cancelled"]
-    # Cancelling again is harmless; a finished job stays as it was.
-    again = decode(
-        await pool.client.post(f"/api/v1/jobs/{job.id}/cancel", headers=pool.user()), api.JobInfo
-    )
-    assert again.state == "cancelled"
+    # Cancelling an ended job is refused, and the job stays as it was.
+    again = await pool.client.post(f"/api/v1/jobs/{job.id}/cancel", headers=pool.user())
+    assert again.status_code == 409 and again.json()["error"]["code"] == "job_ended"
+    assert "already ended (cancelled)" in again.json()["error"]["message"]
+    assert (await pool.job(job.id)).job.state == "cancelled"
 
 
 async def test_cancel_queued_job_never_leases(pool: Pool) -> None:

@@ -173,7 +173,8 @@ class FakeCoordinator:
             RankInfo(
                 rank=r,
                 incarnation=1,
-                agent=f"agent-{r % 2}",
+                agent=f"a-{r % 2}",
+                agent_name=f"laptop-{r % 2}",
                 relay="relay-0",
                 state="exited",
                 exit_code=0,
@@ -226,6 +227,12 @@ class FakeCoordinator:
         job = self._job(job_id)
         if job is None:
             return self._error(404, "no_such_job", f"job {job_id} does not exist")
+        if job.info.state in ("succeeded", "failed", "cancelled"):
+            return self._error(
+                409,
+                "job_ended",
+                f"job {job_id} already ended ({job.info.state}); there is nothing to cancel",
+            )
         job.script = Script(
             state="cancelled", exit_code=None, reason="cancelled by alice", chunks=job.script.chunks
         )

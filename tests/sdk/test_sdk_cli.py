@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -131,7 +132,9 @@ def test_status_human_and_json(coord: Any, app: Path) -> None:
     assert res.exit_code == 0
     assert "state: failed  exit code: 2" in res.stdout
     assert "reason: rank 1 exited with code 2" in res.stdout
-    assert "agent-1" in res.stdout and "RANK" in res.stdout and "events:" in res.stdout
+    assert "RANK" in res.stdout and "events:" in res.stdout
+    # Agents by name in the rank table, as the events name them; ids only in --json.
+    assert "laptop-1" in res.stdout and "a-1" not in res.stdout.split("events:")[0]
     detail = json.loads(run("status", "1", "--json").stdout)
     assert detail["job"]["exit_code"] == 2 and len(detail["ranks"]) == 2
 
@@ -320,3 +323,46 @@ def test_status_says_why_a_job_waits(coord: Any, app: Path) -> None:
         "waiting: needs 30 slots; the agents that may run it have 24 in all  "
         "(the pool as it is can never run it)" in res.stdout.splitlines()
     )
+
+
+def test_wait_json_prints_the_job_on_timeout(coord: Any, app: Path) -> None:
+    coord.script(state="running", exit_code=None)
+    assert run("submit", str(app), "-n", "2").exit_code == 0
+    res = run("wait", "1", "--timeout", "0.1", "--json")
+    assert res.exit_code == 1
+    assert json.loads(res.stdout)["state"] == "running"
+    assert "did not end within 0.1 s" in res.stderr
+
+
+def test_quiet_works_after_the_subcommand_too(coord: Any, app: Path) -> None:
+    coord.script(chunks=[(0, "stdout", b"out\n")])
+    for args in (
+        ["-q", "submit", str(app), "-n", "2", "--wait"],
+        ["submit", str(app), "-n", "2", "--wait", "-q"],
+        ["submit", "-q", str(app), "-n", "2", "--wait"],
+    ):
+        res = run(*args)
+        assert res.exit_code == 0 and res.stdout == "out\n", args
+        assert res.stderr == "", args
+    loud = run("submit", str(app), "-n", "2", "--wait")
+    assert "submitted" in loud.stderr
+
+
+def test_cancel_of_an_ended_job_is_an_error(coord: Any, app: Path) -> None:
+    assert run("submit", str(app), "-n", "1", "--wait").exit_code == 0
+    res = run("cancel", "1")
+    assert res.exit_code == 1
+    assert "already ended (succeeded)" in res.stderr
+
+
+def test_results_of_a_running_job_say_they_are_partial(
+    coord: Any, app: Path, tmp_path: Path
+) -> None:
+    coord.script(state="running", exit_code=None)
+    coord.results_zip = sys.modules["sdk_fakecoord"].zip_of({"rank-0/stdout": b"so far"})
+    assert run("submit", str(app), "-n", "2").exit_code == 0
+    res = run("results", "1", str(tmp_path / "out"))
+    assert res.exit_code == 0, res.stderr
+    assert "job 1 is running: these are its results so far" in res.stderr
+    done = run("results", "1", str(tmp_path / "out2"), "-q")
+    assert "results so far" in done.stderr  # said even with -q: the files are incomplete
