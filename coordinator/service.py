@@ -366,21 +366,34 @@ class Coordinator:
             )
             records, trimmed = _trim(records, OUTPUT_PAGE_BYTES)
             terminal = job.state in api.TERMINAL_STATES
+            settle = 0.0 if not terminal else await self.settle_time(job)
+            ended = terminal and settle <= 0
             mark = progress_mark(job)
             moved = bool(seen) and mark != seen
-            if records or terminal or moved or trio.current_time() >= deadline:
+            if records or ended or moved or trio.current_time() >= deadline:
                 return api.OutputPage(
                     records=records,
                     next=records[-1].id if records else after,
-                    complete=terminal and not (more or trimmed),
+                    complete=ended and not (more or trimmed),
                     state=job.state,
                     waiting=job.waiting,
                     never_fits=job.never_fits,
                     restarts=job.restarts,
                     mark=mark,
                 )
-            with trio.move_on_at(deadline):
+            with trio.move_on_at(
+                min(deadline, trio.current_time() + settle) if terminal else deadline
+            ):
                 await changed.wait()
+
+    async def settle_time(self, job: api.JobInfo) -> float:
+        """Seconds an ended job's output may still grow: until every rank that was stopped has
+        reported its exit (its last words come first), at most ``agent_timeout`` after the
+        end (an agent silent that long is lost, and its ranks with it)."""
+        left = (job.finished or 0.0) + self.settings.agent_timeout - self.clock()
+        if left <= 0 or not await self.db.call(self.store.unsettled_ranks, job.id):
+            return 0.0
+        return left
 
     async def results(self, who: Principal, job_id: int) -> Path:
         """A temporary zip of the job's results; the caller deletes it."""

@@ -479,7 +479,7 @@ class JobsMixin(FaultsMixin):
                     "UPDATE ranks SET exit_code = ? WHERE job = ? AND rank = ?",
                     [ex.code, ex.job, ex.rank],
                 )
-                return False
+                return True  # its job's output may now be complete: wake the followers
             self.db.execute(
                 "UPDATE ranks SET state = 'exited', exit_code = ? WHERE job = ? AND rank = ?",
                 [ex.code, ex.job, ex.rank],

@@ -220,6 +220,18 @@ class SqliteStore(AccountsMixin, JobsMixin):
         ]
         return records, len(rows) > limit
 
+    def unsettled_ranks(self, job: int) -> int:
+        """Ranks of an ended job whose current incarnation was handed to an agent and has not
+        reported its exit yet: their last output (a traceback, say) may still come."""
+        row = self._one(
+            "SELECT COUNT(*) AS n FROM ranks r JOIN incarnations i ON i.job = r.job "
+            "AND i.rank = r.rank AND i.incarnation = r.incarnation "
+            "WHERE r.job = ? AND r.state = 'killed' AND i.delivered IS NOT NULL "
+            "AND i.ended IS NULL",
+            [job],
+        )
+        return int(row["n"]) if row else 0
+
     def output_streams(self, job: int) -> dict[tuple[int, str], bytes]:
         """Each rank's stdout and stderr, reassembled by offset."""
         streams: dict[tuple[int, str], bytearray] = {}

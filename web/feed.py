@@ -57,6 +57,9 @@ class Sources:
     render: Renderer
     changes: Callable[[], trio.Event]
     tick: float = TICK
+    # Whether an ended job's output is complete (every stopped rank reported its exit);
+    # until then the feed keeps reading.
+    settled: Callable[[api.JobInfo], Awaitable[bool]] | None = None
 
 
 @dataclass
@@ -113,7 +116,9 @@ class JobFeed:
             self.panel = self.sources.render(detail)
             self.state = detail.job.state
             self.version += 1
-            self.terminal = detail.job.state in api.TERMINAL_STATES
+            ended = detail.job.state in api.TERMINAL_STATES
+            settled = self.sources.settled
+            self.terminal = ended and (settled is None or await settled(detail.job))
             self.rendered_at = trio.current_time()
             return True
 

@@ -51,12 +51,16 @@ def make_feeds(core: Coordinator) -> feed.Feeds:
     async def output(job: int, after: int, limit: int) -> tuple[list[api.OutputRecord], bool]:
         return await core.db.call(core.store.output_page, job, after, None, limit)
 
+    async def settled(job: api.JobInfo) -> bool:
+        return await core.settle_time(job) <= 0
+
     return feed.Feeds(
         feed.Sources(
             detail=detail,
             output=output,
             render=lambda d: live_panel(d, core.clock()),
             changes=core.changes.current,
+            settled=settled,
         )
     )
 
@@ -209,7 +213,8 @@ async def job_page(
         core.store.output_page, job_id, 0, rank, FIRST_OUTPUT_RECORDS
     )
     cursor = records[-1].id if records else 0
-    terminal = detail.job.state in api.TERMINAL_STATES
+    # Ended, and every stopped rank has reported: no more output can come.
+    terminal = detail.job.state in api.TERMINAL_STATES and await core.settle_time(detail.job) <= 0
     assembler = LineAssembler()
     lines = assembler.feed_records(records)
     seed: dict[str, str] = {}
