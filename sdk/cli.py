@@ -7,7 +7,6 @@ coordinator or authentication failed.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import click
@@ -155,10 +154,12 @@ def mpiexec(ranks: int, stdin: Path | None, argv: tuple[str, ...]) -> None:
         from vpool.sdk import mpiexec as mpiexec_mod
     except ImportError as exc:
         raise VsdkError(f"vsdk mpiexec is not available: {exc}") from exc
-    args = list(argv)
-    if args and os.path.basename(args[0]).startswith("python") and len(args) > 1:
-        args = args[1:]  # `mpiexec -n 4 python app.py` and `mpiexec -n 4 app.py` are the same
-    exit_with(int(mpiexec_mod.run(ranks, args, stdin=stdin) or 0))
+    # `python app.py`, `python script` (any name) and `app.py` all run under vpool's
+    # interpreter (``mpiexec.rank_command``); rank 0 reads the --stdin file.
+    if stdin is None:
+        exit_with(int(mpiexec_mod.run(ranks, list(argv)) or 0))
+    with open(stdin, "rb") as feed:
+        exit_with(int(mpiexec_mod.run(ranks, list(argv), stdin=feed) or 0))
 
 
 @cli.command()

@@ -6,7 +6,9 @@ forwards every ``Data`` frame verbatim to the destination rank's connection (per
 FIFO: one writer at a time per connection, frames of one source in order) and acknowledges
 deposits at once, since nothing here outlives the job anyway.
 
-Like mpiexec: ranks inherit stdout/stderr; stdin goes to rank 0 only; the first rank to exit
+Like mpiexec: the ranks' stdout and stderr come out here as whole lines (a line of one rank is
+never cut by another's: ``protocol.lines.LineAssembler`` over a pipe per rank and stream);
+stdin goes to rank 0 only; the first rank to exit
 non-zero (or to call ``MPI.Abort(code)``) ends the job, the other ranks are terminated and its code
 is returned. Environment of the ranks as in docs/internals.md ("Rank <-> agent").
 
@@ -31,6 +33,7 @@ from typing import Any
 
 import trio
 
+from vpool.protocol.lines import LineAssembler
 from vpool.sdk.mpiexec_router import JOB, _Router
 
 SHIM_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "mpi", "shim")
@@ -106,6 +109,9 @@ async def run_async(
         )
     command = rank_command(argv)
     err_fd = stderr if isinstance(stderr, int) else (stderr.fileno() if stderr else 2)
+    # Inherited stdout/stderr are shown as whole lines, as mpiexec does; a file or fd given by
+    # the caller gets the ranks' bytes directly.
+    lines = _Lines() if stdout is None and stderr is None else None
     router = _Router(n, err_fd)
     base = {**os.environ, **(env or {})}
     with tempfile.TemporaryDirectory(prefix="vpool-mpiexec-") as tmp:
@@ -126,15 +132,28 @@ async def run_async(
                     rank.proc = await trio.lowlevel.open_process(
                         command,
                         stdin=rank_stdin,
-                        stdout=stdout,
-                        stderr=stderr,
+                        stdout=subprocess.PIPE if lines is not None else stdout,
+                        stderr=subprocess.PIPE if lines is not None else stderr,
                         env=rank_environment(base, rank.index, n, path, rank.secret),
                     )
                     nursery.start_soon(router.watch, rank)
+                    if lines is not None:
+                        for name, pipe in (
+                            ("stdout", rank.proc.stdout),
+                            ("stderr", rank.proc.stderr),
+                        ):
+                            assert pipe is not None
+                            lines.start(nursery, rank.index, name, pipe)
                 first = router.ranks[0].proc
                 if isinstance(stdin, bytes) and first is not None and first.stdin is not None:
                     nursery.start_soon(_feed, first.stdin, stdin)
                 await router.all_exited.wait()
+                if lines is not None:
+                    # What the ranks wrote last is still in the pipes: read it to the end
+                    # (a child a rank left behind may hold a pipe open: not for long).
+                    with trio.move_on_after(DRAIN_TIMEOUT):
+                        await lines.drained()
+                    lines.flush()
                 nursery.cancel_scope.cancel()
         finally:
             for rank in router.ranks:
@@ -143,6 +162,51 @@ async def run_async(
             trio.lowlevel.notify_closing(listener)
             listener.close()
     return router.exit_code or 0
+
+
+DRAIN_TIMEOUT = 5.0  # seconds to read what the ranks left in their pipes after they exited
+
+
+class _Lines:
+    """The ranks' stdout and stderr pipes, shown on ours as whole lines."""
+
+    def __init__(self) -> None:
+        self.assembler = LineAssembler()
+        self.open = 0
+        self.done = trio.Event()
+
+    def start(
+        self, nursery: trio.Nursery, rank: int, stream: str, pipe: trio.abc.ReceiveStream
+    ) -> None:
+        self.open += 1  # counted now: ``drained`` must wait for a pump not running yet
+        nursery.start_soon(self.pump, rank, stream, pipe)
+
+    async def pump(self, rank: int, stream: str, pipe: trio.abc.ReceiveStream) -> None:
+        try:
+            async with pipe:
+                while chunk := await pipe.receive_some(65536):
+                    _show(self.assembler.feed(rank, stream, chunk))
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
+        finally:
+            self.open -= 1
+            if not self.open:
+                self.done.set()
+
+    async def drained(self) -> None:
+        if self.open:
+            await self.done.wait()
+
+    def flush(self) -> None:
+        _show(self.assembler.flush())
+
+
+def _show(lines: list[tuple[int, str, bytes]]) -> None:
+    for _rank, stream, data in lines:
+        fd = 2 if stream == "stderr" else 1
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
 
 
 async def _feed(pipe: Any, data: bytes) -> None:

@@ -264,7 +264,8 @@ def test_mpiexec_passes_the_program_and_args(monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.setattr(vpool.sdk, "mpiexec", fake, raising=False)
     res = run("mpiexec", "-n", "4", "python", "app.py", "-x", "--y")
     assert res.exit_code == 6
-    assert calls == [(4, ["app.py", "-x", "--y"], None)]
+    # A leading `python` stays: mpiexec.rank_command runs it under vpool's interpreter.
+    assert calls == [(4, ["python", "app.py", "-x", "--y"], None)]
     res = run("mpiexec", "-n", "2", "--", "app.py")
     assert calls[-1] == (2, ["app.py"], None)
 
