@@ -7,9 +7,11 @@ losses) in ``sqlite_jobs``. Every method is synchronous and runs one transaction
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import sqlite3
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +24,33 @@ from vpool.coordinator.sqlite_accounts import AccountsMixin
 from vpool.coordinator.sqlite_jobs import JobsMixin
 from vpool.protocol import api
 
+# Seconds a transaction waits for another process's (``vpool-coordinator user add`` next to a
+# running coordinator) before "database is locked".
+BUSY_TIMEOUT = 10.0
+
+
+class _Database(sqlite_utils.Database):
+    """sqlite-utils' database whose transactions take the write lock at once (``BEGIN
+    IMMEDIATE``). A deferred transaction that reads, then writes while another process (``user
+    add`` next to a running coordinator) writes, gets "database is locked" at once: SQLite does
+    not wait there, lest the two deadlock. An immediate one waits for the lock instead."""
+
+    @contextlib.contextmanager
+    def atomic(self) -> Iterator[sqlite_utils.Database]:
+        if self.conn.in_transaction:
+            with super().atomic() as db:  # a savepoint inside ours
+                yield db
+            return
+        self.conn.execute("BEGIN IMMEDIATE")
+        try:
+            yield self
+        except BaseException:
+            if self.conn.in_transaction:
+                self.conn.execute("ROLLBACK")
+            raise
+        else:
+            self.conn.execute("COMMIT")
+
 
 class SqliteStore(AccountsMixin, JobsMixin):
     def __init__(
@@ -31,14 +60,13 @@ class SqliteStore(AccountsMixin, JobsMixin):
         self.restore_wait_timeout = restore_wait_timeout
         # check_same_thread=False: calls come from trio's worker threads, serialized by the
         # Database limiter. isolation_level=None: transactions are explicit (db.atomic()).
-        conn = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
-        self.db = sqlite_utils.Database(conn)
+        conn = sqlite3.connect(
+            str(path), check_same_thread=False, isolation_level=None, timeout=BUSY_TIMEOUT
+        )
+        self.db = _Database(conn)
         if str(path) != ":memory:":
             self.db.execute("PRAGMA journal_mode=WAL")
         self.db.execute("PRAGMA foreign_keys=ON")
-        # ``vpool-coordinator user add`` may write while the coordinator runs: wait for the
-        # other's transaction instead of failing with "database is locked".
-        self.db.execute("PRAGMA busy_timeout=10000")
         self.schema_version = migrations.migrate(self.db)
 
     def close(self) -> None:

@@ -54,3 +54,23 @@ def test_users_roles_and_tokens(tmp_path: Path) -> None:
         assert labels == ["first token", "laptop"]
     finally:
         store.close()
+
+
+def test_user_add_waits_for_a_busy_coordinator(tmp_path: Path) -> None:
+    """``user add`` while the coordinator is in a write transaction waits for it instead of
+    failing with "database is locked" (and the coordinator's next call is not a 500)."""
+    import threading
+
+    db = tmp_path / "state" / "vpool.db"
+    db.parent.mkdir()
+    coordinator = SqliteStore(db)
+    coordinator.db.execute("BEGIN IMMEDIATE")  # a write transaction in progress
+    release = threading.Timer(0.3, lambda: coordinator.db.execute("COMMIT"))
+    release.start()
+    try:
+        added = run("user", "add", "carol", "--config", str(_config(tmp_path)))
+    finally:
+        release.join()
+    assert added.exit_code == 0, added.output
+    assert [u["name"] for u in coordinator.list_users()] == ["carol"]
+    coordinator.close()
