@@ -32,6 +32,7 @@ from vpool.protocol.api import (
 )
 from vpool.protocol.errors import TokenError
 from vpool.protocol.tokens import public_key_from_text
+from vpool.reasons import describe
 from vpool.relay.ckptstore import Image, report_settled
 from vpool.relay.errors import CoordinatorError
 from vpool.relay.hub import Hub
@@ -70,7 +71,7 @@ class CoordinatorClient:
         try:
             resp = await self._http.post(path, content=msgspec.json.encode(body))
         except httpx.HTTPError as exc:
-            raise CoordinatorError(f"cannot reach the coordinator: {exc!r}") from exc
+            raise CoordinatorError(f"cannot reach the coordinator: {describe(exc)}") from exc
         if resp.status_code >= 400:
             try:
                 err = msgspec.json.decode(resp.content, type=ErrorBody).error

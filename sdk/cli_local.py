@@ -52,6 +52,11 @@ def local() -> None:
 )
 @click.option("--force", is_flag=True, help="Stop a running local pool first.")
 @click.option(
+    "--fresh",
+    is_flag=True,
+    help="Start with no jobs (by default the jobs of the previous local pool are kept).",
+)
+@click.option(
     "--timeout",
     type=float,
     default=localpool.READY_TIMEOUT,
@@ -66,6 +71,7 @@ def up(
     relays: int,
     slots: int,
     force: bool,
+    fresh: bool,
     timeout: float,
     as_json: bool,
 ) -> None:
@@ -74,6 +80,8 @@ def up(
     Makes a CA and certificates, starts a coordinator, RELAYS relays and AGENTS agents on
     127.0.0.1 (logs in the pool directory's logs/), creates the user "local" and writes the
     client config, so the next `vsdk submit` runs there. Exits 1 if a pool is already running.
+    The jobs of the previous local pool are kept (`vsdk jobs`, `vsdk results` still work; any
+    it left unfinished are cancelled); --fresh starts with none.
 
     \b
     Example:
@@ -84,6 +92,7 @@ def up(
         relays=relays,
         slots=slots,
         force=force,
+        fresh=fresh,
         timeout=timeout,
         progress=lambda msg: note(settings, msg),
         config_path=settings.config,

@@ -41,6 +41,7 @@ from vpool.protocol.api import (
     PoolInfo,
     UserInfo,
 )
+from vpool.reasons import describe, untrusted
 from vpool.sdk import bundle as bundle_mod
 from vpool.sdk import clientconfig
 from vpool.sdk.errors import (
@@ -237,8 +238,11 @@ class Client:
 
     # -- jobs ---------------------------------------------------------------------------------
 
-    def jobs(self) -> list[JobInfo]:
-        return self._get("/jobs", list[JobInfo])
+    def jobs(self, *, state: str | None = None, everyone: bool = False) -> list[JobInfo]:
+        """Your jobs, newest first (``state``: only those in it; ``everyone``: every user's,
+        for operators)."""
+        params = {"state": state, "all": "true" if everyone else None}
+        return self._get("/jobs", list[JobInfo], params=params)
 
     def status(self, job: int) -> JobDetail:
         return self._get(f"/jobs/{int(job)}", JobDetail)
@@ -378,12 +382,7 @@ def _error_from(resp: httpx.Response) -> ApiError:
 
 def _why(exc: httpx.TransportError) -> str:
     """The innermost useful reason of a transport error (e.g. a certificate failure)."""
-    cause: BaseException | None = exc
-    text = str(exc)
-    while cause is not None:
-        if "CERTIFICATE_VERIFY_FAILED" in str(cause) or "certificate" in str(cause).lower():
-            return f"TLS certificate not trusted ({cause}); check the `ca` of your client config"
-        if str(cause):
-            text = str(cause)
-        cause = cause.__cause__ or cause.__context__
-    return text or type(exc).__name__
+    text = describe(exc)
+    if untrusted(exc):
+        return f"{text}; check the `ca` of your client config"
+    return text

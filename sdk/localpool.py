@@ -24,6 +24,7 @@ import os
 import shutil
 import signal
 import subprocess
+import tempfile
 import time
 import tomllib
 from collections.abc import Callable, Sequence
@@ -278,8 +279,19 @@ class PoolStarted:
     root: Path
 
 
-def _make_user(lay: Layout) -> str:
+def _make_user(lay: Layout, *, exists: bool) -> str:
+    """The local user's API token: a new user, or (``exists``: a kept database) a new token
+    of the user it already has."""
     argv = user_add_argv(lay)
+    if exists:
+        argv = [
+            *argv[: argv.index("add")],
+            "token",
+            LOCAL_USER,
+            "--label",
+            "vsdk local up",
+            *argv[argv.index("--config") :],
+        ]
     try:
         res = subprocess.run(argv, capture_output=True, env=_child_env(), timeout=60, check=False)
     except (OSError, subprocess.TimeoutExpired) as exc:
@@ -287,10 +299,48 @@ def _make_user(lay: Layout) -> str:
     out = res.stdout.decode(errors="replace").split()
     if res.returncode != 0 or not out:
         err = res.stderr.decode(errors="replace").strip()
-        raise LocalPoolError(
-            f"`vpool-coordinator user add {LOCAL_USER}` exited with {res.returncode}: {err}"
-        )
+        if exists and "no user" in err:
+            return _make_user(lay, exists=False)  # a database kept from before the user
+        what = " ".join(argv[argv.index("user") : argv.index("--config")])
+        raise LocalPoolError(f"`vpool-coordinator {what}` exited with {res.returncode}: {err}")
     return out[-1]  # the token is the last word printed
+
+
+def _reset_root(lay: Layout, *, keep_jobs: bool, progress: Progress) -> bool:
+    """Empty the pool directory for a new pool; with ``keep_jobs``, the coordinator's state
+    (database, blobs, signing key) of the previous one stays. True if some was kept."""
+    state = Path(coordinator_settings(lay, Secrets())["state_dir"])
+    kept = None
+    if lay.root.exists():
+        if keep_jobs and (state / "vpool.db").exists():
+            kept = Path(tempfile.mkdtemp(prefix=".kept-", dir=lay.root.parent))
+            shutil.move(state, kept / "state")
+        shutil.rmtree(lay.root)
+    lay.root.mkdir(parents=True, mode=0o700)
+    if kept is None:
+        return False
+    state.parent.mkdir(parents=True, mode=0o700)
+    shutil.move(kept / "state", state)
+    kept.rmdir()
+    progress("keeping the jobs of the previous local pool (`vsdk local up --fresh` starts anew)")
+    return True
+
+
+def _cancel_leftovers(url: str, token: str, ca: Path, progress: Progress) -> None:
+    """Jobs the previous pool left unfinished cannot go on: their relays' logs are gone."""
+    from vpool.sdk.client import Client
+
+    with Client(url, token, ca=ca, timeout=10.0) as client:
+        left = [
+            job
+            for state in ("queued", "running")
+            for job in client.jobs(state=state, everyone=True)
+        ]
+        for job in left:
+            client.cancel(job.id)
+    if left:
+        ids = ", ".join(str(j.id) for j in left)
+        progress(f"cancelled job(s) {ids}: the previous local pool stopped while they ran")
 
 
 def _wait_registered(
@@ -325,12 +375,14 @@ def up(
     relays: int = DEFAULT_RELAYS,
     slots: int = DEFAULT_SLOTS,
     force: bool = False,
+    fresh: bool = False,
     timeout: float = READY_TIMEOUT,
     progress: Progress = _quiet,
     config_path: Path | None = None,
 ) -> PoolStarted:
     """Start a coordinator, ``relays`` relays and ``agents`` agents on 127.0.0.1 and point the
-    client config at them."""
+    client config at them. The coordinator keeps the jobs of the previous local pool (its
+    database and files) unless ``fresh``; everything else starts anew."""
     if agents < 1 or relays < 1 or slots < 1:
         raise LocalPoolError("a local pool needs at least one agent, one relay and one slot")
     lay = layout()
@@ -344,9 +396,7 @@ def up(
         progress("stopping the running local pool (--force)")
         for warning in stop(read_pids(lay), progress=progress):
             progress(warning)
-    if lay.root.exists():
-        shutil.rmtree(lay.root)
-    lay.root.mkdir(parents=True, mode=0o700)
+    kept = _reset_root(lay, keep_jobs=not fresh, progress=progress)
 
     now = dt.datetime.now(dt.UTC)
     sec = Secrets()
@@ -361,7 +411,9 @@ def up(
         ready = starter.wait_ready(["coordinator"], timeout)["coordinator"]
         url = f"https://{HOST}:{int(ready['port'])}"
         progress(f"coordinator ready at {url}")
-        token = _make_user(lay)
+        token = _make_user(lay, exists=kept)
+        if kept:
+            _cancel_leftovers(url, token, lay.ca_cert, progress)
 
         relay_names = [f"relay-{i}" for i in range(relays)]
         agent_names = [f"agent-{i}" for i in range(agents)]

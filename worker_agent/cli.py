@@ -41,12 +41,19 @@ Every setting can also come from the environment as VPOOL_AGENT_<NAME>.
 """
 
 
-async def _watch_signals(cancel_scope: trio.CancelScope, leaving: trio.Event, grace: float) -> None:
+async def _watch_signals(
+    cancel_scope: trio.CancelScope, leaving: trio.Event, grace: float, ready: trio.Event
+) -> None:
     """The first SIGTERM or SIGINT checkpoints the ranks for at most ``grace`` s before they
-    are stopped (``Agent.leave``); a second one, or the first with no grace, stops at once."""
+    are stopped (``Agent.leave``); a second one, or the first with no grace or before the
+    agent is ready (still enrolling: it runs no rank yet), stops at once."""
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
         async for signum in signals:
             name = signal.Signals(signum).name
+            if not ready.is_set():
+                log.info("received %s before the agent was ready: exiting", name)
+                cancel_scope.cancel()
+                return
             if grace > 0 and not leaving.is_set():
                 log.info(
                     "received %s: checkpointing ranks (at most %g s), then stopping them and "
@@ -74,11 +81,12 @@ async def _agent(
 
 
 async def serve(settings: AgentSettings, ready_file: Path | None) -> None:
-    leaving = trio.Event()
+    leaving, ready = trio.Event(), trio.Event()
     async with trio.open_nursery() as nursery:
         grace = settings.leave_checkpoint_grace
-        nursery.start_soon(_watch_signals, nursery.cancel_scope, leaving, grace)
+        nursery.start_soon(_watch_signals, nursery.cancel_scope, leaving, grace, ready)
         started = await nursery.start(_agent, settings, leaving, nursery.cancel_scope)
+        ready.set()
         if ready_file is not None:
             write_ready_file(
                 ready_file,

@@ -23,7 +23,12 @@ import trio
 
 from vpool import tls
 from vpool.protocol import api
-from vpool.worker_agent.errors import CoordinatorRejected, CoordinatorUnreachable
+from vpool.reasons import describe, untrusted
+from vpool.worker_agent.errors import (
+    CoordinatorRejected,
+    CoordinatorUnreachable,
+    CoordinatorUntrusted,
+)
 
 log = logging.getLogger("vpool.agent")
 
@@ -96,18 +101,31 @@ class CoordinatorClient:
             )
         except (httpx.HTTPError, OSError) as exc:
             # OSError: whatever the transport let through of a connection that broke.
+            if untrusted(exc):  # no retry helps: the agent's `ca` setting has to change
+                raise CoordinatorUntrusted(
+                    f"{method} {self.url}{path}: {describe(exc)}; check the agent's `ca` setting"
+                ) from exc
             raise CoordinatorUnreachable(
-                f"{method} {self.url}{path} failed: {exc or type(exc).__name__}"
+                f"{method} {self.url}{path} failed: {describe(exc)}"
             ) from exc
         _check(resp, method, path)
         return resp
 
-    async def _retrying(self, what: str, call: Callable[[], Awaitable[T]]) -> T:
-        """Await ``call()`` until it does not raise ``CoordinatorUnreachable``."""
+    async def _retrying(
+        self,
+        what: str,
+        call: Callable[[], Awaitable[T]],
+        *,
+        fatal: tuple[type[Exception], ...] = (),
+    ) -> T:
+        """Await ``call()`` until it does not raise ``CoordinatorUnreachable`` (but for the
+        ``fatal`` kinds of it, raised at once)."""
         delay = 0.2
         while True:
             try:
                 return await call()
+            except fatal:
+                raise
             except CoordinatorUnreachable as exc:
                 log.warning("%s: %s; retrying in %.1f s", what, exc, delay)
             # Jitter keeps a pool of agents from hammering a restarted coordinator in step.
@@ -130,6 +148,8 @@ class CoordinatorClient:
         resp = await self._retrying(
             "enroll",
             lambda: self._json_call(f"{PREFIX}/enroll", req, api.EnrollResponse),
+            # Not yet running anything: a CA that does not fit is said, not waited out.
+            fatal=(CoordinatorUntrusted,),
         )
         self.token = resp.agent_token
         return resp
@@ -210,7 +230,7 @@ class CoordinatorClient:
                         digest.update(chunk)
                         await f.write(chunk)
         except (httpx.HTTPError, OSError) as exc:
-            raise CoordinatorUnreachable(f"GET {self.url}{path} failed: {exc}") from exc
+            raise CoordinatorUnreachable(f"GET {self.url}{path} failed: {describe(exc)}") from exc
         return digest.hexdigest()
 
 

@@ -3,6 +3,8 @@
     AgentError
      +-- CoordinatorError        an HTTP call to the coordinator failed
      |    +-- CoordinatorUnreachable   no answer (connection refused, timeout, 5xx): retried
+     |    |    +-- CoordinatorUntrusted  its TLS certificate is not signed by our CA: retried
+     |    |                              once running, fatal when enrolling (nothing ran yet)
      |    +-- CoordinatorRejected      a 4xx answer with the API's ErrorBody: not retried
      +-- BundleError             a blob or bundle is unusable (hash mismatch, unsafe zip, too big)
      |    +-- BundleRejected       the bundle itself breaks a rule (unsafe member, a link, too
@@ -29,6 +31,10 @@ class CoordinatorError(AgentError):
 
 
 class CoordinatorUnreachable(CoordinatorError):
+    pass
+
+
+class CoordinatorUntrusted(CoordinatorUnreachable):
     pass
 
 

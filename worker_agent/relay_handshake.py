@@ -12,6 +12,7 @@ from vpool.protocol.api import RelayInfo
 from vpool.protocol.errors import ProtocolError
 from vpool.protocol.messages import PROTOCOL_VERSION, Error, Hello, Welcome
 from vpool.protocol.session import Session
+from vpool.reasons import describe
 from vpool.worker_agent.errors import RelayLinkError
 from vpool.worker_agent.wire import FrameReader, encode_small
 
@@ -64,5 +65,5 @@ async def handshake(
     except trio.TooSlowError as exc:
         raise RelayLinkError(f"{where} did not answer within {seconds:g} s") from exc
     except (OSError, trio.BrokenResourceError, ssl.SSLError, ProtocolError) as exc:
-        raise RelayLinkError(f"cannot connect to {where}: {exc}") from exc
+        raise RelayLinkError(f"cannot connect to {where}: {describe(exc)}") from exc
     return stream, reader, session, frame.message

@@ -99,3 +99,72 @@ async def _output(proc: trio.Process) -> str:
         while chunk := await proc.stdout.receive_some(65536):
             data += chunk
     return data.decode(errors="replace")
+
+
+def _agent_cmd(settings: AgentSettings, url: str, ca: Path) -> tuple[list[str], dict[str, str]]:
+    env = {
+        **os.environ,
+        "VPOOL_AGENT_COORDINATOR_URL": url,
+        "VPOOL_AGENT_COORDINATOR_CA": str(ca),
+        "VPOOL_AGENT_RETRY_MAX_DELAY": "0.5",
+    }
+    cmd = [
+        sys.executable,
+        "-m",
+        "vpool.worker_agent.cli",
+        "--slots",
+        "1",
+        "--work-dir",
+        settings.work_dir,
+        "--identity-dir",
+        settings.identity_dir,
+    ]
+    return cmd, env
+
+
+async def test_a_coordinator_it_cannot_trust_is_said_at_once(
+    https_coordinator: str, settings: AgentSettings, tmp_path: Path
+) -> None:
+    import datetime as dt
+
+    from vpool.protocol import pki
+
+    other, _ = pki.make_ca("not the pool's", now=dt.datetime.now(dt.UTC))
+    (tmp_path / "other-ca.pem").write_bytes(other)
+    cmd, env = _agent_cmd(settings, https_coordinator, tmp_path / "other-ca.pem")
+    with trio.fail_after(30):
+        done = await trio.run_process(cmd, env=env, capture_stderr=True, check=False)
+    said = done.stderr.decode()
+    assert done.returncode == 1, said
+    assert "TLS certificate not trusted" in said and "`ca` setting" in said
+    assert "failed: ;" not in said and "ConnectError('')" not in said
+
+
+async def test_sigterm_while_enrolling_exits_at_once(
+    settings: AgentSettings, pool_pki: Pki, tmp_path: Path
+) -> None:
+    import socket
+
+    with socket.socket() as s:  # a port nobody listens on: the coordinator is "down"
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd, env = _agent_cmd(settings, f"https://127.0.0.1:{port}", pool_pki.ca)
+    proc = await trio.lowlevel.open_process(
+        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+    )
+    assert proc.stdout is not None
+    try:
+        seen = b""
+        with trio.fail_after(30):
+            while b"retrying" not in seen:  # it tries to enroll, and will again
+                seen += await proc.stdout.receive_some(65536)
+        assert b"Connection refused" in seen or b"connect" in seen.lower()
+        proc.send_signal(signal.SIGTERM)
+        with trio.fail_after(10):
+            code = await proc.wait()
+        assert code == 0, await _output(proc)
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+        await proc.stdout.aclose()
