@@ -103,7 +103,12 @@ class Pool:
 
     def vsdk(self, *args: str, timeout: float = 300, check: bool = True) -> str:
         out = subprocess.run(
-            [VSDK, *args], env=self.env, capture_output=True, timeout=timeout, check=False
+            [VSDK, *args],
+            env=self.env,
+            stdin=subprocess.DEVNULL,  # --wait would give a pipe we inherited to rank 0
+            capture_output=True,
+            timeout=timeout,
+            check=False,
         )
         if check and out.returncode != 0:
             raise RuntimeError(

@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import io
+import os
+import stat
 import sys
 import time
 from pathlib import Path
@@ -144,7 +147,12 @@ def stream_output(
     type=click.Path(path_type=Path),
     help="A file the program reads, put next to it (repeatable).",
 )
-@click.option("--stdin", type=click.Path(path_type=Path), help="A file fed to rank 0's stdin.")
+@click.option(
+    "--stdin",
+    type=click.Path(path_type=Path, allow_dash=True),
+    help="A file fed to rank 0's stdin ('-': vsdk's own stdin). With --wait, input piped to "
+    "vsdk goes to rank 0 too, as with mpiexec.",
+)
 @click.option("--name", help="A name for the job (default: the program's file name).")
 @click.option("--entry", help="The program inside a .zip (default: __main__.py).")
 @click.option(
@@ -231,12 +239,19 @@ def submit(
         raise click.UsageError(
             "--checkpoint-every needs fault tolerance (drop --no-fault-tolerance)"
         )
+    feed: Path | bytes | None = stdin
+    if stdin is not None and str(stdin) == "-":
+        feed = sys.stdin.buffer.read()
+    elif stdin is None and wait:
+        feed = _piped_stdin()
+        if feed is not None:
+            note(settings, f"rank 0 gets the {len(feed)} bytes piped to vsdk as its stdin")
     with settings.client() as client:
         job = client.submit(
             program,
             ranks,
             inputs=list(inputs),
-            stdin=stdin,
+            stdin=feed,
             args=list(args),
             name=name,
             entry=entry,
@@ -270,6 +285,19 @@ def submit(
             finish(settings, client.wait(job.id), as_json=True)
         stream_output(client, settings, job.id, label=label)
         finish(settings, client.status(job.id).job)
+
+
+def _piped_stdin() -> bytes | None:
+    """What was piped (or redirected from a file) into vsdk, as mpiexec gives it to rank 0;
+    None for a terminal, /dev/null, or no real stdin at all."""
+    stream = sys.stdin.buffer
+    try:
+        mode = os.fstat(stream.fileno()).st_mode
+    except (OSError, ValueError, io.UnsupportedOperation):
+        return None
+    if not (stat.S_ISFIFO(mode) or stat.S_ISREG(mode)):
+        return None
+    return stream.read()
 
 
 def _say_waiting(settings: Settings, job_id: int, waiting: str, never: bool) -> None:

@@ -22,12 +22,14 @@ class Pool:
     env: dict[str, str]
 
     def vsdk(self, *args: str, timeout: float = 180, stdin: bytes | None = None):
+        # Without ``stdin`` vsdk reads nothing: no pipe this test inherited goes to a rank.
         return subprocess.run(
             [str(BIN / "vsdk"), *args],
             env=self.env,
             capture_output=True,
             timeout=timeout,
             input=stdin,
+            stdin=subprocess.DEVNULL if stdin is None else None,
             check=False,
         )
 

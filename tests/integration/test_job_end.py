@@ -85,7 +85,11 @@ def run_and_fail(pool: Pool, program: Path, *args: str, before: tuple[str, ...] 
     """Submit ``program *before *args`` with --wait, cue the failing rank, time the job's end."""
     cmd = [str(BIN / "vsdk"), "submit", str(program), "--ranks", str(RANKS), "--wait"]
     proc = subprocess.Popen(
-        [*cmd, "--", *before, *args], env=pool.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+        [*cmd, "--", *before, *args],
+        env=pool.env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
     )
     pidfds: dict[int, int] = {}
     try:

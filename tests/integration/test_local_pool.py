@@ -173,3 +173,15 @@ def test_the_pool_shares_one_scheduling_group_and_ranks_run_idle(pool: Pool, tmp
     for _rank, pid, pgid, sid, policy in ranks:
         assert (pid, pgid, sid) == ("2", "1", "1")  # the sandbox's init leads its session
         assert int(policy) == os.SCHED_IDLE
+
+
+def test_input_piped_to_submit_wait_goes_to_rank_0(pool: Pool, tmp_path) -> None:
+    prog = tmp_path / "upper.py"
+    prog.write_text(
+        "import sys\nfrom mpi4py import MPI\n"
+        "if MPI.COMM_WORLD.rank == 0:\n    print(sys.stdin.read().upper(), end='')\n"
+    )
+    res = pool.vsdk("submit", str(prog), "--ranks", "2", "--wait", stdin=b"as with mpiexec\n")
+    assert res.returncode == 0, res.stderr.decode()
+    assert res.stdout == b"AS WITH MPIEXEC\n"
+    assert b"rank 0 gets the 16 bytes piped to vsdk" in res.stderr

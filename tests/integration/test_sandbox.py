@@ -144,6 +144,7 @@ def test_two_users_jobs_cannot_see_each_other(pool: Pool, tmp_path: Path) -> Non
             "60",
         ],
         env=pool.env,
+        stdin=subprocess.DEVNULL,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
@@ -188,6 +189,7 @@ def test_a_rank_past_its_limit_fails_the_job_with_the_limit_named(
     bystander = subprocess.Popen(
         [VSDK, "submit", str(PROGRAMS / "bystander.py"), "--ranks", "1", "--wait"],
         env=pool.env,
+        stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
     )

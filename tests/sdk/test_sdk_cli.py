@@ -367,3 +367,9 @@ def test_results_of_a_running_job_say_they_are_partial(
     assert "job 1 is running: these are its results so far" in res.stderr
     done = run("results", "1", str(tmp_path / "out2"), "-q")
     assert "results so far" in done.stderr  # said even with -q: the files are incomplete
+
+
+def test_stdin_dash_reads_vsdk_stdin(coord: Any, app: Path) -> None:
+    assert run("submit", str(app), "-n", "2", "--stdin", "-", input=b"42\n").exit_code == 0
+    sub = coord.jobs[1].submit
+    assert sub.stdin is not None and coord.blobs[sub.stdin] == b"42\n"
