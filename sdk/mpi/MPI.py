@@ -8,7 +8,6 @@ program set ``mpi4py.rc.initialize = False`` first.
 from __future__ import annotations
 
 import operator
-import sys
 from typing import Any
 
 # Re-exports: this module is a namespace.
@@ -144,9 +143,17 @@ def _comm_lock_table(comm: Comm) -> dict[Any, Any]:
 
 
 def _initialize_on_import() -> None:
-    rc = getattr(sys.modules.get("mpi4py"), "rc", None)
-    if getattr(rc, "initialize", True) and not _env.is_initialized():
-        _env.init()
+    """Start MPI as importing mpi4py.MPI does, following ``mpi4py.rc`` (``rcopts``)."""
+    from vpool.sdk.mpi import rcopts
+
+    policy = rcopts.errors()
+    if policy != "exception":
+        handler = ERRORS_ABORT if policy == "abort" else ERRORS_ARE_FATAL
+        _env.default_errhandler = handler
+    if not rcopts.initialize() or _env.is_initialized():
+        return
+    level = rcopts.thread_level()
+    _env.init_thread(0 if level is None else level)  # threads off: THREAD_SINGLE
 
 
 _initialize_on_import()

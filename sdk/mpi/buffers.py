@@ -91,14 +91,21 @@ def byte_view(obj: Any, writable: bool) -> memoryview:
     raise BufferError("message: buffer is not contiguous")
 
 
-def view_of(spec: Any, writable: bool) -> memoryview:
-    """Just the bytes of a point-to-point buffer spec (the datatype does not travel)."""
+def view_of(spec: Any, writable: bool = False) -> memoryview:
+    """Just the bytes to send of a point-to-point buffer spec (the datatype does not travel;
+    a non-contiguous one is packed)."""
     if spec is None or isinstance(spec, (list, tuple)):
-        m = parse(spec, writable)
-        if m.unpack is not None:
-            raise NotImplementedError("receiving into a non-contiguous datatype point-to-point")
-        return m.view
+        return parse(spec, writable).view
     return byte_view(spec, writable)
+
+
+def recv_view(spec: Any) -> tuple[memoryview, Callable[[], None] | None]:
+    """Where a point-to-point receive lands, and for a non-contiguous datatype the function
+    that scatters it (packed there) into the user's buffer once it arrived."""
+    if spec is None or isinstance(spec, (list, tuple)):
+        m = parse(spec, writable=True)
+        return m.view, m.unpack
+    return byte_view(spec, True), None
 
 
 def _datatype_of(obj: Any) -> Datatype:

@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 from vpool.sdk.mpi import errors
+from vpool.sdk.mpi.envelope import as_rank
 from vpool.sdk.mpi.sched import Algo, loads, new_tag, post_recv, run, send_bufs, send_obj
 
 
@@ -30,9 +31,11 @@ def _recv_obj(h: Any, src: int, tag: int) -> Algo:
     return loads(op)
 
 
-def check_root(h: Any, root: int) -> None:
+def check_root(h: Any, root: Any) -> int:
+    root = as_rank(root)
     if not 0 <= root < h.size:
         raise errors.MPIException(errors.ERR_ROOT, f"root {root} of a {h.size}-rank communicator")
+    return root
 
 
 # ---- shapes shared with ``collbuf`` ---------------------------------------------------------
@@ -106,7 +109,7 @@ def barrier(h: Any) -> None:
 
 def bcast(h: Any, obj: Any, root: int) -> Any:
     """Binomial tree; the root pickles once and inner nodes forward the bytes unchanged."""
-    check_root(h, root)
+    root = check_root(h, root)
     tag = new_tag(h)
     size = h.size
     if size == 1:
@@ -147,7 +150,7 @@ def _recv_raw(h: Any, src: int, tag: int) -> Algo:
 
 def reduce(h: Any, obj: Any, op: Any, root: int) -> Any:
     """Binomial tree towards rank 0 in rank order, then to the root (as mpi4py does)."""
-    check_root(h, root)
+    root = check_root(h, root)
     tag = new_tag(h)
     size, rank = h.size, h.rank
     result = obj
@@ -198,7 +201,7 @@ def allreduce(h: Any, obj: Any, op: Any) -> Any:
 
 def gather(h: Any, obj: Any, root: int) -> list[Any] | None:
     """Binomial tree: each node forwards the list of its subtree's objects (vrank order)."""
-    check_root(h, root)
+    root = check_root(h, root)
     tag = new_tag(h)
     size, rank = h.size, h.rank
     vrank = (rank - root) % size
@@ -218,7 +221,7 @@ def gather(h: Any, obj: Any, root: int) -> list[Any] | None:
 
 def scatter(h: Any, objs: Any, root: int) -> Any:
     """Binomial tree: each node receives its subtree's objects and passes on the children's."""
-    check_root(h, root)
+    root = check_root(h, root)
     tag = new_tag(h)
     size, rank = h.size, h.rank
     vrank = (rank - root) % size

@@ -53,13 +53,13 @@ def _same(src: Any, dst: Any) -> None:
 
 
 def Bcast(h: Any, buf: Any, root: int, nb: bool = False) -> Any:
-    check_root(h, root)
+    root = check_root(h, root)
     m = parse(buf, writable=h.rank != root)
     return _go(h, collalg.bcast(h, m.view, root, new_tag(h)), nb, m)
 
 
 def Reduce(h: Any, sendbuf: Any, recvbuf: Any, op: Any, root: int, nb: bool = False) -> Any:
-    check_root(h, root)
+    root = check_root(h, root)
     out = r = None
     if h.rank == root:
         r = parse(recvbuf, writable=True)
@@ -86,7 +86,7 @@ def Allreduce(h: Any, sendbuf: Any, recvbuf: Any, op: Any, nb: bool = False) -> 
 
 
 def Gather(h: Any, sendbuf: Any, recvbuf: Any, root: int, nb: bool = False) -> Any:
-    check_root(h, root)
+    root = check_root(h, root)
     size, rank = h.size, h.rank
     whole = mine = r = None
     if rank == root:
@@ -105,7 +105,7 @@ def Gather(h: Any, sendbuf: Any, recvbuf: Any, root: int, nb: bool = False) -> A
 
 
 def Gatherv(h: Any, sendbuf: Any, recvbuf: Any, root: int, nb: bool = False) -> Any:
-    check_root(h, root)
+    root = check_root(h, root)
     size, rank = h.size, h.rank
     blocks: list[memoryview] = []
     mine = None
@@ -120,7 +120,7 @@ def Gatherv(h: Any, sendbuf: Any, recvbuf: Any, root: int, nb: bool = False) -> 
 
 
 def Scatter(h: Any, sendbuf: Any, recvbuf: Any, root: int, nb: bool = False) -> Any:
-    check_root(h, root)
+    root = check_root(h, root)
     size, rank = h.size, h.rank
     whole = out = r = None
     if rank == root:
@@ -140,7 +140,7 @@ def Scatter(h: Any, sendbuf: Any, recvbuf: Any, root: int, nb: bool = False) -> 
 
 
 def Scatterv(h: Any, sendbuf: Any, recvbuf: Any, root: int, nb: bool = False) -> Any:
-    check_root(h, root)
+    root = check_root(h, root)
     size, rank = h.size, h.rank
     blocks: list[memoryview] = []
     out = r = None

@@ -9,6 +9,7 @@ MPI allows) leaves what ``decode`` returns intact.
 
 from __future__ import annotations
 
+import operator
 from typing import TYPE_CHECKING, Any
 
 from vpool.sdk.mpi import constants, derived, errors
@@ -170,3 +171,14 @@ def typecode(dt: Datatype) -> str | None:
         return typecodes.tocode(dt)
     except ValueError:
         return None
+
+
+def as_rank(value: Any) -> int:
+    """A rank (or root, source, destination) as mpi4py takes it: an int, anything with
+    ``__index__`` (numpy integers), or a float that is whole (``rank - size / 2``); another
+    float is a TypeError, as passing it to C would be."""
+    if isinstance(value, float):
+        if value.is_integer():
+            return int(value)
+        raise TypeError(f"a rank must be an integer, not {value!r}")
+    return operator.index(value)

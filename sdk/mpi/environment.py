@@ -85,6 +85,7 @@ def init() -> None:
     _engine = eng
     COMM_WORLD._h = _Core(eng, 0, tuple(range(eng.size)), "MPI_COMM_WORLD")
     COMM_SELF._h = _Core(eng, 2, (eng.rank,), "MPI_COMM_SELF")
+    COMM_WORLD._h.errh = COMM_SELF._h.errh = default_errhandler
     _state = _RUNNING
     atexit.register(_at_exit)
 
@@ -169,13 +170,23 @@ def processor_name() -> str:
     return str(value)
 
 
+_provided = THREAD_SERIALIZED  # the thread level Init_thread granted
+# The handler COMM_WORLD and COMM_SELF start with (None: ERRORS_RETURN, errors raised as
+# exceptions); ``mpi4py.rc.errors`` sets it (``rcopts``).
+default_errhandler: Any = None
+
+
 def init_thread(required: int) -> int:
+    """Threads may call MPI one at a time (``THREAD_SERIALIZED``); a lower level asked for is
+    granted as asked, as MPI libraries do."""
+    global _provided
     init()
-    return THREAD_SERIALIZED
+    _provided = min(int(required), THREAD_SERIALIZED)
+    return _provided
 
 
 def query_thread() -> int:
-    return THREAD_SERIALIZED
+    return _provided
 
 
 def is_thread_main() -> bool:

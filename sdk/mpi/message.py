@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from vpool.sdk.mpi import errors
-from vpool.sdk.mpi.buffers import parse
+from vpool.sdk.mpi.buffers import recv_view
 from vpool.sdk.mpi.constants import ANY_TAG
 from vpool.sdk.mpi.request import PROC_NULL_RECV, RecvOp, Request
 from vpool.sdk.mpi.status import Status
@@ -49,10 +49,17 @@ class Message:
         return op
 
     def Recv(self, buf: Any, status: Status | None = None) -> None:
-        self._take(parse(buf, writable=True).view).finish(status)
+        self._take_into(buf).finish(status)
 
     def Irecv(self, buf: Any) -> Request:
-        return Request._of(self._take(parse(buf, writable=True).view))
+        return Request._of(self._take_into(buf))
+
+    def _take_into(self, buf: Any) -> Any:
+        view, unpack = recv_view(buf)
+        op = self._take(view)
+        if isinstance(op, RecvOp):
+            op.unpack = unpack
+        return op
 
     def recv(self, status: Status | None = None) -> Any:
         return self._take(None).finish(status)

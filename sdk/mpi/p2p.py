@@ -14,8 +14,9 @@ from typing import Any
 
 from vpool.protocol.messages import KIND_BUFFER, KIND_PICKLE
 from vpool.sdk.mpi import errors
-from vpool.sdk.mpi.buffers import view_of
+from vpool.sdk.mpi.buffers import recv_view, view_of
 from vpool.sdk.mpi.constants import ANY_SOURCE, ANY_TAG, PROC_NULL, TAG_UB_VALUE
+from vpool.sdk.mpi.envelope import as_rank
 from vpool.sdk.mpi.ft import K_PROBE
 from vpool.sdk.mpi.request import PROC_NULL_RECV, DoneOp, Prequest, RecvOp, Request
 from vpool.sdk.mpi.serialization import pickle_
@@ -28,8 +29,9 @@ def _rank_error(rank: int, h: Any) -> errors.MPIException:
     return errors.MPIException(errors.ERR_RANK, f"rank {rank} of a {h.size}-rank communicator")
 
 
-def _dst(h: Any, dest: int) -> int:
+def _dst(h: Any, dest: Any) -> int:
     """World rank of a destination, or -1 for PROC_NULL."""
+    dest = as_rank(dest)
     if 0 <= dest < h.size:
         return h.group[dest]
     if dest == PROC_NULL:
@@ -37,8 +39,9 @@ def _dst(h: Any, dest: int) -> int:
     raise _rank_error(dest, h)
 
 
-def _src(h: Any, source: int) -> int:
+def _src(h: Any, source: Any) -> int:
     """World rank of a source, ANY_SOURCE or PROC_NULL."""
+    source = as_rank(source)
     if 0 <= source < h.size:
         return h.group[source]
     if source == ANY_SOURCE or source == PROC_NULL:
@@ -110,7 +113,9 @@ class CommP2P:
         _recv_tag(tag)
         if w == PROC_NULL:
             return PROC_NULL_RECV
-        op = RecvOp(h.ctx, w, tag, view_of(buf, writable=True), h.w2c)
+        view, unpack = recv_view(buf)
+        op = RecvOp(h.ctx, w, tag, view, h.w2c)
+        op.unpack = unpack
         h.eng.post(op)
         return op
 
@@ -182,7 +187,7 @@ class CommP2P:
         source: int = ANY_SOURCE,
         recvtag: int = ANY_TAG,
     ) -> Request:
-        view_of(buf, writable=True)  # a bad receive buffer must fail before anything is sent
+        recv_view(buf)  # a bad receive buffer must fail before anything is sent
         self.Send(buf, dest, sendtag)  # eager: the bytes are out before the receive is posted
         return Request._of(self._post_recv(buf, source, recvtag))
 
@@ -190,7 +195,7 @@ class CommP2P:
 
     def send(self, obj: Any, dest: int, tag: int = 0) -> None:
         h = self._h or self._core()
-        if 0 <= dest < h.size and 0 <= tag <= TAG_UB_VALUE:
+        if type(dest) is int and 0 <= dest < h.size and 0 <= tag <= TAG_UB_VALUE:
             w = h.group[dest]
         else:
             w = _dst(h, dest)
@@ -223,7 +228,7 @@ class CommP2P:
 
     def _post_obj(self, source: int, tag: int) -> Any:
         h = self._h or self._core()
-        if 0 <= source < h.size:
+        if type(source) is int and 0 <= source < h.size:
             w = h.group[source]
         else:
             w = _src(h, source)

@@ -41,6 +41,7 @@ class RecvOp:
         "payload",
         "src",
         "tag",
+        "unpack",
         "view",
         "w2c",
     )
@@ -57,6 +58,9 @@ class RecvOp:
         self.msg: Data | None = None
         self.payload: Any = None
         self.nbytes = 0
+        # A receive into a non-contiguous datatype lands in a packed ``view``: this scatters
+        # it into the user's buffer when the receive is finished (``buffers.recv_view``).
+        self.unpack: Callable[[], None] | None = None
 
     def complete(self, msg: Data, payload: Any) -> None:
         """Matched with an owned payload (bytes, bytearray or a view of one)."""
@@ -106,6 +110,9 @@ class RecvOp:
     def finish(self, status: Status | None) -> Any:
         if status is not None:
             self.fill(status)
+        if self.unpack is not None and self.msg is not None:
+            unpack, self.unpack = self.unpack, None
+            unpack()
         if self.error:
             raise errors.MPIException(self.error)
         if self.view is None and self.msg is not None and self.nbytes:

@@ -174,3 +174,20 @@ async def test_mpi4py_runner_aborts_the_job_on_an_exception() -> None:
     assert res.returncode == 1, res
     assert "RuntimeError: boom in rank 1" in res.stderr
     assert "MPI.Abort(1)" in res.stderr
+
+
+async def test_runtime_gaps_real_programs_hit() -> None:
+    res = await mpiexec(2, "gaps.py")
+    assert res.returncode == 0, res
+    assert res.stdout == "gaps ok\n", res
+
+
+async def test_mpi4py_rc_environment_variables() -> None:
+    env = {
+        "MPI4PY_RC_INITIALIZE": "false",
+        "MPI4PY_RC_THREAD_LEVEL": "funneled",
+        "MPI4PY_RC_ERRORS": "fatal",
+    }
+    res = await mpiexec(2, "rc_env.py", env=env)
+    assert res.returncode == 0, res
+    assert res.stdout == "rc ok 3\n", res

@@ -30,10 +30,16 @@ class Rc:
     def __init__(self, **kwargs: Any) -> None:
         self(**kwargs)
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        if not hasattr(self, name):
+            raise TypeError(f"object has no attribute {name!r}")
+        super().__setattr__(name, value)
+
     def __call__(self, **kwargs: Any) -> None:
-        for key, value in kwargs.items():
+        for key in kwargs:
             if not hasattr(self, key):
-                raise TypeError(f"unexpected argument '{key}'")
+                raise TypeError(f"unexpected argument {key!r}")
+        for key, value in kwargs.items():
             setattr(self, key, value)
 
     def __repr__(self) -> str:
@@ -41,6 +47,8 @@ class Rc:
 
 
 rc = Rc()
+# ``import mpi4py.rc`` works, as with mpi4py (MPI4PY_RC_* variables: vpool.sdk.mpi.rcopts).
+__import__("sys").modules[__name__ + ".rc"] = rc
 
 
 def get_include() -> str:
