@@ -22,6 +22,7 @@ from vpool.protocol.api import (
     JobInfo,
     OutputPage,
 )
+from vpool.sdk import bundle
 from vpool.sdk.cli_common import Settings, exit_with, json_option, note, pass_settings, print_json
 from vpool.sdk.errors import WaitTimeout
 from vpool.sdk.output import LineAssembler, LineWriter, job_exit_code
@@ -145,7 +146,8 @@ def stream_output(
     "inputs",
     multiple=True,
     type=click.Path(path_type=Path),
-    help="A file the program reads, put next to it (repeatable).",
+    help="A file or directory the program reads, at the path given when it is relative "
+    "(data/x.csv stays data/x.csv), or SRC:DEST to put it at DEST (repeatable).",
 )
 @click.option(
     "--stdin",
@@ -154,7 +156,10 @@ def stream_output(
     "vsdk goes to rank 0 too, as with mpiexec.",
 )
 @click.option("--name", help="A name for the job (default: the program's file name).")
-@click.option("--entry", help="The program inside a .zip (default: __main__.py).")
+@click.option(
+    "--entry",
+    help="The program inside a .zip or a project directory (default: __main__.py).",
+)
 @click.option(
     "--fault-tolerance/--no-fault-tolerance",
     default=True,
@@ -208,14 +213,20 @@ def submit(
     label: bool,
     as_json: bool,
 ) -> None:
-    """Run PROGRAM (a .py file or a .zip) on the pool with ARGS.
+    """Run PROGRAM (a .py file, a .zip or a project directory) on the pool with ARGS.
 
     \b
     Examples:
       vsdk submit examples/pi.py --ranks 8 --wait -- 1000000
       JOB=$(vsdk submit app.py -n 4 --input data.csv) && vsdk logs $JOB --follow
+      vsdk submit myproject/ --entry main.py -n 8 --input data/ --wait
       vsdk submit sim.py -n 16 --memory 2G --wait
       vsdk submit trusted.py -n 4 --allow-unsandboxed
+
+    A .py program brings the modules next to it that it imports (vsdk says which); a project
+    directory brings every file under it (not caches, .git or virtual environments), and
+    --entry names the program in it. --input keeps relative paths: data/x.csv is data/x.csv
+    in the job's directory, as next to the program here.
 
     Without --wait, prints the job id (or the job as JSON with --json) and returns at once.
     With --wait, stdout carries only the program's output (the ranks' stdout, whole lines,
@@ -246,10 +257,14 @@ def submit(
         feed = _piped_stdin()
         if feed is not None:
             note(settings, f"rank 0 gets the {len(feed)} bytes piped to vsdk as its stdin")
+    built = bundle.build(program, list(inputs), entry=entry)
+    if built.added:
+        note(settings, f"packed the local modules {program.name} imports: {', '.join(built.added)}")
     with settings.client() as client:
         job = client.submit(
             program,
             ranks,
+            built=built,
             inputs=list(inputs),
             stdin=feed,
             args=list(args),

@@ -198,8 +198,10 @@ class Client:
         checkpoint_every: float = 0.0,
         memory: int = 0,
         unsandboxed: bool = False,
+        built: bundle_mod.Bundle | None = None,
     ) -> JobInfo:
-        """Bundle ``program_path`` (``.py`` or ``.zip``) with ``inputs``, upload and submit it
+        """Bundle ``program_path`` (``.py``, ``.zip`` or a project directory; ``built``: the
+        bundle already made of it, see ``sdk.bundle``) with ``inputs``, upload and submit it
         to run on ``ranks`` ranks as ``python entry *args``; ``stdin`` (a file or bytes) is fed
         to rank 0. With ``fault_tolerance=False`` nothing is logged and a lost rank fails the
         job instead of being restarted. ``checkpoint_every`` > 0: every rank is checkpointed
@@ -210,7 +212,8 @@ class Client:
         if ranks < 1:
             raise VsdkError("a job needs at least one rank")
         program = Path(program_path)
-        built = bundle_mod.build(program, [Path(p) for p in inputs], entry=entry)
+        if built is None:
+            built = bundle_mod.build(program, [Path(p) for p in inputs], entry=entry)
         stdin_sha = None
         if stdin is not None:
             if isinstance(stdin, bytes):

@@ -14,7 +14,8 @@ TRUST = "TLS certificate not trusted"
 
 
 def describe(exc: BaseException) -> str:
-    text, cause, seen = "", exc, set[int]()
+    text, seen = "", set[int]()
+    cause: BaseException | None = exc
     timed_out = False
     while cause is not None and id(cause) not in seen:
         seen.add(id(cause))

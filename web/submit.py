@@ -12,6 +12,7 @@ import hashlib
 import shlex
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from pathlib import PurePosixPath
 from typing import TypeVar
 
 from fastapi import APIRouter, Request, Response
@@ -152,24 +153,27 @@ async def _submission(core: Coordinator, form: FormData, draft: Draft) -> api.Jo
         args = []
 
     programs, inputs = _files(form, "program"), _files(form, "inputs")
-    stdins = _files(form, "stdin")
-    if len(programs) != 1:
-        draft.error("program", "choose the program: one .py file or a .zip")
-    elif not (programs[0].filename or "").endswith((".py", ".zip")):
+    project, stdins = _files(form, "project"), _files(form, "stdin")
+    if len(programs) + bool(project) != 1:
+        draft.error("program", "choose the program: one .py file or a .zip, or a project folder")
+    elif programs and not (programs[0].filename or "").endswith((".py", ".zip")):
         draft.error("program", f"{programs[0].filename} is neither a .py file nor a .zip")
     if len(inputs) > MAX_INPUTS:
         draft.error("inputs", f"at most {MAX_INPUTS} input files")
+    if len(project) > bundle.MAX_FILES:
+        draft.error("program", f"the project folder has more than {bundle.MAX_FILES} files")
     if draft.errors:
         return None
 
-    program = programs[0]
+    files = [(f.filename or "", await f.read()) for f in inputs]
+    entry = draft.entry.strip() or None
     try:
-        packed = bundle.pack(
-            program.filename or "",
-            await program.read(),
-            [(f.filename or "", await f.read()) for f in inputs],
-            entry=draft.entry.strip() or None,
-        )
+        if project:
+            name, tree = await _tree(project)
+            packed = bundle.pack_tree(tree, entry or "__main__.py", files)
+        else:
+            name = programs[0].filename or ""
+            packed = bundle.pack(name, await programs[0].read(), files, entry=entry)
     except bundle.BundleError as exc:
         draft.error(exc.field, exc.message)
         return None
@@ -181,7 +185,7 @@ async def _submission(core: Coordinator, form: FormData, draft: Draft) -> api.Jo
         entry=packed.entry,
         args=args,
         stdin=stdin_sha,
-        name=draft.name.strip() or (program.filename or ""),
+        name=draft.name.strip() or name,
         fault_tolerance=draft.fault_tolerance,
         checkpoint_every=every,
         memory=memory,
@@ -190,6 +194,26 @@ async def _submission(core: Coordinator, form: FormData, draft: Draft) -> api.Jo
 
 
 N = TypeVar("N", int, float)
+
+
+async def _tree(uploads: list[UploadFile]) -> tuple[str, dict[str, bytes]]:
+    """A folder upload (``webkitdirectory``: each file named by its path under the folder
+    chosen, that folder first): the folder's name, and its files by path inside it."""
+    paths = [PurePosixPath(f.filename or "") for f in uploads]
+    tops = {p.parts[0] for p in paths if len(p.parts) > 1}
+    strip = len(tops) == 1 and all(len(p.parts) > 1 for p in paths)
+    name = tops.pop() if strip else "project"
+    rels = [PurePosixPath(*p.parts[1:]) if strip else p for p in paths]
+    venvs = {r.parent for r in rels if r.name == "pyvenv.cfg"}  # virtual environments
+    tree = {}
+    for rel, upload in zip(rels, uploads, strict=True):
+        dirs = rel.parents
+        if any(part in bundle.SKIPPED_DIRS for part in rel.parts[:-1]) or venvs & set(dirs):
+            continue
+        if rel.suffix in (".pyc", ".pyo"):
+            continue
+        tree[str(rel)] = await upload.read()
+    return name, tree
 
 
 def _number(draft: Draft, name: str, text: str, kind: type[N], what: str) -> N:

@@ -373,3 +373,34 @@ def test_stdin_dash_reads_vsdk_stdin(coord: Any, app: Path) -> None:
     assert run("submit", str(app), "-n", "2", "--stdin", "-", input=b"42\n").exit_code == 0
     sub = coord.jobs[1].submit
     assert sub.stdin is not None and coord.blobs[sub.stdin] == b"42\n"
+
+
+def test_submit_a_project_and_a_program_with_local_modules(coord: Any, tmp_path: Path) -> None:
+    import io
+    import zipfile
+
+    proj = tmp_path / "proj"
+    (proj / "lib").mkdir(parents=True)
+    (proj / "main.py").write_text("import lib.physics\n")
+    (proj / "lib" / "__init__.py").write_text("")
+    (proj / "lib" / "physics.py").write_text("")
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "grid.csv").write_text("1\n")
+    res = run(
+        "submit", str(proj), "--entry", "main.py", "-n", "2", "--input", str(tmp_path / "data")
+    )
+    assert res.exit_code == 0, res.stderr
+    sub = coord.jobs[1].submit
+    with zipfile.ZipFile(io.BytesIO(coord.blobs[sub.bundle])) as zf:
+        assert sorted(zf.namelist()) == [
+            "data/grid.csv",
+            "lib/__init__.py",
+            "lib/physics.py",
+            "main.py",
+        ]
+    assert sub.entry == "main.py" and sub.name == "proj"
+
+    (tmp_path / "app.py").write_text("import helper\n")
+    (tmp_path / "helper.py").write_text("")
+    res = run("submit", str(tmp_path / "app.py"), "-n", "1")
+    assert "packed the local modules app.py imports: helper.py" in res.stderr

@@ -427,3 +427,45 @@ async def test_a_waiting_job_says_why_on_its_page_and_in_the_list(portal: Portal
     assert "Waiting: needs 5 slots; the agents that may run it have 2 in all." in page
     assert "can never run this job" in page
     assert "needs 5 slots" in (await alice.get("/jobs")).text
+
+
+async def test_submit_a_project_folder(portal: Portal) -> None:
+    alice = await portal.sign_in("alice")
+    folder = [
+        ("sim/main.py", b"import lib.core\n"),
+        ("sim/lib/__init__.py", b""),
+        ("sim/lib/core.py", b"X = 1\n"),
+        ("sim/data/grid.csv", b"1\n"),
+        ("sim/lib/__pycache__/core.cpython-311.pyc", b"junk"),
+        ("sim/.venv/pyvenv.cfg", b"home = /usr"),
+        ("sim/.venv/lib/site.py", b""),
+    ]
+    r = await alice.client.post(
+        "/jobs/new",
+        data={"csrf": alice.csrf, "ranks": "2", "entry": "main.py", "fault_tolerance": "on"},
+        files=_files(None, project=folder),
+    )
+    assert r.status_code == 303, field_errors(r.text) or r.text
+    job_id = int(r.headers["location"].rsplit("/", 1)[1])
+    row = portal.pool.core.store.job_row(job_id)
+    assert row is not None and (row["entry"], row["name"]) == ("main.py", "sim")
+    with zipfile.ZipFile(portal.pool.core.blobs.path(row["bundle"])) as zf:
+        assert sorted(zf.namelist()) == [
+            "data/grid.csv",
+            "lib/__init__.py",
+            "lib/core.py",
+            "main.py",
+        ]
+    # Both a program and a folder, or a folder that escapes: the form says so.
+    r = await alice.client.post(
+        "/jobs/new",
+        data={"csrf": alice.csrf, "ranks": "2"},
+        files=_files(("app.py", HELLO), project=folder),
+    )
+    assert "or a project folder" in field_errors(r.text)["program"]
+    r = await alice.client.post(
+        "/jobs/new",
+        data={"csrf": alice.csrf, "ranks": "2", "entry": "main.py"},
+        files=_files(None, project=[("sim/main.py", b""), ("sim/../../x", b"")]),
+    )
+    assert "not a relative path inside" in field_errors(r.text)["program"]
