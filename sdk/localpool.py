@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import math
 import os
 import shutil
 import signal
@@ -322,8 +323,24 @@ def _reset_root(lay: Layout, *, keep_jobs: bool, progress: Progress) -> bool:
     state.parent.mkdir(parents=True, mode=0o700)
     shutil.move(kept / "state", state)
     kept.rmdir()
+    _retire_components(state / "vpool.db")
     progress("keeping the jobs of the previous local pool (`vsdk local up --fresh` starts anew)")
     return True
+
+
+def _retire_components(db: Path) -> None:
+    """The previous pool's agents and relays are gone for good (the new ones enroll and
+    register afresh): mark them lost before the coordinator starts, or it would count them
+    alive for a while and place ranks on them."""
+    from vpool.coordinator.sqlite_store import SqliteStore
+
+    store = SqliteStore(db)
+    try:
+        now = time.time()
+        store.expire_agents(math.inf, now)
+        store.expire_relays(math.inf, -math.inf, now)
+    finally:
+        store.close()
 
 
 def _cancel_leftovers(url: str, token: str, ca: Path, progress: Progress) -> None:

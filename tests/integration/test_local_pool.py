@@ -185,3 +185,22 @@ def test_input_piped_to_submit_wait_goes_to_rank_0(pool: Pool, tmp_path) -> None
     assert res.returncode == 0, res.stderr.decode()
     assert res.stdout == b"AS WITH MPIEXEC\n"
     assert b"rank 0 gets the 16 bytes piped to vsdk" in res.stderr
+
+
+def test_a_project_over_modules_and_data_matches_real_mpiexec(pool: Pool) -> None:
+    project = REPO / "tests" / "integration" / "programs" / "project"
+    mpiexec = shutil.which("mpiexec")
+    assert mpiexec
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VPOOL")}
+    real = subprocess.run(
+        [mpiexec, "-n", "4", sys.executable, "main.py"],
+        capture_output=True,
+        timeout=180,
+        env=env,
+        check=False,
+        cwd=project,
+    )
+    assert real.returncode == 0, real.stderr.decode()
+    res = pool.vsdk("submit", str(project), "--entry", "main.py", "--ranks", "4", "--wait")
+    assert res.returncode == 0, res.stderr.decode()
+    assert res.stdout == real.stdout and res.stdout.startswith(b"96 values over 4 ranks")

@@ -1,0 +1,2 @@
+def clamp(x: float, lo: float, hi: float) -> float:
+    return max(lo, min(hi, x))
