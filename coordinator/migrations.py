@@ -249,6 +249,16 @@ def _m8_queue_reasons(db: sqlite_utils.Database) -> None:
         db.execute(sql)
 
 
+def _m9_environments(db: sqlite_utils.Database) -> None:
+    """Job environments (issue 18): a job's ``requirements`` (JSON list, normalized) and, per
+    agent, the ``environments`` it reported having built (JSON list of keys)."""
+    for sql in (
+        "ALTER TABLE jobs ADD COLUMN requirements TEXT NOT NULL DEFAULT '[]'",
+        "ALTER TABLE agents ADD COLUMN environments TEXT NOT NULL DEFAULT '[]'",
+    ):
+        db.execute(sql)
+
+
 def new_job_uid() -> str:
     return secrets.token_hex(16)
 
@@ -267,6 +277,7 @@ MIGRATIONS: list[Callable[[sqlite_utils.Database], None]] = [
     _m6_isolation,
     _m7_accounts,
     _m8_queue_reasons,
+    _m9_environments,
 ]
 
 

@@ -40,6 +40,9 @@ if TYPE_CHECKING:
 RANK_TOKEN_LIFETIME = 7 * 24 * 3600.0
 AGENT_TOKEN_LIFETIME = 24 * 3600.0
 ACTIVE_RANK_STATES = ("leased", "running")
+# The exit code an agent reports for a rank it could not start, for a reason every agent
+# would have (its bundle or environment), with the reason as the exit's message.
+EXIT_CANNOT_START = 126
 # ``IsolationReport.level``s that sandbox ranks; any other level (e.g. "none") is acceptable
 # only to a job that accepts unsandboxed agents.
 SANDBOXED = frozenset({"sandbox", "sandbox-rlimits"})
@@ -151,12 +154,24 @@ def free_slots(slots: int, reported_free: int, active: int) -> int:
     return max(0, min(slots - active, reported_free))
 
 
-def plan_gang(ranks: int, agents: Sequence[tuple[str, int]]) -> list[str] | None:
+def plan_gang(
+    ranks: int, agents: Sequence[tuple[str, int]], *, prefer: Collection[str] = ()
+) -> list[str] | None:
     """Agent id for each rank, or None if the ranks do not all fit at once.
 
-    ``agents`` holds ``(agent_id, free_slots)`` of live agents.
+    ``agents`` holds ``(agent_id, free_slots)`` of live agents; those in ``prefer`` (that
+    have the job's environment built already) are filled first.
     """
-    order = sorted((a for a in agents if a[1] > 0), key=lambda a: (-a[1], a[0]))
+    order = sorted((a for a in agents if a[1] > 0), key=lambda a: (a[0] not in prefer, -a[1], a[0]))
+    if prefer and any(a[0] in prefer for a in order):
+        # Only as many agents as needed, the preferred first, so the others stay clear.
+        needed, kept = 0, []
+        for offer in order:
+            kept.append(offer)
+            needed += offer[1]
+            if needed >= ranks:
+                break
+        order = kept
     if sum(free for _, free in order) < ranks:
         return None
     remaining = dict(order)

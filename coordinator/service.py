@@ -20,7 +20,7 @@ from typing import Any
 import msgspec
 import trio
 
-from vpool import __version__
+from vpool import __version__, requirements
 from vpool.coordinator import keys, scheduler
 from vpool.coordinator.access import Action, Principal, check_job, check_operator, jobs_owner
 from vpool.coordinator.blobs import BlobFiles, check_sha256
@@ -50,6 +50,7 @@ MAX_ISOLATION_REPORT = 16 << 10  # bytes of JSON kept per agent
 MAX_ISOLATION_LEVEL = 40
 MAX_LIMIT = 2**62
 MAX_JOB_ID = 2**63 - 1
+MAX_ENVIRONMENTS = 1000  # environment keys an agent may report
 MAX_PAGE = 1000  # jobs in one listing
 MAX_OFFSET = 2**31  # a limit of an isolation report (SQLite integers are 64-bit)
 
@@ -276,6 +277,11 @@ class Coordinator:
                 raise BadRequest(f"the {what} blob {blob} was not uploaded", code="unknown_blob")
         self._check_checkpoint_every(sub)
         _check_memory(sub)
+        try:
+            wanted = requirements.normalize(sub.requirements)
+        except requirements.RequirementsError as exc:
+            raise BadRequest(str(exc), code="bad_requirements") from exc
+        sub = msgspec.structs.replace(sub, requirements=wanted)
         await self.blobs.check_bundle(sub.bundle, sub.entry)
         info = await self.db.call(self.store.create_job, who.name, sub, self.clock())
         self.changes.fire()
@@ -457,6 +463,11 @@ class Coordinator:
         # once instead of at each agent's next heartbeat.
         if hb.isolation is not None:
             _check_isolation(hb.isolation)
+        if len(hb.environments) > MAX_ENVIRONMENTS or any(len(k) > 64 for k in hb.environments):
+            raise BadRequest(
+                f"a heartbeat names at most {MAX_ENVIRONMENTS} environments of 64 characters",
+                code="bad_environments",
+            )
         hold = min(max(hb.wait, 0.0), self.settings.heartbeat_interval, self.settings.max_wait)
         deadline = trio.current_time() + hold
         ended = self.ended.current()

@@ -14,6 +14,7 @@ from typing import Any
 import msgspec
 import sqlite_utils
 
+from vpool import requirements
 from vpool.coordinator import migrations, scheduler
 from vpool.coordinator.errors import Conflict, Forbidden, NotFound
 from vpool.coordinator.sqlite_faults import FaultsMixin
@@ -23,6 +24,7 @@ from vpool.sizes import format_size
 
 Signer = Callable[[RankClaims], str]
 TERMINAL_SQL = "('succeeded', 'failed', 'cancelled')"
+MAX_REASON = 2000  # characters of an agent's message kept as a job's reason
 
 
 class JobsMixin(FaultsMixin):
@@ -118,8 +120,8 @@ class JobsMixin(FaultsMixin):
         with self.db.atomic():
             cursor = self.db.execute(
                 "INSERT INTO jobs (user, name, state, ranks, bundle, entry, args, stdin, created, "
-                "fault_tolerance, job_uid, ckpt_key, checkpoint_every, memory, unsandboxed) "
-                "VALUES (?, ?, 'queued', ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                "fault_tolerance, job_uid, ckpt_key, checkpoint_every, memory, unsandboxed, "
+                "requirements) VALUES (?, ?, 'queued', ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 [
                     user,
                     sub.name,
@@ -135,6 +137,7 @@ class JobsMixin(FaultsMixin):
                     sub.checkpoint_every,
                     sub.memory,
                     int(sub.unsandboxed),
+                    json.dumps(sub.requirements),
                 ],
             )
             job_id = int(cursor.lastrowid or 0)
@@ -150,6 +153,8 @@ class JobsMixin(FaultsMixin):
                 off += f", {format_size(sub.memory)} of memory per rank"
             if sub.unsandboxed:
                 off += ", unsandboxed agents accepted"
+            if sub.requirements:
+                off += f", needs {', '.join(sub.requirements)}"
             self._event(job_id, now, "queued", f"submitted by {user}: {sub.ranks} ranks{off}")
         info = self.job_info(job_id)
         assert info is not None
@@ -182,6 +187,7 @@ class JobsMixin(FaultsMixin):
             live = list(
                 self.db.query(
                     "SELECT a.id, a.slots, a.free_slots, a.isolation, a.rank_memory, "
+                    "a.environments, "
                     "(SELECT COUNT(*) FROM ranks r WHERE r.agent = a.id "
                     "AND r.state IN ('leased', 'running')) AS active "
                     "FROM agents a WHERE a.state = 'alive' AND a.last_seen >= ?",
@@ -211,7 +217,13 @@ class JobsMixin(FaultsMixin):
                 fit = scheduler.open_to(
                     free, offers, memory=job["memory"], unsandboxed=bool(job["unsandboxed"])
                 )
-                placement = scheduler.plan_gang(job["ranks"], list(fit.items())) if relays else None
+                key = requirements.key(json.loads(job["requirements"]))
+                has = {str(a["id"]) for a in live if key in json.loads(a["environments"])}
+                placement = (
+                    scheduler.plan_gang(job["ranks"], list(fit.items()), prefer=has)
+                    if relays
+                    else None
+                )
                 if placement is None:
                     views = [
                         scheduler.AgentView(
@@ -324,6 +336,7 @@ class JobsMixin(FaultsMixin):
                         restore=restore,
                         from_start=bool(row["from_start"]),
                         memory=job["memory"],
+                        requirements=job["requirements"],
                     )
                 )
                 self.db.execute(
@@ -368,6 +381,7 @@ class JobsMixin(FaultsMixin):
             "checkpoint_every": job["checkpoint_every"],
             # The agent lowers its own limit per rank to it (never raises it).
             "memory": job["memory"],
+            "requirements": json.loads(job["requirements"]),
         }
 
     # -- agent reports ------------------------------------------------------------------------
@@ -383,6 +397,7 @@ class JobsMixin(FaultsMixin):
         with self.db.atomic():
             self._agent_caps(agent_id, hb.criu, hb.fingerprint)
             self._agent_isolation(agent_id, hb.isolation)
+            self._agent_environments(agent_id, hb.environments)
             for rs in hb.ranks:
                 row = self._rank_row(rs)
                 reason = _stop_reason(row, agent_id, rs.incarnation)
@@ -418,6 +433,13 @@ class JobsMixin(FaultsMixin):
                     lost = self._lose(r["job"], r["rank"], reason, now, suspect=False)
                     changed = lost or changed
         return stops, changed
+
+    def _agent_environments(self, agent_id: str, keys: list[str]) -> None:
+        value = json.dumps(sorted(set(keys)))
+        self.db.execute(
+            "UPDATE agents SET environments = ? WHERE id = ? AND environments != ?",
+            [value, agent_id, value],
+        )
 
     def _agent_isolation(self, agent_id: str, report: api.IsolationReport | None) -> None:
         """Remember how the agent isolates ranks, as its heartbeat says (inside its
@@ -488,6 +510,10 @@ class JobsMixin(FaultsMixin):
                 reason = scheduler.exit_reason(ex.rank, ex.code, ex.aborted)
                 detail = f"{reason}: {ex.message}" if ex.message else reason
                 self._event(ex.job, now, "rank_failed", detail, ex.rank)
+                if ex.code == scheduler.EXIT_CANNOT_START and ex.message:
+                    # The agent could not start it (a bundle or environment no agent could
+                    # use): its words are the reason.
+                    reason = ex.message[:MAX_REASON]
                 self._end(ex.job, "failed", ex.code, reason, now)
                 return True
             self._event(ex.job, now, "rank_exited", f"rank {ex.rank} exited with code 0", ex.rank)
@@ -589,4 +615,5 @@ def _info(row: dict[str, Any]) -> api.JobInfo:
         waiting=row["waiting"],
         never_fits=bool(row["never_fits"]),
         restarts=row["restarts"],
+        requirements=json.loads(row["requirements"]),
     )

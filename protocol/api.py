@@ -181,6 +181,9 @@ class JobSubmit(msgspec.Struct, frozen=True):
     memory: int = 0
     # Whether ranks may run on agents that cannot sandbox them (their volunteers allowed it).
     unsandboxed: bool = False
+    # Packages the program needs beyond what agents have (``vpool.requirements``: normalized,
+    # from the index only); each agent builds that environment once and keeps it.
+    requirements: list[str] = []
 
 
 class JobInfo(msgspec.Struct, frozen=True):
@@ -203,6 +206,7 @@ class JobInfo(msgspec.Struct, frozen=True):
     waiting: str = ""
     never_fits: bool = False
     restarts: int = 0  # replacement incarnations started so far, all ranks together
+    requirements: list[str] = []  # ``JobSubmit.requirements``
 
 
 JobSort = Literal["id", "name", "state", "ranks", "created", "finished"]
@@ -359,6 +363,8 @@ class Lease(msgspec.Struct, frozen=True):
     from_start: bool = True
     # The job's own memory limit per rank (``JobSubmit.memory``; 0: the agent's).
     memory: int = 0
+    # What the rank needs installed (``JobSubmit.requirements``): the agent builds it first.
+    requirements: list[str] = []
 
 
 class LeaseRequest(msgspec.Struct, frozen=True):
@@ -412,6 +418,9 @@ class AgentHeartbeat(msgspec.Struct, frozen=True):
     # How this agent isolates its ranks (None: an agent from before sandboxes, or one that
     # has not found out yet: it takes no leases until it has).
     isolation: IsolationReport | None = None
+    # The environments built here (``vpool.requirements.key`` of their requirements): the
+    # coordinator places jobs that need one where it already is.
+    environments: list[str] = []
 
 
 class StopOrder(msgspec.Struct, frozen=True):

@@ -13,6 +13,7 @@ from typing import Any
 
 import click
 
+from vpool import requirements
 from vpool.protocol.api import (
     MAX_JOB_MEMORY,
     MIN_JOB_MEMORY,
@@ -24,7 +25,7 @@ from vpool.protocol.api import (
 )
 from vpool.sdk import bundle
 from vpool.sdk.cli_common import Settings, exit_with, json_option, note, pass_settings, print_json
-from vpool.sdk.errors import WaitTimeout
+from vpool.sdk.errors import BundleError, WaitTimeout
 from vpool.sdk.output import LineAssembler, LineWriter, job_exit_code
 from vpool.sizes import format_size, parse_size
 
@@ -157,6 +158,14 @@ def stream_output(
 )
 @click.option("--name", help="A name for the job (default: the program's file name).")
 @click.option(
+    "--requirements",
+    "requirements_file",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="A requirements.txt of packages the program needs (from the package index); each "
+    "agent installs them once and keeps them. A project directory's pyproject.toml "
+    "dependencies count too.",
+)
+@click.option(
     "--entry",
     help="The program inside a .zip or a project directory (default: __main__.py).",
 )
@@ -204,6 +213,7 @@ def submit(
     inputs: tuple[Path, ...],
     stdin: Path | None,
     name: str | None,
+    requirements_file: Path | None,
     entry: str | None,
     fault_tolerance: bool,
     checkpoint_every: float,
@@ -258,6 +268,7 @@ def submit(
         if feed is not None:
             note(settings, f"rank 0 gets the {len(feed)} bytes piped to vsdk as its stdin")
     built = bundle.build(program, list(inputs), entry=entry)
+    needs = _requirements(program, requirements_file)
     if built.added:
         note(settings, f"packed the local modules {program.name} imports: {', '.join(built.added)}")
     with settings.client() as client:
@@ -265,6 +276,7 @@ def submit(
             program,
             ranks,
             built=built,
+            requirements=needs,
             inputs=list(inputs),
             stdin=feed,
             args=list(args),
@@ -300,6 +312,21 @@ def submit(
             finish(settings, client.wait(job.id), as_json=True)
         stream_output(client, settings, job.id, label=label)
         finish(settings, client.status(job.id).job)
+
+
+def _requirements(program: Path, file: Path | None) -> list[str]:
+    """What the job needs installed: --requirements, plus a project's pyproject.toml."""
+    found = bundle.project_requirements(program)
+    if file is not None:
+        try:
+            text = file.read_text()
+        except OSError as exc:
+            raise BundleError(f"cannot read {file}: {exc.strerror or exc}") from exc
+        try:
+            found = requirements.normalize([*found, *requirements.parse_lines(text, str(file))])
+        except requirements.RequirementsError as exc:
+            raise BundleError(str(exc)) from exc
+    return found
 
 
 def _piped_stdin() -> bytes | None:

@@ -57,6 +57,12 @@ def local() -> None:
     help="Start with no jobs (by default the jobs of the previous local pool are kept).",
 )
 @click.option(
+    "--package-index",
+    default="",
+    metavar="URL",
+    help="Package index the agents install jobs' requirements from (default: pip's own).",
+)
+@click.option(
     "--timeout",
     type=float,
     default=localpool.READY_TIMEOUT,
@@ -72,6 +78,7 @@ def up(
     slots: int,
     force: bool,
     fresh: bool,
+    package_index: str,
     timeout: float,
     as_json: bool,
 ) -> None:
@@ -93,6 +100,7 @@ def up(
         slots=slots,
         force=force,
         fresh=fresh,
+        package_index=package_index,
         timeout=timeout,
         progress=lambda msg: note(settings, msg),
         config_path=settings.config,

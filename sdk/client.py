@@ -199,6 +199,7 @@ class Client:
         memory: int = 0,
         unsandboxed: bool = False,
         built: bundle_mod.Bundle | None = None,
+        requirements: Sequence[str] = (),
     ) -> JobInfo:
         """Bundle ``program_path`` (``.py``, ``.zip`` or a project directory; ``built``: the
         bundle already made of it, see ``sdk.bundle``) with ``inputs``, upload and submit it
@@ -236,6 +237,7 @@ class Client:
             checkpoint_every=checkpoint_every,
             memory=memory,
             unsandboxed=unsandboxed,
+            requirements=list(requirements),
         )
         return _decode(self._request("POST", "/jobs", json_body=body), JobInfo)
 

@@ -393,6 +393,7 @@ def up(
     slots: int = DEFAULT_SLOTS,
     force: bool = False,
     fresh: bool = False,
+    package_index: str = "",
     timeout: float = READY_TIMEOUT,
     progress: Progress = _quiet,
     config_path: Path | None = None,
@@ -441,7 +442,7 @@ def up(
         progress(f"starting {relays} relay(s)")
         starter.wait_ready(relay_names, timeout)
         for name in agent_names:
-            write_config(lay, name, agent_settings(lay, name, sec, url, slots))
+            write_config(lay, name, agent_settings(lay, name, sec, url, slots, package_index))
             starter.start(name, agent_argv(lay, name))
         progress(f"starting {agents} agent(s) with {slots} slots each")
         starter.wait_ready(agent_names, timeout)

@@ -138,10 +138,17 @@ def relay_settings(lay: Layout, name: str, sec: Secrets, coordinator_url: str) -
 
 
 def agent_settings(
-    lay: Layout, name: str, sec: Secrets, coordinator_url: str, slots: int
+    lay: Layout,
+    name: str,
+    sec: Secrets,
+    coordinator_url: str,
+    slots: int,
+    package_index: str = "",
 ) -> dict[str, Any]:
     d = lay.dir(name)
+    extra = {"package_index": package_index} if package_index else {}
     return {
+        **extra,
         "name": name,
         "coordinator_url": coordinator_url,
         "coordinator_ca": str(lay.ca_cert),

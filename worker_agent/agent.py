@@ -31,6 +31,7 @@ from vpool.worker_agent import identity, sandbox, sandboxed, selftest
 from vpool.worker_agent.bundle import BlobCache
 from vpool.worker_agent.checkpoints import Capability, Checkpointer, find_capability
 from vpool.worker_agent.coordinator import CoordinatorClient
+from vpool.worker_agent.environments import Environments
 from vpool.worker_agent.errors import CoordinatorRejected, CoordinatorUnreachable
 from vpool.worker_agent.local_ranks import LocalRank, LocalRanks
 from vpool.worker_agent.proxy import RankProxy, choose_socket_path
@@ -134,6 +135,7 @@ class Agent:
             max_payload=settings.max_payload,
             reconnect=settings.relay_reconnect,
         )
+        self.environments = Environments(settings)
         self.services = RankServices(
             settings=settings,
             client=client,
@@ -146,6 +148,7 @@ class Agent:
             state_changed=self._beat_now,
             capability=self.capability,
             ssl_context=ssl_context,
+            environments=self.environments,
         )
         self.proxy = RankProxy(
             self.ranks, processor=socket.gethostname(), max_payload=settings.max_payload
@@ -399,6 +402,7 @@ class Agent:
                             else 0.0,
                             checkpoint_acks=acks,
                             isolation=self.isolation if told_isolation else None,
+                            environments=self.environments.built(),  # a directory listing
                         )
                     )
                 except CoordinatorUnreachable as exc:

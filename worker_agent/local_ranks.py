@@ -187,6 +187,9 @@ class LocalRank:
         self.stop_requested = trio.Event()
         self.ended = False
         self.problem_reported = False
+        # The job's environment (``environments``): its key and ``site`` directory here.
+        self.env_key: str | None = None
+        self.env_site: Path | None = None
 
     def __repr__(self) -> str:
         lease = self.lease

@@ -58,6 +58,7 @@ from vpool.worker_agent.checkpoints import Capability, Checkpointer, checkpoint_
 from vpool.worker_agent.checkpoints import checkpoints_enabled as _ckpt_disabled_because
 from vpool.worker_agent.ckpt_workers import CkptWorkers
 from vpool.worker_agent.coordinator import CoordinatorClient
+from vpool.worker_agent.environments import EnvironmentRejected, Environments
 from vpool.worker_agent.errors import (
     BundleError,
     BundleRejected,
@@ -122,6 +123,8 @@ class RankServices:
     # The sandbox (found at start; off until then) and what each rank may use in it.
     isolation: sandboxed.Isolation = field(default_factory=sandboxed.Isolation)
     limits: sandboxed.RankLimits = field(default_factory=sandboxed.RankLimits)
+    # The environments jobs need, built here once each.
+    environments: Environments | None = None
     # The processes that dump and upload checkpoints (``checkpoint_workers``).
     _ckpt_workers: CkptWorkers | None = None
 
@@ -180,6 +183,7 @@ def rank_env(
     clone_timeout: float = 600.0,
     orphan_wait: float = 0.0,
     tmpdir: str = "",
+    env_path: str = "",
 ) -> dict[str, str]:
     """The rank's environment, with paths as the rank sees them (its sandbox's).
     ``checkpoints``: the runtime takes them (it gets the signal to expect and its rank
@@ -191,6 +195,8 @@ def rank_env(
     env.update(lease.env)
     # The shim must come first so it wins over a real mpi4py in the same environment.
     pythonpath = [str(shim)]
+    if env_path:  # the job's installed requirements, after vpool's mpi4py
+        pythonpath.append(env_path)
     if lease.env.get("PYTHONPATH"):
         pythonpath.append(lease.env["PYTHONPATH"])
     env.update(
@@ -282,6 +288,8 @@ async def run_rank(svc: RankServices, rank: LocalRank) -> None:
     try:
         try:
             tried: list[RestoreAttempt] = []
+            if lease.requirements:
+                await _environment(svc, rank)
             if lease.restore:
                 restored, tried = await restore.restore_rank(svc, rank, attach)
                 if restored is None and not lease.from_start:
@@ -326,6 +334,8 @@ async def run_rank(svc: RankServices, rank: LocalRank) -> None:
     finally:
         rank.ended = True
         rank.outbox.close()
+        if rank.env_key is not None and svc.environments is not None:
+            svc.environments.release(rank.env_key)
         with trio.move_on_after(_SHIELDED_CLEANUP, shield=True):
             if rank.hello_seen:
                 # Frames the rank wrote just before it ended may still be on their way to a
@@ -514,6 +524,7 @@ async def _spawn(
         clone_timeout=settings.checkpoint_clone_timeout,
         orphan_wait=settings.lost_checkpoint_grace,
         tmpdir="/tmp" if boxed else "",
+        env_path=(sandbox.ENV_DIR if boxed else str(rank.env_site)) if rank.env_site else "",
     )
     python = settings.python_path
     limits = svc.limits_for(lease)
@@ -522,7 +533,9 @@ async def _spawn(
         try:
             box = await sandboxed.start(
                 svc.isolation,
-                sandbox.Mounts(prepared.rank_dir, svc.socket_path, stdin=prepared.stdin),
+                sandbox.Mounts(
+                    prepared.rank_dir, svc.socket_path, stdin=prepared.stdin, env_dir=rank.env_site
+                ),
                 lambda status_fd: sandbox.init_argv(
                     python,
                     program,
@@ -727,6 +740,14 @@ async def _upload_results(
         " (aborted)" * report.aborted,
         " (lost)" * report.lost,
     )
+
+
+async def _environment(svc: RankServices, rank: LocalRank) -> None:
+    """Build (or find) the job's environment before the rank starts or is restored."""
+    if svc.environments is None:
+        raise EnvironmentRejected("this agent does not install job environments")
+    name = svc.settings.agent_name
+    rank.env_key, rank.env_site = await svc.environments.acquire(rank.lease.requirements, name)
 
 
 async def _post_exit(svc: RankServices, rank: LocalRank, code: int, message: str) -> None:

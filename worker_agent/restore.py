@@ -329,7 +329,9 @@ async def _start_boxed(
     try:
         return await sandboxed.start_restore(
             svc.isolation,
-            sandbox.Mounts(rank_dir, svc.socket_path, stdin=stdin, io_dir=fifo_dir),
+            sandbox.Mounts(
+                rank_dir, svc.socket_path, stdin=stdin, io_dir=fifo_dir, env_dir=rank.env_site
+            ),
             scratch,
             python=settings.python_path,
             criu=settings.criu,

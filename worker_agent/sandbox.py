@@ -40,6 +40,7 @@ RANK_DIR = "/vpool/rank"
 SOCKET = "/vpool/agent.sock"
 IO_DIR = "/vpool/io"
 STDIN = "/vpool/stdin"
+ENV_DIR = "/vpool/env"  # the job's environment (``environments``), read-only
 HOSTNAME = "vpool-rank"
 INIT_SCRIPT = Path(__file__).with_name("sandbox_init.py")
 
@@ -103,6 +104,7 @@ class Mounts:
     socket: Path  # at SOCKET
     stdin: Path | None = None  # at STDIN, read-only
     io_dir: Path | None = None  # at IO_DIR, read-only (a restore's FIFOs)
+    env_dir: Path | None = None  # at ENV_DIR, read-only (the job's installed requirements)
     extra_ro: tuple[str, ...] = field(default_factory=tuple)
 
 
@@ -245,6 +247,8 @@ def command(
         cmd += ["--ro-bind", str(mounts.stdin), STDIN]
     if mounts.io_dir is not None:
         cmd += ["--ro-bind", str(mounts.io_dir), IO_DIR]
+    if mounts.env_dir is not None:
+        cmd += ["--ro-bind", str(mounts.env_dir), ENV_DIR]
     cmd += ["--chdir", f"{RANK_DIR}/work"]
     if seccomp_fd is not None:
         cmd += ["--seccomp", str(seccomp_fd)]

@@ -57,6 +57,22 @@ class AgentSettings:
     max_bundle_members: int = setting(
         100_000, "Most files and directories a bundle may hold (zip bomb guard)."
     )
+    package_index: str = setting(
+        "",
+        "Package index jobs' environments are installed from (a URL for pip --index-url; "
+        "empty: pip's own configuration, normally PyPI).",
+    )
+    env_cache_size: int = setting(
+        10 * 1024**3,
+        "Most disk the built job environments may take together; the least recently used "
+        "ones (no rank using them) are deleted beyond it.",
+    )
+    env_max_size: int = setting(
+        4 * 1024**3, "Largest environment one job may have installed here (bytes)."
+    )
+    env_build_timeout: float = setting(
+        900.0, "Seconds the installation of one job environment may take."
+    )
     max_results_bytes: int = setting(
         256 * 1024**2, "Largest results zip per rank; files beyond it are left out and reported."
     )

@@ -122,10 +122,19 @@ def stdout_of(pid: int) -> str:
         return ""
 
 
-def start_pool(tmp: Path, agents: int = 3, relays: int = 2) -> Pool:
+def start_pool(tmp: Path, agents: int = 3, relays: int = 2, extra: list[str] | None = None) -> Pool:
     env = {**os.environ, "VPOOL_HOME": str(tmp)}
     pool = Pool(tmp, env)
-    res = pool.vsdk("local", "up", "--agents", str(agents), "--relays", str(relays), timeout=120)
+    res = pool.vsdk(
+        "local",
+        "up",
+        "--agents",
+        str(agents),
+        "--relays",
+        str(relays),
+        *(extra or []),
+        timeout=120,
+    )
     if res.returncode != 0:
         raise AssertionError(
             f"local up failed: {res.stderr.decode()}\n{pool.logs() if tmp.exists() else ''}"
