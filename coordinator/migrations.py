@@ -251,10 +251,13 @@ def _m8_queue_reasons(db: sqlite_utils.Database) -> None:
 
 def _m9_environments(db: sqlite_utils.Database) -> None:
     """Job environments (issue 18): a job's ``requirements`` (JSON list, normalized) and, per
-    agent, the ``environments`` it reported having built (JSON list of keys)."""
+    agent, the ``environments`` it reported having built (JSON list of keys) and the
+    fingerprints of checkpoint images made in them (``env_fingerprints``: it can restore
+    those too)."""
     for sql in (
         "ALTER TABLE jobs ADD COLUMN requirements TEXT NOT NULL DEFAULT '[]'",
         "ALTER TABLE agents ADD COLUMN environments TEXT NOT NULL DEFAULT '[]'",
+        "ALTER TABLE agents ADD COLUMN env_fingerprints TEXT NOT NULL DEFAULT '[]'",
     ):
         db.execute(sql)
 

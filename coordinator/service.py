@@ -463,7 +463,8 @@ class Coordinator:
         # once instead of at each agent's next heartbeat.
         if hb.isolation is not None:
             _check_isolation(hb.isolation)
-        if len(hb.environments) > MAX_ENVIRONMENTS or any(len(k) > 64 for k in hb.environments):
+        named = [*hb.environments, *hb.env_fingerprints]
+        if len(named) > 2 * MAX_ENVIRONMENTS or any(len(k) > 64 for k in named):
             raise BadRequest(
                 f"a heartbeat names at most {MAX_ENVIRONMENTS} environments of 64 characters",
                 code="bad_environments",

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
 import sqlite_utils
@@ -337,7 +337,7 @@ class CheckpointsMixin:
     # -- replacements -------------------------------------------------------------------------
 
     def _plan_replacement(
-        self, p: dict[str, Any], free: dict[str, int], caps: dict[str, tuple[str, str]]
+        self, p: dict[str, Any], free: dict[str, int], caps: dict[str, Cap]
     ) -> Plan:
         """Choose the agent (from ``free``) and the images for pending rank ``p``."""
         images = self.rank_images(p["job"], p["rank"])
@@ -368,11 +368,9 @@ class CheckpointsMixin:
             )
         return Plan(None, [], waiting=why)
 
-    def _why_not_restored(
-        self, images: list[dict[str, Any]], cap: tuple[str, str] | None, agent: str
-    ) -> str:
+    def _why_not_restored(self, images: list[dict[str, Any]], cap: Cap | None, agent: str) -> str:
         ckpts = ", ".join(str(i["ckpt"]) for i in images)
-        criu, fingerprint = cap or ("", "")
+        criu, fingerprint, _ = cap or Cap("", "")
         name = self._agent_name(agent)
         if not criu:
             return f"agent {name} cannot restore its checkpoint images ({ckpts}): no CRIU"
@@ -381,11 +379,8 @@ class CheckpointsMixin:
             f"{name}'s (fingerprint {short(fingerprint)})"
         )
 
-    def _agent_capabilities(self) -> dict[str, tuple[str, str]]:
-        return {
-            str(r["id"]): (str(r["criu"]), str(r["fingerprint"]))
-            for r in self.db.query("SELECT id, criu, fingerprint FROM agents")
-        }
+    def _agent_capabilities(self) -> dict[str, Cap]:
+        return {str(r["id"]): _cap(r) for r in self.db.query(CAP_QUERY)}
 
     def _wait_for_restorer(self, p: dict[str, Any], why: str, now: float) -> None:
         """A replacement that can only start from an image found no agent: event once."""
@@ -436,8 +431,9 @@ class CheckpointsMixin:
     ) -> list[api.CheckpointRef]:
         """The images a lease of (job, rank) on this agent carries, newest first: only those
         made for the agent's fingerprint, and none if it has no CRIU."""
-        cap = self._one("SELECT criu, fingerprint FROM agents WHERE id = ?", [agent_id])
-        if cap is None or not cap["criu"] or not cap["fingerprint"]:
+        row = self._one(f"{CAP_QUERY} WHERE id = ?", [agent_id])
+        cap = _cap(row) if row is not None else None
+        if cap is None or not cap.criu or not cap.fingerprint:
             return []
         return [
             api.CheckpointRef(
@@ -452,20 +448,42 @@ class CheckpointsMixin:
                 meta=i["meta"],
             )
             for i in self.rank_images(job, rank)
-            if i["fingerprint"] == cap["fingerprint"] and i["relay"] in relays
+            if cap.fits(i["fingerprint"]) and i["relay"] in relays
         ]
 
 
-def restorers(images: list[dict[str, Any]], caps: dict[str, tuple[str, str]]) -> set[str]:
+class Cap(NamedTuple):
+    """What an agent can restore: CRIU (its version, "" for none), its environment
+    fingerprint, and the fingerprints of images made in the job environments it has built
+    (``AgentHeartbeat.env_fingerprints``)."""
+
+    criu: str
+    fingerprint: str
+    env: frozenset[str] = frozenset()
+
+    def fits(self, fingerprint: str) -> bool:
+        if not self.criu or not self.fingerprint:
+            return False
+        return fingerprint == self.fingerprint or fingerprint in self.env
+
+
+def restorers(images: list[dict[str, Any]], caps: dict[str, Cap]) -> set[str]:
     """Agents that could restore one of ``images``: CRIU present and a fingerprint of one."""
-    fingerprints = {i["fingerprint"] for i in images}
-    return {a for a, (criu, fp) in caps.items() if criu and fp and fp in fingerprints}
+    return {a for a, cap in caps.items() if any(cap.fits(i["fingerprint"]) for i in images)}
 
 
-def matching(images: list[dict[str, Any]], cap: tuple[str, str] | None) -> list[int]:
-    if cap is None or not cap[0] or not cap[1]:
+def matching(images: list[dict[str, Any]], cap: Cap | None) -> list[int]:
+    if cap is None:
         return []
-    return [int(i["ckpt"]) for i in images if i["fingerprint"] == cap[1]]
+    return [int(i["ckpt"]) for i in images if cap.fits(i["fingerprint"])]
+
+
+CAP_QUERY = "SELECT id, criu, fingerprint, env_fingerprints FROM agents"
+
+
+def _cap(row: dict[str, Any]) -> Cap:
+    env = frozenset(json.loads(row["env_fingerprints"] or "[]"))
+    return Cap(str(row["criu"]), str(row["fingerprint"]), env)
 
 
 def short(fingerprint: str) -> str:

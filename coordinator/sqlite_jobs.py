@@ -397,7 +397,7 @@ class JobsMixin(FaultsMixin):
         with self.db.atomic():
             self._agent_caps(agent_id, hb.criu, hb.fingerprint)
             self._agent_isolation(agent_id, hb.isolation)
-            self._agent_environments(agent_id, hb.environments)
+            self._agent_environments(agent_id, hb.environments, hb.env_fingerprints)
             for rs in hb.ranks:
                 row = self._rank_row(rs)
                 reason = _stop_reason(row, agent_id, rs.incarnation)
@@ -434,11 +434,12 @@ class JobsMixin(FaultsMixin):
                     changed = lost or changed
         return stops, changed
 
-    def _agent_environments(self, agent_id: str, keys: list[str]) -> None:
-        value = json.dumps(sorted(set(keys)))
+    def _agent_environments(self, agent_id: str, keys: list[str], fps: list[str]) -> None:
+        envs, prints = json.dumps(sorted(set(keys))), json.dumps(sorted(set(fps)))
         self.db.execute(
-            "UPDATE agents SET environments = ? WHERE id = ? AND environments != ?",
-            [value, agent_id, value],
+            "UPDATE agents SET environments = ?, env_fingerprints = ? WHERE id = ? "
+            "AND (environments != ? OR env_fingerprints != ?)",
+            [envs, prints, agent_id, envs, prints],
         )
 
     def _agent_isolation(self, agent_id: str, report: api.IsolationReport | None) -> None:

@@ -419,8 +419,11 @@ class AgentHeartbeat(msgspec.Struct, frozen=True):
     # has not found out yet: it takes no leases until it has).
     isolation: IsolationReport | None = None
     # The environments built here (``vpool.requirements.key`` of their requirements): the
-    # coordinator places jobs that need one where it already is.
+    # coordinator places jobs that need one where it already is. ``env_fingerprints``: the
+    # fingerprints checkpoint images of ranks in those environments have here (this agent's
+    # fingerprint with the environment's contents), so it may restore them.
     environments: list[str] = []
+    env_fingerprints: list[str] = []
 
 
 class StopOrder(msgspec.Struct, frozen=True):

@@ -403,6 +403,9 @@ class Agent:
                             checkpoint_acks=acks,
                             isolation=self.isolation if told_isolation else None,
                             environments=self.environments.built(),  # a directory listing
+                            env_fingerprints=self.environments.fingerprints(
+                                self.capability.fingerprint
+                            ),
                         )
                     )
                 except CoordinatorUnreachable as exc:

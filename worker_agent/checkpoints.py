@@ -110,6 +110,15 @@ async def find_capability(
     )
 
 
+def image_fingerprint(svc: RankServices, rank: LocalRank) -> str:
+    """The fingerprint an image of ``rank`` made here carries: the agent's, with the job's
+    environment's contents when it has one."""
+    base = svc.capability.fingerprint
+    if rank.env_key is None or svc.environments is None:
+        return base
+    return criu.with_environment(base, svc.environments.digest(rank.env_key))
+
+
 def checkpoints_enabled(cap: Capability, lease: Lease) -> str:
     """Why ranks of ``lease`` cannot take checkpoints here ("" = they can)."""
     if not cap.criu:
@@ -432,7 +441,7 @@ class Checkpointer:
             ckpt=taking.ckpt,
             received={src: seq for src, seq in enumerate(ready.received) if seq > 0},
             dets=ready.dets,
-            fingerprint=svc.capability.fingerprint,
+            fingerprint=image_fingerprint(svc, self.rank),
             meta=msgspec.msgpack.encode(manifest),
         )
         task = ckpt_worker.Task(

@@ -255,6 +255,13 @@ def combine(hashes: dict[str, str], *, rank_root: str, salt: str = "") -> str:
     return digest.hexdigest()
 
 
+def with_environment(fingerprint: str, env_digest: str) -> str:
+    """The fingerprint of images of ranks that ran in a job environment (``environments``):
+    this agent's, and the environment's contents, so that an image is restored only where the
+    same files are at ``/vpool/env``."""
+    return hashlib.sha256(f"{fingerprint}|env:{env_digest}".encode()).hexdigest()
+
+
 def environment_fingerprint(
     python: str, *, rank_root: str, salt: str = ""
 ) -> tuple[str, dict[str, str]]:

@@ -20,6 +20,7 @@ sees it read-only at ``/vpool/env`` in its sandbox, after vpool's ``mpi4py`` on 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -34,6 +35,7 @@ import trio
 
 from vpool import requirements as reqs
 from vpool.sizes import format_size
+from vpool.worker_agent import criu
 from vpool.worker_agent.errors import BundleRejected
 from vpool.worker_agent.settings import AgentSettings
 
@@ -73,6 +75,21 @@ class Environments:
             self.in_use[key] += 1
         await trio.to_thread.run_sync(_touch, place / DONE)
         return key, place / "site"
+
+    def digest(self, key: str) -> str:
+        """The contents digest of a built environment ("" if unknown)."""
+        try:
+            meta = json.loads((self.root / key / DONE).read_text())
+        except (OSError, ValueError):
+            return ""
+        return str(meta.get("digest", ""))
+
+    def fingerprints(self, base: str) -> list[str]:
+        """The fingerprints images made in the environments built here carry (``base``:
+        this agent's fingerprint; none without one)."""
+        if not base:
+            return []
+        return [criu.with_environment(base, d) for k in self.built() if (d := self.digest(k))]
 
     def release(self, key: str) -> None:
         self.in_use[key] -= 1
@@ -121,13 +138,18 @@ class Environments:
                     f"the job's requirements could not be installed on agent {agent}: "
                     f"{_pip_error(done.stderr.decode(errors='replace'))}"
                 )
-            size = await trio.to_thread.run_sync(_size, tmp / "site")
+            size, digest = await trio.to_thread.run_sync(_measure, tmp / "site")
             if size > self.settings.env_max_size:
                 raise EnvironmentRejected(
                     f"the job's environment is {format_size(size)} on agent {agent}, more than "
                     f"its limit of {format_size(self.settings.env_max_size)}"
                 )
-            meta = {"requirements": requirements, "size": size, "built": time.time()}
+            meta = {
+                "requirements": requirements,
+                "size": size,
+                "digest": digest,
+                "built": time.time(),
+            }
             (tmp / DONE).write_text(json.dumps(meta))
             await trio.to_thread.run_sync(os.replace, tmp, self.root / key)
             log.info(
@@ -165,15 +187,21 @@ def _touch(path: Path) -> None:
     path.touch()
 
 
-def _size(root: Path) -> int:
-    total = 0
-    for current, _, files in os.walk(root):
-        for name in files:
-            try:
-                total += os.lstat(os.path.join(current, name)).st_size
-            except OSError:
-                pass
-    return total
+def _measure(root: Path) -> tuple[int, str]:
+    """(bytes, digest of the contents) of an environment: its files' paths and contents, so
+    that two agents that installed the same wheels have the same digest."""
+    total, digest = 0, hashlib.sha256()
+    for current, dirs, files in os.walk(root):
+        dirs.sort()
+        for name in sorted(files):
+            path = Path(current) / name
+            if path.is_symlink() or not path.is_file():
+                continue
+            data = path.read_bytes()
+            total += len(data)
+            digest.update(path.relative_to(root).as_posix().encode() + b"\0")
+            digest.update(hashlib.sha256(data).digest())
+    return total, digest.hexdigest()
 
 
 def _pip_error(stderr: str) -> str:

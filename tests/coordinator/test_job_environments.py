@@ -55,3 +55,35 @@ async def test_jobs_go_where_their_environment_is(pool: Pool) -> None:
     hb = api.AgentHeartbeat(ranks=[], free_slots=2, isolation=SANDBOX, environments=["x" * 65])
     r = await pool.post("/api/v1/agents/heartbeat", hb, ready.headers)
     assert r.status_code == 422 and r.json()["error"]["code"] == "bad_environments"
+
+
+async def test_images_made_in_an_environment_go_where_it_is(pool: Pool) -> None:
+    """An image of a rank that ran in a job environment carries that environment's
+    fingerprint: only an agent that built the same environment (it reports the fingerprint)
+    may restore it, even one with the same base fingerprint may not."""
+    from ckpt_helpers import FP_X, beat, commit, image, relay_loses, running
+
+    env_fp = "e" * 64
+    _, leases = await running(pool, ranks=2)
+    job = leases[0].job
+    same_base = await pool.enroll("agent-2", slots=2)
+    await beat(pool, same_base, [], fp=FP_X, free=2)
+    built = await pool.enroll("agent-3", slots=1)
+    hb = api.AgentHeartbeat(
+        ranks=[],
+        free_slots=1,
+        criu="4.1.1",
+        fingerprint=FP_X,
+        isolation=SANDBOX,
+        environments=["k" * 16],
+        env_fingerprints=[env_fp],
+    )
+    decode(
+        await pool.post("/api/v1/agents/heartbeat", hb, built.headers), api.AgentHeartbeatResponse
+    )
+    ckpt = image(job, 1, 1, [1], fp=env_fp)
+    assert (await commit(pool, ckpt)).status_code == 200
+    await relay_loses(pool, job, 1)
+    assert await pool.lease(same_base) == []  # more free slots, not the environment
+    (lease,) = await pool.lease(built)
+    assert [x.fingerprint for x in lease.restore] == [env_fp]
