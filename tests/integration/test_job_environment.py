@@ -5,8 +5,10 @@ real MPI with the package installed, and a second job starts from the warm cache
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -116,3 +118,61 @@ def test_a_job_gets_the_package_it_needs(index_pool: tuple[Pool, str], tmp_path:
     said = bad.stderr.decode()
     assert bad.returncode != 0 and "vpoolnosuchthing" in said and "on agent agent-" in said
     assert "restart" not in said
+
+
+@pytest.mark.slow
+def test_a_rank_in_an_environment_is_restored_on_another_agent(tmp_path: Path) -> None:
+    """A job with requirements is checkpointed; its agent is killed; the rank is restored on
+    another agent that built the same environment (its image's fingerprint says which)."""
+    from tests.integration import test_checkpoints as ckpt
+
+    index = wheelhouse.make_index(tmp_path / "index", {"vpooldemo": PACKAGE})
+    pool = start_pool(tmp_path / "home", agents=3, relays=1, extra=["--package-index", index])
+    try:
+        project = tmp_path / "project"
+        project.mkdir()
+        stencil = Path(ckpt.PROGRAM).read_text()
+        (project / "main.py").write_text("import vpooldemo  # noqa: F401\n" + stencil)
+        (project / "requirements.txt").write_text("vpooldemo\n")
+
+        def submit() -> int:
+            res = pool.vsdk(
+                "submit",
+                str(project),
+                "--entry",
+                "main.py",
+                "--ranks",
+                "4",
+                "--requirements",
+                str(project / "requirements.txt"),
+                "--json",
+                "--",
+                "400",
+            )
+            assert res.returncode == 0, res.stderr.decode()
+            return int(json.loads(res.stdout)["id"])
+
+        first = submit()
+        d = ckpt.wait_until(pool, first, ckpt.ended, "fault-free run")
+        assert d["job"]["state"] == "succeeded", d
+        reference = ckpt.output(pool, first)
+        job = submit()
+        ckpt.wait_until(
+            pool, job, lambda d: ckpt.ended(d) or b"step 30:" in ckpt.output(pool, job), "progress"
+        )
+        ckpt.checkpoint_now(pool, job, 1)
+        d = ckpt.wait_until(pool, job, ckpt.checkpoints_of(1, 1), "the checkpoint of rank 1")
+        assert not ckpt.ended(d), d["events"]
+        host = next(r["agent"] for r in d["ranks"] if r["rank"] == 1)
+        victim = next(
+            p["name"]
+            for p in pool.pids()
+            if p["name"].startswith("agent-") and ckpt.agent_id(pool, p["name"]) == host
+        )
+        os.kill(pool.pid_of(victim), signal.SIGKILL)
+        d = ckpt.finish(pool, job, reference)
+        restored = ckpt.events(d, "rank_restored", 1)
+        assert restored, d["events"]
+        assert next(r["agent"] for r in d["ranks"] if r["rank"] == 1) != host
+    finally:
+        pool.vsdk("local", "down", timeout=60)
