@@ -374,7 +374,8 @@ class Coordinator:
             terminal = job.state in api.TERMINAL_STATES
             settle = 0.0 if not terminal else await self.settle_time(job)
             ended = terminal and settle <= 0
-            mark = progress_mark(job)
+            running = await self.db.call(self.store.running_ranks, job_id)
+            mark = progress_mark(job, running)
             moved = bool(seen) and mark != seen
             if records or ended or moved or trio.current_time() >= deadline:
                 return api.OutputPage(
@@ -385,6 +386,7 @@ class Coordinator:
                     waiting=job.waiting,
                     never_fits=job.never_fits,
                     restarts=job.restarts,
+                    running=running,
                     mark=mark,
                 )
             with trio.move_on_at(
@@ -618,9 +620,10 @@ class Coordinator:
         self.ended.fire()
 
 
-def progress_mark(job: api.JobInfo) -> str:
-    """A short digest of what a follower of the job reports: state, reason, restarts."""
-    text = f"{job.state}\0{job.waiting}\0{job.never_fits}\0{job.restarts}"
+def progress_mark(job: api.JobInfo, running: int) -> str:
+    """A short digest of what a follower of the job reports: state, reason, restarts and
+    ranks running."""
+    text = f"{job.state}\0{job.waiting}\0{job.never_fits}\0{job.restarts}\0{running}"
     return hashlib.blake2s(text.encode(), digest_size=6).hexdigest()
 
 

@@ -248,6 +248,12 @@ class SqliteStore(AccountsMixin, JobsMixin):
         ]
         return records, len(rows) > limit
 
+    def running_ranks(self, job: int) -> int:
+        row = self._one(
+            "SELECT COUNT(*) AS n FROM ranks WHERE job = ? AND state = 'running'", [job]
+        )
+        return int(row["n"]) if row else 0
+
     def unsettled_ranks(self, job: int) -> int:
         """Ranks of an ended job whose current incarnation was handed to an agent and has not
         reported its exit yet: their last output (a traceback, say) may still come."""

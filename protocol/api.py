@@ -282,6 +282,7 @@ class OutputPage(msgspec.Struct, frozen=True):
     waiting: str = ""
     never_fits: bool = False
     restarts: int = 0
+    running: int = 0  # ranks whose current incarnation runs now
     mark: str = ""
 
 

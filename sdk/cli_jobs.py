@@ -83,13 +83,16 @@ def finish(settings: Settings, job: JobInfo, *, as_json: bool = False) -> None:
     exit_with(job_exit_code(job))
 
 
-def _progress(
-    settings: Settings, job_id: int, page: OutputPage, last: tuple[str, str, int]
-) -> tuple[str, str, int]:
-    """Say on stderr what changed since ``last`` (state, queue reason, restarts)."""
-    state, waiting, restarts = last
+Progress = tuple[str, str, int, int]  # state, queue reason, restarts, ranks running
+
+
+def _progress(settings: Settings, job_id: int, page: OutputPage, last: Progress) -> Progress:
+    """Say on stderr what changed since ``last`` (state, queue reason, restarts, ranks)."""
+    state, waiting, restarts, running = last
     if page.state != state and page.state in ("queued", "running"):
         note(settings, f"job {job_id} {page.state}")
+    if page.state == "running" and page.running != running and page.running:
+        note(settings, f"job {job_id}: {page.running} rank{'s' * (page.running != 1)} running")
     if page.waiting and page.waiting != waiting:
         _say_waiting(settings, job_id, page.waiting, page.never_fits)
     if page.restarts > restarts:
@@ -98,7 +101,7 @@ def _progress(
             settings,
             f"job {job_id}: a lost rank was restarted ({n} restart{'s' * (n != 1)} so far)",
         )
-    return page.state, page.waiting, max(restarts, page.restarts)
+    return page.state, page.waiting, max(restarts, page.restarts), page.running
 
 
 def stream_output(
@@ -114,7 +117,7 @@ def stream_output(
     until the job ended and all its output arrived."""
     assembler = LineAssembler(label=label)
     writer = LineWriter(sys.stdout.buffer, sys.stderr.buffer)
-    last: tuple[str, str, int] = ("", "", 0)
+    last: Progress = ("", "", 0, 0)
     try:
         for page in client.follow_pages(job_id, rank):
             if progress:

@@ -29,15 +29,6 @@ assert _spec is not None and _spec.loader is not None
 wheelhouse = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(wheelhouse)
 
-PROGRAM = """\
-from mpi4py import MPI
-import vpooldemo
-
-comm = MPI.COMM_WORLD
-total = comm.reduce(vpooldemo.weight(comm.Get_rank()), root=0)
-if comm.Get_rank() == 0:
-    print("vpooldemo", vpooldemo.__version__, "total", total)
-"""
 PACKAGE = {
     "vpooldemo/__init__.py": "__version__ = '1.0'\n\ndef weight(r):\n    return 10 * r + 1\n"
 }
@@ -55,13 +46,17 @@ def index_pool(tmp_path: Path) -> tuple[Pool, str]:
 
 @pytest.mark.slow
 def test_a_job_gets_the_package_it_needs(index_pool: tuple[Pool, str], tmp_path: Path) -> None:
+    """A program over modules and a data directory (tests/integration/programs/project), whose
+    requirements.txt names a package the agents do not have."""
     pool, index = index_pool
     project = tmp_path / "project"
-    project.mkdir()
-    (project / "main.py").write_text(PROGRAM)
-    (project / "pyproject.toml").write_text(
-        '[project]\nname = "demo"\nversion = "0"\ndependencies = ["vpooldemo>=1.0"]\n'
+    shutil.copytree(REPO / "tests" / "integration" / "programs" / "project", project)
+    main = (project / "main.py").read_text()
+    (project / "main.py").write_text(
+        main.replace("from mpi4py import MPI\n", "import vpooldemo\nfrom mpi4py import MPI\n", 1)
+        + "if rank == 0:\n    print('vpooldemo', vpooldemo.__version__)\n"
     )
+    (project / "requirements.txt").write_text("vpooldemo>=1.0\n")
     # Real MPI, with the package installed next to it.
     site = tmp_path / "site"
     subprocess.run(
@@ -86,7 +81,7 @@ def test_a_job_gets_the_package_it_needs(index_pool: tuple[Pool, str], tmp_path:
     assert mpiexec
     env = {k: v for k, v in os.environ.items() if not k.startswith("VPOOL")}
     real = subprocess.run(
-        [mpiexec, "-n", "4", sys.executable, "main.py"],
+        [mpiexec, "-n", "4", sys.executable, "main.py"],  # main.py reads data/ next to it
         env={**env, "PYTHONPATH": str(site)},
         cwd=project,
         capture_output=True,
@@ -98,10 +93,21 @@ def test_a_job_gets_the_package_it_needs(index_pool: tuple[Pool, str], tmp_path:
     times = []
     for _ in range(2):
         start = time.monotonic()
-        res = pool.vsdk("submit", str(project), "--entry", "main.py", "--ranks", "4", "--wait")
+        res = pool.vsdk(
+            "submit",
+            str(project),
+            "--entry",
+            "main.py",
+            "--ranks",
+            "4",
+            "--requirements",
+            str(project / "requirements.txt"),
+            "--wait",
+        )
         times.append(time.monotonic() - start)
         assert res.returncode == 0, res.stderr.decode()
-        assert res.stdout == real.stdout == b"vpooldemo 1.0 total 64\n"
+        assert res.stdout == real.stdout
+        assert res.stdout.endswith(b"vpooldemo 1.0\n") and b"96 values over 4 ranks" in res.stdout
     print(f"job with a cold environment: {times[0]:.2f} s; warm: {times[1]:.2f} s")
 
     # A package the index does not have: the job fails once, saying which and where.

@@ -44,9 +44,10 @@ class Script:
     chunks: list[tuple[int, str, bytes]] = field(default_factory=list)
     events: list[JobEvent] = field(default_factory=list)  # between "submitted" and the end
     restored_from: dict[int, int] = field(default_factory=dict)  # rank -> checkpoint id
-    # (state, waiting, never_fits, restarts) of empty output pages served before the records,
+    # (state, waiting, never_fits, restarts, running) of empty output pages served before the
+    # records,
     # as the coordinator's long-poll returns them when the job's progress changes
-    progress: list[tuple[str, str, bool, int]] = field(default_factory=list)
+    progress: list[tuple[str, str, bool, int, int]] = field(default_factory=list)
 
 
 @dataclass
@@ -195,7 +196,7 @@ class FakeCoordinator:
             return self._error(404, "no_such_job", f"job {job_id} does not exist")
         after = int(request.url.params.get("after", "0"))
         if job.script.progress:
-            state, waiting, never, restarts = job.script.progress.pop(0)
+            state, waiting, never, restarts, running = job.script.progress.pop(0)
             job.info = msgspec.structs.replace(
                 job.info, state=state, waiting=waiting, never_fits=never, restarts=restarts
             )
@@ -208,7 +209,8 @@ class FakeCoordinator:
                     waiting=waiting,
                     never_fits=never,
                     restarts=restarts,
-                    mark=f"{state}/{waiting}/{restarts}",
+                    running=running,
+                    mark=f"{state}/{waiting}/{restarts}/{running}",
                 )
             )
         rank = request.url.params.get("rank")

@@ -283,10 +283,11 @@ def test_submit_wait_says_why_the_job_waits_and_when_ranks_restart(coord: Any, a
     coord.script(
         chunks=[(0, "stdout", b"done\n")],
         progress=[
-            ("queued", "needs 3 slots; 2 are free now (6 run other ranks)", False, 0),
-            ("queued", "needs 3 slots; 2 are free now (6 run other ranks)", False, 0),
-            ("running", "", False, 0),
-            ("running", "", False, 1),
+            ("queued", "needs 3 slots; 2 are free now (6 run other ranks)", False, 0, 0),
+            ("queued", "needs 3 slots; 2 are free now (6 run other ranks)", False, 0, 0),
+            ("running", "", False, 0, 3),
+            ("running", "", False, 1, 2),
+            ("running", "", False, 1, 3),
         ],
     )
     res = run("submit", str(app), "-n", "3", "--wait")
@@ -296,12 +297,19 @@ def test_submit_wait_says_why_the_job_waits_and_when_ranks_restart(coord: Any, a
     waits = [line for line in lines if "waits:" in line]
     assert waits == ["vsdk: job 1 waits: needs 3 slots; 2 are free now (6 run other ranks)"]
     assert "vsdk: job 1: a lost rank was restarted (1 restart so far)" in lines
+    assert [line for line in lines if "running" in line and "rank" in line] == [
+        "vsdk: job 1: 3 ranks running",
+        "vsdk: job 1: 2 ranks running",
+        "vsdk: job 1: 3 ranks running",
+    ]
     assert lines.index(waits[0]) < lines.index("vsdk: job 1 running")
 
 
 def test_a_job_the_pool_can_never_run_is_said_even_quietly(coord: Any, app: Path) -> None:
     coord.script(
-        progress=[("queued", "needs 30 slots; the agents that may run it have 24 in all", True, 0)]
+        progress=[
+            ("queued", "needs 30 slots; the agents that may run it have 24 in all", True, 0, 0)
+        ]
     )
     res = run("-q", "submit", str(app), "-n", "30", "--wait")
     assert "the pool as it is can never run it" in res.stderr
@@ -404,3 +412,19 @@ def test_submit_a_project_and_a_program_with_local_modules(coord: Any, tmp_path:
     (tmp_path / "helper.py").write_text("")
     res = run("submit", str(tmp_path / "app.py"), "-n", "1")
     assert "packed the local modules app.py imports: helper.py" in res.stderr
+
+
+def test_requirements_from_a_file_and_from_pyproject(coord: Any, tmp_path: Path) -> None:
+    proj = tmp_path / "proj"
+    proj.mkdir()
+    (proj / "__main__.py").write_text("import astropy\n")
+    (proj / "pyproject.toml").write_text(
+        '[project]\nname = "p"\nversion = "0"\ndependencies = ["astropy>=6", "numpy"]\n'
+    )
+    (tmp_path / "req.txt").write_text("# more\nscipy==1.11.4\nnumpy\n")
+    res = run("submit", str(proj), "-n", "2", "--requirements", str(tmp_path / "req.txt"))
+    assert res.exit_code == 0, res.stderr
+    assert coord.jobs[1].submit.requirements == ["astropy>=6", "numpy", "scipy==1.11.4"]
+    (tmp_path / "bad.txt").write_text("-e git+https://example.invalid/x\n")
+    res = run("submit", str(proj), "-n", "2", "--requirements", str(tmp_path / "bad.txt"))
+    assert res.exit_code == 1 and "line 1: pip options" in res.stderr
