@@ -118,22 +118,15 @@ def _local_modules(program: Path, source: bytes) -> dict[str, Path]:
 def project_requirements(program: Path) -> list[str]:
     """The dependencies a project directory's ``pyproject.toml`` declares ([project]
     dependencies), normalized; [] when it declares none."""
-    import tomllib
-
     from vpool import requirements
 
     path = program / "pyproject.toml"
     if not program.is_dir() or not path.is_file():
         return []
     try:
-        data = tomllib.loads(path.read_text())
-    except (OSError, tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        return requirements.from_pyproject(path.read_text(), str(path))
+    except (OSError, UnicodeDecodeError) as exc:
         raise BundleError(f"cannot read {path}: {exc}") from exc
-    declared = data.get("project", {}).get("dependencies", [])
-    if not isinstance(declared, list) or not all(isinstance(d, str) for d in declared):
-        raise BundleError(f"{path}: [project] dependencies is not a list of strings")
-    try:
-        return requirements.normalize(declared, str(path))
     except requirements.RequirementsError as exc:
         raise BundleError(str(exc)) from exc
 

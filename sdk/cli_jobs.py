@@ -504,6 +504,8 @@ def status(settings: Settings, job: int | None, as_json: bool) -> None:
         click.echo(f"waiting: {j.waiting}{never}")
     if j.restarts:
         click.echo(f"restarts: {j.restarts}")
+    if j.requirements:
+        click.echo(f"packages: {', '.join(j.requirements)}")
     click.echo(
         f"created {_when(j.created)}  started {_when(j.started)}  "
         f"finished {_when(j.finished)}" + (f"  ({_duration(j)})" if j.started else "")

@@ -60,6 +60,20 @@ def normalize(requirements: list[str], source: str = "requirements") -> list[str
     return sorted(out)
 
 
+def from_pyproject(text: str, source: str = "pyproject.toml") -> list[str]:
+    """The ``[project] dependencies`` of a pyproject.toml, normalized ([] if none)."""
+    import tomllib
+
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise RequirementsError(f"{source} is not valid TOML: {exc}") from exc
+    declared = data.get("project", {}).get("dependencies", [])
+    if not isinstance(declared, list) or not all(isinstance(d, str) for d in declared):
+        raise RequirementsError(f"{source}: [project] dependencies is not a list of strings")
+    return normalize(declared, source)
+
+
 def key(requirements: list[str]) -> str:
     """The name of the environment of ``requirements`` (already normalized)."""
     return hashlib.sha256("\n".join(requirements).encode()).hexdigest()[:16]

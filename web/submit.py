@@ -19,7 +19,7 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import HTMLResponse, RedirectResponse
 from starlette.datastructures import FormData, UploadFile
 
-from vpool import bundle
+from vpool import bundle, requirements
 from vpool.coordinator.errors import BadRequest, CoordinatorError, TooLarge
 from vpool.coordinator.service import Coordinator
 from vpool.coordinator.transport import coordinator
@@ -41,6 +41,7 @@ FIELD_OF_CODE = {
     "bad_bundle": "program",
     "not_python": "program",
     "too_large": "program",
+    "bad_requirements": "requirements",
 }
 
 
@@ -56,6 +57,7 @@ class Draft:
     memory: str = ""
     fault_tolerance: bool = True
     unsandboxed: bool = False
+    requirements: str = ""
     errors: dict[str, str] = field(default_factory=dict)
 
     def error(self, name: str, message: str) -> None:
@@ -127,6 +129,7 @@ def _draft(form: FormData) -> Draft:
         memory=_text(form, "memory"),
         fault_tolerance=form.get("fault_tolerance") == "on",
         unsandboxed=form.get("unsandboxed") == "on",
+        requirements=_text(form, "requirements", MAX_ARGS_TEXT),
     )
 
 
@@ -165,17 +168,30 @@ async def _submission(core: Coordinator, form: FormData, draft: Draft) -> api.Jo
     if draft.errors:
         return None
 
+    try:
+        needs = requirements.parse_lines(draft.requirements, "the requirements")
+    except requirements.RequirementsError as exc:
+        draft.error("requirements", str(exc))
+        return None
     files = [(f.filename or "", await f.read()) for f in inputs]
     entry = draft.entry.strip() or None
     try:
         if project:
             name, tree = await _tree(project)
             packed = bundle.pack_tree(tree, entry or "__main__.py", files)
+            if "pyproject.toml" in tree:
+                declared = requirements.from_pyproject(
+                    tree["pyproject.toml"].decode(errors="replace"), f"{name}/pyproject.toml"
+                )
+                needs = requirements.normalize([*needs, *declared])
         else:
             name = programs[0].filename or ""
             packed = bundle.pack(name, await programs[0].read(), files, entry=entry)
     except bundle.BundleError as exc:
         draft.error(exc.field, exc.message)
+        return None
+    except requirements.RequirementsError as exc:
+        draft.error("requirements", str(exc))
         return None
     bundle_sha = await _store(core, packed.data)
     stdin_sha = await _store(core, await stdins[0].read()) if stdins else None
@@ -190,6 +206,7 @@ async def _submission(core: Coordinator, form: FormData, draft: Draft) -> api.Jo
         checkpoint_every=every,
         memory=memory,
         unsandboxed=draft.unsandboxed,
+        requirements=needs,
     )
 
 

@@ -469,3 +469,35 @@ async def test_submit_a_project_folder(portal: Portal) -> None:
         files=_files(None, project=[("sim/main.py", b""), ("sim/../../x", b"")]),
     )
     assert "not a relative path inside" in field_errors(r.text)["program"]
+
+
+async def test_submit_with_requirements(portal: Portal) -> None:
+    alice = await portal.sign_in("alice")
+    folder = [
+        ("sim/main.py", b"import astropy\n"),
+        (
+            "sim/pyproject.toml",
+            b'[project]\nname = "s"\nversion = "0"\ndependencies = ["astropy"]\n',
+        ),
+    ]
+    r = await alice.client.post(
+        "/jobs/new",
+        data={
+            "csrf": alice.csrf,
+            "ranks": "1",
+            "entry": "main.py",
+            "requirements": "numpy>=1.26\n",
+        },
+        files=_files(None, project=folder),
+    )
+    assert r.status_code == 303, field_errors(r.text) or r.text
+    job_id = int(r.headers["location"].rsplit("/", 1)[1])
+    detail = await portal.pool.job(job_id)
+    assert detail.job.requirements == ["astropy", "numpy>=1.26"]
+    assert "astropy, numpy&gt;=1.26" in (await alice.get(f"/jobs/{job_id}")).text
+    r = await alice.client.post(
+        "/jobs/new",
+        data={"csrf": alice.csrf, "ranks": "1", "requirements": "x @ https://evil.example/x.whl"},
+        files=_files(("app.py", HELLO)),
+    )
+    assert "names a URL" in field_errors(r.text)["requirements"]
