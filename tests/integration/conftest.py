@@ -84,6 +84,30 @@ class Pool:
         return "\n".join(out)
 
 
+def real_mpiexec(
+    program: str, n: int, *, cwd: Path = REPO, pythonpath: Path | None = None
+) -> bytes:
+    """The output of ``mpiexec -n N python PROGRAM`` with Debian's MPICH and the real mpi4py
+    (the reference vpool's output must equal), run in ``cwd``."""
+    import shutil
+
+    mpiexec = shutil.which("mpiexec")
+    assert mpiexec, "scripts/test installs Debian's mpich: mpiexec is missing"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VPOOL")}
+    if pythonpath is not None:
+        env["PYTHONPATH"] = str(pythonpath)
+    res = subprocess.run(
+        [mpiexec, "-n", str(n), sys.executable, program],
+        capture_output=True,
+        timeout=180,
+        env=env,
+        check=False,
+        cwd=cwd,
+    )
+    assert res.returncode == 0, res.stderr.decode()
+    return res.stdout
+
+
 def children(pid: int) -> list[int]:
     found: list[int] = []
     try:

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from tests.integration.conftest import REPO, start_pool
+from tests.integration.conftest import REPO, real_mpiexec, start_pool
 
 if TYPE_CHECKING:
     from conftest import Pool
@@ -32,6 +32,20 @@ _spec.loader.exec_module(wheelhouse)
 PACKAGE = {
     "vpooldemo/__init__.py": "__version__ = '1.0'\n\ndef weight(r):\n    return 10 * r + 1\n"
 }
+
+
+def _submit(project: Path) -> list[str]:
+    """``vsdk submit`` of a project's main.py on 4 ranks with its requirements.txt."""
+    return [
+        "submit",
+        str(project),
+        "--entry",
+        "main.py",
+        "--ranks",
+        "4",
+        "--requirements",
+        str(project / "requirements.txt"),
+    ]
 
 
 @pytest.fixture
@@ -77,36 +91,15 @@ def test_a_job_gets_the_package_it_needs(index_pool: tuple[Pool, str], tmp_path:
         check=True,
         capture_output=True,
     )
-    mpiexec = shutil.which("mpiexec")
-    assert mpiexec
-    env = {k: v for k, v in os.environ.items() if not k.startswith("VPOOL")}
-    real = subprocess.run(
-        [mpiexec, "-n", "4", sys.executable, "main.py"],  # main.py reads data/ next to it
-        env={**env, "PYTHONPATH": str(site)},
-        cwd=project,
-        capture_output=True,
-        timeout=120,
-        check=False,
-    )
-    assert real.returncode == 0, real.stderr.decode()
+    real = real_mpiexec("main.py", 4, cwd=project, pythonpath=site)
 
     times = []
     for _ in range(2):
         start = time.monotonic()
-        res = pool.vsdk(
-            "submit",
-            str(project),
-            "--entry",
-            "main.py",
-            "--ranks",
-            "4",
-            "--requirements",
-            str(project / "requirements.txt"),
-            "--wait",
-        )
+        res = pool.vsdk(*_submit(project), "--wait")
         times.append(time.monotonic() - start)
         assert res.returncode == 0, res.stderr.decode()
-        assert res.stdout == real.stdout
+        assert res.stdout == real
         assert res.stdout.endswith(b"vpooldemo 1.0\n") and b"96 values over 4 ranks" in res.stdout
     print(f"job with a cold environment: {times[0]:.2f} s; warm: {times[1]:.2f} s")
 
@@ -143,14 +136,7 @@ def test_a_rank_in_an_environment_is_restored_on_another_agent(tmp_path: Path) -
 
         def submit() -> int:
             res = pool.vsdk(
-                "submit",
-                str(project),
-                "--entry",
-                "main.py",
-                "--ranks",
-                "4",
-                "--requirements",
-                str(project / "requirements.txt"),
+                *_submit(project),
                 "--json",
                 "--",
                 "400",

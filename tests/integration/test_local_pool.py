@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
+
+from tests.integration.conftest import real_mpiexec
 
 if TYPE_CHECKING:
     from conftest import Pool
@@ -28,19 +27,7 @@ EXAMPLES = sorted(p.name for p in (REPO / "examples").glob("*.py"))
 
 
 def mpiexec_output(program: str, n: int) -> bytes:
-    mpiexec = shutil.which("mpiexec")
-    assert mpiexec, "scripts/test installs Debian's mpich: mpiexec is missing"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("VPOOL")}
-    res = subprocess.run(
-        [mpiexec, "-n", str(n), sys.executable, program],
-        capture_output=True,
-        timeout=180,
-        env=env,
-        check=False,
-        cwd=REPO,
-    )
-    assert res.returncode == 0, res.stderr.decode()
-    return res.stdout
+    return real_mpiexec(program, n)
 
 
 def job_detail(pool: Pool, job: int) -> dict:
@@ -189,18 +176,7 @@ def test_input_piped_to_submit_wait_goes_to_rank_0(pool: Pool, tmp_path) -> None
 
 def test_a_project_over_modules_and_data_matches_real_mpiexec(pool: Pool) -> None:
     project = REPO / "tests" / "integration" / "programs" / "project"
-    mpiexec = shutil.which("mpiexec")
-    assert mpiexec
-    env = {k: v for k, v in os.environ.items() if not k.startswith("VPOOL")}
-    real = subprocess.run(
-        [mpiexec, "-n", "4", sys.executable, "main.py"],
-        capture_output=True,
-        timeout=180,
-        env=env,
-        check=False,
-        cwd=project,
-    )
-    assert real.returncode == 0, real.stderr.decode()
+    real = real_mpiexec("main.py", 4, cwd=project)
     res = pool.vsdk("submit", str(project), "--entry", "main.py", "--ranks", "4", "--wait")
     assert res.returncode == 0, res.stderr.decode()
-    assert res.stdout == real.stdout and res.stdout.startswith(b"96 values over 4 ranks")
+    assert res.stdout == real and res.stdout.startswith(b"96 values over 4 ranks")
