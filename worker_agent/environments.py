@@ -199,6 +199,8 @@ def _measure(root: Path) -> tuple[int, str]:
                 continue
             data = path.read_bytes()
             total += len(data)
+            if name.endswith((".pyc", ".pyo")):
+                continue  # compiled here: they hold the build's timestamps, not the contents
             digest.update(path.relative_to(root).as_posix().encode() + b"\0")
             digest.update(hashlib.sha256(data).digest())
     return total, digest.hexdigest()

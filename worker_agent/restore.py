@@ -39,7 +39,7 @@ from vpool import paths
 from vpool.protocol.api import CheckpointRef, RestoreAttempt
 from vpool.worker_agent import ckpt_image, criu, sandbox, sandboxed
 from vpool.worker_agent.bundle import Snapshot
-from vpool.worker_agent.checkpoints import job_key
+from vpool.worker_agent.checkpoints import image_fingerprint, job_key
 from vpool.worker_agent.errors import AgentError, RelayLinkError
 from vpool.worker_agent.local_ranks import LocalRank, Outbox
 from vpool.worker_agent.store_client import Aborter, run_in_thread
@@ -147,15 +147,19 @@ async def restore_rank(
     return None, tried
 
 
-def usable(svc: RankServices, ref: CheckpointRef, relays: int) -> str:
-    """Why image ``ref`` cannot be restored on this agent ("" = it can be tried)."""
+def usable(
+    svc: RankServices, ref: CheckpointRef, relays: int, rank: LocalRank | None = None
+) -> str:
+    """Why image ``ref`` cannot be restored on this agent ("" = it can be tried); for
+    ``rank``, in its job environment if it has one."""
     cap = svc.capability
     if not cap.criu:
         return "this agent has no usable CRIU"
-    if ref.fingerprint != cap.fingerprint:
+    here = image_fingerprint(svc, rank) if rank is not None else cap.fingerprint
+    if ref.fingerprint != here:
         return (
             f"the image was made in another environment (fingerprint {ref.fingerprint[:12]}, "
-            f"this agent {cap.fingerprint[:12]})"
+            f"this agent {here[:12]})"
         )
     if not 0 <= ref.relay < relays:
         return f"the image names relay {ref.relay}, which the lease does not have"
@@ -204,7 +208,7 @@ async def _restore_one(
     lease, settings = rank.lease, svc.settings
     with trio.move_on_after(_CAPABILITY_TIMEOUT):
         await svc.capability.ready.wait()
-    why = usable(svc, ref, len(lease.relays))
+    why = usable(svc, ref, len(lease.relays), rank)
     if why:
         raise RestoreError(why)
     boxed = svc.isolation.on

@@ -12,7 +12,7 @@ import pytest
 import trio
 
 from vpool import requirements
-from vpool.worker_agent.environments import DONE, EnvironmentRejected, Environments
+from vpool.worker_agent.environments import DONE, EnvironmentRejected, Environments, _measure
 from vpool.worker_agent.settings import AgentSettings
 
 _spec = importlib.util.spec_from_file_location(
@@ -103,3 +103,18 @@ def test_requirements_are_checked_and_normalized() -> None:
         with pytest.raises(requirements.RequirementsError, match=why):
             requirements.parse_lines(bad)
     assert requirements.key(["a", "b"]) == requirements.key(requirements.normalize(["b", "a"]))
+
+
+async def test_the_digest_is_of_the_contents_not_of_the_build(envs: Environments) -> None:
+    """Images made in an environment are restored where its digest matches: two agents that
+    installed the same wheels must agree, though pip's compiled files (which hold the time of
+    the build) differ; a changed module changes it."""
+    key, site = await envs.acquire(["vpooldemo"], "agent-x")
+    digest = envs.digest(key)
+    assert len(digest) == 64
+    (compiled,) = site.rglob("*.pyc")  # pip compiled the module: the case this is about
+    compiled.write_bytes(compiled.read_bytes() + b"another build")
+    assert _measure(site)[1] == digest
+    module = site / "vpooldemo" / "__init__.py"
+    module.write_text(module.read_text() + "# changed\n")
+    assert _measure(site)[1] != digest
