@@ -387,6 +387,7 @@ class Coordinator:
                     never_fits=job.never_fits,
                     restarts=job.restarts,
                     running=running,
+                    ranks=job.ranks,
                     mark=mark,
                 )
             with trio.move_on_at(

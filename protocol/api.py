@@ -283,6 +283,7 @@ class OutputPage(msgspec.Struct, frozen=True):
     never_fits: bool = False
     restarts: int = 0
     running: int = 0  # ranks whose current incarnation runs now
+    ranks: int = 0  # the job's ranks
     mark: str = ""
 
 

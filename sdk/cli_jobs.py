@@ -92,7 +92,8 @@ def _progress(settings: Settings, job_id: int, page: OutputPage, last: Progress)
     if page.state != state and page.state in ("queued", "running"):
         note(settings, f"job {job_id} {page.state}")
     if page.state == "running" and page.running != running and page.running:
-        note(settings, f"job {job_id}: {page.running} rank{'s' * (page.running != 1)} running")
+        of = f" of {page.ranks}" if page.ranks else ""
+        note(settings, f"job {job_id}: {page.running}{of} ranks running")
     if page.waiting and page.waiting != waiting:
         _say_waiting(settings, job_id, page.waiting, page.never_fits)
     if page.restarts > restarts:

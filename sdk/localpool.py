@@ -280,30 +280,30 @@ class PoolStarted:
     root: Path
 
 
-def _make_user(lay: Layout, *, exists: bool) -> str:
-    """The local user's API token: a new user, or (``exists``: a kept database) a new token
-    of the user it already has."""
-    argv = user_add_argv(lay)
-    if exists:
-        argv = [
-            *argv[: argv.index("add")],
-            "token",
-            LOCAL_USER,
-            "--label",
-            "vsdk local up",
-            *argv[argv.index("--config") :],
-        ]
+def _coordinator_cli(lay: Layout, *args: str) -> subprocess.CompletedProcess[bytes]:
+    """``vpool-coordinator ARGS --config`` the local pool's coordinator settings."""
+    base = user_add_argv(lay)
+    argv = [*base[: base.index("user")], *args, *base[base.index("--config") :]]
     try:
-        res = subprocess.run(argv, capture_output=True, env=_child_env(), timeout=60, check=False)
+        return subprocess.run(argv, capture_output=True, env=_child_env(), timeout=60, check=False)
     except (OSError, subprocess.TimeoutExpired) as exc:
-        raise LocalPoolError(f"`{' '.join(argv)}` failed: {exc}") from exc
+        raise LocalPoolError(f"`vpool-coordinator {' '.join(args)}` failed: {exc}") from exc
+
+
+def _make_user(lay: Layout, *, exists: bool) -> str:
+    """The local user's API token: a new user (an operator: who runs a local pool operates
+    it), or (``exists``: a kept database) a new token of the user it already has, made an
+    operator if a database from before roles made it a plain user."""
+    args: tuple[str, ...] = ("user", "add", LOCAL_USER, "--operator")
+    if exists and _coordinator_cli(lay, "user", "role", LOCAL_USER, "operator").returncode == 0:
+        args = ("user", "token", LOCAL_USER, "--label", "vsdk local up")
+    res = _coordinator_cli(lay, *args)
     out = res.stdout.decode(errors="replace").split()
     if res.returncode != 0 or not out:
         err = res.stderr.decode(errors="replace").strip()
-        if exists and "no user" in err:
-            return _make_user(lay, exists=False)  # a database kept from before the user
-        what = " ".join(argv[argv.index("user") : argv.index("--config")])
-        raise LocalPoolError(f"`vpool-coordinator {what}` exited with {res.returncode}: {err}")
+        raise LocalPoolError(
+            f"`vpool-coordinator {' '.join(args)}` exited with {res.returncode}: {err}"
+        )
     return out[-1]  # the token is the last word printed
 
 

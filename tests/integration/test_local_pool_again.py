@@ -4,12 +4,13 @@ results` still show them; the ones it left unfinished are cancelled; --fresh sta
 from __future__ import annotations
 
 import json
+import subprocess
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
 
-from tests.integration.conftest import REPO
+from tests.integration.conftest import BIN, REPO
 
 if TYPE_CHECKING:
     from conftest import Pool
@@ -36,6 +37,15 @@ def test_jobs_survive_local_down_and_up(fresh_pool: Pool, tmp_path: Path) -> Non
     assert before[1] == "succeeded" and before[2] in ("queued", "running")
 
     assert pool.vsdk("local", "down").returncode == 0
+    # A database from before roles had "local" as a plain user: up makes it an operator.
+    config = pool.home / "state" / "local-pool" / "coordinator" / "config.toml"
+    demote = subprocess.run(
+        [str(BIN / "vpool-coordinator"), "user", "role", "local", "user", "--config", str(config)],
+        capture_output=True,
+        check=False,
+        timeout=60,
+    )
+    assert demote.returncode == 0, demote.stderr.decode()
     again = pool.vsdk("local", "up", "--agents", "1", "--relays", "1", timeout=120)
     assert again.returncode == 0, again.stderr.decode()
     said = again.stderr.decode()

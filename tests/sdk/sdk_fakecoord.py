@@ -210,6 +210,7 @@ class FakeCoordinator:
                     never_fits=never,
                     restarts=restarts,
                     running=running,
+                    ranks=job.info.ranks,
                     mark=f"{state}/{waiting}/{restarts}/{running}",
                 )
             )

@@ -298,9 +298,9 @@ def test_submit_wait_says_why_the_job_waits_and_when_ranks_restart(coord: Any, a
     assert waits == ["vsdk: job 1 waits: needs 3 slots; 2 are free now (6 run other ranks)"]
     assert "vsdk: job 1: a lost rank was restarted (1 restart so far)" in lines
     assert [line for line in lines if "running" in line and "rank" in line] == [
-        "vsdk: job 1: 3 ranks running",
-        "vsdk: job 1: 2 ranks running",
-        "vsdk: job 1: 3 ranks running",
+        "vsdk: job 1: 3 of 3 ranks running",
+        "vsdk: job 1: 2 of 3 ranks running",
+        "vsdk: job 1: 3 of 3 ranks running",
     ]
     assert lines.index(waits[0]) < lines.index("vsdk: job 1 running")
 
