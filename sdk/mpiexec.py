@@ -113,6 +113,8 @@ async def run_async(
     # the caller gets the ranks' bytes directly.
     lines = _Lines() if stdout is None and stderr is None else None
     router = _Router(n, err_fd)
+    if lines is not None:
+        router.held = []
     base = {**os.environ, **(env or {})}
     with tempfile.TemporaryDirectory(prefix="vpool-mpiexec-") as tmp:
         path = os.path.join(tmp, "ranks.sock")
@@ -154,11 +156,17 @@ async def run_async(
                     with trio.move_on_after(DRAIN_TIMEOUT):
                         await lines.drained()
                     lines.flush()
+                    held, router.held = router.held or [], None
+                    for text in held:
+                        router.say(text)
                 nursery.cancel_scope.cancel()
         finally:
             for rank in router.ranks:
                 if rank.proc is not None and rank.proc.returncode is None:
                     rank.proc.kill()
+            held, router.held = router.held or [], None  # not shown yet (interrupted)
+            for text in held:
+                router.say(text)
             trio.lowlevel.notify_closing(listener)
             listener.close()
     return router.exit_code or 0

@@ -80,8 +80,15 @@ class _Router:
         self.all_exited = trio.Event()
         self.nursery: trio.Nursery | None = None
         self.err = err
+        # While the ranks' output is read through pipes (``mpiexec._Lines``), what we say is
+        # held until it is all shown: a rank's traceback comes before "rank 1 called
+        # MPI.Abort(1)", as with mpiexec.
+        self.held: list[str] | None = None
 
     def say(self, text: str) -> None:
+        if self.held is not None:
+            self.held.append(text)
+            return
         try:
             os.write(self.err, f"vsdk mpiexec: {text}\n".encode())
         except OSError:
