@@ -138,7 +138,7 @@ class Environments:
                     f"the job's requirements could not be installed on agent {agent}: "
                     f"{_pip_error(done.stderr.decode(errors='replace'))}"
                 )
-            size, digest = await trio.to_thread.run_sync(_measure, tmp / "site")
+            size, digest = await trio.to_thread.run_sync(measure, tmp / "site")
             if size > self.settings.env_max_size:
                 raise EnvironmentRejected(
                     f"the job's environment is {format_size(size)} on agent {agent}, more than "
@@ -187,7 +187,7 @@ def _touch(path: Path) -> None:
     path.touch()
 
 
-def _measure(root: Path) -> tuple[int, str]:
+def measure(root: Path) -> tuple[int, str]:
     """(bytes, digest of the contents) of an environment: its files' paths and contents, so
     that two agents that installed the same wheels have the same digest."""
     total, digest = 0, hashlib.sha256()

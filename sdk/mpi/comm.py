@@ -42,7 +42,7 @@ from vpool.sdk.mpi.constants import (
 )
 from vpool.sdk.mpi.errhandler import CommErrhandlers
 from vpool.sdk.mpi.group import Group
-from vpool.sdk.mpi.outofscope import _unsupported
+from vpool.sdk.mpi.outofscope import unsupported
 from vpool.sdk.mpi.p2p import CommP2P
 from vpool.sdk.mpi.persistcoll import PersistentCollectives, PersistentIntraCollectives
 from vpool.sdk.mpi.request import DoneOp, Request
@@ -472,19 +472,19 @@ class Intracomm(IntraCollectives, PersistentIntraCollectives, Comm):
     # intracommunicators exist; programs that probe for these get what mpi4py's suite expects
     # of an MPI without them.
     def Spawn(self, *args: Any, **kwargs: Any) -> Intercomm:
-        _unsupported("dynamic processes (Spawn)")
+        unsupported("dynamic processes (Spawn)")
 
     def Spawn_multiple(self, *args: Any, **kwargs: Any) -> Intercomm:
-        _unsupported("dynamic processes (Spawn_multiple)")
+        unsupported("dynamic processes (Spawn_multiple)")
 
     def Accept(self, *args: Any, **kwargs: Any) -> Intercomm:
-        _unsupported("dynamic processes (Accept)")
+        unsupported("dynamic processes (Accept)")
 
     def Connect(self, *args: Any, **kwargs: Any) -> Intercomm:
-        _unsupported("dynamic processes (Connect)")
+        unsupported("dynamic processes (Connect)")
 
     def Create_intercomm(self, *args: Any, **kwargs: Any) -> Intercomm:
-        _unsupported("intercommunicators (Create_intercomm)")
+        unsupported("intercommunicators (Create_intercomm)")
 
     # Topology constructors live with the topologies (``topology`` imports this module).
 

@@ -104,7 +104,7 @@ WIN_SEPARATE = 1
 WIN_UNIFIED = 2
 
 
-def _unsupported(what: str) -> NoReturn:
+def unsupported(what: str) -> NoReturn:
     raise NotImplementedError(f"{what} is not supported by vpool's MPI runtime")
 
 
@@ -134,7 +134,7 @@ class Win(_Unsupported):
 
     @classmethod
     def Create(cls, *args: Any, **kwargs: Any) -> Win:
-        _unsupported("one-sided communication (MPI.Win)")
+        unsupported("one-sided communication (MPI.Win)")
 
     Allocate = Create
     Allocate_shared = Create
@@ -142,11 +142,11 @@ class Win(_Unsupported):
 
     @classmethod
     def Create_errhandler(cls, *args: Any) -> Any:
-        _unsupported("one-sided communication (MPI.Win)")
+        unsupported("one-sided communication (MPI.Win)")
 
     @classmethod
     def Create_keyval(cls, *args: Any, **kwargs: Any) -> int:
-        _unsupported("one-sided communication (MPI.Win)")
+        unsupported("one-sided communication (MPI.Win)")
 
 
 class File(_Unsupported):
@@ -154,15 +154,15 @@ class File(_Unsupported):
 
     @classmethod
     def Open(cls, *args: Any, **kwargs: Any) -> File:
-        _unsupported("parallel I/O (MPI.File)")
+        unsupported("parallel I/O (MPI.File)")
 
     @classmethod
     def Delete(cls, *args: Any, **kwargs: Any) -> None:
-        _unsupported("parallel I/O (MPI.File)")
+        unsupported("parallel I/O (MPI.File)")
 
     @classmethod
     def Create_errhandler(cls, *args: Any) -> Any:
-        _unsupported("parallel I/O (MPI.File)")
+        unsupported("parallel I/O (MPI.File)")
 
     def Close(self) -> None:
         pass
@@ -173,38 +173,38 @@ class Session(_Unsupported):
 
     @classmethod
     def Init(cls, *args: Any, **kwargs: Any) -> Session:
-        _unsupported("MPI sessions (MPI.Session)")
+        unsupported("MPI sessions (MPI.Session)")
 
     @classmethod
     def Create_errhandler(cls, *args: Any) -> Any:
-        _unsupported("MPI sessions (MPI.Session)")
+        unsupported("MPI sessions (MPI.Session)")
 
     def Finalize(self) -> None:
         pass
 
 
 def Open_port(info: Any = None) -> str:
-    _unsupported("dynamic processes (ports)")
+    unsupported("dynamic processes (ports)")
 
 
 def Close_port(port_name: str) -> None:
-    _unsupported("dynamic processes (ports)")
+    unsupported("dynamic processes (ports)")
 
 
 def Publish_name(*args: Any) -> None:
-    _unsupported("dynamic processes (name publishing)")
+    unsupported("dynamic processes (name publishing)")
 
 
 def Unpublish_name(*args: Any) -> None:
-    _unsupported("dynamic processes (name publishing)")
+    unsupported("dynamic processes (name publishing)")
 
 
 def Lookup_name(*args: Any) -> str:
-    _unsupported("dynamic processes (name publishing)")
+    unsupported("dynamic processes (name publishing)")
 
 
 def Register_datarep(*args: Any) -> None:
-    _unsupported("parallel I/O (data representations)")
+    unsupported("parallel I/O (data representations)")
 
 
 WIN_NULL = Win()

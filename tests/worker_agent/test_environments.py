@@ -12,7 +12,7 @@ import pytest
 import trio
 
 from vpool import requirements
-from vpool.worker_agent.environments import DONE, EnvironmentRejected, Environments, _measure
+from vpool.worker_agent.environments import DONE, EnvironmentRejected, Environments, measure
 from vpool.worker_agent.settings import AgentSettings
 
 _spec = importlib.util.spec_from_file_location(
@@ -114,7 +114,7 @@ async def test_the_digest_is_of_the_contents_not_of_the_build(envs: Environments
     assert len(digest) == 64
     (compiled,) = site.rglob("*.pyc")  # pip compiled the module: the case this is about
     compiled.write_bytes(compiled.read_bytes() + b"another build")
-    assert _measure(site)[1] == digest
+    assert measure(site)[1] == digest
     module = site / "vpooldemo" / "__init__.py"
     module.write_text(module.read_text() + "# changed\n")
-    assert _measure(site)[1] != digest
+    assert measure(site)[1] != digest
