@@ -1,6 +1,6 @@
 """vpool.sdk: the scientist's side of vpool, ``Client`` and the ``vsdk`` command.
 
-Kept light on purpose: rank processes import ``vpool.sdk.mpi`` (which imports this package
+Kept light on purpose: rank processes import ``vpool.mpi`` (which imports this package
 first), so nothing here is imported until it is used.
 """
 

@@ -36,7 +36,7 @@ import trio
 from vpool.protocol.lines import LineAssembler
 from vpool.sdk.mpiexec_router import JOB, _Router
 
-SHIM_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "mpi", "shim")
+SHIM_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "mpi", "shim")
 
 
 def rank_command(argv: Sequence[str]) -> list[str]:

@@ -1,5 +1,5 @@
 """``vsdk mpiexec`` with a rank killed and restarted with replay: a test bench for the runtime's
-fault tolerance (``vpool.sdk.mpi.ft``) without the pool.
+fault tolerance (``vpool.mpi.ft``) without the pool.
 
 Hidden switch: ``VPOOL_MPIEXEC_KILL="RANK:N"`` in the environment of ``vsdk mpiexec`` (or
 ``run_async(kill=(RANK, N))``): once rank RANK's first incarnation deposited N messages, the
@@ -10,7 +10,7 @@ ones already delivered and dropped; a difference fails the job with "program is 
 deterministic: ...", as the relays do.
 
 Hidden switch ``VPOOL_MPIEXEC_CKPT="RANK:N:M"`` (``run_async(ckpt=...)``): a test bench for the
-runtime's checkpoints (``vpool.sdk.mpi.checkpoint``) without CRIU. Once rank RANK's incarnation 1
+runtime's checkpoints (``vpool.mpi.checkpoint``) without CRIU. Once rank RANK's incarnation 1
 (2 when ``VPOOL_MPIEXEC_KILL`` names the same rank) deposited N messages, the router requests a
 checkpoint 1 (``CheckpointRequest`` + the signal; the rank's output is not read meanwhile),
 takes ``CkptForked``, waits until every frame it counts as sent is in, and after M more

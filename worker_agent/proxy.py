@@ -145,7 +145,7 @@ class RankProxy:
     async def handle(self, stream: trio.SocketStream) -> None:
         for opt in (stdlib_socket.SO_SNDBUF, stdlib_socket.SO_RCVBUF):
             try:
-                # As large as the rank's own (sdk/mpi/transport.py): a 200 KiB default makes
+                # As large as the rank's own (mpi/transport.py): a 200 KiB default makes
                 # a pushed 16 MiB payload take a hundred wake-ups of both processes.
                 stream.setsockopt(stdlib_socket.SOL_SOCKET, opt, RANK_SOCKET_BUFFER)
             except OSError:

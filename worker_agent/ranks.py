@@ -94,9 +94,9 @@ _CRASH_SIGNALS = frozenset(
 
 def shim_dir() -> Path:
     """The directory that contains vpool's ``mpi4py`` shim package."""
-    import vpool.sdk.mpi
+    import vpool.mpi
 
-    return Path(vpool.sdk.mpi.__file__).parent / "shim"
+    return Path(vpool.mpi.__file__).parent / "shim"
 
 
 @dataclass

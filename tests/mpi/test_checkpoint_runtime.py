@@ -1,4 +1,4 @@
-"""Checkpoints of the rank runtime (``vpool.sdk.mpi.checkpoint``) through the router's bench
+"""Checkpoints of the rank runtime (``vpool.mpi.checkpoint``) through the router's bench
 ``VPOOL_MPIEXEC_CKPT`` (``sdk/mpiexec_replay.py``), without CRIU: the forked clone of a rank is
 "restored" by killing the rank, which reparents the clone, and it must carry the job on to the
 same output as an uncheckpointed run."""
@@ -138,7 +138,7 @@ async def test_bad_ckpt_spec_is_refused() -> None:
 
 
 def test_checkpoints_are_off_without_the_agent_settings() -> None:
-    from vpool.sdk.mpi import checkpoint
+    from vpool.mpi import checkpoint
 
     saved = {k: os.environ.pop(k, None) for k in (checkpoint.SIGNAL_ENV, checkpoint.RANK_DIR_ENV)}
     try:
@@ -154,9 +154,9 @@ def test_orphaned_clone_reports_its_own_fork(tmp_path: Path) -> None:
     import threading
     from types import SimpleNamespace
 
+    from vpool.mpi import checkpoint
     from vpool.protocol.framing import FrameDecoder, encode_frame
     from vpool.protocol.messages import CkptForked, RankHello, RankWelcome
-    from vpool.sdk.mpi import checkpoint
 
     path = str(tmp_path / "agent.sock")
     server = socket.socket(socket.AF_UNIX)

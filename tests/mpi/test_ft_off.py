@@ -10,8 +10,8 @@ import pytest
 import trio
 
 from tests.mpi.test_ft_unit import FakeEngine, FakeTransport, Op
+from vpool.mpi.ft import K_TEST, K_WTIME, fault_tolerant
 from vpool.sdk import mpiexec
-from vpool.sdk.mpi.ft import K_TEST, K_WTIME, fault_tolerant
 
 PROGRAM = Path(__file__).parent / "programs" / "ft_off.py"
 

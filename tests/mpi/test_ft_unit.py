@@ -1,4 +1,4 @@
-"""``vpool.sdk.mpi.ft`` alone: what a live run logs, and how a replay obeys it."""
+"""``vpool.mpi.ft`` alone: what a live run logs, and how a replay obeys it."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ from typing import Any
 import msgspec
 import pytest
 
-from vpool.sdk.mpi import ft as ftmod
-from vpool.sdk.mpi import transport as transport_mod
-from vpool.sdk.mpi.constants import ANY_SOURCE
-from vpool.sdk.mpi.ft import FT, K_MATCH, K_TEST, K_WTIME, R_FAILED, R_OUTCOME
+from vpool.mpi import ft as ftmod
+from vpool.mpi import transport as transport_mod
+from vpool.mpi.constants import ANY_SOURCE
+from vpool.mpi.ft import FT, K_MATCH, K_TEST, K_WTIME, R_FAILED, R_OUTCOME
 
 
 class FakeTransport:

@@ -1,4 +1,4 @@
-"""Huge pages back after a checkpoint's fork: ``vpool.sdk.mpi.hugepages``."""
+"""Huge pages back after a checkpoint's fork: ``vpool.mpi.hugepages``."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import re
 import numpy as np
 import pytest
 
-from vpool.sdk.mpi import hugepages
+from vpool.mpi import hugepages
 
 SMAPS = """\
 7f0000000000-7f0000a00000 rw-p 00000000 00:00 0

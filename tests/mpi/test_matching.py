@@ -1,13 +1,13 @@
-"""Matching rules of the runtime, without processes: the queues of ``vpool.sdk.mpi.matching``."""
+"""Matching rules of the runtime, without processes: the queues of ``vpool.mpi.matching``."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from vpool.mpi.constants import ANY_SOURCE, ANY_TAG
+from vpool.mpi.matching import Matcher
+from vpool.mpi.topology import compute_dims
 from vpool.protocol.messages import Data
-from vpool.sdk.mpi.constants import ANY_SOURCE, ANY_TAG
-from vpool.sdk.mpi.matching import Matcher
-from vpool.sdk.mpi.topology import compute_dims
 
 
 @dataclass(eq=False)

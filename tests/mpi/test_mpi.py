@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import trio
 
-import vpool.sdk.mpi
+import vpool.mpi
 
 PROGRAMS = Path(__file__).resolve().parent / "programs"
 
@@ -56,7 +56,7 @@ async def mpiexec(
     return Result(proc.returncode, proc.stdout.decode(), proc.stderr.decode())
 
 
-SHIM_INIT = vpool.sdk.mpi.SHIM_DIR / "mpi4py" / "__init__.py"
+SHIM_INIT = vpool.mpi.SHIM_DIR / "mpi4py" / "__init__.py"
 
 
 def _same_file(a: str, b: Path) -> bool:
@@ -148,7 +148,7 @@ async def test_stdin_goes_to_rank_zero_only() -> None:
 
 async def test_program_without_mpiexec_runs_as_a_single_rank() -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("VPOOL_")}
-    env["PYTHONPATH"] = vpool.sdk.mpi.SHIM_DIR.as_posix()
+    env["PYTHONPATH"] = vpool.mpi.SHIM_DIR.as_posix()
     with trio.fail_after(60):
         proc = await trio.run_process(
             [sys.executable, str(PROGRAMS / "p2p.py")],

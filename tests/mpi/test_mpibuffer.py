@@ -1,4 +1,4 @@
-"""``MPI.buffer`` (sdk/mpi/mpibuffer.py): the type in-process, then through real rank processes
+"""``MPI.buffer`` (mpi/mpibuffer.py): the type in-process, then through real rank processes
 (``programs/mpibuffer.py``: Alloc_mem buffers sent, received into, attached and freed)."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import trio
 
-from vpool.sdk.mpi.mpibuffer import buffer
+from vpool.mpi.mpibuffer import buffer
 
 PROGRAM = Path(__file__).resolve().parent / "programs" / "mpibuffer.py"
 

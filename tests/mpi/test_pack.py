@@ -6,7 +6,7 @@ import array
 
 import pytest
 
-from vpool.sdk.mpi import MPI
+from vpool.mpi import MPI
 
 
 def test_pack_unpack_round_trip() -> None:

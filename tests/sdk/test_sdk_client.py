@@ -136,10 +136,10 @@ def test_missing_ca_file(tmp_path: Path) -> None:
 
 
 def test_importing_vpool_sdk_stays_light() -> None:
-    """Rank processes import vpool.sdk.mpi, hence vpool.sdk: it must pull in nothing heavy."""
+    """Rank processes import vpool.mpi, hence vpool.sdk: it must pull in nothing heavy."""
     code = (
         "import sys, vpool.sdk\n"
-        "heavy = [m for m in ('httpx', 'click', 'vpool.sdk.mpi', 'vpool.sdk.client') "
+        "heavy = [m for m in ('httpx', 'click', 'vpool.mpi', 'vpool.sdk.client') "
         "if m in sys.modules]\n"
         "assert not heavy, heavy\n"
         "assert vpool.sdk.Client.__name__ == 'Client'\n"

@@ -316,7 +316,7 @@ async def relay(nursery: trio.Nursery, pool_pki: Pki) -> AsyncIterator[FakeRelay
 
 # -- bundles and rank programs -----------------------------------------------------------------
 
-# A rank that speaks the frame protocol itself, so these tests do not depend on vpool.sdk.mpi.
+# A rank that speaks the frame protocol itself, so these tests do not depend on vpool.mpi.
 RANK_PROGRAM = textwrap.dedent(
     """
     import json, os, socket, sys, time

@@ -45,7 +45,7 @@ if mb:
 r, w = os.pipe()
 parent = os.getpid()
 if os.fork() == 0:
-    # As the runtime's clone does (sdk/mpi/checkpoint.py): CRIU refuses a session whose
+    # As the runtime's clone does (mpi/checkpoint.py): CRIU refuses a session whose
     # leader is outside the PID namespace (sid 0), as a sandbox's may be.
     if os.getsid(0) == 0:
         os.setsid()

@@ -112,7 +112,7 @@ print(f"rank {rank} of {size} on {MPI.Get_processor_name()}: total {total}")
 async def test_real_mpi4py_program(
     agent: RunningAgent, coordinator: FakeCoordinator, real_relay: api.RelayInfo
 ) -> None:
-    pytest.importorskip("vpool.sdk.mpi.MPI")
+    pytest.importorskip("vpool.mpi.MPI")
     for rank in (0, 1):
         lease = lease_for(coordinator, None, program=MPI_PROGRAM, rank=rank)
         coordinator.add_lease(msgspec.structs.replace(lease, relays=[real_relay], homes=[0, 0]))

@@ -7,7 +7,7 @@ import sys
 import numpy as np
 from mpi4py import MPI
 
-from vpool.sdk.mpi import environment
+from vpool.mpi import environment
 
 comm = MPI.COMM_WORLD
 rank, size = comm.rank, comm.size

@@ -1,0 +1,328 @@
+"""Collective operations on typed buffers (upper-case calls), blocking and non-blocking.
+
+Each call reads its buffer specs as mpi4py does (which arguments a rank ignores, ``None`` as
+``IN_PLACE`` where mpi4py takes it so, ``ValueError`` for mismatched counts) and hands flat byte
+views to an algorithm of ``collalg``. With ``nb`` the algorithm becomes the schedule behind the
+returned request (``sched.Schedule``); without, it runs to the end in the call.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vpool.mpi import collalg
+from vpool.mpi.buffers import (
+    IN_PLACE,
+    Msg,
+    VMsg,
+    block,
+    parse,
+    parse_blocks,
+    parse_v,
+    parse_w,
+    w_block,
+)
+from vpool.mpi.coll import check_root
+from vpool.mpi.sched import Algo, new_tag, run, start
+
+
+def _go(h: Any, algo: Algo, nb: bool, *msgs: Msg | None) -> Any:
+    unpacks = [m.unpack for m in msgs if m is not None and m.unpack is not None]
+    if unpacks:
+        algo = _then(algo, unpacks)
+    return start(h, algo) if nb else run(h, algo)
+
+
+def _then(algo: Algo, unpacks: list[Any]) -> Algo:
+    """Run ``algo``, then scatter packed receive buffers back into their datatypes' layout."""
+    result = yield from algo
+    for unpack in unpacks:
+        unpack()
+    return result
+
+
+def in_place(spec: Any) -> bool:
+    return spec is None or spec is IN_PLACE
+
+
+def _same(src: Any, dst: Any) -> None:
+    if src.datatype != dst.datatype and src.datatype.size != dst.datatype.size:
+        raise ValueError("mismatch in send and receive MPI datatypes")
+    if src.view.nbytes != dst.view.nbytes:
+        raise ValueError(f"mismatch in send count {src.items} and receive count {dst.items}")
+
+
+def Bcast(h: Any, buf: Any, root: int, nb: bool = False) -> Any:
+    root = check_root(h, root)
+    m = parse(buf, writable=h.rank != root)
+    return _go(h, collalg.bcast(h, m.view, root, new_tag(h)), nb, m)
+
+
+def Reduce(h: Any, sendbuf: Any, recvbuf: Any, op: Any, root: int, nb: bool = False) -> Any:
+    root = check_root(h, root)
+    out = r = None
+    if h.rank == root:
+        r = parse(recvbuf, writable=True)
+        out = r.view
+        if in_place(sendbuf):
+            src, dt = r.view, r.datatype
+        else:
+            s = parse(sendbuf, writable=False)
+            _same(s, r)
+            src, dt = s.view, s.datatype
+    else:
+        s = parse(sendbuf, writable=False)
+        src, dt = s.view, s.datatype
+    return _go(h, collalg.reduce(h, src, out, dt, op, root, new_tag(h)), nb, r)
+
+
+def Allreduce(h: Any, sendbuf: Any, recvbuf: Any, op: Any, nb: bool = False) -> Any:
+    r = parse(recvbuf, writable=True)
+    if not in_place(sendbuf):
+        s = parse(sendbuf, writable=False)
+        _same(s, r)
+        r.view[:] = s.view
+    return _go(h, collalg.allreduce(h, r.view, r.datatype, op, new_tag(h)), nb, r)
+
+
+def Gather(h: Any, sendbuf: Any, recvbuf: Any, root: int, nb: bool = False) -> Any:
+    root = check_root(h, root)
+    size, rank = h.size, h.rank
+    whole = mine = r = None
+    if rank == root:
+        r = parse_blocks(recvbuf, size, writable=True)
+        whole = r.view
+        bs = r.view.nbytes // size
+        if not in_place(sendbuf):
+            s = parse(sendbuf, writable=False)
+            if s.view.nbytes != bs:
+                raise ValueError(f"mismatch in send count {s.items} and receive count {r.items}")
+            mine = s.view
+    else:
+        mine = parse(sendbuf, writable=False).view
+        bs = mine.nbytes
+    return _go(h, collalg.gather(h, mine, whole, bs, root, new_tag(h)), nb, r)
+
+
+def Gatherv(h: Any, sendbuf: Any, recvbuf: Any, root: int, nb: bool = False) -> Any:
+    root = check_root(h, root)
+    size, rank = h.size, h.rank
+    blocks: list[memoryview] = []
+    mine = None
+    if rank == root:
+        r = parse_v(recvbuf, size, writable=True)
+        blocks = [block(r, i) for i in range(size)]
+        if not in_place(sendbuf):
+            mine = parse(sendbuf, writable=False).view
+    else:
+        mine = parse(sendbuf, writable=False).view
+    return _go(h, collalg.linear_gatherv(h, mine, blocks, root, new_tag(h)), nb)
+
+
+def Scatter(h: Any, sendbuf: Any, recvbuf: Any, root: int, nb: bool = False) -> Any:
+    root = check_root(h, root)
+    size, rank = h.size, h.rank
+    whole = out = r = None
+    if rank == root:
+        s = parse_blocks(sendbuf, size, writable=False)
+        whole = s.view
+        bs = s.view.nbytes // size
+        if not in_place(recvbuf):
+            r = parse(recvbuf, writable=True)
+            if r.view.nbytes != bs:
+                raise ValueError(f"mismatch in send count {s.items} and receive count {r.items}")
+            out = r.view
+    else:
+        r = parse(recvbuf, writable=True)
+        out = r.view
+        bs = out.nbytes
+    return _go(h, collalg.scatter(h, whole, out, bs, root, new_tag(h)), nb, r)
+
+
+def Scatterv(h: Any, sendbuf: Any, recvbuf: Any, root: int, nb: bool = False) -> Any:
+    root = check_root(h, root)
+    size, rank = h.size, h.rank
+    blocks: list[memoryview] = []
+    out = r = None
+    if rank == root:
+        s = parse_v(sendbuf, size, writable=False)
+        blocks = [block(s, i) for i in range(size)]
+        if not in_place(recvbuf):
+            r = parse(recvbuf, writable=True)
+    else:
+        r = parse(recvbuf, writable=True)
+    if r is not None:
+        out = r.view
+    return _go(h, collalg.linear_scatterv(h, blocks, out, root, new_tag(h)), nb, r)
+
+
+def Allgather(h: Any, sendbuf: Any, recvbuf: Any, nb: bool = False) -> Any:
+    size = h.size
+    r = parse_blocks(recvbuf, size, writable=True)
+    bs = r.view.nbytes // size
+    if not in_place(sendbuf):
+        s = parse(sendbuf, writable=False)
+        if s.view.nbytes != bs:
+            raise ValueError(f"mismatch in send count {s.items} and receive count {r.items}")
+        r.view[h.rank * bs : (h.rank + 1) * bs] = s.view
+    offsets = [i * bs for i in range(size + 1)]
+    return _go(h, collalg.allgather(h, r.view, offsets, new_tag(h)), nb, r)
+
+
+def Allgatherv(h: Any, sendbuf: Any, recvbuf: Any, nb: bool = False) -> Any:
+    size, rank = h.size, h.rank
+    r: VMsg = parse_v(recvbuf, size, writable=True)
+    blocks = [block(r, i) for i in range(size)]
+    if not in_place(sendbuf):
+        blocks[rank][:] = parse(sendbuf, writable=False).view
+    ext = r.datatype.extent
+    offsets = [d * ext for d in r.displs] + [(r.displs[-1] + r.counts[-1]) * ext]
+    if all(offsets[i] + blocks[i].nbytes == offsets[i + 1] for i in range(size)):
+        whole = r.view
+        algo = collalg.allgather(h, whole, offsets, new_tag(h))
+        return _go(h, algo, nb)
+    # Blocks with gaps or out of order: gather them back to back in scratch, then spread.
+    packed = [0]
+    for b in blocks:
+        packed.append(packed[-1] + b.nbytes)
+    tmp = collalg.scratch(packed[-1])
+    tmp[packed[rank] : packed[rank + 1]] = blocks[rank]
+    tag = new_tag(h)
+
+    def algo() -> Algo:
+        yield from collalg.allgather(h, tmp, packed, tag)
+        for i, b in enumerate(blocks):
+            b[:] = tmp[packed[i] : packed[i + 1]]
+
+    return _go(h, algo(), nb)
+
+
+def Alltoall(h: Any, sendbuf: Any, recvbuf: Any, nb: bool = False) -> Any:
+    size = h.size
+    r = parse_blocks(recvbuf, size, writable=True)
+    bs = r.view.nbytes // size
+    rblocks = [r.view[i * bs : (i + 1) * bs] for i in range(size)]
+    if in_place(sendbuf):
+        copy = collalg.scratch(r.view.nbytes)
+        copy[:] = r.view
+        sblocks = [copy[i * bs : (i + 1) * bs] for i in range(size)]
+    else:
+        s = parse_blocks(sendbuf, size, writable=False)
+        n = s.view.nbytes // size
+        sblocks = [s.view[i * n : (i + 1) * n] for i in range(size)]
+    return _go(h, collalg.pairwise(h, sblocks, rblocks, new_tag(h)), nb, r)
+
+
+def Alltoallv(h: Any, sendbuf: Any, recvbuf: Any, nb: bool = False) -> Any:
+    size = h.size
+    r = parse_v(recvbuf, size, writable=True)
+    rblocks = [block(r, i) for i in range(size)]
+    if in_place(sendbuf):
+        copy = collalg.scratch(r.view.nbytes)
+        copy[:] = r.view
+        cm = VMsg(copy, r.counts, r.displs, r.datatype)
+        sblocks = [block(cm, i) for i in range(size)]
+    else:
+        s = parse_v(sendbuf, size, writable=False)
+        sblocks = [block(s, i) for i in range(size)]
+    return _go(h, collalg.pairwise(h, sblocks, rblocks, new_tag(h)), nb)
+
+
+def Alltoallw(h: Any, sendbuf: Any, recvbuf: Any, nb: bool = False) -> Any:
+    """Per-peer counts, byte displacements and datatypes; blocks travel packed."""
+    size = h.size
+    rv, rcounts, rdispls, rtypes = parse_w(recvbuf, size, writable=True)
+    if in_place(sendbuf):
+        sv = collalg.scratch(rv.nbytes)
+        sv[:] = rv
+        scounts, sdispls, stypes = rcounts, rdispls, rtypes
+    else:
+        sv, scounts, sdispls, stypes = parse_w(sendbuf, size, writable=False)
+    sblocks = [w_block(sv, scounts[i], sdispls[i], stypes[i], False).view for i in range(size)]
+    rmsgs = [w_block(rv, rcounts[i], rdispls[i], rtypes[i], True) for i in range(size)]
+    rblocks = [m.view for m in rmsgs]
+    return _go(h, collalg.pairwise(h, sblocks, rblocks, new_tag(h)), nb, *rmsgs)
+
+
+def Scan(h: Any, sendbuf: Any, recvbuf: Any, op: Any, exclusive: bool, nb: bool = False) -> Any:
+    r = parse(recvbuf, writable=True)
+    if in_place(sendbuf):
+        src, dt = r.view, r.datatype
+    else:
+        s = parse(sendbuf, writable=False)
+        _same(s, r)
+        src, dt = s.view, s.datatype
+    return _go(h, collalg.scan(h, src, r.view, dt, op, exclusive, new_tag(h)), nb, r)
+
+
+def Reduce_scatter_block(h: Any, sendbuf: Any, recvbuf: Any, op: Any, nb: bool = False) -> Any:
+    size = h.size
+    if in_place(sendbuf):
+        whole = parse_blocks(recvbuf, size, writable=True)
+        src, dt = whole.view, whole.datatype
+        out = whole.view[: whole.items * dt.extent]
+    else:
+        s = parse_blocks(sendbuf, size, writable=False)
+        r = parse(recvbuf, writable=True)
+        if s.items != r.items or s.view.nbytes != r.view.nbytes * size:
+            raise ValueError(f"mismatch in send count {s.items} and receive count {r.items}")
+        src, dt, out = s.view, s.datatype, r.view
+    n = src.nbytes // size
+    return _reduce_then_scatter(h, src, dt, op, [n] * size, out, nb)
+
+
+def Reduce_scatter(
+    h: Any, sendbuf: Any, recvbuf: Any, recvcounts: Any, op: Any, nb: bool = False
+) -> Any:
+    size, rank = h.size, h.rank
+    r = parse(recvbuf, writable=True)
+    dt = r.datatype
+    if in_place(sendbuf):
+        if recvcounts is None:
+            raise ValueError("Reduce_scatter in place needs recvcounts")
+        src = r.view
+    else:
+        s = parse(sendbuf, writable=False)
+        src, dt = s.view, s.datatype
+        if recvcounts is None:
+            from vpool.mpi import coll
+
+            recvcounts = coll.allgather(h, r.items)
+    counts = [int(c) for c in recvcounts]
+    if len(counts) != size:
+        raise ValueError(f"expecting {size} receive counts, got {len(counts)}")
+    ext = dt.extent
+    if in_place(sendbuf):
+        if r.items != sum(counts):
+            raise ValueError(f"mismatch in receive count {r.items} and sum(counts) {sum(counts)}")
+        out = r.view[: counts[rank] * ext]
+    else:
+        if src.nbytes != sum(counts) * ext:
+            raise ValueError(f"mismatch in send count and sum(counts) {sum(counts)}")
+        if r.items != counts[rank]:
+            raise ValueError(f"mismatch in receive count {r.items} and counts[{rank}]")
+        out = r.view
+    return _reduce_then_scatter(h, src, dt, op, [c * ext for c in counts], out, nb)
+
+
+def _reduce_then_scatter(
+    h: Any, src: memoryview, dt: Any, op: Any, sizes: list[int], out: memoryview, nb: bool
+) -> Any:
+    """Reduce to rank 0 (rank order, pipelined), then scatter the pieces from there."""
+    tag = new_tag(h)
+    total = collalg.scratch(src.nbytes) if h.rank == 0 else None
+
+    def algo() -> Algo:
+        yield from collalg.reduce(h, src, total, dt, op, 0, tag)
+        if len(set(sizes)) == 1:
+            yield from collalg.scatter(h, total, out, sizes[0], 0, tag)
+            return
+        blocks: list[memoryview] = []
+        if total is not None:
+            pos = 0
+            for n in sizes:
+                blocks.append(total[pos : pos + n])
+                pos += n
+        yield from collalg.linear_scatterv(h, blocks, out, 0, tag)
+
+    return _go(h, algo(), nb)

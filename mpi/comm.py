@@ -1,0 +1,575 @@
+"""Communicators: ``MPI.Comm``/``MPI.Intracomm`` with mpi4py's point-to-point and collective API.
+
+A communicator object holds a handle (``_Core``) that copies of it share: its contexts, its
+group (world ranks, in communicator order) and the reverse map. Point-to-point calls translate
+ranks and hand messages to the engine; collectives run the algorithms of ``coll`` (objects) and
+``collbuf`` (buffers) in the collective context ``ctx + 1``.
+
+New communicators get context ids agreed by all members (``agree_ctx``): the maximum of every
+member's next free id, which all members then move past. Two communicators sharing a member never
+share an id; disjoint ones may, harmlessly, since matching also names world ranks. Constructors
+that only the new communicator's members call (``Create_group``, ``Create_from_group``) agree in
+a parent's collective context under negative tags, which no collective of the parent uses.
+
+The context id is also the communicator's integer handle (``toint``/``py2f``): unique among the
+communicators a process belongs to.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+import zlib
+from collections.abc import Sequence
+from typing import Any
+
+from vpool.mpi import coll, errors, ops
+from vpool.mpi.commattr import CommAttributes
+from vpool.mpi.commcoll import CommCollectives, IntraCollectives
+from vpool.mpi.constants import (
+    CART,
+    COMM_TYPE_HW_GUIDED,
+    COMM_TYPE_HW_UNGUIDED,
+    COMM_TYPE_RESOURCE_GUIDED,
+    COMM_TYPE_SHARED,
+    CONGRUENT,
+    DIST_GRAPH,
+    GRAPH,
+    IDENT,
+    SIMILAR,
+    UNDEFINED,
+    UNEQUAL,
+)
+from vpool.mpi.errhandler import CommErrhandlers
+from vpool.mpi.group import Group
+from vpool.mpi.outofscope import unsupported
+from vpool.mpi.p2p import CommP2P
+from vpool.mpi.persistcoll import PersistentCollectives, PersistentIntraCollectives
+from vpool.mpi.request import DoneOp, Request
+from vpool.mpi.serialization import pickle_
+
+_dumps = pickle_.dumps
+
+
+class _Core:
+    __slots__ = (
+        "__weakref__",
+        "attrs",
+        "buf",
+        "cseq",
+        "ctx",
+        "eng",
+        "errh",
+        "group",
+        "locks",
+        "name",
+        "rank",
+        "size",
+        "topo",
+        "w2c",
+    )
+
+    def __init__(self, eng: Any, ctx: int, group: tuple[int, ...], name: str = "") -> None:
+        self.eng = eng
+        self.ctx = ctx
+        self.group = group
+        self.size = len(group)
+        self.rank = group.index(eng.rank)
+        w2c = [UNDEFINED] * eng.size
+        for i, w in enumerate(group):
+            w2c[w] = i
+        self.w2c = w2c
+        self.name = name
+        self.attrs: dict[int, Any] = {}
+        self.topo: Any = None
+        self.locks: dict[Any, Any] = {}  # mpi4py's per-communicator lock table (comm_lock)
+        self.errh: Any = None  # error handler set on it (None: ERRORS_RETURN), see errhandler
+        # Collectives started on this communicator: each one's messages carry its number as
+        # their tag, so overlapping non-blocking collectives never match each other's messages.
+        self.cseq = 0
+        self.buf: Any = None  # buffer attached for buffered sends (MPI 4.1, per communicator)
+
+
+def comm_lock(h: _Core, key: Any) -> Any:
+    """The lock mpi4py takes around lower-case calls of ``key`` on a communicator, made on
+    first use (``MPI._comm_lock``); threads calling them on one communicator take turns."""
+    lock = h.locks.get(key)
+    if lock is None:
+        lock = h.locks[key] = threading.Lock()
+    return lock
+
+
+def agree_ctx(h: _Core) -> int:
+    """A context id free at every member (collective over ``h``)."""
+    eng = h.eng
+    ctx = coll.allreduce(h, eng.next_ctx, ops.MAX) if h.size > 1 else eng.next_ctx
+    eng.next_ctx = ctx + 2
+    return int(ctx)
+
+
+# Tag spaces (negative, below ANY_TAG) of the agreements among a new communicator's members.
+_CREATE_GROUP_TAGS = -(1 << 40)
+_FROM_GROUP_TAGS = -(1 << 41)
+
+
+def agree_ctx_among(eng: Any, ctx: int, members: tuple[int, ...], tag: int) -> int:
+    """``agree_ctx`` among ``members`` only, in context ``ctx``'s collective context with
+    ``tag``: the members' own sequence, apart from every collective of that context."""
+    sub = _Core(eng, ctx, members)
+    sub.cseq = tag - 1  # the agreement's one collective takes the next number: ``tag``
+    return agree_ctx(sub)
+
+
+_by_handle: weakref.WeakValueDictionary[int, _Core] = weakref.WeakValueDictionary()
+
+_SHARED_MEMORY = "mpi_shared_memory"
+_PROCESS = "vpool://process"  # the level below a machine: each rank is its own process
+_RESTYPE = "mpi_hw_resource_type"
+
+
+def _split_color(split_type: int, info: Any, names: list[str], me: int) -> tuple[int, str]:
+    """(color, resource type) of this rank for ``Split_type``: machines (by processor name) are
+    the shared-memory domains; below them each process stands alone."""
+    host = names.index(names[me])
+    if split_type == UNDEFINED:
+        return UNDEFINED, ""
+    if split_type == COMM_TYPE_SHARED:
+        return host, _SHARED_MEMORY
+    if split_type in (COMM_TYPE_HW_GUIDED, COMM_TYPE_RESOURCE_GUIDED):
+        wanted = info.Get(_RESTYPE) if info else None
+        return (host, _SHARED_MEMORY) if wanted == _SHARED_MEMORY else (UNDEFINED, "")
+    if split_type == COMM_TYPE_HW_UNGUIDED:
+        # The first level that splits the communicator into smaller parts, if any.
+        if len(set(names)) > 1:
+            return host, _SHARED_MEMORY
+        if len(names) > 1:
+            return me, _PROCESS
+        return UNDEFINED, ""
+    raise errors.MPIException(errors.ERR_ARG, f"unknown split type {split_type}")
+
+
+def _class_of(core: _Core) -> type:
+    """The class ``fromint`` gives a handle: by its topology, as mpi4py does."""
+    kind = None if core.topo is None else core.topo.kind
+    if kind == CART or kind == GRAPH:
+        from vpool.mpi import topology
+
+        return topology.Cartcomm if kind == CART else topology.Graphcomm
+    if kind == DIST_GRAPH:
+        from vpool.mpi import distgraph
+
+        return distgraph.Distgraphcomm
+    return Intracomm
+
+
+def _predefined(name: str) -> Any:
+    """Unpickling of the predefined communicators: the object itself."""
+    from vpool.mpi import MPI
+
+    return getattr(MPI, name)
+
+
+def _predefined_copy(cls: type, name: str) -> Any:
+    return cls(_predefined(name))
+
+
+class Comm(CommP2P, CommErrhandlers, CommAttributes, CommCollectives, PersistentCollectives):
+    """``MPI.Comm``."""
+
+    _h: _Core | None
+
+    def __new__(cls, comm: Comm | None = None) -> Any:
+        # A handle copy, as in mpi4py: subclasses call ``super().__new__(cls, comm)``.
+        if comm is not None and not isinstance(comm, Comm):
+            raise TypeError(
+                f"Argument 'comm' has incorrect type (expected mpi4py.MPI.Comm, got "
+                f"{type(comm).__name__})"
+            )
+        obj = super().__new__(cls)
+        obj._h = comm._h if comm is not None else None
+        if obj._h is not None:
+            cls._check_handle(obj._h)
+        return obj
+
+    @classmethod
+    def _check_handle(cls, h: _Core) -> None:
+        """Raise TypeError if a handle is not of this class's kind (mpi4py's ``__cinit__``)."""
+
+    @classmethod
+    def _wrap(cls, core: _Core | None) -> Any:
+        obj = object.__new__(cls)
+        obj._h = core
+        return obj
+
+    def _core(self) -> _Core:
+        h = self._h
+        if h is None:
+            raise errors.MPIException(errors.ERR_COMM, "null communicator")
+        return h
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Comm):
+            return NotImplemented
+        return self._h is other._h
+
+    def __hash__(self) -> int:
+        return id(self._h)
+
+    def __bool__(self) -> bool:
+        return self._h is not None
+
+    def __repr__(self) -> str:
+        h = self._h
+        if h is None:
+            return f"<mpi4py.MPI.{type(self).__name__} COMM_NULL>"
+        return f"<mpi4py.MPI.{type(self).__name__} {h.name or 'comm'} rank {h.rank}/{h.size}>"
+
+    def __reduce__(self) -> Any:
+        # The predefined communicators travel by name (the object itself, or a copy of it).
+        from vpool.mpi import environment
+
+        h = self._h
+        name = None
+        if h is None:
+            name = "COMM_NULL"
+        elif h is environment.COMM_WORLD._h:
+            name = "COMM_WORLD"
+        elif h is environment.COMM_SELF._h:
+            name = "COMM_SELF"
+        if name is None:
+            raise ValueError(f"cannot serialize 'mpi4py.MPI.{type(self).__name__}' instance")
+        if self is _predefined(name):
+            return (_predefined, (name,))
+        return (_predefined_copy, (type(self), name))
+
+    # ---- identity ------------------------------------------------------------------------
+
+    def Get_rank(self) -> int:
+        return self._core().rank
+
+    def Get_size(self) -> int:
+        return self._core().size
+
+    @property
+    def rank(self) -> int:
+        return self._core().rank
+
+    @property
+    def size(self) -> int:
+        return self._core().size
+
+    def Get_group(self) -> Group:
+        h = self._core()
+        return Group._of(h.group, h.eng.rank)
+
+    @property
+    def group(self) -> Group:
+        return self.Get_group()
+
+    def Get_name(self) -> str:
+        if self._h is None:
+            return "MPI_COMM_NULL"
+        return self._core().name
+
+    def Set_name(self, name: str) -> None:
+        self._core().name = name
+
+    @property
+    def name(self) -> str:
+        return self.Get_name()
+
+    @name.setter
+    def name(self, value: str) -> None:
+        self.Set_name(value)
+
+    def Is_inter(self) -> bool:
+        self._core()
+        return False
+
+    def Is_intra(self) -> bool:
+        self._core()
+        return True
+
+    @property
+    def is_inter(self) -> bool:
+        return self.Is_inter()
+
+    @property
+    def is_intra(self) -> bool:
+        return self.Is_intra()
+
+    def Get_topology(self) -> int:
+        h = self._core()
+        return UNDEFINED if h.topo is None else h.topo.kind
+
+    @property
+    def topology(self) -> int:
+        return self.Get_topology()
+
+    @property
+    def is_topo(self) -> bool:
+        return self.Get_topology() != UNDEFINED
+
+    def Compare(self, comm: Comm) -> int:
+        a, b = self._core(), comm._core()
+        if a is b:
+            return IDENT
+        if a.group == b.group:
+            return CONGRUENT
+        if set(a.group) == set(b.group):
+            return SIMILAR
+        return UNEQUAL
+
+    @classmethod
+    def Get_parent(cls) -> Intercomm:
+        return Intercomm()
+
+    # ---- lifetime ------------------------------------------------------------------------
+
+    def Free(self) -> None:
+        h = self._core()
+        if h.ctx < 4:  # contexts 0-3: COMM_WORLD and COMM_SELF
+            raise errors.MPIException(errors.ERR_COMM, "cannot free a predefined communicator")
+        _by_handle.pop(h.ctx, None)
+        self._h = None
+
+    def Disconnect(self) -> None:
+        self.Free()
+
+    def Abort(self, errorcode: int = 0) -> None:
+        from vpool.mpi import environment
+
+        environment.abort(errorcode)
+
+    def Clone(self) -> Any:
+        return self.Dup()
+
+    def Dup(self, info: Any = None) -> Any:
+        h = self._core()
+        ctx = agree_ctx(h)
+        core = _Core(h.eng, ctx, h.group)
+        core.topo = h.topo
+        return type(self)._wrap(core)
+
+    def Dup_with_info(self, info: Any) -> Any:
+        return self.Dup()
+
+    def Idup(self, info: Any = None) -> tuple[Any, Request]:
+        return self.Dup(info), Request._of(DoneOp())
+
+    def Idup_with_info(self, info: Any) -> tuple[Any, Request]:
+        return self.Idup(info)
+
+    def Split(self, color: int = 0, key: int = 0) -> Intracomm:
+        h = self._core()
+        eng = h.eng
+        if h.size > 1:
+            triples = coll.allgather(h, (color, key, eng.next_ctx))
+        else:
+            triples = [(color, key, eng.next_ctx)]
+        ctx = max(t[2] for t in triples)
+        eng.next_ctx = ctx + 2
+        if color == UNDEFINED:
+            return Intracomm()
+        order = sorted((k, i) for i, (c, k, _) in enumerate(triples) if c == color)
+        return Intracomm._wrap(_Core(eng, ctx, tuple(h.group[i] for _, i in order)))
+
+    def Split_type(self, split_type: int, key: int = 0, info: Any = None) -> Intracomm:
+        from vpool.mpi import environment
+
+        h = self._core()
+        # Every member takes part in the same collectives, UNDEFINED ones too.
+        name = environment.processor_name()
+        names = coll.allgather(h, name) if h.size > 1 else [name]
+        color, restype = _split_color(split_type, info, names, h.rank)
+        comm = self.Split(color, key)
+        if comm and split_type == COMM_TYPE_HW_UNGUIDED and info:
+            info.Set(_RESTYPE, restype)  # MPI 4: tells the caller which level it got
+        return comm
+
+    def Create(self, group: Group) -> Any:
+        h = self._core()
+        ctx = agree_ctx(h)
+        members = group._m()
+        if h.eng.rank not in members:
+            return type(self)()
+        return type(self)._wrap(_Core(h.eng, ctx, tuple(members)))
+
+    def Create_group(self, group: Group, tag: int = 0) -> Any:
+        h = self._core()
+        members = tuple(group._m())
+        if h.eng.rank not in members:
+            return type(self)()
+        # Only the group's members take part: agree among them, in the parent's contexts.
+        ctx = agree_ctx_among(h.eng, h.ctx, members, _CREATE_GROUP_TAGS - (tag & 0x7FFFFFFF))
+        return type(self)._wrap(_Core(h.eng, ctx, members))
+
+    # ---- buffered sends (MPI 4.1: a buffer per communicator) -------------------------------
+
+    def Attach_buffer(self, buf: Any) -> None:
+        from vpool.mpi.buffers import BUFFER_AUTOMATIC, byte_view
+
+        h = self._core()
+        if h.buf is not None:
+            raise errors.MPIException(errors.ERR_BUFFER, "a buffer is already attached")
+        if buf is not BUFFER_AUTOMATIC:
+            byte_view(buf, writable=True)  # BufferError if read-only, as in mpi4py
+        h.buf = buf
+
+    def Detach_buffer(self) -> Any:
+        h = self._core()
+        buf, h.buf = h.buf, None
+        return buf
+
+    def Flush_buffer(self) -> None:
+        # Buffered sends leave at once (every send is eager): nothing is ever pending.
+        self._core()
+
+    def Iflush_buffer(self) -> Request:
+        self._core()
+        return Request._of(DoneOp())
+
+    def py2f(self) -> int:
+        h = self._h
+        if h is None:
+            return -1
+        _by_handle[h.ctx] = h
+        return h.ctx
+
+    toint = py2f
+
+    @classmethod
+    def f2py(cls, arg: int) -> Any:
+        h = _by_handle.get(arg)
+        return Comm() if h is None else _class_of(h)._wrap(h)
+
+    fromint = f2py
+
+
+class Intracomm(IntraCollectives, PersistentIntraCollectives, Comm):
+    """``MPI.Intracomm``: adds the prefix reductions and topology constructors."""
+
+    @classmethod
+    def Create_from_group(
+        cls, group: Group, stringtag: str = "org.mpi4py", info: Any = None, errhandler: Any = None
+    ) -> Intracomm:
+        """MPI 4: a communicator of ``group``, made by its members alone. Members agree in
+        COMM_WORLD's collective context, under a tag derived from ``stringtag`` (which tells
+        concurrent creations apart, as MPI asks)."""
+        from vpool.mpi import environment
+
+        eng = environment.engine()
+        members = tuple(group._m())
+        if eng.rank not in members:
+            raise errors.MPIException(errors.ERR_GROUP, "the calling process is not in the group")
+        tag = _FROM_GROUP_TAGS - zlib.crc32(str(stringtag).encode())
+        core = _Core(eng, agree_ctx_among(eng, 0, members, tag), members)
+        if errhandler is not None:
+            core.errh = errhandler
+        return cls._wrap(core)  # type: ignore[no-any-return]
+
+    # Dynamic processes and intercommunicators: jobs are placed whole, up front, and only
+    # intracommunicators exist; programs that probe for these get what mpi4py's suite expects
+    # of an MPI without them.
+    def Spawn(self, *args: Any, **kwargs: Any) -> Intercomm:
+        unsupported("dynamic processes (Spawn)")
+
+    def Spawn_multiple(self, *args: Any, **kwargs: Any) -> Intercomm:
+        unsupported("dynamic processes (Spawn_multiple)")
+
+    def Accept(self, *args: Any, **kwargs: Any) -> Intercomm:
+        unsupported("dynamic processes (Accept)")
+
+    def Connect(self, *args: Any, **kwargs: Any) -> Intercomm:
+        unsupported("dynamic processes (Connect)")
+
+    def Create_intercomm(self, *args: Any, **kwargs: Any) -> Intercomm:
+        unsupported("intercommunicators (Create_intercomm)")
+
+    # Topology constructors live with the topologies (``topology`` imports this module).
+
+    def Create_cart(self, dims: Sequence[int], periods: Any = None, reorder: bool = False) -> Any:
+        from vpool.mpi import topology
+
+        return topology.create_cart(self, dims, periods, reorder)
+
+    def Create_graph(
+        self, index: Sequence[int], edges: Sequence[int], reorder: bool = False
+    ) -> Any:
+        from vpool.mpi import topology
+
+        return topology.create_graph(self, index, edges, reorder)
+
+    def Create_dist_graph_adjacent(
+        self,
+        sources: Sequence[int] | None,
+        destinations: Sequence[int] | None,
+        sourceweights: Any = None,
+        destweights: Any = None,
+        info: Any = None,
+        reorder: bool = False,
+    ) -> Any:
+        from vpool.mpi import distgraph
+
+        return distgraph.create_adjacent(self, sources, destinations, sourceweights, destweights)
+
+    def Create_dist_graph(
+        self,
+        sources: Sequence[int],
+        degrees: Sequence[int],
+        destinations: Sequence[int],
+        weights: Any = None,
+        info: Any = None,
+        reorder: bool = False,
+    ) -> Any:
+        from vpool.mpi import distgraph
+
+        return distgraph.create(self, sources, degrees, destinations, weights)
+
+    def Cart_map(self, dims: Sequence[int], periods: Any = None) -> int:
+        from vpool.mpi import topology
+
+        dims = [int(d) for d in dims]
+        topology.cart_periods(periods, len(dims))
+        nodes = 1
+        for d in dims:
+            nodes *= d
+        if nodes > self.size:
+            raise errors.MPIException(errors.ERR_ARG, f"topology of {nodes} ranks in {self.size}")
+        return topology.topo_map(nodes, self.rank)
+
+    def Graph_map(self, index: Sequence[int], edges: Sequence[int]) -> int:
+        from vpool.mpi import topology
+
+        index, edges = topology.graph_arrays(index, edges)
+        if len(index) > self.size:
+            raise errors.MPIException(errors.ERR_ARG, f"graph of {len(index)} in {self.size}")
+        return topology.topo_map(len(index), self.rank)
+
+
+class Intercomm(Comm):
+    """``MPI.Intercomm``: only the null one exists (no dynamic processes)."""
+
+    @classmethod
+    def _check_handle(cls, h: _Core) -> None:
+        raise TypeError("expecting an intercommunicator")  # every real communicator is intra
+
+    def Is_inter(self) -> bool:
+        self._core()
+        return True
+
+    def Is_intra(self) -> bool:
+        self._core()
+        return False
+
+    def Get_remote_group(self) -> Any:
+        self._core()
+        raise NotImplementedError("intercommunicators")
+
+    def Get_remote_size(self) -> int:
+        self._core()
+        raise NotImplementedError("intercommunicators")
+
+    def Merge(self, high: bool = False) -> Any:
+        self._core()
+        raise NotImplementedError("intercommunicators")

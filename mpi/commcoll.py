@@ -1,0 +1,179 @@
+"""Collective methods of communicators, kept apart from ``comm`` (identity, management,
+point-to-point) by concern: each forwards to the algorithms of ``coll`` (objects) and
+``collbuf`` (buffers) with the communicator's core.
+
+Non-blocking collectives return a request whose schedule (``sched.Schedule``) advances each
+time the request is tested or waited on.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vpool.mpi import coll, collbuf, ops, sched
+from vpool.mpi.request import Request
+
+
+class CommCollectives:
+    """Collectives of every communicator (mixed into ``Comm``)."""
+
+    _core: Any
+
+    # ---- collectives: objects --------------------------------------------------------------
+
+    def barrier(self) -> None:
+        coll.barrier(self._core())
+
+    def bcast(self, obj: Any, root: int = 0) -> Any:
+        from vpool.mpi.comm import comm_lock  # mpi4py's lock table (MPI._comm_lock_table)
+
+        h = self._core()
+        with comm_lock(h, "bcast"):
+            return coll.bcast(h, obj, root)
+
+    def reduce(self, sendobj: Any, op: Any = ops.SUM, root: int = 0) -> Any:
+        return coll.reduce(self._core(), sendobj, op, root)
+
+    def allreduce(self, sendobj: Any, op: Any = ops.SUM) -> Any:
+        return coll.allreduce(self._core(), sendobj, op)
+
+    def gather(self, sendobj: Any, root: int = 0) -> Any:
+        return coll.gather(self._core(), sendobj, root)
+
+    def scatter(self, sendobj: Any, root: int = 0) -> Any:
+        return coll.scatter(self._core(), sendobj, root)
+
+    def allgather(self, sendobj: Any) -> list[Any]:
+        return coll.allgather(self._core(), sendobj)
+
+    def alltoall(self, sendobj: Any) -> list[Any]:
+        return coll.alltoall(self._core(), sendobj)
+
+    # ---- collectives: buffers --------------------------------------------------------------
+
+    def Barrier(self) -> None:
+        coll.barrier(self._core())
+
+    def Bcast(self, buf: Any, root: int = 0) -> None:
+        collbuf.Bcast(self._core(), buf, root)
+
+    def Reduce(self, sendbuf: Any, recvbuf: Any, op: Any = ops.SUM, root: int = 0) -> None:
+        collbuf.Reduce(self._core(), sendbuf, recvbuf, op, root)
+
+    def Allreduce(self, sendbuf: Any, recvbuf: Any, op: Any = ops.SUM) -> None:
+        collbuf.Allreduce(self._core(), sendbuf, recvbuf, op)
+
+    def Gather(self, sendbuf: Any, recvbuf: Any, root: int = 0) -> None:
+        collbuf.Gather(self._core(), sendbuf, recvbuf, root)
+
+    def Gatherv(self, sendbuf: Any, recvbuf: Any, root: int = 0) -> None:
+        collbuf.Gatherv(self._core(), sendbuf, recvbuf, root)
+
+    def Scatter(self, sendbuf: Any, recvbuf: Any, root: int = 0) -> None:
+        collbuf.Scatter(self._core(), sendbuf, recvbuf, root)
+
+    def Scatterv(self, sendbuf: Any, recvbuf: Any, root: int = 0) -> None:
+        collbuf.Scatterv(self._core(), sendbuf, recvbuf, root)
+
+    def Allgather(self, sendbuf: Any, recvbuf: Any) -> None:
+        collbuf.Allgather(self._core(), sendbuf, recvbuf)
+
+    def Allgatherv(self, sendbuf: Any, recvbuf: Any) -> None:
+        collbuf.Allgatherv(self._core(), sendbuf, recvbuf)
+
+    def Alltoall(self, sendbuf: Any, recvbuf: Any) -> None:
+        collbuf.Alltoall(self._core(), sendbuf, recvbuf)
+
+    def Alltoallv(self, sendbuf: Any, recvbuf: Any) -> None:
+        collbuf.Alltoallv(self._core(), sendbuf, recvbuf)
+
+    def Alltoallw(self, sendbuf: Any, recvbuf: Any) -> None:
+        collbuf.Alltoallw(self._core(), sendbuf, recvbuf)
+
+    def Reduce_scatter_block(self, sendbuf: Any, recvbuf: Any, op: Any = ops.SUM) -> None:
+        collbuf.Reduce_scatter_block(self._core(), sendbuf, recvbuf, op)
+
+    def Reduce_scatter(
+        self, sendbuf: Any, recvbuf: Any, recvcounts: Any = None, op: Any = ops.SUM
+    ) -> None:
+        collbuf.Reduce_scatter(self._core(), sendbuf, recvbuf, recvcounts, op)
+
+    # ---- non-blocking: the request's schedule advances whenever it is tested or waited on --
+
+    def Ibarrier(self) -> Request:
+        h = self._core()
+        return sched.start(h, coll.barrier_algo(h, sched.new_tag(h)))  # type: ignore[no-any-return]
+
+    def Ibcast(self, buf: Any, root: int = 0) -> Request:
+        return collbuf.Bcast(self._core(), buf, root, nb=True)  # type: ignore[no-any-return]
+
+    def Ireduce(self, sendbuf: Any, recvbuf: Any, op: Any = ops.SUM, root: int = 0) -> Request:
+        return collbuf.Reduce(self._core(), sendbuf, recvbuf, op, root, nb=True)  # type: ignore[no-any-return]
+
+    def Iallreduce(self, sendbuf: Any, recvbuf: Any, op: Any = ops.SUM) -> Request:
+        return collbuf.Allreduce(self._core(), sendbuf, recvbuf, op, nb=True)  # type: ignore[no-any-return]
+
+    def Igather(self, sendbuf: Any, recvbuf: Any, root: int = 0) -> Request:
+        return collbuf.Gather(self._core(), sendbuf, recvbuf, root, nb=True)  # type: ignore[no-any-return]
+
+    def Igatherv(self, sendbuf: Any, recvbuf: Any, root: int = 0) -> Request:
+        return collbuf.Gatherv(self._core(), sendbuf, recvbuf, root, nb=True)  # type: ignore[no-any-return]
+
+    def Iscatter(self, sendbuf: Any, recvbuf: Any, root: int = 0) -> Request:
+        return collbuf.Scatter(self._core(), sendbuf, recvbuf, root, nb=True)  # type: ignore[no-any-return]
+
+    def Iscatterv(self, sendbuf: Any, recvbuf: Any, root: int = 0) -> Request:
+        return collbuf.Scatterv(self._core(), sendbuf, recvbuf, root, nb=True)  # type: ignore[no-any-return]
+
+    def Iallgather(self, sendbuf: Any, recvbuf: Any) -> Request:
+        return collbuf.Allgather(self._core(), sendbuf, recvbuf, nb=True)  # type: ignore[no-any-return]
+
+    def Iallgatherv(self, sendbuf: Any, recvbuf: Any) -> Request:
+        return collbuf.Allgatherv(self._core(), sendbuf, recvbuf, nb=True)  # type: ignore[no-any-return]
+
+    def Ialltoall(self, sendbuf: Any, recvbuf: Any) -> Request:
+        return collbuf.Alltoall(self._core(), sendbuf, recvbuf, nb=True)  # type: ignore[no-any-return]
+
+    def Ialltoallv(self, sendbuf: Any, recvbuf: Any) -> Request:
+        return collbuf.Alltoallv(self._core(), sendbuf, recvbuf, nb=True)  # type: ignore[no-any-return]
+
+    def Ialltoallw(self, sendbuf: Any, recvbuf: Any) -> Request:
+        return collbuf.Alltoallw(self._core(), sendbuf, recvbuf, nb=True)  # type: ignore[no-any-return]
+
+    def Ireduce_scatter_block(self, sendbuf: Any, recvbuf: Any, op: Any = ops.SUM) -> Request:
+        return collbuf.Reduce_scatter_block(self._core(), sendbuf, recvbuf, op, nb=True)  # type: ignore[no-any-return]
+
+    def Ireduce_scatter(
+        self, sendbuf: Any, recvbuf: Any, recvcounts: Any = None, op: Any = ops.SUM
+    ) -> Request:
+        h = self._core()
+        return collbuf.Reduce_scatter(h, sendbuf, recvbuf, recvcounts, op, nb=True)  # type: ignore[no-any-return]
+
+    def ibarrier(self) -> Request:
+        return self.Ibarrier()
+
+
+class IntraCollectives:
+    """Prefix reductions, only on intra-communicators (mixed into ``Intracomm``)."""
+
+    _core: Any
+
+    def scan(self, sendobj: Any, op: Any = ops.SUM) -> Any:
+        return coll.scan(self._core(), sendobj, op, exclusive=False)
+
+    def exscan(self, sendobj: Any, op: Any = ops.SUM) -> Any:
+        return coll.scan(self._core(), sendobj, op, exclusive=True)
+
+    def Scan(self, sendbuf: Any, recvbuf: Any, op: Any = ops.SUM) -> None:
+        collbuf.Scan(self._core(), sendbuf, recvbuf, op, exclusive=False)
+
+    def Exscan(self, sendbuf: Any, recvbuf: Any, op: Any = ops.SUM) -> None:
+        collbuf.Scan(self._core(), sendbuf, recvbuf, op, exclusive=True)
+
+    def Iscan(self, sendbuf: Any, recvbuf: Any, op: Any = ops.SUM) -> Request:
+        h = self._core()
+        return collbuf.Scan(h, sendbuf, recvbuf, op, exclusive=False, nb=True)  # type: ignore[no-any-return]
+
+    def Iexscan(self, sendbuf: Any, recvbuf: Any, op: Any = ops.SUM) -> Request:
+        h = self._core()
+        return collbuf.Scan(h, sendbuf, recvbuf, op, exclusive=True, nb=True)  # type: ignore[no-any-return]

@@ -1,0 +1,473 @@
+"""Determinants: logging every outcome the runtime decides by timing, and obeying them on replay.
+
+A restarted rank re-executes its program from the start (docs/internals.md, "Fault tolerance").
+Its messages come again from the relays in the same per-channel order, so everything that
+depends only on program order and per-channel FIFO comes out the same. What depends on *when*
+messages arrived is logged here while running live, as ``Det(job, rank, index, data)`` frames to
+the agent (and its home relay), and obeyed on replay.
+
+Events. Decision points are numbered 0, 1, 2, ... in program order (the "event number"); each
+of these calls takes one number whenever it is made:
+
+- posting a receive from ``ANY_SOURCE`` (outcome: the world rank it matched, logged when it
+  matches, which may be later, in the background). A receive naming its source is
+  deterministic even with ``ANY_TAG``: the messages of one channel arrive in send order and
+  MPI's matching takes, per source, the earliest matching message for the earliest posted
+  matching receive, so which message each receive gets does not depend on when it arrived;
+- ``Iprobe``/``Improbe`` (any source; outcome: the source found) and blocking
+  ``Probe``/``Mprobe`` from ``ANY_SOURCE`` (outcome: the source);
+- ``Test``/``test``, ``Testall``, ``Get_status``, ``Get_status_all`` on requests that are not
+  trivially complete (outcome: success), ``Testany``, ``Waitany``, ``Get_status_any`` (the
+  index), ``Testsome``, ``Waitsome``, ``Get_status_some`` (the indices);
+- ``Wtime`` and ``Get_processor_name`` (the value read).
+
+Asynchronous sends are the sends the runtime makes during progress, not as the program-ordered
+effect of the current call: rounds of non-blocking collectives (every step of a schedule after
+the one made by the call that started it) and ``Ssend`` match notices. They are positioned by
+the count of ``Data`` frames this rank had written when they were made ("position"), which
+fixes their place in each channel's seq order.
+
+Det data: a msgpack array (``msgspec``) of records, written in order (records are batched: one
+``Det`` carries every record made since the last one was written, up to ``BATCH``); a record is
+one of::
+
+    [0, event, kind, value]   the outcome of decision event ``event``; ``kind``: K_MATCH,
+                              K_PROBE, K_TEST, K_ANY, K_SOME, K_WTIME, K_NAME; ``value``: a world
+                              rank, true, an index, a list of indices, a float or a string
+    [1, event]                lazy record: every event <= ``event`` without an outcome record
+                              was a failed test (a run of failed tests is one record, written
+                              only before the next ``Data`` deposit)
+    [2, position, sched]      one step of the ``sched``-th non-blocking collective schedule
+                              (numbered in start order) was made at ``position``
+    [3, position, src, seq]   the match notice for message ``seq`` of rank ``src`` was sent at
+                              ``position``
+
+Det indexes count ``Det`` frames (0, 1, ... per rank, across incarnations); event numbers restart
+at 0 with every incarnation started from the beginning, since the program does. A process restored
+from a checkpoint (``vpool.mpi.checkpoint``) is the image's process: its event numbers,
+frame counts and Det index continue from the image, and so did those of the incarnation that made
+the image after it (the same process), so its later records fit the restored process as they are.
+
+Replay (``RankWelcome.replay_dets = N``): the N records are loaded inside ``MPI.Init`` (a restored
+process: the records from the image's Det index D to N-1, in ``resume``). The
+"horizon" is the highest event number they mention. An event with an outcome record reproduces
+it (blocking until it can: the messages come again); an event up to the horizon without one is a
+failed test; an event past the horizon is decided live and logged with index N, N+1, ....
+Asynchronous sends are performed exactly as recorded, in record order, each once the frame count
+reaches its position; live ones are held back until the rank has re-sent every frame the relays
+already hold (``RankWelcome.replay_sent``) and the recorded ones are all done. A record that does
+not fit the event ends the rank: "program is not deterministic: ...".
+
+Pessimistic rule: no ``Data`` leaves before every record made so far is acknowledged
+(``DetAck``); ``Transport.send_data`` checks ``det_need != det_acked`` (one integer comparison)
+and only then calls ``before_data``.
+
+Fault tolerance off (``VPOOL_FT=0``, read once by ``attach`` inside ``MPI.Init``; set by the
+coordinator in the leases of a job submitted with ``--no-fault-tolerance``): no record is made,
+so no ``Det`` is written and no deposit waits for a ``DetAck``. Events are still numbered and
+asynchronous sends still made at once; a replay handed to such a rank is still obeyed.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+
+R_OUTCOME, R_FAILED, R_STEP, R_NOTICE = range(4)
+K_MATCH, K_PROBE, K_TEST, K_ANY, K_SOME, K_WTIME, K_NAME = range(7)
+KIND_NAMES = ("ANY_SOURCE match", "probe", "test", "any", "some", "Wtime", "processor name")
+
+_encode = msgspec.msgpack.encode
+_decode = msgspec.msgpack.decode
+
+BATCH = 512  # records per Det at most (a Det is header only: at most 64 KiB)
+MAX_DATA = 48 * 1024
+
+
+def fault_tolerant() -> bool:
+    """Whether this rank logs determinants: unless ``VPOOL_FT`` is ``0`` (or off/false/no)."""
+    return os.environ.get("VPOOL_FT", "1").strip().lower() not in ("0", "off", "false", "no")
+
+
+def _die(text: str) -> None:
+    from vpool.mpi.transport import die
+
+    die(f"program is not deterministic: {text}")
+
+
+class FT:
+    """The determinant layer of one rank (``Engine.ft``). Without a transport (a singleton run)
+    nothing is logged and nothing replayed."""
+
+    __slots__ = (
+        "any_ops",
+        "async_live",
+        "asyncs",
+        "eng",
+        "ev",
+        "horizon",
+        "index",
+        "lazy_ev",
+        "loaded",
+        "logged_ev",
+        "logging",
+        "outcomes",
+        "pending",
+        "replay_sent",
+        "replaying",
+        "scheds",
+        "transport",
+    )
+
+    def __init__(self, eng: Any) -> None:
+        self.eng = eng
+        self.transport: Any = None
+        self.logging = False  # records are made (a transport, fault tolerance on)
+        self.ev = 0  # the next event's number
+        self.index = 0  # the next record's Det index
+        self.pending: list[list[Any]] = []  # records made, not yet written
+        self.logged_ev = -1  # highest event number a written record covers
+        self.lazy_ev = -1  # highest failed-test event, logged only once a record covers it
+        self.any_ops: dict[Any, int] = {}  # live ANY_SOURCE receives not matched yet -> event
+        self.scheds = 0  # schedules started so far (their numbers)
+        # Replay.
+        self.loaded = 0
+        self.outcomes: dict[int, tuple[int, Any]] = {}
+        self.horizon = -1
+        self.asyncs: deque[list[Any]] = deque()
+        self.replay_sent: dict[int, int] = {}
+        self.async_live = True
+        self.replaying = False  # recorded asynchronous sends are still to be made
+
+    # ---- wiring ----------------------------------------------------------------------------
+
+    def attach(self, transport: Any, replay_dets: int, replay_sent: dict[int, int]) -> None:
+        self.transport = transport
+        transport.ft = self
+        self.logging = fault_tolerant()
+        self.index = transport.det_sent = transport.det_acked = replay_dets
+        self.replay_sent = dict(replay_sent)
+        if replay_dets:
+            transport.wait_dets(replay_dets)
+            self.logged_ev = self.horizon
+            self.async_live = False
+            self.replaying = True
+            self._check_live()
+        self._gate()
+
+    def resume(self, transport: Any, total_dets: int, replay_sent: dict[int, int]) -> None:
+        """Continue a process restored from a checkpoint image over ``transport`` (reopened):
+        its Det frames ``self.index .. total_dets-1`` (written by the incarnation that made
+        the image, after it) are read and obeyed as a replay from the start obeys all of them;
+        ``replay_sent`` holds back live asynchronous sends as in ``attach``."""
+        start = self.index
+        if total_dets < start:
+            from vpool.mpi.transport import die
+
+            die(f"the agent holds {total_dets} determinants, the checkpoint image wrote {start}")
+        self.loaded = start
+        self.replay_sent = dict(replay_sent)
+        self.pending.clear()  # written before the image was taken: nothing is pending
+        transport.det_sent = transport.det_acked = start
+        if total_dets > start:
+            transport.wait_dets(total_dets)
+            self.logged_ev = max(self.logged_ev, self.horizon)
+            self.async_live = False
+            self.replaying = True
+        self.index = transport.det_sent = transport.det_acked = total_dets
+        if not self.async_live:
+            self._check_live()
+        self._gate()
+
+    def _resume_any_ops(self) -> None:
+        """ANY_SOURCE receives posted before the image and matched only after it: their
+        records are among the loaded ones; they take the recorded source (they are already
+        posted, so ``any_post`` cannot do it)."""
+        for op, ev in list(self.any_ops.items()):
+            rec = self.outcomes.pop(ev, None)
+            if rec is None:
+                continue  # no match was logged: decided live, as in ``any_post``
+            if rec[0] != K_MATCH:
+                _die(
+                    f"event {ev} was a {KIND_NAMES[rec[0]]} when logged, "
+                    "a receive from ANY_SOURCE now"
+                )
+            del self.any_ops[op]
+            op.src = rec[1]
+
+    def busy(self) -> bool:
+        """Replaying: determinants still to obey or recorded sends still to make (no
+        checkpoint now)."""
+        return self.replaying or self.ev <= self.horizon
+
+    def load(self, index: int, data: bytes) -> None:
+        """A determinant of an earlier incarnation (in index order, before any new one)."""
+        if index != self.loaded:
+            from vpool.mpi.transport import die
+
+            die(f"determinant {index} from the agent, expected {self.loaded}")
+        self.loaded += 1
+        try:
+            for rec in _decode(data):
+                kind = rec[0]
+                if kind == R_OUTCOME:
+                    self.outcomes[rec[1]] = (rec[2], rec[3])
+                    self.horizon = max(self.horizon, rec[1])
+                elif kind == R_FAILED:
+                    self.horizon = max(self.horizon, rec[1])
+                elif kind in (R_STEP, R_NOTICE):
+                    self.asyncs.append(rec)
+                else:
+                    raise ValueError(f"record kind {kind}")
+        except (msgspec.DecodeError, ValueError, IndexError, TypeError) as exc:
+            _die(f"determinant {index} is malformed ({exc})")
+        if self.any_ops:
+            # A restored process: before any Data that follows the Dets can match them.
+            self._resume_any_ops()
+
+    # ---- writing records ---------------------------------------------------------------------
+
+    def _gate(self) -> None:
+        """Set the transport's fast-path test: ``det_need == det_acked`` only when a Data frame
+        may go out at once (no record unwritten or unacknowledged, nothing to replay first)."""
+        t = self.transport
+        if t is None:
+            return
+        if self.pending or self.lazy_ev > self.logged_ev or not self.async_live:
+            t.det_need = -1
+        else:
+            t.det_need = t.det_sent
+
+    def _record(self, rec: list[Any]) -> None:
+        if not self.logging:
+            return
+        self.pending.append(rec)
+        self.transport.det_need = -1
+
+    def flush(self) -> None:
+        """Write the records made so far (never from inside a transport callback)."""
+        t = self.transport
+        pending = self.pending
+        while pending:
+            n = min(len(pending), BATCH)
+            data = _encode(pending[:n])
+            while len(data) > MAX_DATA and n > 1:
+                n //= 2
+                data = _encode(pending[:n])
+            del pending[:n]
+            t.send_det(self.index, data)
+            self.index += 1
+        self._gate()
+
+    def before_data(self) -> None:
+        """The slow path of a deposit: recorded asynchronous sends due at this position first,
+        then every record written (the lazy one too) and acknowledged."""
+        if not self.async_live:
+            self._drain()
+        if self.lazy_ev > self.logged_ev:
+            self.pending.append([R_FAILED, self.lazy_ev])
+            self.logged_ev = self.lazy_ev
+        self.flush()
+        t = self.transport
+        t.wait_det_acks()
+        if getattr(t, "ckpt_request", None) is not None:
+            # A rank that sends after every receive reads mostly here: a safe point too (no
+            # frame half written, no decision in flight).
+            self.eng.checkpoint()
+
+    # ---- decision events ---------------------------------------------------------------------
+
+    def decide(
+        self,
+        kind: int,
+        live: Callable[[], Any],
+        ready: Callable[[Any], bool] | None = None,
+    ) -> Any:
+        """One decision event: the recorded outcome on replay (once ``ready(outcome)``), else
+        ``live()``, logged unless None (a failed test, logged lazily)."""
+        ev = self.ev
+        self.ev = ev + 1
+        if ev > self.horizon:
+            value = live()
+            if ev > self.horizon:
+                if self.logging:
+                    if value is None:
+                        self.lazy_ev = ev
+                        self.transport.det_need = -1
+                    else:
+                        self.logged_ev = ev
+                        self._record([R_OUTCOME, ev, kind, value])
+                        if len(self.pending) >= BATCH:
+                            self.flush()
+                return value
+            # A checkpoint was taken inside ``live()`` and this is the restored process: the
+            # image's maker decided this event after the fork; its outcome is in the log.
+        rec = self.outcomes.pop(ev, None)
+        if rec is None:
+            return None  # within the horizon, an event without a record was a failed test
+        if rec[0] != kind:
+            _die(f"event {ev} was a {KIND_NAMES[rec[0]]} when logged, a {KIND_NAMES[kind]} now")
+        value = rec[1]
+        if ready is not None:
+            self.until(lambda: ready(value))
+        return value
+
+    def missing(self, what: str) -> None:
+        _die(f"event {self.ev - 1} ({what}) has no logged value")
+
+    def until(self, cond: Callable[[], bool]) -> None:
+        """Make progress until ``cond()`` (a recorded outcome can be reproduced)."""
+        eng = self.eng
+        while not cond():
+            eng.advance_schedules()
+            if eng.notices:
+                eng._flush_notices()
+            if self.replaying and self.pump():
+                continue
+            if cond():
+                break
+            if self.transport is None:
+                _die("a logged outcome cannot be reproduced without peers")
+            self.transport.progress(True)
+            if self.pending:
+                self.flush()
+
+    def any_post(self, op: Any) -> None:
+        """A receive from ANY_SOURCE is being posted: force the recorded source, or log it."""
+        ev = self.ev
+        self.ev = ev + 1
+        if ev <= self.horizon:
+            rec = self.outcomes.pop(ev, None)
+            if rec is not None:
+                if rec[0] != K_MATCH:
+                    _die(
+                        f"event {ev} was a {KIND_NAMES[rec[0]]} when logged, "
+                        "a receive from ANY_SOURCE now"
+                    )
+                op.src = rec[1]
+                return
+            # No record: it did not match in the logged run before its end. Deciding it live
+            # is safe: every message it could take was left untaken by every logged decision.
+        if self.logging:
+            self.any_ops[op] = ev
+
+    def matched(self, op: Any, src: int) -> None:
+        """A live ANY_SOURCE receive matched a message of ``src`` (maybe in a transport
+        callback: the record is only queued)."""
+        ev = self.any_ops.pop(op, None)
+        if ev is not None:
+            self.logged_ev = max(self.logged_ev, ev)
+            self._record([R_OUTCOME, ev, K_MATCH, src])
+
+    # ---- asynchronous sends ------------------------------------------------------------------
+
+    def new_schedule(self) -> int:
+        n = self.scheds
+        self.scheds = n + 1
+        return n
+
+    def _position(self) -> int:
+        return sum(self.transport.sent)
+
+    def may_step(self, sched: Any) -> bool:
+        """May the schedule take its next step (its receives are complete) now?"""
+        if self.transport is None:
+            return True
+        if self.async_live:
+            if self.logging:
+                self._record([R_STEP, self._position(), sched._sid])
+            return True
+        head = self._head()
+        if head is None or head[0] != R_STEP or head[2] != sched._sid:
+            return False
+        if head[1] != self._position():
+            return False
+        self.asyncs.popleft()
+        self._check_live()
+        return True
+
+    def send_notices(self) -> None:
+        """Send the match notices of synchronous messages matched so far, as allowed."""
+        eng = self.eng
+        t = self.transport
+        notices = eng.notices
+        if t is None:
+            notices.clear()
+            return
+        if self.async_live:
+            while notices:
+                src, seq = notices.pop(0)
+                if self.logging:
+                    self._record([R_NOTICE, self._position(), src, seq])
+                eng._send_notice(src, seq)
+            return
+        while notices:
+            head = self._head()
+            if head is None or head[0] != R_NOTICE or head[1] != self._position():
+                return
+            key = (head[2], head[3])
+            if key not in notices:
+                return
+            notices.remove(key)
+            self.asyncs.popleft()
+            self._check_live()
+            eng._send_notice(*key)
+            if self.async_live:
+                self.send_notices()
+                return
+
+    def _head(self) -> list[Any] | None:
+        if self.asyncs:
+            head = self.asyncs[0]
+            if head[1] < self._position():
+                what = "a collective round" if head[0] == R_STEP else "a match notice"
+                _die(f"{what} logged after {head[1]} messages was not due after {head[1]}")
+            return head
+        self._check_live()
+        return None
+
+    def _check_live(self) -> None:
+        """Asynchronous sends go live once the recorded ones are done and every frame the
+        relays hold has been re-sent (before, one would take a seq of a logged message)."""
+        if self.async_live or self.asyncs:
+            return
+        sent = self.transport.sent
+        for dst, seq in self.replay_sent.items():
+            if 0 <= dst < len(sent) and sent[dst] < seq:
+                return
+        self.async_live = True
+        self.replaying = False
+        self._gate()
+        eng = self.eng
+        if eng.notices:
+            self.send_notices()
+
+    def pump(self) -> bool:
+        """Make the recorded asynchronous sends that are due and possible; True if any was."""
+        before = len(self.asyncs)
+        eng = self.eng
+        while self.asyncs:
+            n = len(self.asyncs)
+            eng.advance_schedules()
+            if eng.notices:
+                self.send_notices()
+            if len(self.asyncs) == n:
+                break
+        self._check_live()
+        return len(self.asyncs) != before
+
+    def _drain(self) -> None:
+        """Before a deposit on replay: every recorded asynchronous send due at this position
+        goes first, waiting until it can (its messages come again)."""
+        if self.eng.advancing:
+            return  # a recorded step is sending: it was atomic when logged
+        while True:
+            head = self._head()
+            if head is None or head[1] != self._position():
+                return
+            if not self.pump():
+                self.transport.progress(True)

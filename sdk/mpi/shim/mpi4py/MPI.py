@@ -1,7 +1,0 @@
-"""``mpi4py.MPI`` is vpool's runtime namespace itself (one module object, not a copy)."""
-
-import sys
-
-from vpool.sdk.mpi import MPI as _runtime
-
-sys.modules[__name__] = _runtime
