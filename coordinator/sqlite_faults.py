@@ -19,6 +19,7 @@ from vpool.coordinator import scheduler
 from vpool.coordinator.errors import BadRequest, Forbidden
 from vpool.coordinator.sqlite_checkpoints import CheckpointsMixin
 from vpool.protocol import api
+from vpool.protocol.errors import divergence_message
 from vpool.protocol.tokens import RankClaims
 
 Signer = Callable[[RankClaims], str]
@@ -78,10 +79,7 @@ class FaultsMixin(CheckpointsMixin):
                 raise BadRequest(f"job {report.job} has no rank {report.rank}")
             if row["state"] != "running":
                 return False
-            message = report.message[:MAX_MESSAGE] or (
-                f"program is not deterministic: rank {report.rank} re-sent a message "
-                "with different content"
-            )
+            message = report.message[:MAX_MESSAGE] or divergence_message(report.rank)
             self._event(
                 report.job,
                 now,

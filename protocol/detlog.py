@@ -18,7 +18,7 @@ from __future__ import annotations
 import enum
 from typing import Generic, TypeVar
 
-from vpool.protocol.errors import LocalProtocolError, RemoteProtocolError
+from vpool.protocol.errors import ErrorCode, LocalProtocolError, RemoteProtocolError
 
 R = TypeVar("R")
 
@@ -55,7 +55,8 @@ class DetLog(Generic[R]):
         if 0 <= index < n:
             return DetOffer.DUPLICATE
         raise RemoteProtocolError(
-            f"determinant {index} after {n - 1}: a gap in the determinant log", code="det_gap"
+            f"determinant {index} after {n - 1}: a gap in the determinant log",
+            code=ErrorCode.DET_GAP,
         )
 
     def append(self, index: int, ref: R) -> None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import struct
 from typing import Final, NamedTuple
 
-from vpool.protocol.errors import LocalProtocolError, RemoteProtocolError
+from vpool.protocol.errors import ErrorCode, LocalProtocolError, RemoteProtocolError
 from vpool.protocol.messages import CkptChunk, Data, Message, decode, encode
 
 PREFIX: Final = struct.Struct("!II")
@@ -42,12 +42,12 @@ def parse_prefix(
     if header_len > max_header:
         raise RemoteProtocolError(
             f"frame header of {header_len} bytes exceeds the limit of {max_header}",
-            code="frame_too_large",
+            code=ErrorCode.FRAME_TOO_LARGE,
         )
     if payload_len > max_payload:
         raise RemoteProtocolError(
             f"frame payload of {payload_len} bytes exceeds the limit of {max_payload}",
-            code="frame_too_large",
+            code=ErrorCode.FRAME_TOO_LARGE,
         )
     return header_len, payload_len
 

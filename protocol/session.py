@@ -16,7 +16,7 @@ from __future__ import annotations
 from enum import Enum
 from typing import Literal
 
-from vpool.protocol.errors import LocalProtocolError, RemoteProtocolError
+from vpool.protocol.errors import LocalProtocolError, RemoteProtocolError, ends_connection
 from vpool.protocol.messages import (
     Abort,
     Ack,
@@ -76,9 +76,9 @@ class Session:
         if self.state is State.CLOSED:
             raise exc(f"{type(msg).__name__} on a closed {self.kind} session")
         if isinstance(msg, Error):
-            # An error about one rank of a multiplexed connection (``rank`` >= 0) leaves the
-            # session open: the peer may keep the connection (e.g. "fenced", "not_deterministic").
-            if not (self.state is State.OPEN and msg.rank >= 0):
+            # An error about one rank of a multiplexed connection whose code ends only that
+            # rank's attachment leaves the session open (``errors.ends_connection``).
+            if not (self.state is State.OPEN and not ends_connection(msg.code, msg.rank)):
                 self.state = State.CLOSED
             return
         nxt = TRANSITIONS.get((self.kind, sender, self.state, type(msg)))

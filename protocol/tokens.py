@@ -19,7 +19,7 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
-from vpool.protocol.errors import TokenError
+from vpool.protocol.errors import ErrorCode, TokenError
 
 
 class _Claims(msgspec.Struct, frozen=True, tag_field="kind"):
@@ -69,26 +69,33 @@ def sign_token(claims: Claims, key: Ed25519PrivateKey) -> str:
 def verify_token(token: str, key: Ed25519PublicKey, *, now: float, kind: type[C]) -> C:
     """Return the claims of a valid token of the given kind, else raise ``TokenError``."""
     if not token:
-        raise TokenError("no token was presented", code="missing_token")
+        raise TokenError("no token was presented", code=ErrorCode.MISSING_TOKEN)
     try:
         body_text, sig_text = token.split(".")
         body, sig = _b64d(body_text), _b64d(sig_text)
     except (ValueError, binascii.Error) as exc:
-        raise TokenError("token is not of the form BODY.SIGNATURE", code="malformed_token") from exc
+        raise TokenError(
+            "token is not of the form BODY.SIGNATURE", code=ErrorCode.MALFORMED_TOKEN
+        ) from exc
     try:
         key.verify(sig, body)
     except InvalidSignature as exc:
-        raise TokenError("token signature is not the coordinator's", code="forged_token") from exc
+        raise TokenError(
+            "token signature is not the coordinator's", code=ErrorCode.FORGED_TOKEN
+        ) from exc
     try:
         claims = _dec.decode(body)
     except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as exc:
-        raise TokenError(f"token claims are malformed: {exc}", code="malformed_token") from exc
+        raise TokenError(
+            f"token claims are malformed: {exc}", code=ErrorCode.MALFORMED_TOKEN
+        ) from exc
     if not isinstance(claims, kind):
         raise TokenError(
-            f"expected a {kind.__name__} token, got {type(claims).__name__}", code="wrong_token"
+            f"expected a {kind.__name__} token, got {type(claims).__name__}",
+            code=ErrorCode.WRONG_TOKEN,
         )
     if claims.expires < now:
-        raise TokenError("token has expired", code="expired_token")
+        raise TokenError("token has expired", code=ErrorCode.EXPIRED_TOKEN)
     return claims
 
 
@@ -97,7 +104,7 @@ def peek_claims(token: str) -> Claims:
     try:
         return _dec.decode(_b64d(token.split(".")[0]))
     except (ValueError, binascii.Error, msgspec.DecodeError, msgspec.ValidationError) as exc:
-        raise TokenError("token is malformed", code="malformed_token") from exc
+        raise TokenError("token is malformed", code=ErrorCode.MALFORMED_TOKEN) from exc
 
 
 def public_key_text(key: Ed25519PublicKey) -> str:
@@ -109,7 +116,7 @@ def public_key_from_text(text: str) -> Ed25519PublicKey:
     try:
         return Ed25519PublicKey.from_public_bytes(_b64d(text))
     except (ValueError, binascii.Error) as exc:
-        raise TokenError("not an Ed25519 public key", code="malformed_token") from exc
+        raise TokenError("not an Ed25519 public key", code=ErrorCode.MALFORMED_TOKEN) from exc
 
 
 def private_key_bytes(key: Ed25519PrivateKey) -> bytes:
@@ -124,7 +131,7 @@ def private_key_bytes(key: Ed25519PrivateKey) -> bytes:
 def private_key_from_bytes(data: bytes) -> Ed25519PrivateKey:
     key = serialization.load_pem_private_key(data, password=None)
     if not isinstance(key, Ed25519PrivateKey):
-        raise TokenError("not an Ed25519 private key", code="malformed_token")
+        raise TokenError("not an Ed25519 private key", code=ErrorCode.MALFORMED_TOKEN)
     return key
 
 
@@ -143,12 +150,13 @@ def verify_possession(
 ) -> None:
     if abs(now - timestamp) > skew:
         raise TokenError(
-            "enrollment timestamp is too far from the coordinator's clock", code="expired_token"
+            "enrollment timestamp is too far from the coordinator's clock",
+            code=ErrorCode.EXPIRED_TOKEN,
         )
     key = public_key_from_text(public_key)
     try:
         key.verify(_b64d(signature), possession_message(public_key, timestamp))
     except (InvalidSignature, ValueError, binascii.Error) as exc:
         raise TokenError(
-            "enrollment signature does not match the public key", code="forged_token"
+            "enrollment signature does not match the public key", code=ErrorCode.FORGED_TOKEN
         ) from exc

@@ -66,6 +66,7 @@ import trio
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from vpool.protocol.api import RelayCheckpoint
+from vpool.protocol.errors import ErrorCode
 from vpool.relay import log as logfiles
 from vpool.relay import trim
 from vpool.relay.errors import Rejected
@@ -410,12 +411,12 @@ class CheckpointStore:
         ``commit_put`` or the upload's end."""
         job, rank = key
         if job in self.hub.finished:
-            return Rejected("job_finished", f"job {job} is over", job=job, rank=rank)
+            return Rejected(ErrorCode.JOB_FINISHED, f"job {job} is over", job=job, rank=rank)
         imgs = self.images.get(key, {})
         top = max([self.hub.fence.get(key, 0), *(i.incarnation for i in imgs.values())])
         if incarnation < top:
             return Rejected(
-                "fenced",
+                ErrorCode.FENCED,
                 f"image {ckpt} of incarnation {incarnation} of rank {rank} of job "
                 f"{job}: incarnation {top} replaced it",
                 job=job,
@@ -423,14 +424,14 @@ class CheckpointStore:
             )
         if imgs and ckpt <= max(imgs):
             return Rejected(
-                "stale_ckpt",
+                ErrorCode.STALE_CHECKPOINT,
                 f"image {ckpt} of rank {rank} of job {job} is not newer than image {max(imgs)}",
                 job=job,
                 rank=rank,
             )
         if key in self.uploading:
             return Rejected(
-                "busy",
+                ErrorCode.BUSY,
                 f"an image of rank {rank} of job {job} is being uploaded",
                 job=job,
                 rank=rank,
@@ -444,10 +445,10 @@ class CheckpointStore:
         job, rank = key = (img.job, img.rank)
         self.uploading.discard(key)
         if job in self.hub.finished:
-            return Rejected("job_finished", f"job {job} is over", job=job, rank=rank)
+            return Rejected(ErrorCode.JOB_FINISHED, f"job {job} is over", job=job, rank=rank)
         if self.hub.fence.get(key, 0) > img.incarnation:
             return Rejected(
-                "fenced",
+                ErrorCode.FENCED,
                 f"incarnation {img.incarnation} of rank {rank} of job {job} was replaced while "
                 "its image was uploaded",
                 job=job,

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, cast
 import trio
 
 from vpool.protocol.detlog import DetOffer
-from vpool.protocol.errors import RemoteProtocolError, TokenError
+from vpool.protocol.errors import ErrorCode, RemoteProtocolError, TokenError, ends_connection
 from vpool.protocol.mailbox import Offer
 from vpool.protocol.messages import Attach, Attached, Credit, Data, Det, DetAck, Error, Stop
 from vpool.protocol.tokens import RankClaims, verify_token
@@ -58,7 +58,7 @@ class InboundMessages:
             if (job, src) in self.fenced or job in hub.finished:
                 return
             raise Rejected(
-                "not_attached",
+                ErrorCode.NOT_ATTACHED,
                 f"rank {src} of job {job} is not attached on this connection",
                 job=job,
                 rank=src,
@@ -67,7 +67,7 @@ class InboundMessages:
             return
         if not 0 <= dst < att.claims.size:
             raise Rejected(
-                "bad_dst",
+                ErrorCode.BAD_DST,
                 f"destination {dst} outside job {job} of {att.claims.size} ranks",
                 job=job,
                 rank=src,
@@ -99,7 +99,7 @@ class InboundMessages:
             if key in self.fenced or job in hub.finished:
                 return
             raise Rejected(
-                "not_attached",
+                ErrorCode.NOT_ATTACHED,
                 f"determinant of rank {rank} of job {job}, which is not attached on this "
                 "connection",
                 job=job,
@@ -109,7 +109,7 @@ class InboundMessages:
             return
         if not att.home:
             raise Rejected(
-                "not_home",
+                ErrorCode.NOT_HOME,
                 f"determinant of rank {rank} of job {job} on an attachment without home: "
                 "determinants go to the rank's home relay",
                 job=job,
@@ -153,7 +153,7 @@ class InboundMessages:
         job, rank = claims.job, claims.rank
         if claims.agent != self.agent:
             raise Rejected(
-                "wrong_token",
+                ErrorCode.WRONG_TOKEN,
                 f"the token of job {job} rank {rank} was issued to agent {claims.agent!r}, "
                 f"not to {self.agent!r}",
                 job=job,
@@ -161,7 +161,10 @@ class InboundMessages:
             )
         if not 0 <= rank < claims.size:
             raise Rejected(
-                "bad_rank", f"rank {rank} outside a job of {claims.size}", job=job, rank=rank
+                ErrorCode.BAD_RANK,
+                f"rank {rank} outside a job of {claims.size}",
+                job=job,
+                rank=rank,
             )
         if job in hub.finished:
             self.fenced.add((job, rank))
@@ -179,7 +182,7 @@ class InboundMessages:
                 trim.check_attach(hub.boxes.get((job, rank)), msg, job, rank)
             hub.attach(cast("Connection", self), claims, msg.home, dict(msg.received))
         except Rejected as rej:
-            if rej.code not in ("fenced", "trimmed"):
+            if ends_connection(rej.code, rank):
                 raise
             # A stale incarnation, or one asking for what a checkpoint let the log drop:
             # refused, but the agent's other ranks go on on this connection; late frames of

@@ -4,7 +4,7 @@ A restarted rank re-executes from the beginning and re-sends every message it se
 relay drops those copies (they are in the log). Channels are deterministic (docs/internals.md,
 "Fault tolerance"), so each copy must equal the logged frame byte for byte. ``Determinism``
 compares the copy's digest with the logged entry's (``Entry.digest``). When they differ the
-program is not deterministic: the sender gets ``Error("not_deterministic")`` on its connection
+program is not deterministic: the sender gets ``Error(not_deterministic)`` on its connection
 (which stays up; the rank's further deposits there are dropped) and the coordinator gets one
 ``RelayDiverged`` per (job, rank), which fails the job.
 
@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 import trio
 
 from vpool.protocol.api import RelayDiverged
+from vpool.protocol.errors import ErrorCode, divergence_message
 from vpool.protocol.mailbox import Entry
 from vpool.protocol.messages import Error
 from vpool.relay.log import Buffer, Location, digest
@@ -33,13 +34,6 @@ logger = logging.getLogger(__name__)
 Key = tuple[int, int]
 # A re-sent copy waiting for its entry's digest: who sent it, to whom, and its own digest.
 Copy = tuple["Attachment", int, bytes]
-
-
-def divergence_message(src: int, dst: int, seq: int) -> str:
-    return (
-        f"program is not deterministic: rank {src} re-sent message {seq} to rank {dst} "
-        f"(channel {src}->{dst}) with different content"
-    )
 
 
 class Determinism:
@@ -79,7 +73,7 @@ class Determinism:
         logger.warning("job %d: %s", job, message)
         conn = att.conn
         if conn.session.is_open:
-            conn.send(Error(code="not_deterministic", message=message, job=job, rank=src))
+            conn.send(Error(code=ErrorCode.NOT_DETERMINISTIC, message=message, job=job, rank=src))
         key = (job, src)
         if key in self.reported:
             return

@@ -1,8 +1,9 @@
 """Errors of the relay.
 
     RelayError
-     +-- Rejected          an agent connection broke the protocol or presented a bad token: the
-     |                     relay sends ``Error(code, message, job, rank)`` and closes it
+     +-- Rejected          an agent broke the protocol, presented a bad token or asked for what
+     |                     it may not have: the relay sends ``Error(code, message, job, rank)``
+     |                     and closes the connection when the code's scope says so
      +-- StorageError      the on-disk log cannot be read or written (the relay cannot go on)
      +-- CoordinatorError  the coordinator refused a call or could not be reached
 
@@ -11,6 +12,8 @@ are turned into ``Rejected`` in one place, ``connection_inbound.rejection``.
 """
 
 from __future__ import annotations
+
+from vpool.protocol.errors import ErrorCode
 
 
 class RelayError(Exception):
@@ -26,12 +29,12 @@ class RelayError(Exception):
 
 
 class Rejected(RelayError):
-    """Close one agent connection with a typed ``Error``; ``job``/``rank`` name the rank
-    concerned, or -1."""
+    """Refuse with a typed ``Error``; ``job``/``rank`` name the rank concerned, or -1. Whether
+    the connection is closed after it is ``protocol.errors.ends_connection``."""
 
-    code = "protocol_error"
+    code = ErrorCode.UNEXPECTED_MESSAGE
 
-    def __init__(self, code: str, message: str, *, job: int = -1, rank: int = -1) -> None:
+    def __init__(self, code: ErrorCode, message: str, *, job: int = -1, rank: int = -1) -> None:
         super().__init__(message, code=code)
         self.job = job
         self.rank = rank
@@ -40,7 +43,7 @@ class Rejected(RelayError):
 class StorageError(RelayError):
     """The log directory is unusable (disk full, I/O error, permissions)."""
 
-    code = "storage_error"
+    code = ErrorCode.STORAGE_ERROR
 
 
 class CoordinatorError(RelayError):

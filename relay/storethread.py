@@ -39,7 +39,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from cryptography.hazmat.primitives.poly1305 import Poly1305
 
 from vpool.protocol.ckptdigest import MAC_KEY, ImageDigest
-from vpool.protocol.errors import RemoteProtocolError, TokenError
+from vpool.protocol.errors import ErrorCode, RemoteProtocolError, TokenError, ends_connection
 from vpool.protocol.framing import (
     DEFAULT_MAX_HEADER,
     PREFIX,
@@ -164,7 +164,7 @@ class StoreThread:
             self.reason = "timed out"
             logger.info("%r: nothing read for %.0f s", self, self.sock.gettimeout() or 0)
             idle = "the store connection was idle" if self.agent else "no Hello in time"
-            self._fail(Error(code="timeout", message=idle))
+            self._fail(Error(code=ErrorCode.TIMEOUT, message=idle))
         except (OSError, EOFError) as exc:
             self.reason = f"the store connection broke: {exc}"
         finally:
@@ -203,7 +203,7 @@ class StoreThread:
                     return
                 self._frame(*frame)
             except Rejected as rej:
-                if rej.rank < 0:
+                if ends_connection(rej.code, rej.rank):
                     raise
                 logger.info("%r: %s", self, rej.message)
                 self._send(Error(code=rej.code, message=rej.message, job=rej.job, rank=rej.rank))
@@ -214,17 +214,19 @@ class StoreThread:
             raise EOFError("closed before its Hello")
         msg = frame[0]
         if type(msg) is not Hello:
-            raise Rejected("bad_frame", f"{type(msg).__name__} before Hello")
+            raise Rejected(ErrorCode.UNEXPECTED_MESSAGE, f"{type(msg).__name__} before Hello")
         if msg.version != PROTOCOL_VERSION:
             raise Rejected(
-                "bad_version",
+                ErrorCode.BAD_VERSION,
                 f"protocol version {msg.version}; this relay speaks {PROTOCOL_VERSION}",
             )
         if msg.role != "store":
-            raise Rejected("bad_role", f"role {msg.role!r} on a store connection")
+            raise Rejected(ErrorCode.BAD_ROLE, f"role {msg.role!r} on a store connection")
         self.key = self.link.signing_key(self.cid)
         if self.key is None:
-            raise Rejected("not_ready", "the relay is not registered with the coordinator yet")
+            raise Rejected(
+                ErrorCode.NOT_READY, "the relay is not registered with the coordinator yet"
+            )
         try:
             claims = verify_token(msg.token, self.key, now=now(), kind=AgentClaims)
         except TokenError as exc:
@@ -263,7 +265,7 @@ class StoreThread:
             if not k:
                 if first and got == 0:
                     return False
-                raise Rejected("protocol_error", "connection closed in the middle of a frame")
+                raise Rejected(ErrorCode.BAD_FRAME, "connection closed in the middle of a frame")
             got += k
         return True
 
@@ -280,7 +282,9 @@ class StoreThread:
                 raw.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, min(n - got, BULK_LOWAT))
                 k = raw.recv_into(view[got:])
                 if not k:
-                    raise Rejected("protocol_error", "connection closed in the middle of a frame")
+                    raise Rejected(
+                        ErrorCode.BAD_FRAME, "connection closed in the middle of a frame"
+                    )
                 got += k
         finally:
             try:
@@ -301,7 +305,7 @@ class StoreThread:
         except RemoteProtocolError as exc:
             raise Rejected(exc.code, exc.message) from exc
         if payload_len and type(msg) is not CkptChunk:
-            raise Rejected("protocol_error", f"{type(msg).__name__} must not carry a payload")
+            raise Rejected(ErrorCode.BAD_FRAME, f"{type(msg).__name__} must not carry a payload")
         if not payload_len:
             return msg, EMPTY
         assert isinstance(msg, CkptChunk)
@@ -323,7 +327,9 @@ class StoreThread:
             if up is not None and msg.ckpt == up.put.ckpt:
                 pass  # received by _read_frame
             elif msg.ckpt != self.discard:
-                raise Rejected("protocol_error", f"CkptChunk of image {msg.ckpt} out of order")
+                raise Rejected(
+                    ErrorCode.UNEXPECTED_MESSAGE, f"CkptChunk of image {msg.ckpt} out of order"
+                )
         elif kind is CkptEnd:
             assert isinstance(msg, CkptEnd)
             if msg.ckpt == self.bulk:
@@ -333,9 +339,13 @@ class StoreThread:
             elif msg.ckpt == self.discard:
                 self.discard = -1
             else:
-                raise Rejected("protocol_error", f"CkptEnd of image {msg.ckpt} out of order")
+                raise Rejected(
+                    ErrorCode.UNEXPECTED_MESSAGE, f"CkptEnd of image {msg.ckpt} out of order"
+                )
         elif up is not None or self.discard >= 0:
-            raise Rejected("protocol_error", f"{kind.__name__} in the middle of an image upload")
+            raise Rejected(
+                ErrorCode.UNEXPECTED_MESSAGE, f"{kind.__name__} in the middle of an image upload"
+            )
         elif kind is CkptPut:
             assert isinstance(msg, CkptPut)
             # Refused or not, its chunks come the way it says.
@@ -346,7 +356,8 @@ class StoreThread:
             self._get(msg)
         else:
             raise Rejected(
-                "protocol_error", f"{kind.__name__} is not allowed on a store connection"
+                ErrorCode.UNEXPECTED_MESSAGE,
+                f"{kind.__name__} is not allowed on a store connection",
             )
 
     def _claims(self, token: str) -> RankClaims:
@@ -357,7 +368,7 @@ class StoreThread:
             raise Rejected(exc.code, f"rank token refused: {exc.message}") from exc
         if claims.agent != self.agent:
             raise Rejected(
-                "wrong_token",
+                ErrorCode.WRONG_TOKEN,
                 f"the token of job {claims.job} rank {claims.rank} was issued to agent "
                 f"{claims.agent!r}, not to {self.agent!r}",
             )
@@ -370,7 +381,7 @@ class StoreThread:
         # where it may come without one. A bad one closes the connection (``rank=-1``).
         if len(put.mac_key) != MAC_KEY and not (self.local and not put.mac_key):
             raise Rejected(
-                "protocol_error",
+                ErrorCode.BAD_FRAME,
                 f"CkptPut of image {put.ckpt} without a {MAC_KEY}-byte mac_key",
             )
         claims = self._claims(put.token)
@@ -396,7 +407,7 @@ class StoreThread:
         limit = self.settings.checkpoint_max_bytes
         if up.size > limit:
             raise Rejected(
-                "too_large",
+                ErrorCode.TOO_LARGE,
                 f"image {up.put.ckpt} of rank {up.key[1]} of job {up.key[0]} exceeds the "
                 f"relay's limit of {limit} bytes",
             )
@@ -429,7 +440,7 @@ class StoreThread:
     def _storage(self, job: int, rank: int, exc: OSError) -> Rejected:
         logger.warning("checkpoint store of job %d rank %d: %s", job, rank, exc)
         return Rejected(
-            "storage_error", f"the relay cannot store the image: {exc}", job=job, rank=rank
+            ErrorCode.STORAGE_ERROR, f"the relay cannot store the image: {exc}", job=job, rank=rank
         )
 
     def _finish(self, up: Upload, end: CkptEnd) -> None:
@@ -445,7 +456,7 @@ class StoreThread:
             self._abort(up)
             why = "" if intact else ", and not the bytes the agent sent (transport MAC)"
             raise Rejected(
-                "corrupt",
+                ErrorCode.CORRUPT,
                 f"image {end.ckpt} of rank {rank} of job {job}: {up.size} bytes with digest "
                 f"{digest.hex()} arrived{why}, CkptEnd says {end.size} bytes with "
                 f"{end.digest.hex()}",
@@ -474,7 +485,9 @@ class StoreThread:
         except OSError as exc:
             self._abort(up)
             if self.link.job_finished(self.cid, job):
-                raise Rejected("job_finished", f"job {job} is over", job=job, rank=rank) from exc
+                raise Rejected(
+                    ErrorCode.JOB_FINISHED, f"job {job} is over", job=job, rank=rank
+                ) from exc
             raise self._storage(job, rank, exc) from exc
         # CkptStored once the coordinator has the image too (``known``): an agent that then
         # reports its rank lost gets a replacement that restores from this image.
@@ -487,7 +500,7 @@ class StoreThread:
         logger.info("job %d rank %d: image %d committed (%d bytes)", job, rank, img.ckpt, img.size)
         if known is False:
             raise Rejected(
-                "refused",
+                ErrorCode.REFUSED,
                 f"the coordinator refused image {img.ckpt} of rank {rank} of job {job}",
                 job=job,
                 rank=rank,
@@ -516,7 +529,7 @@ class StoreThread:
                 fd = -1
         if img is None or fd < 0:
             raise Rejected(
-                "not_found",
+                ErrorCode.NOT_FOUND,
                 f"no image {get.ckpt} of rank {rank} of job {job} in this store",
                 job=job,
                 rank=rank,
@@ -524,7 +537,7 @@ class StoreThread:
         try:
             if claims.incarnation < img.incarnation:
                 raise Rejected(
-                    "fenced",
+                    ErrorCode.FENCED,
                     f"incarnation {claims.incarnation} may not read image {img.ckpt} of "
                     f"incarnation {img.incarnation}",
                     job=job,
@@ -564,7 +577,7 @@ class StoreThread:
                 logger.warning("cannot read %s: %s", img.path, exc)
             if not n:
                 # Half an image is out: only closing the connection tells the agent.
-                raise Rejected("storage_error", f"cannot read image {img.ckpt} in full")
+                raise Rejected(ErrorCode.STORAGE_ERROR, f"cannot read image {img.ckpt} in full")
             PREFIX.pack_into(buf, 0, len(header), n)
             self.sock.sendall(view[: start + n])
             offset += n

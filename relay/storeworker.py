@@ -30,6 +30,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from vpool import tls
 from vpool.niceness import lower_this_process
+from vpool.protocol.errors import ErrorCode, known
 from vpool.protocol.tokens import RankClaims
 from vpool.relay.ckptstore import Image, Key
 from vpool.relay.errors import Rejected
@@ -201,7 +202,9 @@ class RelayLink:
 
 def _rejected(refusal: list[Any], job: int, rank: int) -> Rejected:
     code, message = refusal
-    return Rejected(str(code), str(message), job=job, rank=rank)
+    return Rejected(
+        known(str(code)) or ErrorCode.UNEXPECTED_MESSAGE, str(message), job=job, rank=rank
+    )
 
 
 def main() -> None:

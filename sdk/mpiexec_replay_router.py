@@ -19,10 +19,9 @@ from typing import Any
 
 import trio
 
-from vpool.protocol.errors import RemoteProtocolError
+from vpool.protocol.errors import ErrorCode, RemoteProtocolError, divergence_message
 from vpool.protocol.framing import DEFAULT_MAX_HEADER, DEFAULT_MAX_PAYLOAD
 from vpool.protocol.messages import (
-    PROTOCOL_VERSION,
     Ack,
     CkptForked,
     Data,
@@ -35,7 +34,14 @@ from vpool.protocol.messages import (
 )
 from vpool.sdk.mpiexec import rank_environment
 from vpool.sdk.mpiexec_ckpt import CKPT_ID, CKPT_SIGNAL, CheckpointBench, _close_writers
-from vpool.sdk.mpiexec_router import JOB, KILL_GRACE, READ_BUFFER, _Rank, _signal_name
+from vpool.sdk.mpiexec_router import (
+    JOB,
+    KILL_GRACE,
+    READ_BUFFER,
+    _Rank,
+    _signal_name,
+    hello_refusal,
+)
 from vpool.sdk.mpiexec_wire import (
     _GONE,
     _acquire,
@@ -248,13 +254,23 @@ class ReplayRouter(CheckpointBench):
                 await waiting.adopted.wait()
         rank = self.by_secret.get(msg.secret)
         assert rank is None or isinstance(rank, _RRank)
-        bad = msg.version != PROTOCOL_VERSION or rank is None
-        if not bad and msg.control:
+        refusal = hello_refusal(msg, known=rank is not None, connected=False)
+        if refusal is None and msg.control:
+            assert rank is not None
             await _write(sock, _frame(self._plain_welcome(rank)))
             await self._serve_control(rank, sock)
             return None
-        if bad or rank.sock is not None or (msg.checkpoint >= 0) != (rank.resume is not None):
-            await _write(sock, _frame(Error("bad_hello", "unknown secret or version")))
+        if refusal is None:
+            assert rank is not None
+            refusal = hello_refusal(msg, known=True, connected=rank.sock is not None)
+        if refusal is None and (msg.checkpoint >= 0) != (
+            rank is not None and rank.resume is not None
+        ):
+            refusal = Error(
+                ErrorCode.WRONG_CHECKPOINT, f"checkpoint {msg.checkpoint} is not this rank's"
+            )
+        if refusal is not None:
+            await _write(sock, _frame(refusal))
             return None
         await _write(sock, self._welcome(rank))
         if msg.checkpoint >= 0:
@@ -355,12 +371,7 @@ class ReplayRouter(CheckpointBench):
         chan = rank.sent.setdefault(msg.dst, [])
         if msg.seq <= len(chan):
             if chan[msg.seq - 1] != frame:
-                self.fail(
-                    1,
-                    f"program is not deterministic: rank {rank.index} re-sent message "
-                    f"{msg.seq} to rank {msg.dst} (channel {rank.index}->{msg.dst}) with "
-                    "different content",
-                )
+                self.fail(1, divergence_message(rank.index, msg.dst, msg.seq))
                 return
         elif msg.seq == len(chan) + 1:
             chan.append(frame)

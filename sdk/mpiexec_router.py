@@ -17,7 +17,7 @@ from typing import Any
 
 import trio
 
-from vpool.protocol.errors import RemoteProtocolError
+from vpool.protocol.errors import ErrorCode, RemoteProtocolError
 from vpool.protocol.framing import DEFAULT_MAX_HEADER, DEFAULT_MAX_PAYLOAD
 from vpool.protocol.messages import (
     PROTOCOL_VERSION,
@@ -69,6 +69,20 @@ class _Rank:
         self.exited = False
         self.finalized = False
         self.dets: list[bytes] = []  # its determinants (Det.data by index), acked at once
+
+
+def hello_refusal(msg: RankHello, *, known: bool, connected: bool) -> Error | None:
+    """Why a rank's hello is refused, as the agent would say it; None when it is welcome."""
+    if msg.version != PROTOCOL_VERSION:
+        return Error(
+            ErrorCode.BAD_VERSION,
+            f"this speaks protocol {PROTOCOL_VERSION}, the rank {msg.version}",
+        )
+    if not known:
+        return Error(ErrorCode.UNKNOWN_SECRET, "no rank of this job has that secret")
+    if connected:
+        return Error(ErrorCode.ALREADY_CONNECTED, "this rank is already connected")
+    return None
 
 
 class _Router:
@@ -200,8 +214,11 @@ class _Router:
         if not isinstance(msg, RankHello):
             raise RemoteProtocolError(f"expected RankHello, got {type(msg).__name__}")
         rank = self.by_secret.get(msg.secret)
-        if msg.version != PROTOCOL_VERSION or rank is None or rank.sock is not None:
-            await _write(sock, _frame(Error("bad_hello", "unknown secret or version")))
+        refusal = hello_refusal(
+            msg, known=rank is not None, connected=rank is not None and rank.sock is not None
+        )
+        if refusal is not None:
+            await _write(sock, _frame(refusal))
             return None
         await _write(sock, self._welcome(rank))
         rank.sock, rank.open = sock, True

@@ -22,6 +22,7 @@ from collections.abc import Awaitable, Callable
 
 import trio
 
+from vpool.protocol.errors import ErrorCode
 from vpool.worker_agent import criu
 from vpool.worker_agent.ckpt_worker import (
     Acked,
@@ -154,7 +155,7 @@ class CkptWorkers:
             if result.kind == "criu":
                 raise criu.CriuError(result.message)
             if result.kind == "store":
-                raise StoreError(result.message, result.code or "connection")
+                raise StoreError(result.message, result.code or ErrorCode.LINK_BROKEN)
             raise WorkerFailed(result.message)
         return result.size
 

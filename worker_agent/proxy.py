@@ -29,7 +29,7 @@ from pathlib import Path
 import msgspec
 import trio
 
-from vpool.protocol.errors import ProtocolError
+from vpool.protocol.errors import ErrorCode, ProtocolError
 from vpool.protocol.messages import (
     PROTOCOL_VERSION,
     Abort,
@@ -197,26 +197,30 @@ class RankProxy:
         if hello.version != PROTOCOL_VERSION:
             await _refuse(
                 stream,
-                "version",
+                ErrorCode.BAD_VERSION,
                 f"agent speaks protocol {PROTOCOL_VERSION}, the rank {hello.version}",
             )
             return None
         rank = self.ranks.by_secret.get(hello.secret)
         if rank is None or rank.ended:
-            await _refuse(stream, "unknown_secret", "no rank of this agent has that secret")
+            await _refuse(stream, ErrorCode.UNKNOWN_SECRET, "no rank of this agent has that secret")
             return None
         if hello.orphan:
             pass  # a clone's own report (handle), not the rank's control connection
         elif hello.control:
             if rank.control is not None:
                 await _refuse(
-                    stream, "already_connected", f"{rank.label} has a control connection already"
+                    stream,
+                    ErrorCode.ALREADY_CONNECTED,
+                    f"{rank.label} has a control connection already",
                 )
                 return None
             rank.control = stream
         else:
             if rank.hello_seen:
-                await _refuse(stream, "already_connected", f"{rank.label} is already connected")
+                await _refuse(
+                    stream, ErrorCode.ALREADY_CONNECTED, f"{rank.label} is already connected"
+                )
                 return None
             if hello.checkpoint != rank.restored_from:
                 what = (
@@ -226,7 +230,7 @@ class RankProxy:
                 )
                 await _refuse(
                     stream,
-                    "wrong_checkpoint",
+                    ErrorCode.WRONG_CHECKPOINT,
                     f"{rank.label} {what}, the process says {hello.checkpoint}",
                 )
                 return None
@@ -266,7 +270,7 @@ class RankProxy:
                     if forked is not None or not isinstance(msg, CkptForked) or msg.pid <= 0:
                         raise ProtocolError(
                             f"{type(msg).__name__} from an orphaned clone of {rank.label}",
-                            code="unexpected_message",
+                            code=ErrorCode.UNEXPECTED_MESSAGE,
                         )
                     forked = msg
                 if forked is not None:
@@ -274,7 +278,9 @@ class RankProxy:
                     # namespace of a restored rank), from the kernel, not from the clone.
                     peer = _peer_pid(stream)
                     if peer is None:
-                        raise ProtocolError("no peer credentials", code="unexpected_message")
+                        raise ProtocolError(
+                            "no peer credentials", code=ErrorCode.UNEXPECTED_MESSAGE
+                        )
                     forked = msgspec.structs.replace(forked, pid=peer, orphan=True)
                     rank.control_send.send_nowait(forked)
         except ProtocolError as exc:
@@ -300,7 +306,7 @@ class RankProxy:
                     raise ProtocolError(
                         f"{type(msg).__name__} on the checkpoint control connection of "
                         f"{rank.label}",
-                        code="unexpected_message",
+                        code=ErrorCode.UNEXPECTED_MESSAGE,
                     )
                 try:
                     rank.control_send.send_nowait(msg)
@@ -333,14 +339,14 @@ class RankProxy:
                             f"Data from job {msg.job} rank {msg.src} to {msg.dst} on the "
                             f"connection of {rank.label} (size {size}, "
                             f"{len(rank.links)} relays)",
-                            code="not_yours",
+                            code=ErrorCode.NOT_YOURS,
                         )
                     link = route[msg.dst]
                     if frame.payload_len > link.max_payload:
                         raise ProtocolError(
                             f"a message of {frame.payload_len} bytes is larger than the "
                             f"{link.max_payload} bytes {link.where} accepts",
-                            code="frame_too_large",
+                            code=ErrorCode.FRAME_TOO_LARGE,
                         )
                     if rank.stop_reason is not None:
                         continue  # being stopped (maybe replaced): it must deposit no more
@@ -356,7 +362,7 @@ class RankProxy:
                         raise ProtocolError(
                             f"Det of job {msg.job} rank {msg.rank} on the connection of "
                             f"{rank.label}" + ("" if route else ", which has no relays"),
-                            code="not_yours",
+                            code=ErrorCode.NOT_YOURS,
                         )
                     if rank.stop_reason is not None:
                         continue

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 import trio
 
+from vpool.protocol.errors import ErrorCode, ends_connection
 from vpool.protocol.messages import Ack, Attached, Data, Det, DetAck, Error, Stop
 from vpool.protocol.session import Session
 from vpool.worker_agent.errors import RelayLinkError
@@ -26,9 +27,6 @@ if TYPE_CHECKING:
     from vpool.worker_agent.relay_links import RelayLinks
 
 log = logging.getLogger("vpool.agent")
-
-# Error codes about one rank (Error.rank >= 0) that leave the shared connection up.
-_RANK_ONLY_ERRORS = frozenset({"fenced", "not_deterministic"})
 
 
 class _PendingAttach:
@@ -62,7 +60,7 @@ class InboundRouting:
             if frame is None:
                 return "the relay closed the connection"
             msg = frame.message
-            if type(msg) is Error and msg.code in _RANK_ONLY_ERRORS and msg.rank >= 0:
+            if type(msg) is Error and not ends_connection(msg.code, msg.rank):
                 self._rank_error(msg)  # the connection, and every other rank here, goes on
                 continue
             session.receive(msg)
@@ -112,7 +110,8 @@ class InboundRouting:
                 raise RelayLinkError(f"unexpected {type(msg).__name__} from {self.where}")
 
     def _rank_error(self, msg: Error) -> None:
-        """An Error about one rank that leaves the connection up: ``fenced`` (a newer
+        """An Error about one rank that leaves the connection up (``protocol.errors.SCOPES``):
+        the answer to an attachment (``fenced``, ``trimmed``), ``fenced`` later (a newer
         incarnation holds the rank) or ``not_deterministic`` (the relay drops the rank's
         further deposits and tells the coordinator, which ends the job)."""
         key = (msg.job, msg.rank)
@@ -121,7 +120,7 @@ class InboundRouting:
             self._resolve(key, text, code=msg.code)
             return
         log.warning("%s", text)
-        if msg.code == "fenced" and (rank := self.ranks.get(key)) is not None:
+        if msg.code == ErrorCode.FENCED and (rank := self.ranks.get(key)) is not None:
             self._forget(key)
             rank.request_stop(text)
 
@@ -139,7 +138,7 @@ class InboundRouting:
         self.attached.pop(key, None)
         text = f"{self.where} stopped it: {msg.reason}"
         if key in self._pending:
-            self._resolve(key, text, code="stopped")
+            self._resolve(key, text, code=ErrorCode.STOPPED)
         rank.request_stop(text)
 
     def _resolve(

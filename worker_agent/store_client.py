@@ -41,7 +41,7 @@ from vpool import __version__
 from vpool.niceness import run_niced
 from vpool.protocol.api import RelayInfo
 from vpool.protocol.ckptdigest import MAC_KEY
-from vpool.protocol.errors import ProtocolError
+from vpool.protocol.errors import ErrorCode, ProtocolError
 from vpool.protocol.framing import PREFIX_SIZE, frame_parts, parse_prefix
 from vpool.protocol.local import LOCAL_SNDBUF, is_loopback, local_socket_name
 from vpool.protocol.messages import (
@@ -71,9 +71,9 @@ logger = logging.getLogger(__name__)
 
 class StoreError(AgentError):
     """The store refused (``code`` from its ``Error``), or the connection failed
-    (``code`` = ``connection``)."""
+    (``code`` = ``link_broken``)."""
 
-    def __init__(self, message: str, code: str = "connection") -> None:
+    def __init__(self, message: str, code: str = ErrorCode.LINK_BROKEN) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
@@ -218,7 +218,10 @@ class StoreConnection:
         if isinstance(msg, Error):
             raise StoreError(f"{self.where} refused: {msg.code}: {msg.message}", msg.code)
         if payload and not isinstance(msg, CkptChunk):
-            raise StoreError(f"{self.where} sent a {type(msg).__name__} with a payload", "protocol")
+            raise StoreError(
+                f"{self.where} sent a {type(msg).__name__} with a payload",
+                ErrorCode.UNEXPECTED_MESSAGE,
+            )
         return msg, payload
 
     def _settimeout(self, seconds: float) -> None:
@@ -238,7 +241,8 @@ class StoreConnection:
         msg, _ = self.receive(timeout)
         if not isinstance(msg, kind):
             raise StoreError(
-                f"{self.where} sent {type(msg).__name__}, expected {kind.__name__}", "protocol"
+                f"{self.where} sent {type(msg).__name__}, expected {kind.__name__}",
+                ErrorCode.UNEXPECTED_MESSAGE,
             )
         return msg
 
@@ -280,7 +284,9 @@ class StoreConnection:
         stored = self._expect(CkptStored, timeout)
         assert isinstance(stored, CkptStored)
         if stored.ckpt != ckpt:
-            raise StoreError(f"{self.where} stored image {stored.ckpt}, not {ckpt}", "protocol")
+            raise StoreError(
+                f"{self.where} stored image {stored.ckpt}, not {ckpt}", ErrorCode.UNEXPECTED_MESSAGE
+            )
         return stored
 
     # -- get --------------------------------------------------------------------------------
@@ -293,7 +299,9 @@ class StoreConnection:
         info = self._expect(CkptInfo)
         assert isinstance(info, CkptInfo)
         if info.ckpt != ckpt:
-            raise StoreError(f"{self.where} sent image {info.ckpt}, not {ckpt}", "protocol")
+            raise StoreError(
+                f"{self.where} sent image {info.ckpt}, not {ckpt}", ErrorCode.UNEXPECTED_MESSAGE
+            )
         return info, self._chunks(info)
 
     def _chunks(self, info: CkptInfo) -> Iterator[bytes]:
@@ -303,19 +311,23 @@ class StoreConnection:
             if isinstance(msg, CkptChunk) and msg.ckpt == info.ckpt:
                 got += len(payload)
                 if got > info.size:
-                    raise StoreError(f"{self.where} sent more than {info.size} bytes", "protocol")
+                    raise StoreError(
+                        f"{self.where} sent more than {info.size} bytes",
+                        ErrorCode.UNEXPECTED_MESSAGE,
+                    )
                 yield payload
             elif isinstance(msg, CkptEnd) and msg.ckpt == info.ckpt:
                 if got != info.size or msg.size != info.size or msg.digest != info.digest:
                     raise StoreError(
                         f"{self.where} ended image {info.ckpt} after {got} of {info.size} "
                         "bytes or with another digest",
-                        "protocol",
+                        ErrorCode.UNEXPECTED_MESSAGE,
                     )
                 return
             else:
                 raise StoreError(
-                    f"{self.where} sent {type(msg).__name__} inside image {info.ckpt}", "protocol"
+                    f"{self.where} sent {type(msg).__name__} inside image {info.ckpt}",
+                    ErrorCode.UNEXPECTED_MESSAGE,
                 )
 
 
@@ -364,7 +376,7 @@ def open_store(
         if welcome.version != PROTOCOL_VERSION:
             raise StoreError(
                 f"{where} speaks protocol {welcome.version}, this agent {PROTOCOL_VERSION}",
-                "version",
+                ErrorCode.BAD_VERSION,
             )
         sock.settimeout(IDLE_TIMEOUT)
         if welcome.bulk:

@@ -112,5 +112,5 @@ async def test_changed_ciphertext_keeps_the_digest_and_fails_the_mac(
     assert not isinstance(got, Error) and got[1] == data and got[0].digest == writer.digest
     token = pool.rank_token(6, 0, agent=conn.agent, size=2)
     await conn.send(CkptPut(token=token, ckpt=2, received={}, dets=0, fingerprint="fp"))
-    err = await conn.expect_error("protocol_error")
+    err = await conn.expect_error("bad_frame")
     assert err.rank == -1 and "mac_key" in err.message

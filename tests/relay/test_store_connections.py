@@ -49,7 +49,7 @@ async def test_preamble_sorts_connections_on_one_port(
     # A store Hello on an agent connection (no preamble) is refused.
     bad = await FakeAgent.connect(pool, relay.addr, "agent-1", hello=False)
     await bad.send(Hello(version=PROTOCOL_VERSION, role="store", token=pool.agent_token("agent-1")))
-    err = await bad.expect_error("protocol_error")
+    err = await bad.expect_error("unexpected_message")
     assert "preamble" in err.message
 
     # Garbage on a store connection closes that one.

@@ -41,7 +41,7 @@ async def test_put_without_mac_on_the_local_socket_only(
     tcp = await store_conn(pool, relay.addr)
     token = pool.rank_token(3, 0, agent=tcp.agent, size=2)
     await tcp.send(CkptPut(token=token, ckpt=4, received={}, dets=0, fingerprint="fp"))
-    err = await tcp.expect_error("protocol_error")
+    err = await tcp.expect_error("bad_frame")
     assert "mac_key" in err.message
 
 

@@ -7,6 +7,7 @@ import dataclasses
 
 import pytest
 
+from vpool.protocol.errors import ErrorCode
 from vpool.protocol.framing import encode_frame
 from vpool.protocol.messages import (
     PROTOCOL_VERSION,
@@ -162,15 +163,18 @@ async def test_frames_wait_while_the_relay_is_away(
     assert coordinator.problems == []
 
 
-async def test_a_fenced_rank_leaves_the_connection_to_the_others(
-    agent: RunningAgent, coordinator: FakeCoordinator, relay: FakeRelay
+@pytest.mark.parametrize("code", [ErrorCode.FENCED, ErrorCode.TRIMMED])
+async def test_a_refused_rank_leaves_the_connection_to_the_others(
+    agent: RunningAgent, coordinator: FakeCoordinator, relay: FakeRelay, code: ErrorCode
 ) -> None:
+    # Both codes end one rank's attachment only (protocol.errors.SCOPES); "trimmed" used to
+    # drop the connection every rank of the agent shares.
     coordinator.add_lease(lease_for(coordinator, relay, args=["wait"], rank=1))
     conn = await _open(relay)
     await conn.receive()
-    await conn.send(Error(code="fenced", message="incarnation 2 holds it", job=7, rank=1))
+    await conn.send(Error(code=code, message="incarnation 2 holds it", job=7, rank=1))
     [problem] = await coordinator.wait_for(lambda: coordinator.problems)
-    assert problem.rank == 1 and "fenced: incarnation 2 holds it" in problem.message
+    assert problem.rank == 1 and f"{code}: incarnation 2 holds it" in problem.message
     assert coordinator.exit_of(7, 1) is None  # never started
 
     # Rank 0 attaches on the same connection and works as usual.
