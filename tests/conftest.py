@@ -1,10 +1,19 @@
-"""Shared pytest setup: hypothesis profiles (``ci`` runs more examples, derandomized)."""
+"""Shared pytest setup: hypothesis profiles (``ci`` runs more examples, derandomized), and
+``--quick`` (``quickmode.py`` next to this file: only the tests that start no process)."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import sys
+from pathlib import Path
+from types import ModuleType
 
+import pytest
 from hypothesis import HealthCheck, settings
+
+# pytester runs a pytest inside the test's process: tests/test_quickmode.py uses it.
+pytest_plugins = ["pytester"]
 
 settings.register_profile("dev", max_examples=100, deadline=None)
 # ci: derandomized, so that a run of CI is repeatable (a property failure found by a random
@@ -17,3 +26,29 @@ settings.register_profile(
     suppress_health_check=[HealthCheck.too_slow],
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
+
+
+def _load_quickmode() -> ModuleType:
+    # By path and registered as ``quickmode``: pytest runs with --import-mode=importlib, so
+    # tests/ is not on sys.path.
+    if "quickmode" in sys.modules:
+        return sys.modules["quickmode"]
+    spec = importlib.util.spec_from_file_location(
+        "quickmode", Path(__file__).with_name("quickmode.py")
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["quickmode"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+quickmode = _load_quickmode()
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    quickmode.pytest_addoption(parser)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    quickmode.pytest_configure(config)
