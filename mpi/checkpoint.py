@@ -179,7 +179,7 @@ class Checkpointer:
         t = self.transport
         ft = self.eng.ft
         self.reap()
-        while t._large is not None:
+        while t.mid_payload:
             t._read(0)
         if ft.pending:
             ft.flush()

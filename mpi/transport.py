@@ -21,14 +21,20 @@ from __future__ import annotations
 import os
 import select
 import socket
-import struct
 import sys
 from typing import Any, Protocol
 
 import msgspec
 
 from vpool.protocol.errors import RemoteProtocolError
-from vpool.protocol.framing import DEFAULT_MAX_HEADER, DEFAULT_MAX_PAYLOAD, PREFIX
+from vpool.protocol.framing import (
+    DEFAULT_MAX_HEADER,
+    PREFIX,
+    FrameScanner,
+    Large,
+    Small,
+    decode_head,
+)
 from vpool.protocol.messages import (
     PROTOCOL_VERSION,
     Abort,
@@ -43,7 +49,6 @@ from vpool.protocol.messages import (
     RankHello,
     RankWelcome,
     Stop,
-    decode,
     encode,
 )
 
@@ -55,7 +60,6 @@ MAX_IOV = 512  # below every platform's IOV_MAX
 POKE_READS = 16
 EXIT_TRANSPORT = 1
 
-_unpack_prefix = struct.Struct("!II").unpack_from
 _pack_prefix = PREFIX.pack
 _DONTWAIT = socket.MSG_DONTWAIT
 # The same schema as ``messages.decode``, called directly: this is the per-message hot path.
@@ -103,12 +107,9 @@ class Transport:
         self.received = [0] * self.size
         # The request of a CheckpointRequest read and not acted on yet (``checkpoint``).
         self.ckpt_request: int | None = None
-        self._rbuf = bytearray(READ_BUFFER)
-        self._rview = memoryview(self._rbuf)
-        self._rpos = 0
-        self._rend = 0
-        # A large payload being read: [target view, bytes filled, header, sink token].
-        self._large: list[Any] | None = None
+        self._scanner = FrameScanner(buffer_size=READ_BUFFER, large=LARGE)
+        # A large payload being read into its target: (its Data header, the sink's token).
+        self._large: tuple[Data, Any] | None = None
         self._poll = select.poll()
         self._fd = sock.fileno()
         self._poll.register(self._fd, select.POLLIN)
@@ -136,7 +137,7 @@ class Transport:
         self._fd = sock.fileno()
         self._poll = select.poll()
         self._poll.register(self._fd, select.POLLIN)
-        self._rpos = self._rend = 0
+        self._scanner = FrameScanner(buffer_size=READ_BUFFER, large=LARGE)
         self._large = None
         self.closed = False
         self.incarnation = welcome.incarnation
@@ -252,15 +253,16 @@ class Transport:
                 if not self._read(_DONTWAIT):
                     break
 
+    @property
+    def mid_payload(self) -> bool:
+        """A large payload is being read into its destination."""
+        return self._large is not None
+
     def _read(self, flags: int) -> bool:
         """One ``recv_into`` and the frames it completes; False when nothing was there."""
-        large = self._large
+        scanner = self._scanner
         try:
-            if large is not None:
-                view, filled = large[0], large[1]
-                n = self.sock.recv_into(view[filled:], 0, flags)
-            else:
-                n = self.sock.recv_into(self._rview[self._rend :], 0, flags)
+            n = self.sock.recv_into(scanner.get_buffer(), 0, flags)
         except BlockingIOError:
             return False
         except InterruptedError:
@@ -269,67 +271,45 @@ class Transport:
             die(f"lost the connection to the agent: {exc}")
         if n == 0:
             die("the agent closed the connection")
-        if large is not None:
-            filled += n
-            if filled < view.nbytes:
-                large[1] = filled
-                return True
-            self._large = None
-            msg = large[2]
-            self.received[msg.src] = msg.seq
-            self.sink.on_payload(msg, view, large[3])
-            return True
-        self._rend += n
+        scanner.buffer_updated(n)
         self._parse()
         return True
 
     def _parse(self) -> None:
-        buf = self._rbuf
-        view = self._rview
-        pos = self._rpos
-        end = self._rend
+        scanner = self._scanner
         sink = self.sink
         received = self.received
-        while end - pos >= 8:
-            hlen, plen = _unpack_prefix(buf, pos)
-            if hlen == 0 or hlen > DEFAULT_MAX_HEADER or plen > DEFAULT_MAX_PAYLOAD:
-                die(f"malformed frame from the agent (header {hlen}, payload {plen} bytes)")
-            body = pos + 8 + hlen
-            if plen > LARGE:
-                if body > end:
-                    break
-                msg = self._decode(view[pos + 8 : body])
+        while True:
+            try:
+                event = scanner.next_event()
+            except RemoteProtocolError as exc:
+                die(f"malformed frame from the agent: {exc}")
+            if event is None:
+                return
+            if type(event) is Small:
+                frame = event.frame
+                body = 8 + event.header_len
+                msg = self._decode(frame[8:body])
+                if type(msg) is Data:
+                    received[msg.src] = msg.seq
+                    sink.on_small(msg, frame[body:])
+                elif event.payload_len:
+                    die(f"{type(msg).__name__} frame with a payload from the agent")
+                else:
+                    self._control(msg)
+            elif type(event) is Large:
+                msg = self._decode(event.head[8:])
                 if type(msg) is not Data:
                     die(f"{type(msg).__name__} frame with a payload from the agent")
-                target, token = sink.on_header(msg, plen)
-                have = min(end - body, plen)
-                if have:
-                    target[:have] = view[body : body + have]
-                pos = body + have
-                if have == plen:
-                    received[msg.src] = msg.seq
-                    sink.on_payload(msg, target, token)
-                    continue
-                self._large = [target, have, msg, token]
-                break
-            fend = body + plen
-            if fend > end:
-                break
-            msg = self._decode(view[pos + 8 : body])
-            pos = fend
-            if type(msg) is Data:
-                received[msg.src] = msg.seq
-                sink.on_small(msg, view[body:fend])
+                target, token = sink.on_header(msg, event.payload_len)
+                scanner.claim(target)
+                self._large = (msg, token)
             else:
-                self._control(msg)
-        if pos == end:
-            pos = end = 0
-        elif len(buf) - end < 8 + DEFAULT_MAX_HEADER + LARGE:
-            remaining = end - pos
-            buf[:remaining] = view[pos:end]
-            pos, end = 0, remaining
-        self._rpos = pos
-        self._rend = end
+                large = self._large
+                assert large is not None
+                self._large = None
+                received[large[0].src] = large[0].seq
+                sink.on_payload(large[0], event.target, large[1])
 
     @staticmethod
     def _decode(raw: memoryview) -> Message:
@@ -394,12 +374,21 @@ def open_connection(path: str, hello: RankHello) -> tuple[socket.socket, RankWel
 
 
 def read_message(sock: socket.socket) -> Message:
-    """One header-only frame from a blocking socket (the checkpoint control connection)."""
-    hlen, plen = _unpack_prefix(_recv_exact(sock, 8), 0)
-    if hlen == 0 or hlen > DEFAULT_MAX_HEADER or plen:
-        die("malformed frame from the agent")
+    """One header-only frame from a blocking socket (the welcome, the checkpoint control
+    connection), read exactly: the frames that follow belong to the transport's scanner."""
+    scanner = FrameScanner(max_payload=0)
     try:
-        return decode(_recv_exact(sock, hlen))
+        while (event := scanner.next_event()) is None:
+            view = scanner.get_buffer()[: scanner.needed()]
+            try:
+                n = sock.recv_into(view)
+            except OSError as exc:
+                die(f"lost the connection to the agent: {exc}")
+            if not n:
+                die("the agent closed the connection")
+            scanner.buffer_updated(n)
+        assert type(event) is Small
+        return decode_head(event.frame, event.header_len, event.payload_len)
     except RemoteProtocolError as exc:
         die(f"malformed frame from the agent: {exc}")
         raise
@@ -411,20 +400,6 @@ def write_message(sock: socket.socket, msg: Message) -> None:
         sock.sendall(_pack_prefix(len(header), 0) + header)
     except OSError as exc:
         die(f"lost the connection to the agent: {exc}")
-
-
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    # Exact reads: frames that follow the welcome belong to the transport's read buffer.
-    data = b""
-    while len(data) < n:
-        try:
-            chunk = sock.recv(n - len(data))
-        except OSError as exc:
-            die(f"lost the connection to the agent: {exc}")
-        if not chunk:
-            die("the agent closed the connection")
-        data += chunk
-    return data
 
 
 def _read_welcome(sock: socket.socket) -> RankWelcome:

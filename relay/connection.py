@@ -31,7 +31,8 @@ import logging
 
 import trio
 
-from vpool.protocol.errors import RemoteProtocolError, TokenError
+from vpool.framestream import FrameStream, RawFrame, send_frames
+from vpool.protocol.errors import ErrorCode, RemoteProtocolError, TokenError
 from vpool.protocol.framing import DEFAULT_MAX_HEADER, PREFIX_SIZE, encode_frame
 from vpool.protocol.messages import (
     PROTOCOL_VERSION,
@@ -53,7 +54,6 @@ from vpool.protocol.tokens import AgentClaims, verify_token
 from vpool.relay.connection_inbound import InboundMessages, rejection
 from vpool.relay.errors import Rejected
 from vpool.relay.hub import Attachment, Batch, Box, Hub, Key, now
-from vpool.relay.wire import FrameReader, RawFrame, send_frames
 
 logger = logging.getLogger(__name__)
 
@@ -149,7 +149,7 @@ class Connection(InboundMessages):
         hub.connections.add(self)
         # No payloads before the agent is authenticated: a stranger must not make the relay
         # allocate a max_payload buffer by sending one frame prefix.
-        reader = FrameReader(self.stream, max_header=PRE_AUTH_MAX_HEADER, max_payload=0)
+        reader = FrameStream(self.stream, max_header=PRE_AUTH_MAX_HEADER, max_payload=0)
         try:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
@@ -184,11 +184,11 @@ class Connection(InboundMessages):
         except (trio.BrokenResourceError, trio.ClosedResourceError, trio.BusyResourceError):
             pass
 
-    async def _read_loop(self, reader: FrameReader) -> None:
+    async def _read_loop(self, reader: FrameStream) -> None:
         try:
             await self._handshake(reader)
             while True:
-                frames = await reader.read_frames()
+                frames = await reader.receive_frames()
                 if not frames:
                     return
                 await self._handle(frames)
@@ -201,37 +201,40 @@ class Connection(InboundMessages):
         except trio.ClosedResourceError:
             pass
 
-    async def _handshake(self, reader: FrameReader) -> None:
+    async def _handshake(self, reader: FrameStream) -> None:
         settings = self.hub.settings
         frames: list[RawFrame] = []
         with trio.move_on_after(settings.handshake_timeout):
             if isinstance(self.stream, trio.SSLStream):
                 await self.stream.do_handshake()
-            frames = await reader.read_frames()
+            frames = await reader.receive_frames()
         if not frames:
-            raise Rejected("timeout", "no Hello in time")
+            raise Rejected(ErrorCode.TIMEOUT, "no Hello in time")
         header_len, frame = frames[0]
         msg = self._decode(header_len, frame)
         self.session.receive(msg)
         assert isinstance(msg, Hello)  # the session table admits nothing else first
         if msg.version != PROTOCOL_VERSION:
             raise Rejected(
-                "bad_version",
+                ErrorCode.BAD_VERSION,
                 f"protocol version {msg.version}; this relay speaks {PROTOCOL_VERSION}",
             )
         if msg.role == "store":
-            raise Rejected("protocol_error", "store connections start with the store preamble")
+            raise Rejected(
+                ErrorCode.UNEXPECTED_MESSAGE, "store connections start with the store preamble"
+            )
         if msg.role != "agent":
-            raise Rejected("bad_role", f"role {msg.role!r}; only agents connect to relays")
+            raise Rejected(ErrorCode.BAD_ROLE, f"role {msg.role!r}; only agents connect to relays")
         with trio.move_on_after(settings.handshake_timeout):
             await self.hub.key_ready.wait()
         key = self.hub.signing_key
         if key is None:
-            raise Rejected("not_ready", "the relay is not registered with the coordinator yet")
+            raise Rejected(
+                ErrorCode.NOT_READY, "the relay is not registered with the coordinator yet"
+            )
         claims = verify_token(msg.token, key, now=now(), kind=AgentClaims)
         self.agent = claims.agent
-        reader.max_header = DEFAULT_MAX_HEADER
-        reader.max_payload = settings.max_payload
+        reader.scanner.set_limits(max_header=DEFAULT_MAX_HEADER, max_payload=settings.max_payload)
         self.send(
             Welcome(
                 version=PROTOCOL_VERSION,

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from vpool.protocol.errors import RemoteProtocolError
-from vpool.protocol.framing import DEFAULT_MAX_HEADER, PREFIX, PREFIX_SIZE
+from vpool.protocol.framing import PREFIX_SIZE, frames_in
 from vpool.protocol.messages import Data, Det, decode
 from vpool.relay.errors import StorageError
 
@@ -368,34 +368,27 @@ def _scan(
     size = os.fstat(seg.fd).st_size
     if size == 0:
         return 0, True
+    pos = 0  # end of the valid part
     with mmap.mmap(seg.fd, 0, access=mmap.ACCESS_READ) as mm:
-        pos = 0
-        while pos < size:
-            if size - pos < PREFIX_SIZE:
-                return pos, False
-            header_len, payload_len = PREFIX.unpack_from(mm, pos)
-            end = pos + PREFIX_SIZE + header_len + payload_len
-            if not 0 < header_len <= DEFAULT_MAX_HEADER or end > size:
-                return pos, False
+        for start, header_len, payload_len in frames_in(mm):
+            end = start + PREFIX_SIZE + header_len + payload_len
             try:
-                msg = decode(mm[pos + PREFIX_SIZE : pos + PREFIX_SIZE + header_len])
+                msg = decode(mm[start + PREFIX_SIZE : start + PREFIX_SIZE + header_len])
             except RemoteProtocolError:
                 return pos, False
-            if not isinstance(msg, Data) or msg.job != job or msg.dst != dst:
+            if not isinstance(msg, Data) or msg.job != job or msg.dst != dst or msg.seq < 1:
                 return pos, False
             if msg.seq <= floor.get(msg.src, 0):
-                if msg.seq < 1:
-                    return pos, False
                 pos = end  # trimmed, in a segment that also holds frames kept
                 continue
             last = stored.get(msg.src)
-            if (last is not None and msg.seq != last + 1) or msg.seq < 1:
+            if last is not None and msg.seq != last + 1:
                 return pos, False
             stored[msg.src] = msg.seq
-            loc = Location(seg, pos, None)
-            out.append(Record(msg.src, msg.seq, end - pos, loc, digest(mm[pos:end])))
+            loc = Location(seg, start, None)
+            out.append(Record(msg.src, msg.seq, end - start, loc, digest(mm[start:end])))
             pos = end
-    return pos, True
+    return pos, pos == size
 
 
 def open_dets(chan: ChannelLog, job: int, rank: int, first: int = 0) -> list[Det]:
@@ -415,13 +408,10 @@ def open_dets(chan: ChannelLog, job: int, rank: int, first: int = 0) -> list[Det
     dets: list[Det] = []
     nxt = -1  # index of the next record; the first one sets it
     pos, size = 0, len(data)
-    while size - pos >= PREFIX_SIZE:
-        header_len, payload_len = PREFIX.unpack_from(data, pos)
-        end = pos + PREFIX_SIZE + header_len
-        if payload_len or not 0 < header_len <= DEFAULT_MAX_HEADER or end > size:
-            break
+    for start, header_len, _ in frames_in(data, max_payload=0):
+        end = start + PREFIX_SIZE + header_len
         try:
-            msg = decode(data[pos + PREFIX_SIZE : end])
+            msg = decode(data[start + PREFIX_SIZE : end])
         except RemoteProtocolError:
             break
         if not isinstance(msg, Det) or (msg.job, msg.rank) != (job, rank):

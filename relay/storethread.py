@@ -44,8 +44,11 @@ from vpool.protocol.framing import (
     DEFAULT_MAX_HEADER,
     PREFIX,
     PREFIX_SIZE,
+    FrameScanner,
+    Large,
+    Small,
+    decode_head,
     encode_frame,
-    parse_prefix,
 )
 from vpool.protocol.messages import (
     PROTOCOL_VERSION,
@@ -59,7 +62,6 @@ from vpool.protocol.messages import (
     Hello,
     Message,
     Welcome,
-    decode,
     encode,
 )
 from vpool.protocol.tokens import AgentClaims, RankClaims, verify_token
@@ -142,8 +144,8 @@ class StoreThread:
         self.upload: Upload | None = None
         self.discard = -1  # ckpt id of a refused put whose chunks are dropped
         self.bulk = -1  # ckpt id of the put whose payloads come beneath TLS (``CkptPut.bulk``)
-        self._prefix = memoryview(bytearray(PREFIX_SIZE))
-        self._header = memoryview(bytearray(DEFAULT_MAX_HEADER))
+        # Exact reads (``needed``): every frame with a payload comes out as its head first.
+        self._scanner = FrameScanner(max_header=HELLO_MAX_HEADER, max_payload=0, large=0)
         self._payload: memoryview | None = None  # STORE_MAX_CHUNK, once the agent is known
         self.reason = "the agent closed the store connection"
 
@@ -293,21 +295,26 @@ class StoreThread:
                 pass  # closed meanwhile: the error that ended the read is the one to see
 
     def _read_frame(self, max_header: int, max_payload: int) -> tuple[Message, memoryview] | None:
-        if not self._fill(self._prefix, first=True):
-            return None
+        """The next message; a payload (CkptChunk only) is read here, never past its frame:
+        in bulk mode it comes from beneath TLS."""
+        scanner = self._scanner
+        scanner.set_limits(max_header=max_header, max_payload=max_payload)
         try:
-            header_len, payload_len = parse_prefix(
-                self._prefix, max_header=max_header, max_payload=max_payload
-            )
-            header = self._header[:header_len]
-            self._fill(header)
-            msg = decode(header)
+            while (event := scanner.next_event()) is None:
+                view = scanner.get_buffer()[: scanner.needed()]
+                if not self._fill(view, first=scanner.pending == 0):
+                    return None
+                scanner.buffer_updated(len(view))
+            if type(event) is Small:
+                return decode_head(event.frame, event.header_len, 0), EMPTY
+            assert type(event) is Large
+            msg = decode_head(event.head, event.header_len, event.payload_len)
         except RemoteProtocolError as exc:
             raise Rejected(exc.code, exc.message) from exc
-        if payload_len and type(msg) is not CkptChunk:
+        scanner.take_payload()  # empty: no more than the head was read
+        payload_len = event.payload_len
+        if type(msg) is not CkptChunk:
             raise Rejected(ErrorCode.BAD_FRAME, f"{type(msg).__name__} must not carry a payload")
-        if not payload_len:
-            return msg, EMPTY
         assert isinstance(msg, CkptChunk)
         bulk = msg.ckpt == self.bulk
         up = self.upload

@@ -13,17 +13,15 @@ import json
 import os
 import secrets
 import signal
-import socket
 import termios
 from typing import TYPE_CHECKING
 
 import trio
 
 from vpool.protocol.errors import RemoteProtocolError
-from vpool.protocol.framing import DEFAULT_MAX_HEADER
-from vpool.protocol.messages import CheckpointRequest, CkptForked, decode
+from vpool.protocol.messages import CheckpointRequest, CkptForked
 from vpool.sdk.mpiexec_router import _Router
-from vpool.sdk.mpiexec_wire import _GONE, _acquire, _frame, _read_exact, _unpack_prefix, _write
+from vpool.sdk.mpiexec_wire import _GONE, SocketFrames, _acquire, _frame, _write
 
 if TYPE_CHECKING:
     from vpool.sdk.mpiexec_replay_router import _RRank
@@ -84,17 +82,15 @@ class CheckpointBench(_Router):
                 if hold is not None:
                     hold.set()
 
-    async def _serve_control(self, rank: _RRank, sock: socket.socket) -> None:
+    async def _serve_control(self, rank: _RRank, frames: SocketFrames) -> None:
         """The checkpoint control connection: CkptForked -> the image's offsets, commit."""
         while True:
             try:
-                prefix = await _read_exact(sock, 8)
+                msg = await frames.message()
             except _GONE:
                 return
-            hlen, plen = _unpack_prefix(prefix, 0)
-            if hlen == 0 or hlen > DEFAULT_MAX_HEADER or plen:
-                raise RemoteProtocolError("malformed frame on the control connection")
-            msg = decode(await _read_exact(sock, hlen))
+            if msg is None:
+                return
             if isinstance(msg, CkptForked) and rank.ckpt_state == "requested":
                 rank.ckpt_ready = msg
                 pending = [*msg.pending, 0, 0]

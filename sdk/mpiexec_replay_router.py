@@ -20,7 +20,7 @@ from typing import Any
 import trio
 
 from vpool.protocol.errors import ErrorCode, RemoteProtocolError, divergence_message
-from vpool.protocol.framing import DEFAULT_MAX_HEADER, DEFAULT_MAX_PAYLOAD
+from vpool.protocol.framing import Large, Small, decode_head
 from vpool.protocol.messages import (
     Ack,
     CkptForked,
@@ -30,25 +30,21 @@ from vpool.protocol.messages import (
     Message,
     RankHello,
     RankWelcome,
-    decode,
 )
 from vpool.sdk.mpiexec import rank_environment
 from vpool.sdk.mpiexec_ckpt import CKPT_ID, CKPT_SIGNAL, CheckpointBench, _close_writers
 from vpool.sdk.mpiexec_router import (
     JOB,
     KILL_GRACE,
-    READ_BUFFER,
     _Rank,
     _signal_name,
     hello_refusal,
 )
 from vpool.sdk.mpiexec_wire import (
     _GONE,
+    SocketFrames,
     _acquire,
     _frame,
-    _read,
-    _read_exact,
-    _unpack_prefix,
     _write,
 )
 
@@ -240,11 +236,11 @@ class ReplayRouter(CheckpointBench):
 
     # ---- connections -------------------------------------------------------------------------
 
-    async def _hello(self, sock: socket.socket) -> _Rank | None:
-        hlen, plen = _unpack_prefix(await _read_exact(sock, 8), 0)
-        if hlen == 0 or hlen > DEFAULT_MAX_HEADER or plen:
-            raise RemoteProtocolError("malformed hello")
-        msg = decode(await _read_exact(sock, hlen))
+    async def _hello(self, frames: SocketFrames) -> _Rank | None:
+        sock = frames.sock
+        msg = await frames.message()
+        if msg is None:
+            return None
         if not isinstance(msg, RankHello):
             raise RemoteProtocolError(f"expected RankHello, got {type(msg).__name__}")
         waiting = self.pending_secrets.get(msg.secret)
@@ -258,7 +254,7 @@ class ReplayRouter(CheckpointBench):
         if refusal is None and msg.control:
             assert rank is not None
             await _write(sock, _frame(self._plain_welcome(rank)))
-            await self._serve_control(rank, sock)
+            await self._serve_control(rank, frames)
             return None
         if refusal is None:
             assert rank is not None
@@ -329,29 +325,21 @@ class ReplayRouter(CheckpointBench):
                 continue
             await rank.grew.wait()
 
-    async def _pump(self, rank: _Rank, sock: socket.socket) -> None:
+    async def _pump(self, rank: _Rank, frames: SocketFrames) -> None:
         assert isinstance(rank, _RRank)
-        buf = bytearray()
-        chunk = bytearray(READ_BUFFER)
-        view = memoryview(chunk)
-        while True:
-            n = await _read(sock, view)
-            if n == 0:
-                return
-            buf += view[:n]
-            start = 0
-            while len(buf) - start >= 8:
-                hlen, plen = _unpack_prefix(buf, start)
-                if hlen == 0 or hlen > DEFAULT_MAX_HEADER or plen > DEFAULT_MAX_PAYLOAD:
-                    raise RemoteProtocolError("malformed frame prefix")
-                end = start + 8 + hlen + plen
-                if end > len(buf):
-                    break
-                msg = decode(bytes(buf[start + 8 : start + 8 + hlen]))
-                frame = bytes(buf[start:end])
-                start = end
-                await self._handle(rank, sock, msg, frame, plen)
-            del buf[:start]
+        sock = frames.sock
+        scanner = frames.scanner
+        while (event := await frames.next_event()) is not None:
+            if type(event) is Large:  # kept whole: this router keeps every frame
+                msg = decode_head(event.head, event.header_len, event.payload_len)
+                scanner.claim(bytearray(event.head.nbytes + event.payload_len), whole=True)
+                continue
+            if type(event) is Small:
+                msg = decode_head(event.frame, event.header_len, event.payload_len)
+                frame = bytes(event.frame)
+            else:
+                frame = bytes(event.target)
+            await self._handle(rank, sock, msg, frame, event.payload_len)
 
     async def _handle(
         self, rank: _RRank, sock: socket.socket, msg: Message, frame: bytes, plen: int

@@ -18,7 +18,7 @@ from typing import Any
 import trio
 
 from vpool.protocol.errors import ErrorCode, RemoteProtocolError
-from vpool.protocol.framing import DEFAULT_MAX_HEADER, DEFAULT_MAX_PAYLOAD
+from vpool.protocol.framing import Large, Small, decode_head
 from vpool.protocol.messages import (
     PROTOCOL_VERSION,
     Abort,
@@ -31,17 +31,8 @@ from vpool.protocol.messages import (
     Message,
     RankHello,
     RankWelcome,
-    decode,
 )
-from vpool.sdk.mpiexec_wire import (
-    _GONE,
-    _acquire,
-    _frame,
-    _read,
-    _read_exact,
-    _unpack_prefix,
-    _write,
-)
+from vpool.sdk.mpiexec_wire import _GONE, SocketFrames, _acquire, _frame, _read, _write
 
 JOB = 0
 READ_BUFFER = 1024 * 1024
@@ -176,10 +167,11 @@ class _Router:
         except OSError:
             pass
         rank = None
+        frames = SocketFrames(sock, buffer_size=READ_BUFFER, large=READ_BUFFER // 4)
         try:
-            rank = await self._hello(sock)
+            rank = await self._hello(frames)
             if rank is not None:
-                await self._pump(rank, sock)
+                await self._pump(rank, frames)
         except _GONE:
             pass
         except RemoteProtocolError as exc:
@@ -205,12 +197,11 @@ class _Router:
         assert self.nursery is not None
         self.nursery.start_soon(self.send_acks, rank)
 
-    async def _hello(self, sock: socket.socket) -> _Rank | None:
-        prefix = await _read_exact(sock, 8)
-        hlen, plen = _unpack_prefix(prefix, 0)
-        if hlen == 0 or hlen > DEFAULT_MAX_HEADER or plen:
-            raise RemoteProtocolError("malformed hello")
-        msg = decode(await _read_exact(sock, hlen))
+    async def _hello(self, frames: SocketFrames) -> _Rank | None:
+        sock = frames.sock
+        msg = await frames.message()
+        if msg is None:
+            return None
         if not isinstance(msg, RankHello):
             raise RemoteProtocolError(f"expected RankHello, got {type(msg).__name__}")
         rank = self.by_secret.get(msg.secret)
@@ -226,72 +217,54 @@ class _Router:
         self._connected(rank, sock)
         return rank
 
-    async def _pump(self, rank: _Rank, sock: socket.socket) -> None:
-        """Read the rank's frames and route them, until it hangs up."""
-        buf = bytearray(READ_BUFFER)
-        view = memoryview(buf)
-        start = end = 0
+    async def _pump(self, rank: _Rank, frames: SocketFrames) -> None:
+        """Read the rank's frames and route them, until it hangs up. Consecutive frames to one
+        destination go out in one write; a large one streams through as it arrives."""
+        sock = frames.sock
+        scanner = frames.scanner
         acks = rank.acks
-        eager = 0  # reads in a row that found data without waiting
+        run_dst = -1
+        run: list[memoryview] = []
         while True:
-            # Route every complete frame; consecutive frames to one destination go in one write.
-            run_dst, run_start, run_end = -1, 0, 0
-            while end - start >= 8:
-                hlen, plen = _unpack_prefix(buf, start)
-                if hlen == 0 or hlen > DEFAULT_MAX_HEADER or plen > DEFAULT_MAX_PAYLOAD:
-                    raise RemoteProtocolError("malformed frame prefix")
-                body = start + 8 + hlen
-                if body > end:
-                    break
-                fend = body + plen
-                if fend > end and 8 + hlen + plen <= READ_BUFFER // 2:
-                    break  # wait for the rest of a small frame
-                msg = decode(view[start + 8 : body])
+            event = scanner.next_event()
+            if event is None:
+                # The run's views are of the scanner's buffer: out before the next read.
+                await self._flush_run(run_dst, run)
+                run_dst, run = -1, []
+                if acks:
+                    rank.ack_wanted.set()
+                if not await frames.receive():
+                    return
+                continue
+            if type(event) is Small:
+                msg = decode_head(event.frame, event.header_len, event.payload_len)
                 if type(msg) is Data:
                     self._check(rank, msg)
                     acks[msg.dst] = msg.seq
-                    if fend > end:
-                        # Too large to buffer: stream it through, holding the destination.
-                        await self._flush_run(run_dst, view[run_start:run_end])
-                        run_dst = -1
-                        await self._stream(sock, msg.dst, view[start:end], fend - end, buf)
-                        start = end = 0
-                        break
                     if msg.dst != run_dst:
-                        await self._flush_run(run_dst, view[run_start:run_end])
-                        run_dst, run_start = msg.dst, start
-                    run_end = fend
-                elif plen:
-                    raise RemoteProtocolError(f"{type(msg).__name__} frame with a payload")
-                elif type(msg) is Det:
-                    await self._flush_run(run_dst, view[run_start:run_end])
-                    run_dst = -1
+                        await self._flush_run(run_dst, run)
+                        run_dst, run = msg.dst, []
+                    run.append(event.frame)
+                    continue
+                await self._flush_run(run_dst, run)
+                run_dst, run = -1, []
+                if type(msg) is Det:
                     await self.on_det(rank, sock, msg)
                 else:
-                    await self._flush_run(run_dst, view[run_start:run_end])
-                    run_dst = -1
                     self._control(rank, msg)
-                start = fend
-            await self._flush_run(run_dst, view[run_start:run_end])
-            if start == end:
-                start = end = 0
-            elif start and READ_BUFFER - end < READ_BUFFER // 2:
-                buf[: end - start] = view[start:end]
-                start, end = 0, end - start
-            if acks:
-                rank.ack_wanted.set()
-            try:
-                n = sock.recv_into(view[end:])
-                eager += 1
-                if eager >= 16:
-                    eager = 0
-                    await trio.lowlevel.checkpoint()  # let the other ranks' readers run
-            except BlockingIOError:
-                eager = 0
-                n = await _read(sock, view[end:])
-            if n == 0:
-                return
-            end += n
+                continue
+            assert type(event) is Large
+            msg = decode_head(event.head, event.header_len, event.payload_len)
+            if type(msg) is not Data:
+                raise RemoteProtocolError(f"{type(msg).__name__} frame with a payload")
+            self._check(rank, msg)
+            acks[msg.dst] = msg.seq
+            await self._flush_run(run_dst, run)
+            run_dst, run = -1, []
+            # Too large to buffer: stream it through, holding the destination.
+            head = bytes(event.head)
+            have = scanner.take_payload()
+            await self._stream(frames, msg.dst, [head, have], event.payload_len - have.nbytes)
 
     async def on_det(self, rank: _Rank, sock: socket.socket, msg: Det) -> None:
         """Log a determinant (in memory: nothing here outlives the job) and ack it at once."""
@@ -327,9 +300,10 @@ class _Router:
         else:
             raise RemoteProtocolError(f"unexpected {type(msg).__name__} from a rank")
 
-    async def _flush_run(self, dst: int, frames: memoryview) -> None:
-        if dst < 0 or not frames.nbytes:
+    async def _flush_run(self, dst: int, run: list[memoryview]) -> None:
+        if dst < 0 or not run:
             return
+        frames = run[0] if len(run) == 1 else b"".join(run)
         target = self.ranks[dst]
         if not target.ready.is_set():
             await target.ready.wait()
@@ -338,7 +312,7 @@ class _Router:
             if target.open:
                 acks = _take_acks(target)
                 try:
-                    if acks and frames.nbytes <= SMALL_RUN:
+                    if acks and len(frames) <= SMALL_RUN:
                         await _write(target.sock, acks + frames)
                     else:
                         if acks:
@@ -350,29 +324,31 @@ class _Router:
             target.lock.release()
 
     async def _stream(
-        self, sock: socket.socket, dst: int, head: memoryview, remaining: int, buf: bytearray
+        self, frames: SocketFrames, dst: int, head: list[Any], remaining: int
     ) -> None:
+        """Write ``head`` (the frame's start), then the rest of its payload as it arrives."""
         target = self.ranks[dst]
         if not target.ready.is_set():
             await target.ready.wait()
+        buf = bytearray(min(remaining, READ_BUFFER)) if remaining else bytearray()
         view = memoryview(buf)
         await _acquire(target.lock)
         try:
-            chunk = head
+            chunks: list[Any] = head
             while True:
-                if target.open and chunk.nbytes:
-                    try:
-                        await _write(target.sock, chunk)
-                    except _GONE:
-                        target.open = False
+                for chunk in chunks:
+                    if target.open and len(chunk):
+                        try:
+                            await _write(target.sock, chunk)
+                        except _GONE:
+                            target.open = False
                 if not remaining:
                     return
-                # ``head`` may alias ``buf``: it was written out above, the buffer is free.
-                n = await _read(sock, view[: min(remaining, len(buf))])
+                n = await _read(frames.sock, view[: min(remaining, len(buf))])
                 if n == 0:
                     raise trio.BrokenResourceError("rank hung up mid-frame")
                 remaining -= n
-                chunk = view[:n]
+                chunks = [view[:n]]
         finally:
             target.lock.release()
 

@@ -6,15 +6,14 @@ waiting only when it would block saves a trip through the scheduler per frame.
 
 from __future__ import annotations
 
-import struct
 from typing import Any
 
 import trio
 
-from vpool.protocol.framing import PREFIX
+from vpool.protocol.framing import PREFIX, FrameScanner, Large, Payload, Small, decode_head
 from vpool.protocol.messages import Message, encode
 
-_unpack_prefix = struct.Struct("!II").unpack_from
+Event = Small | Large | Payload
 
 
 def _frame(msg: Message) -> bytes:
@@ -62,3 +61,51 @@ async def _read_exact(sock: Any, n: int) -> bytes:
             raise trio.BrokenResourceError("connection closed")
         got += k
     return bytes(buf)
+
+
+class SocketFrames:
+    """Frames off one non-blocking socket through a ``FrameScanner``: the system call is
+    tried first, the scheduler waited on only when it would block (every 16 reads that found
+    data in a row, the other ranks' readers get their turn)."""
+
+    def __init__(self, sock: Any, *, buffer_size: int = 0, large: int = 0) -> None:
+        self.sock = sock
+        kw = {"large": large} if large else {}
+        self.scanner = FrameScanner(buffer_size=buffer_size, **kw)
+        self._eager = 0
+
+    async def next_event(self) -> Event | None:
+        """The next event; None at a clean end of stream between frames."""
+        scanner = self.scanner
+        while (event := scanner.next_event()) is None:
+            if not await self.receive():
+                return None
+        return event
+
+    async def receive(self) -> bool:
+        """One read into the scanner; False at a clean end of stream."""
+        scanner = self.scanner
+        buf = scanner.get_buffer()
+        try:
+            n = self.sock.recv_into(buf)
+            self._eager += 1
+            if self._eager >= 16:
+                self._eager = 0
+                await trio.lowlevel.checkpoint()
+        except BlockingIOError:
+            self._eager = 0
+            n = await _read(self.sock, buf)
+        if not n:
+            scanner.eof()
+            return False
+        scanner.buffer_updated(n)
+        return True
+
+    async def message(self) -> Message | None:
+        """The next payload-less message (a hello, a control message); None at the end."""
+        event = await self.next_event()
+        if event is None:
+            return None
+        if type(event) is not Small:
+            raise trio.BrokenResourceError("a frame too large for a control message")
+        return decode_head(event.frame, event.header_len, event.payload_len)

@@ -39,12 +39,12 @@ import msgspec
 import trio
 
 from vpool.protocol.api import CheckpointFailed, Lease, RelayInfo
+from vpool.protocol.framing import encode_frame
 from vpool.protocol.messages import CheckpointRequest, CkptForked, CkptPut
 from vpool.worker_agent import ckpt_worker, criu, sandbox
 from vpool.worker_agent.errors import AgentError, CoordinatorRejected
 from vpool.worker_agent.local_ranks import LocalRank
 from vpool.worker_agent.output import STREAMS, OutputPump
-from vpool.worker_agent.wire import encode_small
 
 if TYPE_CHECKING:
     from vpool.worker_agent.ranks import Prepared, RankServices
@@ -374,7 +374,7 @@ class Checkpointer:
         # 1. request, the output held
         await self.pump.hold()
         taking.read = dict(self.pump.read)
-        rank.outbox.push_control(encode_small(CheckpointRequest(request=taking.ckpt)))
+        rank.outbox.push_control(encode_frame(CheckpointRequest(request=taking.ckpt)))
         sig = checkpoint_signal()
         gone = False
         with trio.move_on_after(HOLD_MAX):

@@ -39,8 +39,11 @@ import outcome
 import trio
 
 from vpool import tls
+from vpool.framestream import FrameStream
 from vpool.niceness import lower_this_process
 from vpool.protocol.api import RelayInfo
+from vpool.protocol.errors import RemoteProtocolError
+from vpool.protocol.framing import PREFIX_SIZE, encode_struct
 from vpool.protocol.messages import CkptPut
 from vpool.worker_agent import ckpt_image, criu
 from vpool.worker_agent.store_client import Aborter, StoreError, open_store, run_in_thread
@@ -99,8 +102,6 @@ class Failed(msgspec.Struct, tag="failed"):
 ToWorker = Task | Acked
 FromWorker = Dumped | WantAck | Done | Failed
 
-_encoder = msgspec.msgpack.Encoder()
-
 
 class WorkerProtocolError(Exception):
     """A frame that is not the one expected, or too long, or cut short."""
@@ -110,51 +111,37 @@ class AckRefused(Exception):
     """The agent said the relays did not acknowledge the rank's messages."""
 
 
-def frame(msg: msgspec.Struct) -> bytes:
-    data = _encoder.encode(msg)
-    return len(data).to_bytes(4, "big") + data
+frame = encode_struct
 
 
-class FrameReader:
-    """Frames of one type (``ToWorker`` or ``FromWorker``) from a trio stream."""
+class LinkReader:
+    """Messages of one union (``ToWorker`` or ``FromWorker``) from a trio stream: payload-less
+    frames of the wire format, read by ``protocol.framing.FrameScanner``."""
 
     def __init__(self, stream: trio.abc.ReceiveStream, kind: object) -> None:
-        self.stream = stream
+        self.frames = FrameStream(stream, max_header=MAX_FRAME, max_payload=0)
         self.decoder: msgspec.msgpack.Decoder = msgspec.msgpack.Decoder(kind)
-        self.buf = bytearray()
-
-    async def _fill(self, n: int) -> bool:
-        while len(self.buf) < n:
-            data = await self.stream.receive_some(max(65536, n - len(self.buf)))
-            if not data:
-                if self.buf:
-                    raise WorkerProtocolError("the stream ended inside a frame")
-                return False
-            self.buf += data
-        return True
 
     async def next(self) -> object | None:
         """The next message; None at a clean end of stream."""
-        if not await self._fill(4):
-            return None
-        n = int.from_bytes(self.buf[:4], "big")
-        if n > MAX_FRAME:
-            raise WorkerProtocolError(f"a frame of {n} bytes")
-        if not await self._fill(4 + n):
-            raise WorkerProtocolError("the stream ended inside a frame")
         try:
-            msg = self.decoder.decode(self.buf[4 : 4 + n])
+            raw = await self.frames.receive_raw()
+        except RemoteProtocolError as exc:
+            raise WorkerProtocolError(exc.message) from exc
+        if raw is None:
+            return None
+        header_len, data = raw
+        try:
+            return self.decoder.decode(memoryview(data)[PREFIX_SIZE : PREFIX_SIZE + header_len])
         except msgspec.DecodeError as exc:
             raise WorkerProtocolError(f"bad frame: {exc}") from exc
-        del self.buf[: 4 + n]
-        return msg
 
 
 # -- the worker's side ------------------------------------------------------------------------
 
 
 class _Session:
-    def __init__(self, reader: FrameReader, out: trio.abc.SendStream) -> None:
+    def __init__(self, reader: LinkReader, out: trio.abc.SendStream) -> None:
         self.reader = reader
         self.out = out
 
@@ -282,7 +269,7 @@ def failure(exc: BaseException) -> Failed:
 
 async def serve(stdin: trio.abc.ReceiveStream, stdout: trio.abc.SendStream) -> None:
     """Run tasks until the end of ``stdin``."""
-    reader = FrameReader(stdin, ToWorker)
+    reader = LinkReader(stdin, ToWorker)
     session = _Session(reader, stdout)
     while True:
         msg = await reader.next()

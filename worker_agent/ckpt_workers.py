@@ -29,8 +29,8 @@ from vpool.worker_agent.ckpt_worker import (
     Done,
     Dumped,
     Failed,
-    FrameReader,
     FromWorker,
+    LinkReader,
     Task,
     WantAck,
     WorkerProtocolError,
@@ -53,7 +53,7 @@ class _Worker:
         assert proc.stdin is not None and proc.stdout is not None
         self.proc = proc
         self.stdin = proc.stdin
-        self.reader = FrameReader(proc.stdout, FromWorker)
+        self.reader = LinkReader(proc.stdout, FromWorker)
 
     @classmethod
     async def start(cls, nice: int) -> _Worker:

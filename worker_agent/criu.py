@@ -44,7 +44,7 @@ log = logging.getLogger("vpool.agent")
 DUMP_LOG_NAME = "dump.log"
 
 # What the fingerprint hashes of the vpool tree: the packages a rank and its restore run.
-_VPOOL_PACKAGES = ("vpool", "vpool.protocol", "vpool.sdk", "vpool.worker_agent")
+_VPOOL_PACKAGES = ("vpool", "vpool.protocol", "vpool.mpi", "vpool.worker_agent")
 _SITE_DIRS = frozenset({"site-packages", "dist-packages"})
 _SHARED_OBJECT = re.compile(r"\.so(\.\d+)*$")
 _LDD_PATH = re.compile(r"(?:=>\s*)?(/\S+)\s+\(0x[0-9a-f]+\)")

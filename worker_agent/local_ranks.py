@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING
 import trio
 
 from vpool.protocol.api import Lease, RankState
+from vpool.protocol.framing import Buffer
 from vpool.protocol.messages import Abort, Message
-from vpool.worker_agent.wire import Buffer
 
 if TYPE_CHECKING:
     from vpool.worker_agent.checkpoints import Checkpointer

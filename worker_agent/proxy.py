@@ -29,7 +29,9 @@ from pathlib import Path
 import msgspec
 import trio
 
+from vpool.framestream import FrameStream, send_frames
 from vpool.protocol.errors import ErrorCode, ProtocolError
+from vpool.protocol.framing import encode_frame
 from vpool.protocol.messages import (
     PROTOCOL_VERSION,
     Abort,
@@ -45,7 +47,6 @@ from vpool.protocol.session import Session
 from vpool.worker_agent.errors import RankSocketError, RelayLinkError
 from vpool.worker_agent.local_ranks import LocalRank, LocalRanks
 from vpool.worker_agent.relay_link import Connection
-from vpool.worker_agent.wire import FrameReader, encode_small, send_parts
 
 log = logging.getLogger("vpool.agent")
 
@@ -151,7 +152,7 @@ class RankProxy:
             except OSError:
                 pass  # a smaller buffer only costs throughput
         async with stream:
-            reader = FrameReader(stream, max_payload=self.max_payload)
+            reader = FrameStream(stream, max_payload=self.max_payload)
             session = Session("rank", "server")
             try:
                 greeted = await self._greet(stream, reader, session)
@@ -184,7 +185,7 @@ class RankProxy:
                 rank.conn_done.set()
 
     async def _greet(
-        self, stream: trio.SocketStream, reader: FrameReader, session: Session
+        self, stream: trio.SocketStream, reader: FrameStream, session: Session
     ) -> tuple[LocalRank, bool] | None:
         """The rank that said hello, and whether the hello came from an orphaned clone."""
         with trio.fail_after(HELLO_TIMEOUT):
@@ -247,7 +248,7 @@ class RankProxy:
         )
         session.send(welcome)
         try:
-            await stream.send_all(encode_small(welcome))
+            await stream.send_all(encode_frame(welcome))
         except BaseException:
             if rank.control is stream:
                 rank.control = None
@@ -257,7 +258,7 @@ class RankProxy:
         return rank, hello.orphan
 
     async def _orphan_report(
-        self, reader: FrameReader, rank: LocalRank, stream: trio.SocketStream
+        self, reader: FrameStream, rank: LocalRank, stream: trio.SocketStream
     ) -> None:
         """The ``CkptForked`` of a clone whose rank died before saying it forked, handed on
         once the clone closed the connection (CRIU cannot dump a process holding a socket to
@@ -293,7 +294,7 @@ class RankProxy:
             log.warning("%s: dropped %s (nobody takes them)", rank.label, forked)
 
     async def _control_loop(
-        self, reader: FrameReader, rank: LocalRank, stream: trio.SocketStream
+        self, reader: FrameStream, rank: LocalRank, stream: trio.SocketStream
     ) -> None:
         """Hand the rank's checkpoint frames to its checkpoint task until the rank closes."""
         try:
@@ -322,7 +323,7 @@ class RankProxy:
             if rank.control is stream:
                 rank.control = None
 
-    async def _read_loop(self, reader: FrameReader, session: Session, rank: LocalRank) -> bool:
+    async def _read_loop(self, reader: FrameStream, session: Session, rank: LocalRank) -> bool:
         """Forward the rank's frames; True at end of stream, False after refusing a frame."""
         job, me, size = rank.lease.job, rank.lease.rank, rank.lease.size
         route = rank.route
@@ -376,7 +377,7 @@ class RankProxy:
                     rank.finalized = True
         except ProtocolError as exc:
             log.warning("%s broke the rank protocol: %s", rank.label, exc)
-            rank.outbox.push_control(encode_small(Error(code=exc.code, message=exc.message)))
+            rank.outbox.push_control(encode_frame(Error(code=exc.code, message=exc.message)))
             rank.outbox.close()
             return False
         except trio.BrokenResourceError:
@@ -398,7 +399,7 @@ class RankProxy:
             while True:
                 batch, credits = await outbox.take()
                 try:
-                    await send_parts(stream, batch)
+                    await send_frames(stream, [p for parts in batch for p in parts])
                 finally:
                     outbox.busy = False
                 for link, nbytes in credits.items():
@@ -426,7 +427,7 @@ def _unlink(path: Path) -> None:
 async def _refuse(stream: trio.SocketStream, code: str, message: str) -> None:
     log.warning("refused a rank connection: %s", message)
     try:
-        await stream.send_all(encode_small(Error(code=code, message=message)))
+        await stream.send_all(encode_frame(Error(code=code, message=message)))
     except (trio.BrokenResourceError, trio.ClosedResourceError):
         pass  # the rank is gone already; nobody to explain it to
 

@@ -51,6 +51,7 @@ from vpool.protocol.api import (
     RestoreAttempt,
     RestoreReport,
 )
+from vpool.protocol.framing import encode_frame
 from vpool.protocol.messages import Stop
 from vpool.sizes import format_size
 from vpool.worker_agent import bundle, restore, sandbox, sandboxed
@@ -70,7 +71,6 @@ from vpool.worker_agent.output import OutputPump
 from vpool.worker_agent.relay_links import RelayLinks
 from vpool.worker_agent.settings import AgentSettings
 from vpool.worker_agent.store_client import Aborter, StoreConnection, StoreError, open_store
-from vpool.worker_agent.wire import encode_small
 
 log = logging.getLogger("vpool.agent")
 
@@ -668,7 +668,7 @@ async def _stop_when_asked(rank: LocalRank, launched: _Launched, grace: float) -
     lease = rank.lease
     log.info("stopping %s: %s", rank.label, rank.stop_reason)
     rank.outbox.push_control(
-        encode_small(
+        encode_frame(
             Stop(
                 job=lease.job,
                 rank=lease.rank,

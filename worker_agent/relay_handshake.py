@@ -8,13 +8,14 @@ import ssl
 import trio
 
 from vpool import __version__
+from vpool.framestream import FrameStream
 from vpool.protocol.api import RelayInfo
 from vpool.protocol.errors import ProtocolError
+from vpool.protocol.framing import encode_frame
 from vpool.protocol.messages import PROTOCOL_VERSION, Error, Hello, Welcome
 from vpool.protocol.session import Session
 from vpool.reasons import describe
 from vpool.worker_agent.errors import RelayLinkError
-from vpool.worker_agent.wire import FrameReader, encode_small
 
 
 async def handshake(
@@ -25,7 +26,7 @@ async def handshake(
     token: str,
     max_payload: int,
     seconds: float,
-) -> tuple[trio.SSLStream[trio.SocketStream], FrameReader, Session, Welcome]:
+) -> tuple[trio.SSLStream[trio.SocketStream], FrameStream, Session, Welcome]:
     """Connect to the relay ``info`` (``where`` names it in errors) within ``seconds``; the
     open stream, its frame reader, the session (open) and the relay's ``Welcome``. Raises
     ``RelayLinkError`` saying why not."""
@@ -36,7 +37,7 @@ async def handshake(
             stream = trio.SSLStream(tcp, ssl_context, server_hostname=info.host)
             try:
                 await stream.do_handshake()
-                reader = FrameReader(stream, max_payload=max_payload)
+                reader = FrameStream(stream, max_payload=max_payload)
                 hello = Hello(
                     version=PROTOCOL_VERSION,
                     role="agent",
@@ -44,7 +45,7 @@ async def handshake(
                     software=f"vpool-agent {__version__}",
                 )
                 session.send(hello)
-                await stream.send_all(encode_small(hello))
+                await stream.send_all(encode_frame(hello))
                 frame = await reader.receive()
                 if frame is None:
                     raise RelayLinkError(f"{where} closed the connection after Hello")

@@ -14,13 +14,13 @@ from typing import TYPE_CHECKING
 
 import trio
 
+from vpool.framestream import FrameStream
 from vpool.protocol.errors import ErrorCode, ends_connection
 from vpool.protocol.messages import Ack, Attached, Data, Det, DetAck, Error, Stop
 from vpool.protocol.session import Session
 from vpool.worker_agent.errors import RelayLinkError
 from vpool.worker_agent.local_ranks import LocalRank, RankKey
 from vpool.worker_agent.unacked import Unacked
-from vpool.worker_agent.wire import FrameReader
 
 if TYPE_CHECKING:
     from vpool.worker_agent.relay_link import Connection
@@ -49,7 +49,7 @@ class InboundRouting:
     _unacked: dict[RankKey, Unacked]
     _pending: dict[RankKey, _PendingAttach]
 
-    async def _read_loop(self, reader: FrameReader) -> str:
+    async def _read_loop(self, reader: FrameStream) -> str:
         session = self._session
         ranks = self.ranks
         unacked = self._unacked

@@ -25,8 +25,10 @@ from typing import TYPE_CHECKING
 
 import trio
 
+from vpool.framestream import FrameStream
 from vpool.protocol.api import RelayInfo
-from vpool.protocol.errors import ProtocolError
+from vpool.protocol.errors import ErrorCode, ProtocolError
+from vpool.protocol.framing import Buffer, encode_frame
 from vpool.protocol.messages import (
     Attach,
     Attached,
@@ -44,7 +46,6 @@ from vpool.worker_agent.relay_handshake import handshake
 from vpool.worker_agent.relay_inbound import InboundRouting, _label, _PendingAttach
 from vpool.worker_agent.relay_writer import Dropped, FrameWriter
 from vpool.worker_agent.unacked import Unacked
-from vpool.worker_agent.wire import Buffer, FrameReader, encode_small
 
 if TYPE_CHECKING:
     from vpool.worker_agent.relay_links import RelayLinks
@@ -80,7 +81,7 @@ class Connection:
         if link.current is self:
             msg = Credit(job=job, rank=rank, nbytes=nbytes)
             try:
-                await link._enqueue(msg, [encode_small(msg)], gated=False)
+                await link._enqueue(msg, [encode_frame(msg)], gated=False)
             except Dropped:
                 pass  # a new connection brings a new window
 
@@ -134,7 +135,7 @@ class RelayLink(InboundRouting):
 
     async def _connect(
         self, seconds: float
-    ) -> tuple[trio.SSLStream[trio.SocketStream], FrameReader, Session, Welcome]:
+    ) -> tuple[trio.SSLStream[trio.SocketStream], FrameStream, Session, Welcome]:
         owner = self._owner
         return await handshake(
             self.info,
@@ -162,7 +163,7 @@ class RelayLink(InboundRouting):
 
     # -- running ----------------------------------------------------------------------------
 
-    async def _run(self, stream: trio.SSLStream[trio.SocketStream], reader: FrameReader) -> None:
+    async def _run(self, stream: trio.SSLStream[trio.SocketStream], reader: FrameStream) -> None:
         """Serve the connection; reconnect when it drops, within the window; fail for good
         when the window passes (or at once when no rank needs the link)."""
         reason = "closed"
@@ -202,7 +203,7 @@ class RelayLink(InboundRouting):
                 self._fail(reason, report=not shutting_down)
 
     async def _serve(
-        self, stream: trio.SSLStream[trio.SocketStream], reader: FrameReader, *, resync: bool
+        self, stream: trio.SSLStream[trio.SocketStream], reader: FrameStream, *, resync: bool
     ) -> str:
         reason = "closed"
         writer = self._writer
@@ -259,7 +260,7 @@ class RelayLink(InboundRouting):
 
     async def _reconnect(
         self, deadline: float
-    ) -> tuple[trio.SSLStream[trio.SocketStream], FrameReader, Session, Welcome] | None:
+    ) -> tuple[trio.SSLStream[trio.SocketStream], FrameStream, Session, Welcome] | None:
         delay = _RECONNECT_FIRST
         while True:
             left = deadline - trio.current_time()
@@ -307,10 +308,10 @@ class RelayLink(InboundRouting):
 
     def _refused(self, rank: LocalRank, pending: _PendingAttach) -> None:
         """A re-attachment the relay answered with an Error or a Stop."""
-        if pending.code == "stopped":
+        if pending.code == ErrorCode.STOPPED:
             return  # the rank's runner is stopping it
         self._owner.on_problem(rank, str(pending.result))
-        if pending.code == "fenced":
+        if pending.code == ErrorCode.FENCED:
             rank.request_stop(str(pending.result))
 
     def _set_ready(self) -> None:
@@ -356,7 +357,7 @@ class RelayLink(InboundRouting):
             await self._ready_event.wait()
 
     async def _send_msg(self, msg: Message, *, gated: bool = True) -> None:
-        await self._enqueue(msg, [encode_small(msg)], gated=gated)
+        await self._enqueue(msg, [encode_frame(msg)], gated=gated)
 
     async def _enqueue(self, msg: Message | None, parts: list[Buffer], *, gated: bool) -> None:
         """Write or queue one frame on the current connection. ``gated``: wait until the link
@@ -381,7 +382,7 @@ class RelayLink(InboundRouting):
             return
         msg = Credit(job=job, rank=rank, nbytes=nbytes)
         self._session.send(msg)
-        writer.put_nowait([encode_small(msg)])
+        writer.put_nowait([encode_frame(msg)])
 
     async def _attach_once(
         self,

@@ -17,8 +17,9 @@ from collections import deque
 
 import trio
 
+from vpool.framestream import send_frames
+from vpool.protocol.framing import Buffer
 from vpool.worker_agent.errors import RelayLinkError
-from vpool.worker_agent.wire import Buffer, send_parts
 
 # Frames queued for one relay before senders wait: back-pressure from a slow relay.
 QUEUE = 512
@@ -68,7 +69,7 @@ class FrameWriter:
             self._space.set()
             self._busy = True
             try:
-                await send_parts(self._stream, batch)
+                await send_frames(self._stream, [p for parts in batch for p in parts])
             finally:
                 self._busy = False
 
@@ -102,7 +103,7 @@ class FrameWriter:
         self._busy = True
         try:
             with trio.CancelScope(shield=True):
-                await send_parts(self._stream, [parts])
+                await send_frames(self._stream, parts)
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
             if not self.error:
                 self.error = f"{type(exc).__name__}: {exc}"

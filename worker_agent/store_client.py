@@ -42,7 +42,7 @@ from vpool.niceness import run_niced
 from vpool.protocol.api import RelayInfo
 from vpool.protocol.ckptdigest import MAC_KEY
 from vpool.protocol.errors import ErrorCode, ProtocolError
-from vpool.protocol.framing import PREFIX_SIZE, frame_parts, parse_prefix
+from vpool.protocol.framing import PREFIX_SIZE, FrameScanner, Large, Small, decode_head, frame_parts
 from vpool.protocol.local import LOCAL_SNDBUF, is_loopback, local_socket_name
 from vpool.protocol.messages import (
     PROTOCOL_VERSION,
@@ -56,7 +56,6 @@ from vpool.protocol.messages import (
     Hello,
     Message,
     Welcome,
-    decode,
 )
 from vpool.worker_agent.errors import AgentError
 
@@ -148,7 +147,7 @@ class StoreConnection:
         self._sock = sock
         # A same-host link (``protocol.local``): puts need no transport MAC.
         self.local = local
-        self._buf = bytearray()
+        self._scanner = FrameScanner(max_payload=max_payload)
         self.where = where
         self.max_payload = max_payload
         # The TCP stream beneath TLS, for the payloads of bulk puts (``enable_bulk``).
@@ -198,15 +197,7 @@ class StoreConnection:
         """The next frame (message, payload); an ``Error`` frame raises ``StoreError``."""
         try:
             self._sock.settimeout(timeout)
-            self._fill(PREFIX_SIZE)
-            header_len, payload_len = parse_prefix(
-                self._buf[:PREFIX_SIZE], max_payload=self.max_payload
-            )
-            end = PREFIX_SIZE + header_len + payload_len
-            self._fill(end)
-            msg = decode(self._buf[PREFIX_SIZE : PREFIX_SIZE + header_len])
-            payload = bytes(self._buf[PREFIX_SIZE + header_len : end])
-            del self._buf[:end]
+            msg, payload = self._next()
         except TimeoutError as exc:
             raise StoreError(f"{self.where} sent nothing for {timeout:g} s") from exc
         except (OSError, ValueError) as exc:
@@ -230,12 +221,29 @@ class StoreConnection:
         except OSError:
             pass  # closed meanwhile (aborted): the next call says so
 
-    def _fill(self, n: int) -> None:
-        while len(self._buf) < n:
-            chunk = self._sock.recv(max(_READ, n - len(self._buf)))
-            if not chunk:
-                raise ConnectionError(f"{self.where} closed the connection")
-            self._buf += chunk
+    def _next(self) -> tuple[Message, bytes | bytearray]:
+        """The next whole frame off the socket: a large payload is received into its own
+        buffer."""
+        scanner = self._scanner
+        msg: Message | None = None
+        while True:
+            event = scanner.next_event()
+            if event is None:
+                n = self._sock.recv_into(scanner.get_buffer())
+                if not n:
+                    scanner.eof()
+                    raise ConnectionError(f"{self.where} closed the connection")
+                scanner.buffer_updated(n)
+            elif type(event) is Small:
+                head = PREFIX_SIZE + event.header_len
+                msg = decode_head(event.frame, event.header_len, event.payload_len)
+                return msg, bytes(event.frame[head:])
+            elif type(event) is Large:
+                msg = decode_head(event.head, event.header_len, event.payload_len)
+                scanner.claim(bytearray(event.payload_len))
+            else:
+                assert msg is not None and isinstance(event.target, bytearray)
+                return msg, event.target
 
     def _expect(self, kind: type[Message], timeout: float = IDLE_TIMEOUT) -> Message:
         msg, _ = self.receive(timeout)

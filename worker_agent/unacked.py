@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from vpool.worker_agent.wire import Buffer
+from vpool.protocol.framing import Buffer
 
 Frame = tuple[int, list[Buffer]]  # (seq or index, the frame's parts)
 

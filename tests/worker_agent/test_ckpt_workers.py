@@ -13,13 +13,14 @@ import pytest
 import trio
 import trio.testing
 
+from vpool.protocol.framing import PREFIX
 from vpool.protocol.messages import CkptPut
 from vpool.worker_agent import criu
 from vpool.worker_agent.ckpt_worker import (
     MAX_FRAME,
     Failed,
-    FrameReader,
     FromWorker,
+    LinkReader,
     Task,
     WorkerProtocolError,
     failure,
@@ -188,19 +189,19 @@ async def test_store_failures_come_back_as_store_errors(tmp_path: Path) -> None:
 
 async def test_frames_too_long_or_cut_short_are_refused() -> None:
     send, receive = trio.testing.memory_stream_one_way_pair()
-    reader = FrameReader(receive, FromWorker)
-    await send.send_all((MAX_FRAME + 1).to_bytes(4, "big"))
+    reader = LinkReader(receive, FromWorker)
+    await send.send_all(PREFIX.pack(MAX_FRAME + 1, 0))
     await trio.testing.wait_all_tasks_blocked()
     with pytest.raises(WorkerProtocolError, match="bytes"):
         await reader.next()
     send, receive = trio.testing.memory_stream_one_way_pair()
-    reader = FrameReader(receive, FromWorker)
+    reader = LinkReader(receive, FromWorker)
     await send.send_all(frame(Failed("other", "x"))[:-1])
     await send.aclose()
-    with pytest.raises(WorkerProtocolError, match="ended inside a frame"):
+    with pytest.raises(WorkerProtocolError, match="middle of a frame"):
         await reader.next()
     send, receive = trio.testing.memory_stream_one_way_pair()
-    reader = FrameReader(receive, FromWorker)
+    reader = LinkReader(receive, FromWorker)
     await send.send_all(frame(Failed("other", "x")))
     await send.aclose()
     assert await reader.next() == Failed("other", "x")

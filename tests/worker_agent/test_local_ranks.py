@@ -8,9 +8,9 @@ import trio
 import trio.testing
 
 from vpool.protocol.api import Lease
+from vpool.protocol.framing import encode_frame
 from vpool.protocol.messages import Ack, Data
 from vpool.worker_agent.local_ranks import LocalRank, Outbox
-from vpool.worker_agent.wire import encode_small
 
 
 class FakeLink:
@@ -21,15 +21,15 @@ async def test_outbox_coalesces_acks_and_counts_credit() -> None:
     outbox = Outbox()
     a: Any = FakeLink()
     b: Any = FakeLink()
-    d1 = encode_small(Data(1, 2, 0, 1, 0, 0)) + b"xyz"
-    d2 = encode_small(Data(1, 3, 0, 1, 0, 0))
+    d1 = encode_frame(Data(1, 2, 0, 1, 0, 0)) + b"xyz"
+    d2 = encode_frame(Data(1, 3, 0, 1, 0, 0))
     outbox.push_data([d1], len(d1), a)
-    outbox.push_ack(2, encode_small(Ack(1, 0, 2, 1)))
-    outbox.push_ack(2, encode_small(Ack(1, 0, 2, 5)))
+    outbox.push_ack(2, encode_frame(Ack(1, 0, 2, 1)))
+    outbox.push_ack(2, encode_frame(Ack(1, 0, 2, 5)))
     outbox.push_data([d2], len(d2), b)
     outbox.push_data([d2], len(d2), a)
     batch, credits = await outbox.take()
-    assert batch == [[d1], [d2], [d2], [encode_small(Ack(1, 0, 2, 5))]]
+    assert batch == [[d1], [d2], [d2], [encode_frame(Ack(1, 0, 2, 5))]]
     assert credits == {a: len(d1) + len(d2), b: len(d2)}
     outbox.close()
     with pytest.raises(trio.EndOfChannel):
@@ -76,7 +76,7 @@ def test_write_through_goes_straight_into_an_idle_socket() -> None:
     a, b = _socketpair()
     with a, b:
         outbox.set_socket(a.fileno(), lambda lk, n: written.append((lk, n)))
-        frame = encode_small(Data(1, 2, 0, 1, 0, 0))
+        frame = encode_frame(Data(1, 2, 0, 1, 0, 0))
         outbox.push_data([frame[:5], frame[5:]], len(frame), link)
         assert b.recv(1000) == frame
         assert written == [(link, len(frame))]

@@ -8,6 +8,7 @@ import os
 import pytest
 import trio
 
+from vpool.framestream import FrameStream
 from vpool.protocol.framing import encode_frame
 from vpool.protocol.messages import (
     PROTOCOL_VERSION,
@@ -23,7 +24,6 @@ from vpool.protocol.messages import (
     Stop,
     Welcome,
 )
-from vpool.worker_agent.wire import FrameReader, encode_small
 
 from .conftest import AGENT_TOKEN, FakeCoordinator, FakeRelay, RelayConn, RunningAgent, lease_for
 from .conftest import lines as json_lines
@@ -115,7 +115,7 @@ async def test_one_connection_per_relay_shared_by_ranks(
     assert coordinator.exit_of(7, 0) is None
     await conn.send(Data(job=7, src=1, dst=0, seq=1, ctx=0, tag=0), b"hi")
     want = {
-        Credit(job=7, rank=0, nbytes=len(encode_small(Data(7, 1, 0, 1, 0, 0))) + 2),
+        Credit(job=7, rank=0, nbytes=len(encode_frame(Data(7, 1, 0, 1, 0, 0))) + 2),
         Detach(job=7, rank=1),
     }
     while want:
@@ -128,8 +128,8 @@ async def test_one_connection_per_relay_shared_by_ranks(
 
 async def test_unknown_secret_refused(agent: RunningAgent) -> None:
     async with await trio.open_unix_socket(str(agent.started.socket_path)) as stream:
-        await stream.send_all(encode_small(RankHello(version=PROTOCOL_VERSION, secret="guess")))
-        reader = FrameReader(stream)
+        await stream.send_all(encode_frame(RankHello(version=PROTOCOL_VERSION, secret="guess")))
+        reader = FrameStream(stream)
         with trio.fail_after(5):
             frame = await reader.receive()
             assert frame is not None

@@ -1,4 +1,6 @@
-"""relay.wire.FrameReader: whole frames out of any split of the byte stream, limits first."""
+"""vpool.framestream.FrameStream (the relay's and agent's reader): whole frames out of any split
+of the byte stream, limits first, on streams that hand out bytes (TLS) and on sockets
+(``recv_into``)."""
 
 from __future__ import annotations
 
@@ -9,10 +11,10 @@ import trio
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from vpool.framestream import FrameStream, send_frames
 from vpool.protocol.errors import RemoteProtocolError
-from vpool.protocol.framing import PREFIX, encode_frame
+from vpool.protocol.framing import LARGE, PREFIX, encode_frame
 from vpool.protocol.messages import Credit, Data
-from vpool.relay.wire import BIG, FrameReader
 
 
 class Chunks(trio.abc.ReceiveStream):
@@ -52,9 +54,9 @@ def split(data: bytes, cuts: list[int]) -> list[bytes]:
 
 
 async def read_all(chunks: list[bytes], *, max_payload: int = 1 << 30) -> list[bytes]:
-    reader = FrameReader(Chunks(chunks), max_header=65536, max_payload=max_payload)
+    reader = FrameStream(Chunks(chunks), max_header=65536, max_payload=max_payload)
     got: list[bytes] = []
-    while frames := await reader.read_frames():
+    while frames := await reader.receive_frames():
         for header_len, frame in frames:
             assert PREFIX.unpack_from(frame)[0] == header_len
             got.append(bytes(frame))
@@ -62,7 +64,7 @@ async def read_all(chunks: list[bytes], *, max_payload: int = 1 << 30) -> list[b
 
 
 sizes = st.lists(
-    st.one_of(st.integers(-5, -1), st.integers(0, 300), st.integers(BIG - 50, BIG + 3000)),
+    st.one_of(st.integers(-5, -1), st.integers(0, 300), st.integers(LARGE - 50, LARGE + 3000)),
     min_size=1,
     max_size=8,
 )
@@ -84,8 +86,31 @@ async def test_limits_are_checked_on_the_prefix() -> None:
 
 
 async def test_end_of_stream_inside_a_frame() -> None:
-    frame = frames_of([BIG * 2])[0]
+    frame = frames_of([LARGE * 2])[0]
     with pytest.raises(RemoteProtocolError):
         await read_all([frame[:1000]])
     with pytest.raises(RemoteProtocolError):
         await read_all([frame[:5]])
+
+
+async def test_a_socket_receives_into_the_scanner_and_frames_decode() -> None:
+    a, b = trio.socket.socketpair()
+    sender, receiver = trio.SocketStream(a), trio.SocketStream(b)
+    frames = frames_of([-3, 10, LARGE * 4 + 7, 0, 200])
+    reader = FrameStream(receiver)
+    assert reader._recv_into is not None  # the zero-copy path is the one under test
+    got = []
+    async with trio.open_nursery() as nursery:
+
+        async def send() -> None:
+            await send_frames(sender, frames)
+            await sender.aclose()
+
+        nursery.start_soon(send)
+        while (frame := await reader.receive()) is not None:
+            got.append(frame)
+    await receiver.aclose()
+    assert [bytes(f.frame) for f in got] == frames
+    assert type(got[0].message) is Credit and got[0].payload_len == 0
+    assert [f.payload_len for f in got[1:]] == [10, LARGE * 4 + 7, 0, 200]
+    assert all(type(f.message) is Data and f.size == len(f.frame) for f in got[1:])
