@@ -161,6 +161,9 @@ class StoreSupervisor:
                 stdin=subprocess.DEVNULL,
                 pass_fds=(theirs.fileno(),),
             )
+        except BaseException:
+            ours.close()
+            raise
         finally:
             theirs.close()
         p = _Process(proc, trio.socket.from_stdlib_socket(ours))
