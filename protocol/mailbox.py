@@ -21,12 +21,16 @@ will follow when it is).
 Delivery side (one receiver at a time, the rank's current home attachment)::
 
     attach(received)         resume after ``received[src]`` for every source
-    credit(nbytes)           the receiver consumed that many pushed bytes
-    next_push() -> entry     the next durable entry to push while the window allows, else None
+    credit(nbytes, now)      the receiver consumed that many pushed bytes
+    next_push(now) -> entry  the next durable entry to push while the window allows, else None
     detach()
 
 The window counts un-credited pushed bytes; a frame is pushed while fewer than ``window`` bytes
-are outstanding, so one frame larger than the window still goes out (alone).
+are outstanding, so one frame larger than the window still goes out (alone). With
+``window_max`` above ``window`` the window grows with the bandwidth-delay product of the
+receiver's link (``protocol.window``), from ``window`` up to ``window_max``, and each attach
+starts again from ``window``; ``now`` (the shell's clock, in seconds) is what it measures
+with. Without ``now`` (or without ``window_max``) the window stays as it is.
 """
 
 from __future__ import annotations
@@ -35,7 +39,8 @@ import enum
 from collections.abc import Iterator, Mapping
 from typing import Generic, TypeVar
 
-from vpool.protocol.errors import LocalProtocolError, RemoteProtocolError
+from vpool.protocol.errors import ErrorCode, LocalProtocolError, RemoteProtocolError
+from vpool.protocol.window import PushWindow
 
 R = TypeVar("R")
 
@@ -67,10 +72,10 @@ class Entry(Generic[R]):
 class Mailbox(Generic[R]):
     """Log and delivery state of one destination rank (see the module docstring)."""
 
-    def __init__(self, *, window: int) -> None:
+    def __init__(self, *, window: int, window_max: int | None = None) -> None:
         if window <= 0:
             raise ValueError("window must be positive")
-        self.window = window
+        self.push_window = PushWindow(window, window_max)
         self._log: list[Entry[R]] = []
         self._durable = 0  # log[:_durable] is durable
         self._stored: dict[int, int] = {}  # src -> highest seq appended
@@ -107,7 +112,7 @@ class Mailbox(Generic[R]):
             return Offer.DUPLICATE if seq <= self._acked.get(src, 0) else Offer.PENDING
         raise RemoteProtocolError(
             f"message {seq} from rank {src} after {stored}: a gap in the channel",
-            code="seq_gap",
+            code=ErrorCode.SEQ_GAP,
         )
 
     def append(self, src: int, seq: int, size: int, ref: R, digest: bytes = b"") -> Entry[R]:
@@ -165,11 +170,18 @@ class Mailbox(Generic[R]):
     def attached(self) -> bool:
         return self._attached
 
+    @property
+    def window(self) -> int:
+        """Bytes that may be pushed and not credited, now."""
+        return self.push_window.size
+
     def attach(self, received: Mapping[int, int]) -> None:
-        """A (new) receiver: push everything after ``received[src]``, with an empty window."""
+        """A (new) receiver: push everything after ``received[src]``, with an empty window of
+        the initial size."""
         self._attached = True
         self._received = {src: seq for src, seq in received.items() if seq > 0}
         self.in_flight = 0
+        self.push_window.reset()
         start = len(self._log)
         for src, positions in self._by_src.items():
             k = self._received.get(src, 0) + 1 - self._first_seq[src]
@@ -181,19 +193,31 @@ class Mailbox(Generic[R]):
     def detach(self) -> None:
         self._attached = False
         self.in_flight = 0
+        self.push_window.reset()
 
-    def credit(self, nbytes: int) -> None:
-        """The receiver consumed ``nbytes`` pushed bytes. Never below zero: credits for pushes
-        of a previous attachment may arrive after a re-attach reset the window."""
+    def credit(self, nbytes: int, now: float | None = None) -> None:
+        """The receiver consumed ``nbytes`` pushed bytes (at ``now``). Never below zero:
+        credits for pushes of a previous attachment may arrive after a re-attach reset the
+        window."""
         if nbytes < 0:
-            raise RemoteProtocolError(f"negative credit {nbytes}", code="bad_credit")
+            raise RemoteProtocolError(f"negative credit {nbytes}", code=ErrorCode.BAD_CREDIT)
         self.in_flight = max(0, self.in_flight - nbytes)
+        self.push_window.credited(nbytes, now)
 
     def can_push(self) -> bool:
-        return self._attached and self.in_flight < self.window and self._cursor < self._durable
+        return (
+            self._attached
+            and self.in_flight < self.push_window.size
+            and self._cursor < self._durable
+        )
 
-    def next_push(self) -> Entry[R] | None:
-        if not self._attached or self.in_flight >= self.window:
+    def next_push(self, now: float | None = None) -> Entry[R] | None:
+        """The next entry to push (it counts as pushed at ``now``), or None."""
+        if not self._attached:
+            return None
+        if self.in_flight >= self.push_window.size:
+            if self._cursor < self._durable:
+                self.push_window.limited()
             return None
         log, received = self._log, self._received
         cursor, durable = self._cursor, self._durable
@@ -204,6 +228,7 @@ class Mailbox(Generic[R]):
                 continue
             self._cursor = cursor
             self.in_flight += entry.size
+            self.push_window.pushed(entry.size, now)
             return entry
         self._cursor = cursor
         return None

@@ -346,7 +346,8 @@ class Connection(InboundMessages):
         for box in boxes[first:] + boxes[:first] if len(boxes) > 1 else boxes:
             mailbox = box.mailbox
             while nbytes < PUSH_ROUND:
-                entry = mailbox.next_push()
+                # The push window's round trips start here (``protocol.window``).
+                entry = mailbox.next_push(trio.current_time())
                 if entry is None:
                     break
                 frame = entry.ref.frame

@@ -27,6 +27,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from vpool.protocol.api import RankLost, RelayLoad
 from vpool.protocol.detlog import DetLog
+from vpool.protocol.errors import ErrorCode
 from vpool.protocol.mailbox import Entry, Mailbox
 from vpool.protocol.messages import Det, DetAck, Stop
 from vpool.protocol.tokens import RankClaims
@@ -168,7 +169,7 @@ class Hub:
                 fsync=s.fsync,
                 floor=point.received,
             )
-            mailbox: trim.TrimmableMailbox[Location] = trim.TrimmableMailbox(window=s.push_window)
+            mailbox = self._mailbox()
             mailbox.seed(point.received)
             for rec in records:
                 entry = mailbox.append(rec.src, rec.seq, rec.size, rec.location, rec.digest)
@@ -195,6 +196,14 @@ class Hub:
             )
         self.store.load()
 
+    def _mailbox(self) -> trim.TrimmableMailbox[Location]:
+        """A rank's mailbox: its push window starts at ``push_window`` and grows up to
+        ``push_window_max`` as the round trips it measures on this relay's clock allow."""
+        s = self.settings
+        return trim.TrimmableMailbox(
+            window=s.push_window, window_max=s.push_window_max, clock=trio.current_time
+        )
+
     def _add_box(self, box: Box) -> None:
         self.boxes[(box.job, box.dst)] = box
         self.jobs.setdefault(box.job, {})[box.dst] = box
@@ -208,7 +217,7 @@ class Hub:
                 segment_size=s.segment_size,
                 fsync=s.fsync,
             )
-            box = Box(job, dst, trim.TrimmableMailbox(window=s.push_window), chan)
+            box = Box(job, dst, self._mailbox(), chan)
             self._add_box(box)
         return box
 
@@ -231,7 +240,7 @@ class Hub:
         top = self.fence.get(key, 0)
         if inc < top:
             raise Rejected(
-                "fenced",
+                ErrorCode.FENCED,
                 f"incarnation {inc} of rank {claims.rank} of job {claims.job} was replaced by "
                 f"incarnation {top}",
                 job=claims.job,

@@ -52,7 +52,16 @@ class RelaySettings:
         "coordinator_url is empty; otherwise it comes from registration.",
     )
     push_window: int = setting(
-        4 * MiB, "Bytes pushed to one receiving rank and not yet credited by its agent."
+        4 * MiB,
+        "Bytes pushed to one receiving rank and not yet credited by its agent: the window "
+        "each attachment starts with, and the least it has.",
+    )
+    push_window_max: int = setting(
+        64 * MiB,
+        "Largest push window of one receiving rank, in bytes: while the window limits a "
+        "stream it grows from push_window toward twice the bandwidth-delay product measured "
+        "on the rank's link (plus the largest frame), up to this, which the rank's agent may "
+        "have to buffer; push_window or less keeps the window fixed.",
     )
     max_payload: int = setting(1024 * MiB, "Largest Data payload accepted, in bytes.")
     lost_grace: float = setting(

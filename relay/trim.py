@@ -13,7 +13,7 @@ already obeyed. The trim point of a rank is, per source, the highest seq it no l
 
 A relay restarted after step 1 skips everything at or below the trim point while rebuilding
 (``log.open_log``, ``log.open_dets``) and finishes step 3 itself. A home ``Attach`` asking
-for something below the trim point gets ``Error("trimmed")``: the log cannot serve it.
+for something below the trim point gets ``Error(ErrorCode.TRIMMED)``: the log cannot serve it.
 """
 
 from __future__ import annotations
@@ -21,12 +21,13 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
 from vpool.protocol.detlog import DetLog
+from vpool.protocol.errors import ErrorCode
 from vpool.protocol.framing import encode_frame
 from vpool.protocol.mailbox import Entry, Mailbox
 from vpool.protocol.messages import Attach, Det
@@ -62,10 +63,27 @@ class TrimPoint:
 
 
 class TrimmableMailbox(Mailbox[R]):
-    """A ``Mailbox`` whose durable entries can be dropped per source up to a seq.
+    """A ``Mailbox`` whose durable entries can be dropped per source up to a seq, and which
+    gives the core the relay's time (``clock``) with each credit that comes without one, for
+    the push window's round trips (``protocol.window``).
 
     It reaches into the base class's private state; the trim belongs in
     ``protocol.mailbox`` and can move there unchanged."""
+
+    def __init__(
+        self,
+        *,
+        window: int,
+        window_max: int | None = None,
+        clock: Callable[[], float] | None = None,
+    ) -> None:
+        super().__init__(window=window, window_max=window_max)
+        self.clock = clock
+
+    def credit(self, nbytes: int, now: float | None = None) -> None:
+        if now is None and self.clock is not None:
+            now = self.clock()
+        super().credit(nbytes, now)
 
     def seed(self, floor: Mapping[int, int]) -> None:
         """A rebuilt log of a trimmed rank: every source's channel continues after
@@ -171,7 +189,7 @@ def check_attach(box: Box | None, msg: Attach, job: int, rank: int) -> None:
     for src, seq in sorted(point.received.items()):
         if msg.received.get(src, 0) < seq:
             raise Rejected(
-                "trimmed",
+                ErrorCode.TRIMMED,
                 f"the log of rank {rank} of job {job} no longer holds messages <= {seq} from "
                 f"rank {src} (asked from {msg.received.get(src, 0) + 1}): restore from a "
                 "checkpoint",
@@ -180,7 +198,7 @@ def check_attach(box: Box | None, msg: Attach, job: int, rank: int) -> None:
             )
     if msg.dets_from < point.dets:
         raise Rejected(
-            "trimmed",
+            ErrorCode.TRIMMED,
             f"the log of rank {rank} of job {job} no longer holds determinants below "
             f"{point.dets} (asked from {msg.dets_from}): restore from a checkpoint",
             job=job,

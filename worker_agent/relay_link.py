@@ -155,7 +155,10 @@ class RelayLink(InboundRouting):
         self.welcome = welcome
         # Credit is gathered up to a quarter of the relay's push window: the relay still has
         # three quarters to push into meanwhile, so this never stalls delivery, and one Credit
-        # frame then covers many pushed frames instead of one each.
+        # frame then covers many pushed frames instead of one each. ``Welcome.push_window`` is
+        # the window each attachment starts with and never goes below (it grows with the
+        # link's bandwidth-delay product, protocol/window.py), so a quarter of it stays at
+        # most a quarter of the window in force.
         self.current = Connection(self, max(0, welcome.push_window // 4))
         self.max_payload = self._owner.max_payload
         if welcome.max_payload > 0:
