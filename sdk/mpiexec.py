@@ -12,8 +12,7 @@ stdin goes to rank 0 only; the first rank to exit
 non-zero (or to call ``MPI.Abort(code)``) ends the job, the other ranks are terminated and its code
 is returned. Environment of the ranks as in docs/internals.md ("Rank <-> agent").
 
-The router is ``mpiexec_router`` (its frames and socket I/O ``mpiexec_wire``); the test benches
-that kill a rank or checkpoint it are ``mpiexec_replay``.
+The router is ``mpiexec_router`` (its frames and socket I/O ``mpiexec_wire``).
 
     python -m vpool.sdk.mpiexec -n 4 app.py args
 """
@@ -91,22 +90,6 @@ async def run_async(
     """
     if n < 1:
         raise ValueError("need at least one rank")
-    kill = (env or {}).get("VPOOL_MPIEXEC_KILL") or os.environ.get("VPOOL_MPIEXEC_KILL")
-    ckpt = (env or {}).get("VPOOL_MPIEXEC_CKPT") or os.environ.get("VPOOL_MPIEXEC_CKPT")
-    if kill or ckpt:
-        # Test bench: kill a rank and restart it with replay, or from a checkpoint
-        # (``mpiexec_replay``).
-        from vpool.sdk import mpiexec_replay
-
-        return await mpiexec_replay.run_async(
-            n,
-            argv,
-            kill=mpiexec_replay.parse_kill(kill) if kill else None,
-            ckpt=mpiexec_replay.parse_ckpt(ckpt) if ckpt else None,
-            env=env,
-            stdout=stdout if isinstance(stdout, int) else (stdout.fileno() if stdout else 1),
-            stderr=stderr if isinstance(stderr, int) else (stderr.fileno() if stderr else 2),
-        )
     command = rank_command(argv)
     err_fd = stderr if isinstance(stderr, int) else (stderr.fileno() if stderr else 2)
     # Inherited stdout/stderr are shown as whole lines, as mpiexec does; a file or fd given by

@@ -1,5 +1,5 @@
-"""Checkpoints of the rank runtime (``vpool.mpi.checkpoint``) through the router's bench
-``VPOOL_MPIEXEC_CKPT`` (``sdk/mpiexec_replay.py``), without CRIU: the forked clone of a rank is
+"""Checkpoints of the rank runtime (``vpool.mpi.checkpoint``) through the replay bench's
+``--ckpt`` (``tests/mpi/bench/replay.py``), without CRIU: the forked clone of a rank is
 "restored" by killing the rank, which reparents the clone, and it must carry the job on to the
 same output as an uncheckpointed run."""
 
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import trio
 
-from tests.mpi.test_ft_replay import CASES
+from tests.mpi.test_ft_replay import CASES, bench
 from tests.mpi.test_mpi import Result, mpiexec
 
 # (rank, messages before the request, messages after the commit before the kill). Only the
@@ -66,7 +66,7 @@ async def _ended(pid: int, deadline: float) -> None:
     [(p, n, e, s) for p, n, e, _ in CASES for s in POINTS[p]],
 )
 async def test_restored_rank_carries_on(program: str, n: int, expected: str, spec: str) -> None:
-    res = await mpiexec(n, program, env={"VPOOL_MPIEXEC_CKPT": spec}, deadline=90)
+    res = await bench(n, program, ckpt=spec, deadline=90)
     assert res.returncode == 0, res
     assert res.stdout == expected, res
     rank = spec.split(":")[0]
@@ -81,7 +81,7 @@ async def test_checkpoint_of_a_computing_rank_goes_through_the_signal() -> None:
     # sent after the fifth message). Restored in the middle of the loop, it ends it the same.
     plain = await mpiexec(2, "ckpt_compute.py")
     assert plain.returncode == 0, plain
-    res = await mpiexec(2, "ckpt_compute.py", env={"VPOOL_MPIEXEC_CKPT": "1:5:3"}, deadline=90)
+    res = await bench(2, "ckpt_compute.py", ckpt="1:5:3", deadline=90)
     assert res.returncode == 0, res
     assert res.stdout == plain.stdout, res
     [record] = _records(res)
@@ -94,8 +94,7 @@ async def test_request_while_replaying_is_deferred() -> None:
     # Rank 0 is killed after 100 messages and replays; the request comes at the 20th message
     # of its replay and is taken only once the replay is over: every logged determinant
     # obeyed, every message the relays held re-sent.
-    env = {"VPOOL_MPIEXEC_KILL": "0:100", "VPOOL_MPIEXEC_CKPT": "0:20:10"}
-    res = await mpiexec(4, "farm.py", env=env, deadline=90)
+    res = await bench(4, "farm.py", kill="0:100", ckpt="0:20:10", deadline=90)
     assert res.returncode == 0, res
     assert res.stdout == "farm ok 300\n", res
     [record] = _records(res)
@@ -113,7 +112,7 @@ async def test_orphaned_clone_exits_by_itself() -> None:
     # The rank is killed without a restore file: its clone, reparented, must exit on its own
     # (the router waits for that), and the rank restarts from the beginning. The farm's master:
     # it deposits every task (a worker may get too few to reach the kill).
-    res = await mpiexec(4, "farm.py", env={"VPOOL_MPIEXEC_CKPT": "0:20:10:orphan"}, deadline=90)
+    res = await bench(4, "farm.py", ckpt="0:20:10:orphan", deadline=90)
     assert res.returncode == 0, res
     assert res.stdout == "farm ok 300\n", res
     pid = _clone(res)
@@ -124,7 +123,7 @@ async def test_orphaned_clone_exits_by_itself() -> None:
 
 async def test_clone_of_a_finished_rank_exits() -> None:
     # The kill never comes (the rank ends first): the clone is orphaned when its rank exits.
-    res = await mpiexec(2, "ckpt_compute.py", env={"VPOOL_MPIEXEC_CKPT": "1:5:1000"})
+    res = await bench(2, "ckpt_compute.py", ckpt="1:5:1000")
     assert res.returncode == 0, res
     assert "restored" not in res.stderr, res
     pid = _clone(res)
@@ -132,7 +131,7 @@ async def test_clone_of_a_finished_rank_exits() -> None:
 
 
 async def test_bad_ckpt_spec_is_refused() -> None:
-    res = await mpiexec(2, "ckpt_compute.py", env={"VPOOL_MPIEXEC_CKPT": "1:5"})
+    res = await bench(2, "ckpt_compute.py", ckpt="1:5")
     assert res.returncode != 0
     assert "expected RANK:N:M[:orphan]" in res.stderr, res
 

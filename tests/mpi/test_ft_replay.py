@@ -1,12 +1,47 @@
-"""Restart with replay through the router (``VPOOL_MPIEXEC_KILL``, ``sdk/mpiexec_replay.py``):
-each program is killed at some point on some rank and restarted; it must end as an unkilled run
-does, without the router seeing a re-sent message that differs from the logged one."""
+"""Restart with replay through the router (the replay bench ``tests/mpi/bench/replay.py``,
+``--kill``): each program is killed at some point on some rank and restarted; it must end as an
+unkilled run does, without the router seeing a re-sent message that differs from the logged one."""
 
 from __future__ import annotations
 
-import pytest
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
 
-from tests.mpi.test_mpi import mpiexec
+import pytest
+import trio
+
+from tests.mpi.test_mpi import PROGRAMS, Result, mpiexec
+
+ROOT = Path(__file__).resolve().parents[2]  # the repository: ``tests`` is importable from it
+
+
+async def bench(
+    n: int,
+    program: str,
+    *args: str,
+    kill: str | None = None,
+    ckpt: str | None = None,
+    deadline: float = 60,
+) -> Result:
+    """Run ``programs/<program>`` with ``n`` ranks through the replay bench,
+    ``python -m tests.mpi.bench.replay [--kill RANK:N] [--ckpt RANK:N:M[:orphan]]``."""
+    options = ["--kill", kill] if kill is not None else []
+    options += ["--ckpt", ckpt] if ckpt is not None else []
+    target = str(PROGRAMS / program)
+    cmd = [sys.executable, "-m", "tests.mpi.bench.replay", *options, "-n", str(n), "--"]
+    with trio.fail_after(deadline):
+        proc = await trio.run_process(
+            [*cmd, target, *args],
+            stdin=subprocess.DEVNULL,
+            capture_stdout=True,
+            capture_stderr=True,
+            check=False,
+            cwd=ROOT,
+        )
+    return Result(proc.returncode, proc.stdout.decode(), proc.stderr.decode())
+
 
 CASES = [
     ("farm.py", 4, "farm ok 300\n", ["0:1", "0:150", "2:10", "3:1"]),
@@ -22,7 +57,7 @@ CASES = [
     [(p, n, e, k) for p, n, e, kills in CASES for k in kills],
 )
 async def test_killed_rank_replays(program: str, n: int, expected: str, kill: str) -> None:
-    res = await mpiexec(n, program, env={"VPOOL_MPIEXEC_KILL": kill}, deadline=90)
+    res = await bench(n, program, kill=kill, deadline=90)
     assert res.returncode == 0, res
     assert res.stdout == expected, res
     rank = kill.split(":")[0]
@@ -39,14 +74,14 @@ async def test_unkilled_runs_agree(program: str, n: int, expected: str) -> None:
 
 async def test_replay_router_without_kill_is_transparent() -> None:
     # "RANK:0" never fires: the logging router alone, determinants acked, nothing restarted.
-    res = await mpiexec(3, "ft_poll.py", env={"VPOOL_MPIEXEC_KILL": "0:0"})
+    res = await bench(3, "ft_poll.py", kill="0:0")
     assert res.returncode == 0, res
     assert res.stdout == "poll ok 1305\n", res
     assert "restarting" not in res.stderr, res
 
 
 async def test_nondeterministic_program_fails_clearly() -> None:
-    res = await mpiexec(2, "ft_random.py", env={"VPOOL_MPIEXEC_KILL": "0:20"})
+    res = await bench(2, "ft_random.py", kill="0:20")
     assert res.returncode != 0, res
     assert (
         "program is not deterministic: rank 0 re-sent message 1 to rank 1 (channel 0->1) "
@@ -57,12 +92,18 @@ async def test_nondeterministic_program_fails_clearly() -> None:
 async def test_output_shown_once() -> None:
     # Rank 0 prints one line per task handed out; the restarted rank prints them again, the
     # router shows only what is new.
-    res = await mpiexec(3, "ft_print.py", env={"VPOOL_MPIEXEC_KILL": "0:20"})
+    res = await bench(3, "ft_print.py", kill="0:20")
     assert res.returncode == 0, res
     assert res.stdout == "".join(f"line {i}\n" for i in range(40)) + "print ok\n", res
 
 
 async def test_bad_kill_spec_is_refused() -> None:
-    res = await mpiexec(2, "ft_print.py", env={"VPOOL_MPIEXEC_KILL": "x"})
+    res = await bench(2, "ft_print.py", kill="x")
     assert res.returncode != 0
     assert "expected RANK:MESSAGES" in res.stderr, res
+
+
+def test_the_benches_are_not_shipped() -> None:
+    # The SDK has no fault-injection switch: the benches live here, under tests/.
+    for name in ("mpiexec_replay", "mpiexec_replay_router", "mpiexec_ckpt"):
+        assert importlib.util.find_spec(f"vpool.sdk.{name}") is None, name

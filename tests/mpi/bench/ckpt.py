@@ -1,4 +1,4 @@
-"""The checkpoint bench of ``vsdk mpiexec`` (``VPOOL_MPIEXEC_CKPT``, see ``mpiexec_replay``).
+"""The checkpoint bench over the router of ``vsdk mpiexec`` (``--ckpt``, see ``replay``).
 
 The replaying router's part that requests a checkpoint of one rank (``CheckpointRequest`` + the
 signal, the rank's output held meanwhile), takes ``CkptForked`` on the rank's control connection,
@@ -24,7 +24,7 @@ from vpool.sdk.mpiexec_router import _Router
 from vpool.sdk.mpiexec_wire import _GONE, SocketFrames, _acquire, _frame, _write
 
 if TYPE_CHECKING:
-    from vpool.sdk.mpiexec_replay_router import _RRank
+    from tests.mpi.bench.replay_router import _RRank
 
 CKPT_SIGNAL = signal.SIGRTMIN + 4
 CKPT_ID = 1

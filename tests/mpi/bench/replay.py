@@ -1,41 +1,48 @@
-"""``vsdk mpiexec`` with a rank killed and restarted with replay: a test bench for the runtime's
-fault tolerance (``vpool.mpi.ft``) without the pool.
+"""The replay bench: ``vsdk mpiexec`` with a rank killed and restarted with replay, or
+checkpointed and restored, to test the runtime's fault tolerance (``vpool.mpi.ft``) and
+checkpoints (``vpool.mpi.checkpoint``) without the pool. A test tool, not part of vpool:
 
-Hidden switch: ``VPOOL_MPIEXEC_KILL="RANK:N"`` in the environment of ``vsdk mpiexec`` (or
-``run_async(kill=(RANK, N))``): once rank RANK's first incarnation deposited N messages, the
-router kills it (SIGKILL) and starts incarnation 2, which replays: it gets its determinants
-(``RankWelcome.replay_dets``), every message delivered to the rank so far again from the start,
-and ``replay_sent`` (what it sent before). Re-sent messages are compared byte for byte with the
-ones already delivered and dropped; a difference fails the job with "program is not
-deterministic: ...", as the relays do.
+    python -m tests.mpi.bench.replay [--kill RANK:N] [--ckpt RANK:N:M[:orphan]] -n N app.py args
 
-Hidden switch ``VPOOL_MPIEXEC_CKPT="RANK:N:M"`` (``run_async(ckpt=...)``): a test bench for the
-runtime's checkpoints (``vpool.mpi.checkpoint``) without CRIU. Once rank RANK's incarnation 1
-(2 when ``VPOOL_MPIEXEC_KILL`` names the same rank) deposited N messages, the router requests a
-checkpoint 1 (``CheckpointRequest`` + the signal; the rank's output is not read meanwhile),
-takes ``CkptForked``, waits until every frame it counts as sent is in, and after M more
-deposits kills the rank; the forked
-clone, reparented by that kill, finds ``.vpool-restore.json`` in its rank directory and becomes
-the next incarnation, replaying from its counters. With a fourth field ``orphan`` no restore file
-is written: the clone must exit by itself and the rank restarts from the beginning.
+run from the repository root (``tests`` must be importable); ``run_async`` is the same in-process.
+
+``--kill RANK:N`` (``run_async(kill=(RANK, N))``): once rank RANK's first incarnation deposited N
+messages, the router kills it (SIGKILL) and starts incarnation 2, which replays: it gets its
+determinants (``RankWelcome.replay_dets``), every message delivered to the rank so far again
+from the start, and ``replay_sent`` (what it sent before). Re-sent messages are compared byte
+for byte with the ones already delivered and dropped; a difference fails the job with "program
+is not deterministic: ...", as the relays do.
+
+``--ckpt RANK:N:M`` (``run_async(ckpt=...)``): the runtime's checkpoints without CRIU. Once rank
+RANK's incarnation 1 (2 when ``--kill`` names the same rank) deposited N messages, the router
+requests a checkpoint 1 (``CheckpointRequest`` + the signal; the rank's output is not read
+meanwhile), takes ``CkptForked``, waits until every frame it counts as sent is in, and after M
+more deposits kills the rank; the forked clone, reparented by that kill, finds
+``.vpool-restore.json`` in its rank directory and becomes the next incarnation, replaying from
+its counters. With a fourth field ``orphan`` no restore file is written: the clone must exit by
+itself and the rank restarts from the beginning.
 
 This router keeps every frame (the relays' logs) and reads whole frames, so it is slower than
 the plain one; output of the ranks goes through pipes and what an earlier incarnation already
 showed (per rank and stream, by byte offset) is not shown again. The router is
-``mpiexec_replay_router.ReplayRouter``, its checkpoint half ``mpiexec_ckpt.CheckpointBench``.
+``replay_router.ReplayRouter``, its checkpoint half ``ckpt.CheckpointBench``; both extend the
+router of ``vsdk mpiexec`` (``vpool.sdk.mpiexec_router``).
 """
 
 from __future__ import annotations
 
+import argparse
 import os
+import signal
 import socket
+import sys
 from collections.abc import Mapping, Sequence
 
 import trio
 
+from tests.mpi.bench.ckpt import ORPHAN_GRACE, _close_writers
+from tests.mpi.bench.replay_router import ReplayRouter, _RRank
 from vpool.sdk.mpiexec import rank_command
-from vpool.sdk.mpiexec_ckpt import ORPHAN_GRACE, _close_writers
-from vpool.sdk.mpiexec_replay_router import ReplayRouter, _RRank
 
 
 def parse_kill(spec: str) -> tuple[int, int]:
@@ -43,9 +50,9 @@ def parse_kill(spec: str) -> tuple[int, int]:
     try:
         rank, n = (int(x) for x in spec.split(":"))
     except ValueError:
-        raise ValueError(f"VPOOL_MPIEXEC_KILL={spec!r}: expected RANK:MESSAGES") from None
+        raise ValueError(f"--kill {spec!r}: expected RANK:MESSAGES") from None
     if rank < 0 or n < 0:
-        raise ValueError(f"VPOOL_MPIEXEC_KILL={spec!r}: expected RANK:MESSAGES")
+        raise ValueError(f"--kill {spec!r}: expected RANK:MESSAGES")
     return rank, n
 
 
@@ -58,9 +65,9 @@ def parse_ckpt(spec: str) -> tuple[int, int, int, bool]:
             raise ValueError
         rank, n, m = (int(x) for x in fields[:3])
     except ValueError:
-        raise ValueError(f"VPOOL_MPIEXEC_CKPT={spec!r}: expected RANK:N:M[:orphan]") from None
+        raise ValueError(f"--ckpt {spec!r}: expected RANK:N:M[:orphan]") from None
     if rank < 0 or n < 1 or m < 0:
-        raise ValueError(f"VPOOL_MPIEXEC_CKPT={spec!r}: expected RANK:N:M[:orphan]")
+        raise ValueError(f"--ckpt {spec!r}: expected RANK:N:M[:orphan]")
     return rank, n, m, orphan
 
 
@@ -75,7 +82,7 @@ async def run_async(
     stderr: int = 2,
 ) -> int:
     """Run ``n`` ranks of ``argv`` with the replaying router; the job's exit code. ``kill``:
-    (rank, messages) as ``VPOOL_MPIEXEC_KILL``; ``ckpt``: as ``VPOOL_MPIEXEC_CKPT``.
+    (rank, messages) as ``--kill``; ``ckpt``: (rank, n, m, orphan) as ``--ckpt``.
     ``stdout``/``stderr``: file descriptors."""
     import tempfile
 
@@ -85,7 +92,8 @@ async def run_async(
         raise ValueError(f"cannot kill rank {kill[0]} of {n}")
     if ckpt is not None and not 0 <= ckpt[0] < n:
         raise ValueError(f"cannot checkpoint rank {ckpt[0]} of {n}")
-    hidden = ("VPOOL_MPIEXEC_KILL", "VPOOL_MPIEXEC_CKPT", "VPOOL_CKPT_SIGNAL", "VPOOL_RANK_DIR")
+    # Checkpoints of a pool job are its agent's business, not this bench's (as in mpiexec).
+    hidden = ("VPOOL_CKPT_SIGNAL", "VPOOL_RANK_DIR")
     base = {k: v for k, v in {**os.environ, **(env or {})}.items() if k not in hidden}
     router = ReplayRouter(n, stderr, kill, rank_command(argv), base, ckpt)
     router.out_fds = (stdout, stderr)
@@ -125,3 +133,51 @@ async def run_async(
             trio.lowlevel.notify_closing(listener)
             listener.close()
     return router.exit_code or 0
+
+
+def main(args: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m tests.mpi.bench.replay",
+        description="Run an mpi4py program's ranks on this machine with a rank killed and "
+        "restarted with replay (--kill) or checkpointed and restored (--ckpt): a test bench.",
+        epilog="example: python -m tests.mpi.bench.replay --kill 0:20 -n 3 app.py",
+    )
+    parser.add_argument("-n", "-np", dest="n", type=int, default=1, help="number of ranks")
+    parser.add_argument(
+        "--kill",
+        metavar="RANK:N",
+        help="kill rank RANK once it deposited N messages; it restarts with replay",
+    )
+    parser.add_argument(
+        "--ckpt",
+        metavar="RANK:N:M[:orphan]",
+        help="checkpoint rank RANK after N messages, kill it M messages after the commit; "
+        "its clone restores (orphan: no restore file, the clone exits)",
+    )
+    parser.add_argument("program", nargs=argparse.REMAINDER, help="app.py and its arguments")
+    ns = parser.parse_args(args)
+    program = list(ns.program)
+    if program and program[0] == "--":
+        program = program[1:]
+    if not program:
+        parser.error("no program given")
+    try:
+        kill = parse_kill(ns.kill) if ns.kill is not None else None
+        ckpt = parse_ckpt(ns.ckpt) if ns.ckpt is not None else None
+    except ValueError as exc:
+        parser.error(str(exc))
+    for name, spec in (("kill", kill), ("checkpoint", ckpt)):
+        if spec is not None and not 0 <= spec[0] < ns.n:
+            parser.error(f"cannot {name} rank {spec[0]} of {ns.n}")
+
+    async def run() -> int:
+        return await run_async(ns.n, program, kill=kill, ckpt=ckpt)
+
+    try:
+        return trio.run(run)
+    except KeyboardInterrupt:
+        return 128 + signal.SIGINT  # the ranks got the same SIGINT and are killed by now
+
+
+if __name__ == "__main__":
+    sys.exit(main())

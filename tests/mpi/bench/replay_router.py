@@ -1,12 +1,12 @@
-"""The router of ``vsdk mpiexec`` that restarts a killed rank with replay (see
-``mpiexec_replay`` for the switches).
+"""The router of the replay bench that restarts a killed rank with replay (see ``replay`` for
+the bench's options); it extends the router of ``vsdk mpiexec`` (``vpool.sdk.mpiexec_router``).
 
 It keeps every frame (the relays' logs): ``Data`` delivered to each rank, in delivery order, and
 what each rank sent, by channel and seq, so a new incarnation gets its determinants, every
 message delivered so far again and ``replay_sent``; re-sent messages are compared byte for byte
 with the ones already delivered. It runs each rank's incarnations in turn and shows their output
 through pipes, each byte once over all incarnations. The checkpoint bench's half is
-``mpiexec_ckpt.CheckpointBench``.
+``ckpt.CheckpointBench``.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from typing import Any
 
 import trio
 
+from tests.mpi.bench.ckpt import CKPT_ID, CKPT_SIGNAL, CheckpointBench, _close_writers
 from vpool.protocol.errors import ErrorCode, RemoteProtocolError, divergence_message
 from vpool.protocol.framing import Large, Small, decode_head
 from vpool.protocol.messages import (
@@ -32,7 +33,6 @@ from vpool.protocol.messages import (
     RankWelcome,
 )
 from vpool.sdk.mpiexec import rank_environment
-from vpool.sdk.mpiexec_ckpt import CKPT_ID, CKPT_SIGNAL, CheckpointBench, _close_writers
 from vpool.sdk.mpiexec_router import (
     JOB,
     KILL_GRACE,
