@@ -11,9 +11,10 @@ link carries. So the window starts at ``initial`` and grows while it is what lim
   when credit covers a pushed frame, the frame gives a round-trip sample (push to credit) and
   a delivery-rate sample (bytes credited since the frame went out, over the longer of the
   credit interval and the send interval, so that credit arriving in a burst does not count as
-  a fast link). ``min_rtt`` is the smallest round trip of the last ``MIN_RTT_EXPIRY`` seconds
-  (so queueing in the agent, which lengthens round trips, does not count as distance) and
-  ``max_rate`` the largest delivery rate since the reset.
+  a fast link). ``min_rtt`` is the smallest round trip seen (so queueing in the agent, which
+  lengthens round trips, does not count as distance), replaced by the newest sample once it is
+  ``MIN_RTT_EXPIRY`` seconds old (a path that got longer is noticed); ``max_rate`` is the
+  largest delivery rate since the reset.
 - **Growth**: on credit, if the window held the stream back since the last credit
   (``limited``: frames were waiting while ``in_flight >= size``), the window becomes
   ``GAIN * max_rate * min_rtt + max_frame`` when that is larger, within ``maximum``: twice the
@@ -25,16 +26,17 @@ link carries. So the window starts at ``initial`` and grows while it is what lim
   While the window limits a stream that has no other bottleneck, a round trip delivers about
   one window, so the window doubles each round trip; once something else (the link, the
   agent, the rank) sets the pace, the delivery rate stops rising and so does the window. A
-  slow receiver does not make it grow: its round trips are long but ``min_rtt`` is not, and
-  its rate is low.
+  slow receiver grows it little: its round trips are long but ``min_rtt`` is not, and its
+  rate is low.
 - **Never shrinks** while the receiver stays attached: everything in flight stays allowed, and
   a window larger than needed costs nothing on the relay (pushed frames leave its memory; the
   log keeps them), only buffer room in the receiving agent, which ``maximum`` bounds. ``reset``
   (a new attachment) returns to ``initial``.
 
 Credit is counted per byte and may cover part of a frame; a frame gives samples only once
-credit covers all of it. Credit beyond what was pushed (late credit of an earlier attachment)
-is ignored. Pushes or credits without a time (``now`` None) count bytes and give no samples.
+credit covers all of it, and credit that completes several gives them for the newest. Credit
+beyond what was pushed (late credit of an earlier attachment) is ignored. Pushes or credits
+without a time (``now`` None) count bytes and give no samples.
 """
 
 from __future__ import annotations

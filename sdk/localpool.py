@@ -28,7 +28,7 @@ import subprocess
 import tempfile
 import time
 import tomllib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -397,10 +397,13 @@ def up(
     timeout: float = READY_TIMEOUT,
     progress: Progress = _quiet,
     config_path: Path | None = None,
+    relay_options: Mapping[str, Any] | None = None,
 ) -> PoolStarted:
     """Start a coordinator, ``relays`` relays and ``agents`` agents on 127.0.0.1 and point the
     client config at them. The coordinator keeps the jobs of the previous local pool (its
-    database and files) unless ``fresh``; everything else starts anew."""
+    database and files) unless ``fresh``; everything else starts anew. ``relay_options``:
+    settings written into every relay's config over the pool's own (benchmarks: a relay on
+    another loopback address behind a delay line, a push window)."""
     if agents < 1 or relays < 1 or slots < 1:
         raise LocalPoolError("a local pool needs at least one agent, one relay and one slot")
     lay = layout()
@@ -437,7 +440,9 @@ def up(
         agent_names = [f"agent-{i}" for i in range(agents)]
         for name in relay_names:
             make_server_cert(lay, name, now=now)
-            write_config(lay, name, relay_settings(lay, name, sec, url))
+            write_config(
+                lay, name, {**relay_settings(lay, name, sec, url), **(relay_options or {})}
+            )
             starter.start(name, relay_argv(lay, name))
         progress(f"starting {relays} relay(s)")
         starter.wait_ready(relay_names, timeout)
