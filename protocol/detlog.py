@@ -83,3 +83,19 @@ class DetLog(Generic[R]):
                 f"determinants before {self.first} are gone (asked from {start})"
             )
         return self._refs[start - self.first :]
+
+    def trimmed(self, first: int) -> DetLog[R]:
+        """This log without the entries below ``first`` (a committed checkpoint made them
+        unnecessary), with the same written and durable state."""
+        if first <= self.first:
+            return self
+        out: DetLog[R] = DetLog(first=first)
+        end = len(self)
+        if first >= end:
+            return out
+        for index, ref in enumerate(self.replay(first), start=first):
+            out.append(index, ref)
+            if index < self._durable:
+                out.written(index)
+        out.advance()
+        return out

@@ -233,6 +233,50 @@ class Mailbox(Generic[R]):
         self._cursor = cursor
         return None
 
+    # -- trimming ---------------------------------------------------------------------------
+
+    def seed(self, floor: Mapping[int, int]) -> None:
+        """A rebuilt log of a trimmed rank: every source's channel continues after
+        ``floor[src]``, which counts as stored and durable. Call before any ``append``."""
+        for src, seq in floor.items():
+            if seq > 0:
+                self._stored[src] = seq
+                self._acked[src] = seq
+
+    def trim(self, floor: Mapping[int, int]) -> list[Entry[R]]:
+        """Drop the durable entries with ``seq <= floor[src]`` (a committed checkpoint made
+        them unnecessary); return them. The delivery cursor keeps its place among the entries
+        kept."""
+        log, durable, cursor = self._log, self._durable, self._cursor
+        kept: list[Entry[R]] = []
+        dropped: list[Entry[R]] = []
+        new_durable = new_cursor = 0
+        for i, e in enumerate(log):
+            if i < durable and e.seq <= floor.get(e.src, 0):
+                dropped.append(e)
+                continue
+            kept.append(e)
+            if i < durable:
+                new_durable += 1
+            if i < cursor:
+                new_cursor += 1
+        if not dropped:
+            return []
+        self._log = kept
+        self._durable = new_durable
+        self._cursor = new_cursor
+        self._by_src = {}
+        self._first_seq = {}
+        for i, e in enumerate(kept):
+            positions = self._by_src.get(e.src)
+            if positions is None:
+                self._by_src[e.src] = [i]
+                self._first_seq[e.src] = e.seq
+            else:
+                positions.append(i)
+        self._bytes -= sum(e.size for e in dropped)
+        return dropped
+
     # -- inspection -------------------------------------------------------------------------
 
     def __len__(self) -> int:

@@ -67,9 +67,9 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from vpool.protocol.api import RelayCheckpoint
 from vpool.protocol.errors import ErrorCode
+from vpool.protocol.relay_core import Refused, TrimPoint
 from vpool.relay import log as logfiles
 from vpool.relay import trim
-from vpool.relay.errors import Rejected
 
 if TYPE_CHECKING:
     from vpool.relay.hub import Hub
@@ -367,7 +367,7 @@ class CheckpointStore:
             logger.info("job %d rank %d: image %d refused by the coordinator", *_ids(img))
             await self._io(lambda: delete_image(img))
 
-    def _point(self, key: Key) -> tuple[trim.TrimPoint, Any] | None:
+    def _point(self, key: Key) -> tuple[TrimPoint, Any] | None:
         box = self.hub.boxes.get(key)
         target = trim_target(list(self.images.get(key, {}).values()))
         if box is None or box.dead or target is None:
@@ -382,7 +382,7 @@ class CheckpointStore:
         if found is None:
             return
         point, box = found
-        await self._io(lambda: trim.write_point(box.log.directory, point))
+        await self._io(lambda: trim.write_point(box.io.log.directory, point))
         # The box may have been trimmed further, or deleted, while the point was written.
         if not box.dead and point.merged(box.trim.received, box.trim.dets) == point:
             trim.apply(self.hub, box, point)
@@ -391,7 +391,7 @@ class CheckpointStore:
         found = self._point(key)
         if found is not None:
             point, box = found
-            trim.write_point(box.log.directory, point)
+            trim.write_point(box.io.log.directory, point)
             trim.apply(self.hub, box, point)
 
     async def _io(self, fn: Any, *args: Any) -> Any:
@@ -405,17 +405,17 @@ class CheckpointStore:
             await self.hub.key_ready.wait()
         return self.hub.signing_key
 
-    def begin_put(self, key: Key, incarnation: int, ckpt: int) -> Rejected | None:
+    def begin_put(self, key: Key, incarnation: int, ckpt: int) -> Refused | None:
         """Why image ``ckpt`` of incarnation ``incarnation`` of the rank may not be uploaded
         now, or None: then the rank is marked as uploading (``busy`` to others) until
         ``commit_put`` or the upload's end."""
         job, rank = key
         if job in self.hub.finished:
-            return Rejected(ErrorCode.JOB_FINISHED, f"job {job} is over", job=job, rank=rank)
+            return Refused(ErrorCode.JOB_FINISHED, f"job {job} is over", job=job, rank=rank)
         imgs = self.images.get(key, {})
         top = max([self.hub.fence.get(key, 0), *(i.incarnation for i in imgs.values())])
         if incarnation < top:
-            return Rejected(
+            return Refused(
                 ErrorCode.FENCED,
                 f"image {ckpt} of incarnation {incarnation} of rank {rank} of job "
                 f"{job}: incarnation {top} replaced it",
@@ -423,14 +423,14 @@ class CheckpointStore:
                 rank=rank,
             )
         if imgs and ckpt <= max(imgs):
-            return Rejected(
+            return Refused(
                 ErrorCode.STALE_CHECKPOINT,
                 f"image {ckpt} of rank {rank} of job {job} is not newer than image {max(imgs)}",
                 job=job,
                 rank=rank,
             )
         if key in self.uploading:
-            return Rejected(
+            return Refused(
                 ErrorCode.BUSY,
                 f"an image of rank {rank} of job {job} is being uploaded",
                 job=job,
@@ -439,15 +439,15 @@ class CheckpointStore:
         self.uploading.add(key)
         return None
 
-    async def commit_put(self, img: Image) -> Rejected | list[int]:
+    async def commit_put(self, img: Image) -> Refused | list[int]:
         """An uploaded image is durable on disk: commit it (``commit``) and return the images
         retained, or why it may not be (then the caller deletes it)."""
         job, rank = key = (img.job, img.rank)
         self.uploading.discard(key)
         if job in self.hub.finished:
-            return Rejected(ErrorCode.JOB_FINISHED, f"job {job} is over", job=job, rank=rank)
+            return Refused(ErrorCode.JOB_FINISHED, f"job {job} is over", job=job, rank=rank)
         if self.hub.fence.get(key, 0) > img.incarnation:
-            return Rejected(
+            return Refused(
                 ErrorCode.FENCED,
                 f"incarnation {img.incarnation} of rank {rank} of job {job} was replaced while "
                 "its image was uploaded",

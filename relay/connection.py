@@ -9,8 +9,8 @@ queued control messages (``Welcome``, ``Attached`` and the replayed ``Det``s, ``
 of this connection's ranks, round robin, within their windows.
 
 Re-sent messages (a reconnecting agent, a restarted rank replaying) are dropped, after their
-content was compared with the logged copy (``determinism``). What each message does is
-``connection_inbound.InboundMessages``.
+content was compared with the logged copy. What each message does is decided by the relay's
+core (``protocol.relay_core``); this is its shell for one connection.
 
 Write-through: when a small batch is written inline and its receivers' writers are idle, the
 depositing reader pushes the new frames itself (``push_now``), saving the writer's task switch,
@@ -20,7 +20,7 @@ would corrupt the receiver's TLS stream.
 Checkpoint store connections open with a preamble and never get here (``server``,
 ``ckptstore``); a ``Hello(role="store")`` here is refused.
 
-Anything the agent gets wrong ends in ``Rejected``: the writer sends the ``Error``, the relay
+Anything the agent gets wrong ends in ``Refused``: the writer sends the ``Error``, the relay
 ends its side and drains what the agent still sends for a moment (so the error is not lost to a
 TCP reset), and only this connection closes.
 """
@@ -32,12 +32,13 @@ import logging
 import trio
 
 from vpool.framestream import FrameStream, RawFrame, send_frames
-from vpool.protocol.errors import ErrorCode, RemoteProtocolError, TokenError
+from vpool.protocol.errors import ErrorCode, RemoteProtocolError, TokenError, ends_connection
 from vpool.protocol.framing import DEFAULT_MAX_HEADER, PREFIX_SIZE, encode_frame
 from vpool.protocol.messages import (
     PROTOCOL_VERSION,
     Ack,
     Attach,
+    Attached,
     Credit,
     Data,
     Det,
@@ -45,15 +46,13 @@ from vpool.protocol.messages import (
     Error,
     Hello,
     Message,
-    Stop,
     Welcome,
     decode,
 )
+from vpool.protocol.relay_core import Refused
 from vpool.protocol.session import Session, State
-from vpool.protocol.tokens import AgentClaims, verify_token
-from vpool.relay.connection_inbound import InboundMessages, rejection
-from vpool.relay.errors import Rejected
-from vpool.relay.hub import Attachment, Batch, Box, Hub, Key, now
+from vpool.protocol.tokens import AgentClaims, RankClaims, verify_token
+from vpool.relay.hub import Batch, Hub, now
 
 logger = logging.getLogger(__name__)
 
@@ -74,17 +73,23 @@ ACK_DELAY = 0.005
 STREAMING_GAP = 0.0002
 
 
-class Connection(InboundMessages):
+def rejection(exc: RemoteProtocolError | TokenError, *, job: int = -1, rank: int = -1) -> Refused:
+    """The one place protocol-core errors become a connection's ``Error``."""
+    rej = Refused(exc.code, exc.message, job=job, rank=rank)
+    rej.__cause__ = exc
+    return rej
+
+
+class Connection:
     def __init__(self, hub: Hub, stream: trio.abc.Stream, *, peer: str = "") -> None:
         self.hub = hub
+        self.core = hub.core
         self.stream = stream
         self.peer = peer
         self.session = Session("relay", "server")
         self.agent = ""
-        self.attached: dict[Key, Attachment] = {}
-        # Ranks fenced or stopped on this connection: their late frames are dropped quietly.
-        self.fenced: set[Key] = set()
-        self.home_boxes: list[Box] = []
+        # The core's view of this connection: its attachments, fenced ranks, home boxes.
+        self.link = hub.core.link(self)
         self._control: list[bytes] = []
         self._acks: dict[tuple[int, int, int], int] = {}
         self._acks_since = 0.0
@@ -126,13 +131,7 @@ class Connection(InboundMessages):
                 self._wake.set()
             self._acks[key] = seq
 
-    def fence_out(self, key: Key, stop: Stop) -> None:
-        """A newer incarnation (or the job's end) took this rank away from this connection."""
-        self.fenced.add(key)
-        if self.session.is_open:
-            self.send(stop)
-
-    def _fail(self, rej: Rejected) -> None:
+    def _fail(self, rej: Refused) -> None:
         if self._final is not None:
             return
         err = Error(code=rej.code, message=rej.message, job=rej.job, rank=rej.rank)
@@ -156,7 +155,7 @@ class Connection(InboundMessages):
                 nursery.start_soon(self._write_loop, nursery.cancel_scope)
                 try:
                     await self._read_loop(reader)
-                except Rejected as rej:
+                except Refused as rej:
                     logger.info("%r: %s", self, rej.message)
                     self._fail(rej)
                     with trio.move_on_after(ERROR_LINGER):
@@ -209,27 +208,27 @@ class Connection(InboundMessages):
                 await self.stream.do_handshake()
             frames = await reader.receive_frames()
         if not frames:
-            raise Rejected(ErrorCode.TIMEOUT, "no Hello in time")
+            raise Refused(ErrorCode.TIMEOUT, "no Hello in time")
         header_len, frame = frames[0]
         msg = self._decode(header_len, frame)
         self.session.receive(msg)
         assert isinstance(msg, Hello)  # the session table admits nothing else first
         if msg.version != PROTOCOL_VERSION:
-            raise Rejected(
+            raise Refused(
                 ErrorCode.BAD_VERSION,
                 f"protocol version {msg.version}; this relay speaks {PROTOCOL_VERSION}",
             )
         if msg.role == "store":
-            raise Rejected(
+            raise Refused(
                 ErrorCode.UNEXPECTED_MESSAGE, "store connections start with the store preamble"
             )
         if msg.role != "agent":
-            raise Rejected(ErrorCode.BAD_ROLE, f"role {msg.role!r}; only agents connect to relays")
+            raise Refused(ErrorCode.BAD_ROLE, f"role {msg.role!r}; only agents connect to relays")
         with trio.move_on_after(settings.handshake_timeout):
             await self.hub.key_ready.wait()
         key = self.hub.signing_key
         if key is None:
-            raise Rejected(
+            raise Refused(
                 ErrorCode.NOT_READY, "the relay is not registered with the coordinator yet"
             )
         claims = verify_token(msg.token, key, now=now(), kind=AgentClaims)
@@ -254,22 +253,36 @@ class Connection(InboundMessages):
         return msg
 
     async def _handle(self, frames: list[RawFrame]) -> None:
+        """Every frame of one read: the core decides, new deposits are staged for one group
+        write."""
         batch = Batch()
         session = self.session
+        relay = self.core
         try:
             for header_len, frame in frames:
                 msg = self._decode(header_len, frame)
                 session.receive(msg)
                 if type(msg) is Data:
-                    self._deposit(msg, frame, batch)
+                    try:
+                        box = relay.deposit(self, msg.job, msg.src, msg.dst, msg.seq, frame)
+                    except RemoteProtocolError as exc:
+                        raise rejection(exc, job=msg.job, rank=msg.src) from exc
+                    if box is not None:
+                        self.hub.stage(batch, box, msg.src, msg.seq, frame)
                 elif type(msg) is Credit:
-                    self._credit(msg)
+                    try:
+                        relay.credit(self, msg.job, msg.rank, msg.nbytes, trio.current_time())
+                    except RemoteProtocolError as exc:
+                        raise rejection(exc, job=msg.job, rank=msg.rank) from exc
                 elif type(msg) is Det:
-                    self._det(msg, frame, batch)
+                    try:
+                        box = relay.det(self, msg.job, msg.rank, msg.index)
+                    except RemoteProtocolError as exc:
+                        raise rejection(exc, job=msg.job, rank=msg.rank) from exc
+                    if box is not None:
+                        self.hub.stage_det(batch, box, msg, frame)
                 elif type(msg) is Attach:
                     claims = self._claims(msg)
-                    if claims is None:
-                        continue
                     box = self.hub.boxes.get((claims.job, claims.rank)) if msg.home else None
                     if box is not None and box.dets.durable < len(box.dets):
                         # Determinants of the rank are being written: the new attachment may
@@ -278,16 +291,79 @@ class Connection(InboundMessages):
                         await self._flush(batch)
                         batch = Batch()
                         await self.hub.dets_settled(box)
-                        claims = self._claims(msg)  # the job may have ended meanwhile
-                        if claims is None:
-                            continue
                     self._attach(msg, claims)
                 elif type(msg) is Detach:
-                    self.hub.detach(self, msg.job, msg.rank)
+                    relay.detach(self, msg.job, msg.rank)
         finally:
             # Frames staged before a bad one still have their place reserved in the log: they
             # must be written, or the log would keep a hole.
             await self._flush(batch)
+
+    def _claims(self, msg: Attach) -> RankClaims:
+        """The checked claims of an Attach's token."""
+        hub = self.hub
+        assert hub.signing_key is not None
+        try:
+            claims = verify_token(msg.token, hub.signing_key, now=now(), kind=RankClaims)
+        except TokenError as exc:
+            raise Refused(exc.code, f"rank token refused: {exc.message}") from exc
+        job, rank = claims.job, claims.rank
+        if claims.agent != self.agent:
+            raise Refused(
+                ErrorCode.WRONG_TOKEN,
+                f"the token of job {job} rank {rank} was issued to agent {claims.agent!r}, "
+                f"not to {self.agent!r}",
+                job=job,
+                rank=rank,
+            )
+        if not 0 <= rank < claims.size:
+            raise Refused(
+                ErrorCode.BAD_RANK,
+                f"rank {rank} outside a job of {claims.size}",
+                job=job,
+                rank=rank,
+            )
+        return claims
+
+    def _attach(self, msg: Attach, claims: RankClaims) -> None:
+        relay = self.core
+        job, rank = claims.job, claims.rank
+        try:
+            att = relay.attach(
+                self,
+                job=job,
+                rank=rank,
+                incarnation=claims.incarnation,
+                size=claims.size,
+                home=msg.home,
+                received=msg.received,
+                dets_from=msg.dets_from,
+            )
+        except Refused as rej:
+            if ends_connection(rej.code, rank):
+                raise
+            # A stale incarnation, or one asking for what a checkpoint let the log drop:
+            # refused, but the agent's other ranks go on on this connection; late frames of
+            # this one are dropped.
+            logger.info("%r: %s", self, rej.message)
+            relay.refused(self, job, rank)
+            self.send(Error(code=rej.code, message=rej.message, job=job, rank=rank))
+            return
+        if att is None:
+            return  # the job is over: the rank got a Stop
+        count, replay = relay.replay_dets(job, rank, msg.dets_from) if msg.home else (0, [])
+        self.send(
+            Attached(
+                job=job,
+                rank=rank,
+                incarnation=claims.incarnation,
+                stored=relay.stored_from(job, rank),
+                dets=count,
+            )
+        )
+        # Before any push: the writer sends queued control frames first.
+        for det in replay:
+            self.send(det)
 
     async def _flush(self, batch: Batch) -> None:
         if batch:
@@ -336,7 +412,7 @@ class Connection(InboundMessages):
         return parts
 
     async def _push_round(self, parts: list[bytes | bytearray | memoryview]) -> None:
-        boxes = list(self.home_boxes)
+        boxes = list(self.link.home_boxes)
         if not boxes:
             return
         hub = self.hub
@@ -423,4 +499,4 @@ class Connection(InboundMessages):
             self._writer_done.set()
 
     def _can_push(self) -> bool:
-        return any(box.mailbox.can_push() for box in self.home_boxes)
+        return any(box.mailbox.can_push() for box in self.link.home_boxes)

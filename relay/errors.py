@@ -1,14 +1,14 @@
 """Errors of the relay.
 
     RelayError
-     +-- Rejected          an agent broke the protocol, presented a bad token or asked for what
-     |                     it may not have: the relay sends ``Error(code, message, job, rank)``
-     |                     and closes the connection when the code's scope says so
      +-- StorageError      the on-disk log cannot be read or written (the relay cannot go on)
      +-- CoordinatorError  the coordinator refused a call or could not be reached
 
-Protocol-level faults raised by ``vpool.protocol`` (``RemoteProtocolError``, ``TokenError``)
-are turned into ``Rejected`` in one place, ``connection_inbound.rejection``.
+What an agent asks that is refused (it broke the protocol, presented a bad token, asked for what
+it may not have) is ``protocol.relay_core.Refused``: the relay sends ``Error(code, message, job,
+rank)`` and closes the connection when the code's scope says so. Protocol-level faults raised by
+``vpool.protocol`` (``RemoteProtocolError``, ``TokenError``) become ``Refused`` in one place,
+``connection_inbound.rejection``.
 """
 
 from __future__ import annotations
@@ -26,18 +26,6 @@ class RelayError(Exception):
         self.message = message
         if code is not None:
             self.code = code
-
-
-class Rejected(RelayError):
-    """Refuse with a typed ``Error``; ``job``/``rank`` name the rank concerned, or -1. Whether
-    the connection is closed after it is ``protocol.errors.ends_connection``."""
-
-    code = ErrorCode.UNEXPECTED_MESSAGE
-
-    def __init__(self, code: ErrorCode, message: str, *, job: int = -1, rank: int = -1) -> None:
-        super().__init__(message, code=code)
-        self.job = job
-        self.rank = rank
 
 
 class StorageError(RelayError):

@@ -29,8 +29,8 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import trio
 
+from vpool.protocol.relay_core import Refused
 from vpool.relay.ckptstore import PART, Image, Key, ckpt_dir
-from vpool.relay.errors import Rejected
 from vpool.relay.storelink import (
     MAX_PACKET,
     Call,
@@ -276,7 +276,7 @@ class StoreSupervisor:
                 raise ValueError(f"image {img.ckpt} of rank {img.rank} is in {directory}")
             session.upload = None
             answer = await store.commit_put(img)
-            if isinstance(answer, Rejected):
+            if isinstance(answer, Refused):
                 return [[answer.code, answer.message], None, None]
             return [None, answer, await store.report_outcome(img, float(wait))]
         if op == "image":

@@ -64,6 +64,7 @@ from vpool.protocol.messages import (
     Welcome,
     encode,
 )
+from vpool.protocol.relay_core import Refused
 from vpool.protocol.tokens import AgentClaims, RankClaims, verify_token
 from vpool.relay.ckptstore import (
     PART,
@@ -75,7 +76,6 @@ from vpool.relay.ckptstore import (
     write_manifest,
 )
 from vpool.relay.directwrite import DirectFile
-from vpool.relay.errors import Rejected
 from vpool.relay.hub import now
 
 if TYPE_CHECKING:
@@ -158,7 +158,7 @@ class StoreThread:
         """Serve the connection until it ends (a thread of the store process)."""
         try:
             self._serve()
-        except Rejected as rej:
+        except Refused as rej:
             logger.info("%r: %s", self, rej.message)
             self.reason = f"rejected ({rej.code}): {rej.message}"
             self._fail(Error(code=rej.code, message=rej.message))
@@ -204,7 +204,7 @@ class StoreThread:
                 if frame is None:
                     return
                 self._frame(*frame)
-            except Rejected as rej:
+            except Refused as rej:
                 if ends_connection(rej.code, rej.rank):
                     raise
                 logger.info("%r: %s", self, rej.message)
@@ -216,23 +216,23 @@ class StoreThread:
             raise EOFError("closed before its Hello")
         msg = frame[0]
         if type(msg) is not Hello:
-            raise Rejected(ErrorCode.UNEXPECTED_MESSAGE, f"{type(msg).__name__} before Hello")
+            raise Refused(ErrorCode.UNEXPECTED_MESSAGE, f"{type(msg).__name__} before Hello")
         if msg.version != PROTOCOL_VERSION:
-            raise Rejected(
+            raise Refused(
                 ErrorCode.BAD_VERSION,
                 f"protocol version {msg.version}; this relay speaks {PROTOCOL_VERSION}",
             )
         if msg.role != "store":
-            raise Rejected(ErrorCode.BAD_ROLE, f"role {msg.role!r} on a store connection")
+            raise Refused(ErrorCode.BAD_ROLE, f"role {msg.role!r} on a store connection")
         self.key = self.link.signing_key(self.cid)
         if self.key is None:
-            raise Rejected(
+            raise Refused(
                 ErrorCode.NOT_READY, "the relay is not registered with the coordinator yet"
             )
         try:
             claims = verify_token(msg.token, self.key, now=now(), kind=AgentClaims)
         except TokenError as exc:
-            raise Rejected(exc.code, exc.message) from exc
+            raise Refused(exc.code, exc.message) from exc
         self.agent = claims.agent
 
     def _fail(self, err: Error) -> None:
@@ -267,7 +267,7 @@ class StoreThread:
             if not k:
                 if first and got == 0:
                     return False
-                raise Rejected(ErrorCode.BAD_FRAME, "connection closed in the middle of a frame")
+                raise Refused(ErrorCode.BAD_FRAME, "connection closed in the middle of a frame")
             got += k
         return True
 
@@ -284,9 +284,7 @@ class StoreThread:
                 raw.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, min(n - got, BULK_LOWAT))
                 k = raw.recv_into(view[got:])
                 if not k:
-                    raise Rejected(
-                        ErrorCode.BAD_FRAME, "connection closed in the middle of a frame"
-                    )
+                    raise Refused(ErrorCode.BAD_FRAME, "connection closed in the middle of a frame")
                 got += k
         finally:
             try:
@@ -310,11 +308,11 @@ class StoreThread:
             assert type(event) is Large
             msg = decode_head(event.head, event.header_len, event.payload_len)
         except RemoteProtocolError as exc:
-            raise Rejected(exc.code, exc.message) from exc
+            raise Refused(exc.code, exc.message) from exc
         scanner.take_payload()  # empty: no more than the head was read
         payload_len = event.payload_len
         if type(msg) is not CkptChunk:
-            raise Rejected(ErrorCode.BAD_FRAME, f"{type(msg).__name__} must not carry a payload")
+            raise Refused(ErrorCode.BAD_FRAME, f"{type(msg).__name__} must not carry a payload")
         assert isinstance(msg, CkptChunk)
         bulk = msg.ckpt == self.bulk
         up = self.upload
@@ -334,7 +332,7 @@ class StoreThread:
             if up is not None and msg.ckpt == up.put.ckpt:
                 pass  # received by _read_frame
             elif msg.ckpt != self.discard:
-                raise Rejected(
+                raise Refused(
                     ErrorCode.UNEXPECTED_MESSAGE, f"CkptChunk of image {msg.ckpt} out of order"
                 )
         elif kind is CkptEnd:
@@ -346,11 +344,11 @@ class StoreThread:
             elif msg.ckpt == self.discard:
                 self.discard = -1
             else:
-                raise Rejected(
+                raise Refused(
                     ErrorCode.UNEXPECTED_MESSAGE, f"CkptEnd of image {msg.ckpt} out of order"
                 )
         elif up is not None or self.discard >= 0:
-            raise Rejected(
+            raise Refused(
                 ErrorCode.UNEXPECTED_MESSAGE, f"{kind.__name__} in the middle of an image upload"
             )
         elif kind is CkptPut:
@@ -362,7 +360,7 @@ class StoreThread:
             assert isinstance(msg, CkptGet)
             self._get(msg)
         else:
-            raise Rejected(
+            raise Refused(
                 ErrorCode.UNEXPECTED_MESSAGE,
                 f"{kind.__name__} is not allowed on a store connection",
             )
@@ -372,9 +370,9 @@ class StoreThread:
         try:
             claims = verify_token(token, self.key, now=now(), kind=RankClaims)
         except TokenError as exc:
-            raise Rejected(exc.code, f"rank token refused: {exc.message}") from exc
+            raise Refused(exc.code, f"rank token refused: {exc.message}") from exc
         if claims.agent != self.agent:
-            raise Rejected(
+            raise Refused(
                 ErrorCode.WRONG_TOKEN,
                 f"the token of job {claims.job} rank {claims.rank} was issued to agent "
                 f"{claims.agent!r}, not to {self.agent!r}",
@@ -387,7 +385,7 @@ class StoreThread:
         # A put needs a transport MAC key, except on a same-host link (``protocol.local``),
         # where it may come without one. A bad one closes the connection (``rank=-1``).
         if len(put.mac_key) != MAC_KEY and not (self.local and not put.mac_key):
-            raise Rejected(
+            raise Refused(
                 ErrorCode.BAD_FRAME,
                 f"CkptPut of image {put.ckpt} without a {MAC_KEY}-byte mac_key",
             )
@@ -413,7 +411,7 @@ class StoreThread:
         up.size += n
         limit = self.settings.checkpoint_max_bytes
         if up.size > limit:
-            raise Rejected(
+            raise Refused(
                 ErrorCode.TOO_LARGE,
                 f"image {up.put.ckpt} of rank {up.key[1]} of job {up.key[0]} exceeds the "
                 f"relay's limit of {limit} bytes",
@@ -444,9 +442,9 @@ class StoreThread:
         up.discard()
         self.link.end_upload(self.cid, up.key)
 
-    def _storage(self, job: int, rank: int, exc: OSError) -> Rejected:
+    def _storage(self, job: int, rank: int, exc: OSError) -> Refused:
         logger.warning("checkpoint store of job %d rank %d: %s", job, rank, exc)
-        return Rejected(
+        return Refused(
             ErrorCode.STORAGE_ERROR, f"the relay cannot store the image: {exc}", job=job, rank=rank
         )
 
@@ -462,7 +460,7 @@ class StoreThread:
         if end.size != up.size or end.digest != digest or not intact:
             self._abort(up)
             why = "" if intact else ", and not the bytes the agent sent (transport MAC)"
-            raise Rejected(
+            raise Refused(
                 ErrorCode.CORRUPT,
                 f"image {end.ckpt} of rank {rank} of job {job}: {up.size} bytes with digest "
                 f"{digest.hex()} arrived{why}, CkptEnd says {end.size} bytes with "
@@ -492,7 +490,7 @@ class StoreThread:
         except OSError as exc:
             self._abort(up)
             if self.link.job_finished(self.cid, job):
-                raise Rejected(
+                raise Refused(
                     ErrorCode.JOB_FINISHED, f"job {job} is over", job=job, rank=rank
                 ) from exc
             raise self._storage(job, rank, exc) from exc
@@ -501,12 +499,12 @@ class StoreThread:
         wait = self.settings.store_report_wait
         answer, known = self.link.commit(self.cid, img, wait)
         self.upload = None
-        if isinstance(answer, Rejected):
+        if isinstance(answer, Refused):
             delete_image(img)
             raise answer
         logger.info("job %d rank %d: image %d committed (%d bytes)", job, rank, img.ckpt, img.size)
         if known is False:
-            raise Rejected(
+            raise Refused(
                 ErrorCode.REFUSED,
                 f"the coordinator refused image {img.ckpt} of rank {rank} of job {job}",
                 job=job,
@@ -535,7 +533,7 @@ class StoreThread:
             except OSError:
                 fd = -1
         if img is None or fd < 0:
-            raise Rejected(
+            raise Refused(
                 ErrorCode.NOT_FOUND,
                 f"no image {get.ckpt} of rank {rank} of job {job} in this store",
                 job=job,
@@ -543,7 +541,7 @@ class StoreThread:
             )
         try:
             if claims.incarnation < img.incarnation:
-                raise Rejected(
+                raise Refused(
                     ErrorCode.FENCED,
                     f"incarnation {claims.incarnation} may not read image {img.ckpt} of "
                     f"incarnation {img.incarnation}",
@@ -584,7 +582,7 @@ class StoreThread:
                 logger.warning("cannot read %s: %s", img.path, exc)
             if not n:
                 # Half an image is out: only closing the connection tells the agent.
-                raise Rejected(ErrorCode.STORAGE_ERROR, f"cannot read image {img.ckpt} in full")
+                raise Refused(ErrorCode.STORAGE_ERROR, f"cannot read image {img.ckpt} in full")
             PREFIX.pack_into(buf, 0, len(header), n)
             self.sock.sendall(view[: start + n])
             offset += n

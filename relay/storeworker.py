@@ -31,9 +31,9 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from vpool import tls
 from vpool.niceness import lower_this_process
 from vpool.protocol.errors import ErrorCode, known
+from vpool.protocol.relay_core import Refused
 from vpool.protocol.tokens import RankClaims
 from vpool.relay.ckptstore import Image, Key
-from vpool.relay.errors import Rejected
 from vpool.relay.storelink import (
     MAX_PACKET,
     Call,
@@ -105,7 +105,7 @@ class RelayLink:
         raw = self.call(cid, "signing_key")
         return None if raw is None else Ed25519PublicKey.from_public_bytes(raw)
 
-    def begin_put(self, cid: int, claims: RankClaims, ckpt: int) -> Rejected | None:
+    def begin_put(self, cid: int, claims: RankClaims, ckpt: int) -> Refused | None:
         job, rank = claims.job, claims.rank
         refusal = self.call(cid, "begin_put", job, rank, claims.incarnation, ckpt)
         return None if refusal is None else _rejected(refusal, job, rank)
@@ -116,7 +116,7 @@ class RelayLink:
     def job_finished(self, cid: int, job: int) -> bool:
         return bool(self.call(cid, "job_finished", job))
 
-    def commit(self, cid: int, img: Image, wait: float) -> tuple[Rejected | list[int], bool | None]:
+    def commit(self, cid: int, img: Image, wait: float) -> tuple[Refused | list[int], bool | None]:
         """Commit an image on disk, and wait (at most ``wait`` s) for the coordinator to know
         it: (the ids retained, or why it was refused; whether the coordinator accepted it)."""
         refusal, retained, known = self.call(cid, "commit", img.to_json(), str(img.directory), wait)
@@ -200,9 +200,9 @@ class RelayLink:
             thread.join(max(0.0, deadline - time.monotonic()))
 
 
-def _rejected(refusal: list[Any], job: int, rank: int) -> Rejected:
+def _rejected(refusal: list[Any], job: int, rank: int) -> Refused:
     code, message = refusal
-    return Rejected(
+    return Refused(
         known(str(code)) or ErrorCode.UNEXPECTED_MESSAGE, str(message), job=job, rank=rank
     )
 

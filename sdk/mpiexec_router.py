@@ -4,7 +4,8 @@ It admits each rank by its secret, forwards every ``Data`` frame verbatim to the
 rank's connection (per-destination FIFO: one writer at a time per connection, frames of one
 source in order), acknowledges deposits at once (nothing here outlives the job anyway) and keeps
 the job's fate: the first rank to exit non-zero, or to call ``MPI.Abort(code)``, ends the job and
-the other ranks are terminated. ``mpiexec_replay_router.ReplayRouter`` extends it.
+the other ranks are terminated. The test bench ``tests/mpi/bench/replay_router.ReplayRouter``
+extends it.
 """
 
 from __future__ import annotations
@@ -127,6 +128,10 @@ class _Router:
             # Read what it sent before dying (an Abort says why) before judging the exit.
             with trio.move_on_after(KILL_GRACE):
                 await rank.hung_up.wait()
+        self.exited(rank, code)
+
+    def exited(self, rank: _Rank, code: int) -> None:
+        """The rank's (last) process ended with ``code``: the job's fate, as mpiexec's."""
         if code != 0 and self.exit_code is None:
             if code < 0:
                 name = _signal_name(-code)

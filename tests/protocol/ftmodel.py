@@ -21,14 +21,15 @@ The pieces:
   counters and obeys the determinants it got at attach time: a recorded outcome is reproduced
   (waiting for the message if needed), an event inside the recorded horizon without a record is a
   failed poll, an event past the horizon is decided live and logged.
-- **A relay** (``SimRelay``) holds the mailboxes of the ranks it is home to and their determinant
-  logs. Deposits and determinants are appended at once and become durable when the scheduler
-  writes them (in any order; the state machines make durability a prefix); acks go out when they
-  do, to the rank's current attachment and never for more than it deposited or re-sent itself
-  (a successor is not told a dead incarnation's message is its own). Re-sent messages are
-  checked against the logged digest. A crash loses everything not yet durable and every
-  connection; the restarted relay rebuilds its mailboxes and logs from the durable entries, and
-  every live rank re-attaches and resends what was not acknowledged.
+- **A relay** (``SimRelay``) is the product's ``protocol.relay_core.RelayCore``: the mailboxes of
+  the ranks it is home to, their determinant logs, attachments and fencing. Deposits and
+  determinants are appended at once and become durable when the scheduler writes them (in any order;
+  the state machines make durability a prefix); acks go out when they do, to the rank's current
+  attachment and never for more than it deposited or re-sent itself (a successor is not told a dead
+  incarnation's message is its own). Re-sent messages are checked against the logged digest. A crash
+  loses everything not yet durable and every connection; the restarted relay rebuilds its mailboxes
+  and logs from the durable entries, and every live rank re-attaches and resends what was not
+  acknowledged.
 - **Links** are FIFO queues of frames, one per direction per (rank incarnation, relay)
   connection. A rank's crash kills the links towards it; frames it already sent may still land,
   and the relay drops them once a newer incarnation attached (fencing).
@@ -157,7 +158,7 @@ class World:
             if link.to_rank:
                 link.rank.receive(link.relay.index, frame)
             else:
-                link.relay.receive(frame)
+                link.relay.receive(link, frame)
             return f"{link.name}: {frame}"
         if kind == "write":
             return self.relays[event[1]].written(event[2], event[3])
@@ -177,11 +178,7 @@ class World:
         proc = self.procs[rank]
         proc.state = "down"
         for relay in self.relays:
-            link = relay.down.pop(rank, None)
-            if link is not None:
-                link.alive = False
-            if rank in relay.mailboxes:
-                relay.mailboxes[rank].detach()
+            relay.rank_crashed(proc)
         return f"CRASH {proc}"
 
     def _restart(self, rank: int) -> str:

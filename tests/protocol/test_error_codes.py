@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SHELLS = ("relay", "worker_agent", "sdk", "mpi", "protocol")
 # Calls that take a protocol error code: the position of the code among their arguments
 # (None: only as ``code=``).
-CODE_CALLS: dict[str, int | None] = {"Error": 0, "Rejected": 0, "_refuse": 1, "StoreError": 1}
+CODE_CALLS: dict[str, int | None] = {"Error": 0, "Refused": 0, "_refuse": 1, "StoreError": 1}
 CODE_CALLS |= dict.fromkeys(
     ("ProtocolError", "RemoteProtocolError", "LocalProtocolError", "TokenError", "_resolve")
 )
@@ -118,7 +118,7 @@ def test_shells_use_the_enum_never_a_bare_string() -> None:
 
 def test_the_guard_finds_a_bare_string() -> None:
     src = (
-        'Error(code="fenced", message="m")\nRejected("trimmed", "m")\nif e.code == "x": pass\n'
+        'Error(code="fenced", message="m")\nRefused("trimmed", "m")\nif e.code == "x": pass\n'
         'StoreError("message", "protocol")\n_refuse(s, "version", "m")\nStoreError("only m")\n'
     )
     found = sorted(v for _, v in _literal_codes(ast.parse(src)))

@@ -1,42 +1,82 @@
-"""The store of deposited frames awaiting acknowledgement, kept for resending."""
+"""``protocol.rank_link``: what an agent keeps for its ranks towards the relays."""
 
 from __future__ import annotations
 
-from vpool.worker_agent.unacked import Unacked
+from hypothesis import given
+from hypothesis import strategies as st
+
+from vpool.protocol.rank_link import Delivery, RankLink
 
 
 def test_acks_release_frames_and_resend_takes_every_unacked_message() -> None:
-    store = Unacked()
+    link = RankLink(home=True)
     frames = {(dst, seq): [b"d%d-%d" % (dst, seq)] for dst in (1, 2) for seq in (1, 2, 3)}
     for (dst, seq), parts in frames.items():
-        store.add_data(dst, seq, parts)
+        link.deposited(dst, seq, parts)
     for index in range(3):
-        store.add_det(index, [b"det%d" % index])
-    assert len(store) == 9
-    store.ack(1, 2)  # cumulative
-    store.det_ack(1)
-    assert len(store) == 6
-    store.ack(1, 1)  # an older ack changes nothing
-    assert len(store) == 6
+        link.det_sent(index, [b"det%d" % index])
+    assert len(link) == 9
+    link.acked(1, 2)  # cumulative
+    link.dets_acked(1)
+    assert len(link) == 6
+    link.acked(1, 1)  # an older ack changes nothing
+    assert len(link) == 6
+    assert not link.holds_data(1, 3) and link.holds_data(1, 2) and link.holds_data(3, 9)
+    assert link.holds_dets(1) and not link.holds_dets(2)
 
-    # The relay came back with channel 0->2 logged up to seq 1 and two determinants: every
-    # unacked message goes again (the relay digest-checks what it holds), determinants only
-    # from the third.
-    resend = store.to_resend({2: 1}, dets_logged=2)
+    # The relay came back with two determinants: every unacked message goes again (the relay
+    # digest-checks what it holds), determinants only from the third.
+    resend = link.resend(dets_logged=2)
     assert resend == [[b"det2"], frames[(1, 3)], frames[(2, 1)], frames[(2, 2)], frames[(2, 3)]]
-    assert len(store) == 5
-    # Not the home link: the determinants stay as they are.
-    assert store.to_resend({1: 3, 2: 3}, dets_logged=None)[0] == [b"det2"]
-    store.det_ack(3)
-    store.ack(1, 3)
-    store.ack(2, 3)
-    assert len(store) == 0
+    assert len(link) == 5
+    link.dets_acked(3)
+    link.acked(1, 3)
+    link.acked(2, 3)
+    assert len(link) == 0
+
+
+def test_a_link_that_is_not_home_keeps_its_determinants_on_resend() -> None:
+    link = RankLink(home=False)
+    link.det_sent(0, [b"det0"])
+    assert link.resend(dets_logged=5) == [[b"det0"]]
 
 
 def test_buffers_are_kept_not_copied() -> None:
-    store = Unacked()
+    link = RankLink(home=False)
     payload = bytearray(b"x" * 1000)
     parts = [b"head", payload]
-    store.add_data(1, 1, parts)
-    [again] = store.to_resend({}, dets_logged=None)
+    link.deposited(1, 1, parts)
+    [again] = link.resend(dets_logged=0)
     assert again is parts and again[1] is payload
+
+
+def test_delivery_resumes_after_what_the_rank_has() -> None:
+    d = Delivery({0: 3, 1: 0}, dets=2)
+    assert d.resume(home=True) == ({0: 3}, 2) and d.resume(home=False) == ({}, 0)
+    d.data(1, 1)
+    assert d.det_in(1) is False  # the rank has it
+    assert d.det_in(2) is True and d.dets == 3
+    d.det_out(3)  # the rank made determinant 3
+    assert d.det_in(3) is False and d.resume(home=True) == ({0: 3, 1: 1}, 4)
+
+
+@given(st.lists(st.tuples(st.booleans(), st.integers(0, 20)), max_size=60))
+def test_determinants_reach_the_rank_once_each_in_order(events: list[tuple[bool, int]]) -> None:
+    # However pushes (replays after reconnections) and the rank's own determinants mix, the
+    # rank is given a determinant only if it has none with that index yet, and the count
+    # only grows.
+    d = Delivery()
+    has: set[int] = set()
+    last = 0
+    for pushed, index in events:
+        if pushed:
+            given_now = d.det_in(index)
+            assert given_now == (index >= last)
+            if given_now:
+                has.update(range(last, index + 1))
+        else:
+            d.det_out(index)
+            has.update(range(last, index + 1))
+        assert d.dets >= last
+        last = d.dets
+    assert all(i in has for i in range(d.dets))

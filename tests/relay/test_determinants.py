@@ -200,7 +200,7 @@ async def test_home_attach_waits_for_dets_being_written(
     await trio.testing.wait_all_tasks_blocked()
     box = relay.hub.boxes[(1, 0)]
     assert (len(box.dets), box.dets.durable) == (3, 0)
-    assert box.settled is not None  # the Attach waits
+    assert box.io.settled is not None  # the Attach waits
     release.set()
     att = await new.expect(Attached)
     assert (att.incarnation, att.dets, box.dets.durable) == (2, 3, 3)

@@ -45,7 +45,7 @@ async def test_logged_messages_keep_their_digest(
     # The big digest is computed in a thread after the write; stopping the relay waits for
     # it (shielded: a copy may be waiting for it).
     await relay.stop()  # type: ignore[attr-defined]
-    assert not relay.hub.determinism.waiting  # type: ignore[attr-defined]
+    assert not relay.hub.core.waiting  # type: ignore[attr-defined]
     mailbox = relay.hub.boxes[(1, 1)].mailbox  # type: ignore[attr-defined]
     for seq, p in enumerate(payloads, 1):
         frame = encode_frame(Data(job=1, src=0, dst=1, seq=seq, ctx=0, tag=0), p)

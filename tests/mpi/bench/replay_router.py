@@ -37,7 +37,6 @@ from vpool.sdk.mpiexec_router import (
     JOB,
     KILL_GRACE,
     _Rank,
-    _signal_name,
     hello_refusal,
 )
 from vpool.sdk.mpiexec_wire import (
@@ -170,14 +169,7 @@ class ReplayRouter(CheckpointBench):
             break
         rank.exited = True
         rank.ready.set()
-        if code != 0 and self.exit_code is None:
-            if code < 0:
-                name = _signal_name(-code)
-                self.fail(128 - code, f"rank {rank.index} was killed by signal {name}")
-            else:
-                self.fail(code, f"rank {rank.index} exited with code {code}")
-        if all(r.exited for r in self.ranks):
-            self.all_exited.set()
+        self.exited(rank, code)
 
     def _new_incarnation(self, rank: _RRank) -> None:
         del self.by_secret[rank.secret]

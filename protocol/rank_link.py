@@ -1,0 +1,130 @@
+"""What a worker agent keeps for its ranks towards the relays, as sans-IO cores.
+
+The agent (``vpool.worker_agent``) forwards every frame of a rank verbatim: ``Data`` to the home
+relay of its destination, ``Det`` to the rank's own home relay; and what the home relay pushes
+(``Data``, replayed ``Det``) to the rank. A relay connection may drop at any time (the relay
+restarts, a middlebox forgets the connection): the agent reconnects, attaches each rank again and
+resends what the relay never acknowledged, and the rank notices nothing. Two cores hold the
+rules; the agent's ``relay_link`` and ``relay_inbound`` are their shell.
+
+``RankLink``, one per (rank, relay link): every ``Data`` and ``Det`` the rank deposited there that
+the relay has not acknowledged, as references to the very buffers forwarded (no copy), dropped
+as ``Ack``s (cumulative per channel) and ``DetAck``s (cumulative count) come in, so the
+fault-free path pays one append and one pop per frame. After a re-attachment
+(``resend(attached)``) every unacknowledged frame goes again, determinants first, even the
+messages the relay says it holds: the relay compares a re-sent message with its logged copy, and
+that check is what catches a replaying incarnation that diverged under a seq its predecessor
+logged (found by tests/protocol/test_ft_model.py). A checkpoint waits until the relays hold what
+the image says was sent (``holds_data``, ``holds_dets``).
+
+``Delivery``, one per rank: what its home relay delivered to it, so a re-attachment resumes
+after it (``Attach.received``, ``Attach.dets_from``): per source the highest ``Data`` seq given
+to the rank, and the count of determinants it has, those replayed to it and those it made, so a
+re-attachment never gets the rank's own determinants pushed back. A restored rank starts from
+its image's counters.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Mapping
+
+from vpool.protocol.framing import Buffer
+
+Frame = tuple[int, list[Buffer]]  # (seq or index, the frame's parts)
+
+
+class RankLink:
+    """Unacknowledged ``Data`` per destination and ``Det``s of one rank on one relay link."""
+
+    __slots__ = ("data", "dets", "home")
+
+    def __init__(self, *, home: bool) -> None:
+        self.home = home  # the rank's home relay: its determinants go here
+        self.data: dict[int, deque[Frame]] = {}
+        self.dets: deque[Frame] = deque()
+
+    # -- out: what the rank deposits ---------------------------------------------------------
+
+    def deposited(self, dst: int, seq: int, parts: list[Buffer]) -> None:
+        queue = self.data.get(dst)
+        if queue is None:
+            queue = self.data[dst] = deque()
+        queue.append((seq, parts))
+
+    def det_sent(self, index: int, parts: list[Buffer]) -> None:
+        self.dets.append((index, parts))
+
+    # -- in: what the relay acknowledges -------------------------------------------------------
+
+    def acked(self, dst: int, seq: int) -> None:
+        """Everything of channel (this rank, ``dst``) up to ``seq`` is in the relay's log."""
+        queue = self.data.get(dst)
+        if queue:
+            while queue and queue[0][0] <= seq:
+                queue.popleft()
+
+    def dets_acked(self, count: int) -> None:
+        """Determinants ``0 .. count-1`` are durable at the home relay."""
+        dets = self.dets
+        while dets and dets[0][0] < count:
+            dets.popleft()
+
+    # -- a re-attachment ------------------------------------------------------------------
+
+    def resend(self, dets_logged: int) -> list[list[Buffer]]:
+        """What to send again once the relay answered ``Attached`` (``dets_logged``: its
+        ``dets``, the determinants it holds), in deposit order, the determinants first.
+        Determinants the relay holds are dropped (an index identifies one); every
+        unacknowledged ``Data`` goes again (see the module docstring)."""
+        if self.home:
+            self.dets_acked(dets_logged)
+        frames = [parts for _, parts in self.dets]
+        for queue in self.data.values():
+            frames.extend(parts for _, parts in queue)
+        return frames
+
+    # -- a checkpoint ----------------------------------------------------------------------
+
+    def holds_data(self, dst: int, seq: int) -> bool:
+        """The relay acknowledged every message to ``dst`` up to ``seq``."""
+        queue = self.data.get(dst)
+        return not queue or queue[0][0] > seq
+
+    def holds_dets(self, count: int) -> bool:
+        """The relay acknowledged determinants ``0 .. count-1``."""
+        return not self.dets or self.dets[0][0] >= count
+
+    def __len__(self) -> int:
+        return len(self.dets) + sum(map(len, self.data.values()))
+
+
+class Delivery:
+    """What a rank's home relay delivered to it (see the module docstring)."""
+
+    __slots__ = ("dets", "received")
+
+    def __init__(self, received: Mapping[int, int] | None = None, dets: int = 0) -> None:
+        self.received: dict[int, int] = {s: q for s, q in (received or {}).items() if q > 0}
+        self.dets = dets
+
+    def data(self, src: int, seq: int) -> None:
+        """The relay pushed message ``seq`` of ``src``; it goes to the rank."""
+        self.received[src] = seq
+
+    def det_in(self, index: int) -> bool:
+        """The relay pushed determinant ``index``: whether the rank gets it (one it has is not
+        given again: a home attachment resumed after a reconnection)."""
+        if index < self.dets:
+            return False
+        self.dets = index + 1
+        return True
+
+    def det_out(self, index: int) -> None:
+        """The rank made determinant ``index``."""
+        if index >= self.dets:
+            self.dets = index + 1
+
+    def resume(self, *, home: bool) -> tuple[dict[int, int], int]:
+        """``Attach.received`` and ``Attach.dets_from`` of an attachment to this relay."""
+        return (dict(self.received), self.dets) if home else ({}, 0)
