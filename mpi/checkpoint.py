@@ -1,6 +1,6 @@
 """Checkpoints of a rank: a forked clone the agent dumps, which can later be restored.
 
-docs/internals.md, "Checkpoints (issue 5)". Enabled when the agent sets ``VPOOL_CKPT_SIGNAL``
+docs/internals.md, "Checkpoints". Enabled when the agent sets ``VPOOL_CKPT_SIGNAL``
 (a signal number) and ``VPOOL_RANK_DIR`` (the rank directory); ``MPI.Init`` then calls
 ``start``, which opens the control connection (``RankHello(control=True)``) and installs the
 signal handler.

@@ -13,7 +13,7 @@ What an ``Error`` ends is decided in one place, ``ends_connection``: a code of `
 that names a rank (``Error.rank >= 0``) ends only what that rank asked for (its attachment,
 its image request); the connection, which an agent shares between all its ranks, goes on.
 Every other error, and every code this side does not know (a newer peer's), ends the
-connection. Relays, agents, the store and ``vsdk mpiexec`` all decide with it.
+connection. Relays, agents, the store and ``Session`` all decide with it.
 """
 
 from __future__ import annotations

@@ -7,11 +7,10 @@ concern:
 - ``settings``: ``RelaySettings``, the declared settings (prefix ``VPOOL_RELAY``);
 - ``server``: ``serve_relay``, the TCP/TLS listener around one ``Hub`` (agent and checkpoint
   store connections on one port, told apart by the store's preamble);
-- ``connection``: one agent connection (handshake, reader, writer: acks and pushes);
-- ``connection_inbound``: what each agent message does (deposits, determinants, credits,
-  attachments);
-- ``hub``: shared state: mailboxes (``protocol.mailbox``) with their logs, attachments, fencing,
-  lost ranks, group commit;
+- ``connection``: one agent connection (handshake, reader, writer: acks and pushes); what each
+  agent message does is decided by the relay's core (``protocol.relay_core``);
+- ``hub``: shared state: the core (attachments, fencing, lost ranks, mailboxes) and its files,
+  group commit;
 - ``log``: the on-disk segment files, their recovery after a crash;
 - ``ckptstore``: the checkpoint store (images of ranks, retention, reports, log trims);
   ``storesupervisor``: the relay's side of its store process (``storeworker``, over the link

@@ -8,7 +8,7 @@ What an agent asks that is refused (it broke the protocol, presented a bad token
 it may not have) is ``protocol.relay_core.Refused``: the relay sends ``Error(code, message, job,
 rank)`` and closes the connection when the code's scope says so. Protocol-level faults raised by
 ``vpool.protocol`` (``RemoteProtocolError``, ``TokenError``) become ``Refused`` in one place,
-``connection_inbound.rejection``.
+``connection.rejection``.
 """
 
 from __future__ import annotations

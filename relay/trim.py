@@ -7,7 +7,7 @@ already obeyed. The trim point of a rank is, per source, the highest seq it no l
 
 1. saves the trim point in ``trim.json`` beside the segments (written to a temporary file,
    fsynced, renamed: it survives a SIGKILL at any point);
-2. drops the entries from the in-memory mailbox and determinant log (``TrimmableMailbox``);
+2. drops the entries from the in-memory mailbox and determinant log (``RelayCore.trim``);
 3. deletes the segments left holding only dropped frames, and rewrites ``dets.log`` without
    the dropped determinants when no determinant write is pending.
 

@@ -41,6 +41,7 @@ import trio
 from vpool.protocol.api import CheckpointFailed, Lease, RelayInfo
 from vpool.protocol.framing import encode_frame
 from vpool.protocol.messages import CheckpointRequest, CkptForked, CkptPut
+from vpool.protocol.rank_link import RankLink
 from vpool.worker_agent import ckpt_worker, criu, sandbox
 from vpool.worker_agent.errors import AgentError, CoordinatorRejected
 from vpool.worker_agent.local_ranks import LocalRank
@@ -536,21 +537,19 @@ def acknowledged(rank: LocalRank, ready: CkptForked) -> bool:
             return False  # still on its way from the rank's socket
         if dst >= len(rank.route):
             raise CheckpointError(f"the rank sent to {dst}, which has no route")
-        queue = _unacked(rank, rank.route[dst]).data.get(dst)
-        if queue and queue[0][0] <= seq:
+        if not _unacked(rank, rank.route[dst]).holds_data(dst, seq):
             return False
     if ready.dets > 0:
-        if rank.dets_in < ready.dets:
+        if rank.delivery.dets < ready.dets:
             return False
         if not rank.route:
             raise CheckpointError("the rank logged determinants but has no home relay")
-        dets = _unacked(rank, rank.route[me]).dets
-        if dets and dets[0][0] < ready.dets:
+        if not _unacked(rank, rank.route[me]).holds_dets(ready.dets):
             return False
     return True
 
 
-def _unacked(rank: LocalRank, link: Any) -> Any:
+def _unacked(rank: LocalRank, link: Any) -> RankLink:
     store = link.unacked(rank.key)
     if store is None or link.broken is not None:
         raise CheckpointError(f"{link.where} no longer carries the rank ({link.broken or 'gone'})")

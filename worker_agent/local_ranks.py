@@ -19,6 +19,7 @@ import trio
 from vpool.protocol.api import Lease, RankState
 from vpool.protocol.framing import Buffer
 from vpool.protocol.messages import Abort, Message
+from vpool.protocol.rank_link import Delivery
 
 if TYPE_CHECKING:
     from vpool.worker_agent.checkpoints import Checkpointer
@@ -161,8 +162,7 @@ class LocalRank:
         # source the highest Data seq put into the outbox; and the determinants the rank has
         # (count): those replayed to it and those it created, so a re-attach never gets the
         # rank's own determinants pushed back (``Attach.dets_from``).
-        self.received: dict[int, int] = {}
-        self.dets_in = 0
+        self.delivery = Delivery()
         # Determinants the home relay held when this incarnation attached, and per destination
         # the highest seq the relays held from this rank (RankWelcome.replay_dets/replay_sent).
         self.replay_dets = 0

@@ -1,11 +1,11 @@
 """The agent's unix socket: rank processes connect here and their MPI traffic is proxied.
 
 One listening socket (``work_dir/agent.sock``, mode 0600). A rank opens with ``RankHello``
-carrying the secret the agent put in its environment; the agent answers ``RankWelcome`` or an
-``Error`` and closes. Then, per connection, a reader forwards the rank's ``Data`` frames,
-unchanged, to the home relay of each destination, and its ``Det`` frames to its own home relay;
-a writer drains the rank's outbox (pushed ``Data``, ``Det``, ``Ack``, ``DetAck``, ``Stop``) into
-the socket and credits the relays for what was written.
+carrying the secret the agent gave it (in a file its runtime reads and deletes); the agent
+answers ``RankWelcome`` or an ``Error`` and closes. Then, per connection, a reader forwards the
+rank's ``Data`` frames, unchanged, to the home relay of each destination, and its ``Det`` frames
+to its own home relay; a writer drains the rank's outbox (pushed ``Data``, ``Det``, ``Ack``,
+``DetAck``, ``Stop``) into the socket and credits the relays for what was written.
 
 Checkpoints: a rank whose runtime takes checkpoints opens a second connection,
 ``RankHello(control=True)``, answered by the same ``RankWelcome``; on it the rank sends

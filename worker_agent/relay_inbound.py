@@ -2,7 +2,7 @@
 
 ``InboundRouting._read_loop`` takes every frame the relay sends on the link's current
 connection: pushed ``Data`` and ``Det`` go into the destination rank's outbox, ``Ack``/``DetAck``
-to the depositing rank (and its ``Unacked`` store), ``Attached``/``Error`` to whoever waits for
+to the depositing rank (and its ``RankLink``), ``Attached``/``Error`` to whoever waits for
 an attach, ``Stop`` to the rank's runner. An ``Error`` about one rank (``fenced``,
 ``not_deterministic``) leaves the connection up; any other ends it.
 """
@@ -17,10 +17,10 @@ import trio
 from vpool.framestream import FrameStream
 from vpool.protocol.errors import ErrorCode, ends_connection
 from vpool.protocol.messages import Ack, Attached, Data, Det, DetAck, Error, Stop
+from vpool.protocol.rank_link import RankLink
 from vpool.protocol.session import Session
 from vpool.worker_agent.errors import RelayLinkError
 from vpool.worker_agent.local_ranks import LocalRank, RankKey
-from vpool.worker_agent.unacked import Unacked
 
 if TYPE_CHECKING:
     from vpool.worker_agent.relay_link import Connection
@@ -46,7 +46,7 @@ class InboundRouting:
     attached: dict[RankKey, bool]
     _owner: RelayLinks
     _session: Session
-    _unacked: dict[RankKey, Unacked]
+    _unacked: dict[RankKey, RankLink]
     _pending: dict[RankKey, _PendingAttach]
 
     async def _read_loop(self, reader: FrameStream) -> str:
@@ -67,27 +67,26 @@ class InboundRouting:
             if isinstance(msg, Data):
                 rank = ranks.get((msg.job, msg.dst))
                 if rank is not None:
-                    rank.received[msg.src] = msg.seq
+                    rank.delivery.data(msg.src, msg.seq)
                     rank.outbox.push_data(frame.parts, frame.size, conn)
             elif isinstance(msg, Ack):
                 key = (msg.job, msg.src)
                 store = unacked.get(key)
                 if store is not None:
-                    store.ack(msg.dst, msg.seq)
+                    store.acked(msg.dst, msg.seq)
                 rank = ranks.get(key)
                 if rank is not None:
                     rank.outbox.push_ack(msg.dst, bytes(frame.parts[0]))
             elif isinstance(msg, Det):
                 rank = ranks.get((msg.job, msg.rank))
                 # One the rank has is not given again (a resumed home attachment).
-                if rank is not None and msg.index >= rank.dets_in:
-                    rank.dets_in = msg.index + 1
+                if rank is not None and rank.delivery.det_in(msg.index):
                     rank.outbox.push_data(frame.parts, frame.size, None)
             elif isinstance(msg, DetAck):
                 key = (msg.job, msg.rank)
                 store = unacked.get(key)
                 if store is not None:
-                    store.det_ack(msg.count)
+                    store.dets_acked(msg.count)
                 rank = ranks.get(key)
                 if rank is not None:
                     rank.outbox.push_data(frame.parts, frame.size, None)

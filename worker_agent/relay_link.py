@@ -7,13 +7,14 @@ routes what the relay sends (pushed ``Data`` and ``Det`` into the destination ra
 ``Stop`` to the rank's runner) and a writer (``relay_writer.FrameWriter``) that drains one
 bounded queue.
 
-Reconnection (docs/internals.md, "Fault tolerance"): every ``Data`` and ``Det`` deposited is kept
-(``unacked.Unacked``) until the relay acknowledges it. When the connection drops while ranks are
-attached, the link reconnects with backoff for up to ``relay_reconnect`` seconds, re-attaches
-each rank (a home attachment resuming after what the rank already has) and resends what the
-relay's ``Attached`` says it lacks, before any new frame: senders wait meanwhile (back-pressure,
-the ranks keep running). Only when the window passes is every rank still attached reported
-through ``on_problem``, and the coordinator decides what becomes of the job.
+Reconnection (docs/internals.md, "Fault tolerance"): every ``Data`` and ``Det`` deposited is
+kept (``protocol.rank_link.RankLink``) until the relay acknowledges it. When the connection
+drops while ranks are attached, the link reconnects with backoff for up to ``relay_reconnect``
+seconds, re-attaches each rank (a home attachment resuming after what the rank already has) and
+resends every frame the relay has not acknowledged, before any new frame: senders wait
+meanwhile (back-pressure, the ranks keep running). Only when the window passes is every rank
+still attached reported through ``on_problem``, and the coordinator decides what becomes of the
+job.
 """
 
 from __future__ import annotations
@@ -39,13 +40,13 @@ from vpool.protocol.messages import (
     Message,
     Welcome,
 )
+from vpool.protocol.rank_link import RankLink
 from vpool.protocol.session import Session
 from vpool.worker_agent.errors import RelayLinkError
 from vpool.worker_agent.local_ranks import LocalRank, RankKey
 from vpool.worker_agent.relay_handshake import handshake
 from vpool.worker_agent.relay_inbound import InboundRouting, _label, _PendingAttach
 from vpool.worker_agent.relay_writer import Dropped, FrameWriter
-from vpool.worker_agent.unacked import Unacked
 
 if TYPE_CHECKING:
     from vpool.worker_agent.relay_links import RelayLinks
@@ -111,7 +112,7 @@ class RelayLink(InboundRouting):
         # (value: home), re-attached after a reconnection.
         self.ranks: dict[RankKey, LocalRank] = {}
         self.attached: dict[RankKey, bool] = {}
-        self._unacked: dict[RankKey, Unacked] = {}
+        self._unacked: dict[RankKey, RankLink] = {}
         self._pending: dict[RankKey, _PendingAttach] = {}
 
     def __repr__(self) -> str:
@@ -280,7 +281,8 @@ class RelayLink(InboundRouting):
             delay = min(delay * 2, _RECONNECT_MAX)
 
     async def _resync(self) -> None:
-        """Re-attach every rank attached before the drop, then resend what the relay lacks."""
+        """Re-attach every rank attached before the drop, then resend every frame the relay
+        has not acknowledged (``RankLink.resend``)."""
         for key, home in list(self.attached.items()):
             rank = self.ranks.get(key)
             if rank is None or rank.ended or rank.stop_reason is not None:
@@ -289,8 +291,7 @@ class RelayLink(InboundRouting):
             pending = await self._attach_once(
                 rank,
                 home=home,
-                received=dict(rank.received) if home else {},
-                dets_from=rank.dets_in if home else 0,
+                resume=rank.delivery.resume(home=home),
                 gated=False,
             )
             result = pending.result
@@ -303,7 +304,7 @@ class RelayLink(InboundRouting):
             store = self._unacked.get(key)
             if store is None:
                 continue
-            frames = store.to_resend(result.stored, result.dets if home else None)
+            frames = store.resend(result.dets)
             if frames:
                 log.info("resending %d frames of %s to %s", len(frames), rank.label, self.where)
             for parts in frames:
@@ -392,13 +393,13 @@ class RelayLink(InboundRouting):
         rank: LocalRank,
         *,
         home: bool,
-        received: dict[int, int],
-        dets_from: int,
+        resume: tuple[dict[int, int], int],
         gated: bool,
     ) -> _PendingAttach:
         key = rank.key
         pending = self._pending[key] = _PendingAttach()
         try:
+            received, dets_from = resume
             msg = Attach(token=rank.lease.token, home=home, received=received, dets_from=dets_from)
             await self._send_msg(msg, gated=gated)
             with trio.move_on_after(ATTACH_TIMEOUT):
@@ -413,11 +414,11 @@ class RelayLink(InboundRouting):
     async def attach(self, rank: LocalRank, *, home: bool) -> Attached:
         """Bind ``rank`` to this link and wait for the relay's ``Attached``; retried on the next
         connection if this one drops meanwhile. A home attachment resumes after
-        ``rank.received`` and ``rank.dets_in`` (empty for a fresh incarnation, the image's
+        ``rank.delivery`` (empty for a fresh incarnation, the image's
         counters for a restored one)."""
         key = rank.key
         if self.ranks.get(key) is not rank:
-            self._unacked[key] = Unacked()  # an older incarnation's frames are not ours
+            self._unacked[key] = RankLink(home=home)  # an older incarnation's are not ours
         self.ranks[key] = rank
         while True:
             try:
@@ -425,8 +426,7 @@ class RelayLink(InboundRouting):
                 pending = await self._attach_once(
                     rank,
                     home=home,
-                    received=dict(rank.received) if home else {},
-                    dets_from=rank.dets_in if home else 0,
+                    resume=rank.delivery.resume(home=home),
                     gated=True,
                 )
             except RelayLinkError:
@@ -447,7 +447,7 @@ class RelayLink(InboundRouting):
                 else f"{self.where} did not answer Attach for {rank.label} in {ATTACH_TIMEOUT} s"
             )
 
-    def unacked(self, key: RankKey) -> Unacked | None:
+    def unacked(self, key: RankKey) -> RankLink | None:
         """What rank ``key`` deposited through this link that is not acknowledged yet (None:
         the link does not carry the rank); a checkpoint waits on it."""
         return self._unacked.get(key)
@@ -459,7 +459,7 @@ class RelayLink(InboundRouting):
         store = self._unacked.get((msg.job, msg.src))
         if store is None:
             raise RelayLinkError(f"rank {msg.src} of job {msg.job} is not attached to {self.where}")
-        store.add_data(msg.dst, msg.seq, parts)
+        store.deposited(msg.dst, msg.seq, parts)
         try:
             await self._enqueue(msg, parts, gated=False)
         except Dropped:
@@ -474,10 +474,10 @@ class RelayLink(InboundRouting):
         store = self._unacked.get((msg.job, msg.rank))
         if store is None:
             raise RelayLinkError(f"{_label((msg.job, msg.rank))} is not attached to {self.where}")
-        store.add_det(msg.index, parts)
+        store.det_sent(msg.index, parts)
         rank = self.ranks.get((msg.job, msg.rank))
-        if rank is not None and msg.index >= rank.dets_in:
-            rank.dets_in = msg.index + 1
+        if rank is not None:
+            rank.delivery.det_out(msg.index)
         try:
             await self._enqueue(msg, parts, gated=False)
         except Dropped:

@@ -37,6 +37,7 @@ import trio
 
 from vpool import paths
 from vpool.protocol.api import CheckpointRef, RestoreAttempt
+from vpool.protocol.rank_link import Delivery
 from vpool.worker_agent import ckpt_image, criu, sandbox, sandboxed
 from vpool.worker_agent.bundle import Snapshot
 from vpool.worker_agent.checkpoints import image_fingerprint, job_key
@@ -259,8 +260,7 @@ async def _restore_one(
             json.dump(info | seen, f)
         before = _load_snapshot(rank_dir / SNAPSHOT_FILE, work)
         # The relays resume after the image's counters.
-        rank.received = {int(k): int(v) for k, v in ref.received.items()}
-        rank.dets_in = ref.dets
+        rank.delivery = Delivery({int(k): int(v) for k, v in ref.received.items()}, ref.dets)
         rank.restored_from = ref.ckpt
         attached = True
         await attach(svc, rank)
@@ -403,8 +403,7 @@ async def _reset(rank: LocalRank) -> None:
         await link.detach(rank)
     rank.links = []
     rank.route = []
-    rank.received = {}
-    rank.dets_in = 0
+    rank.delivery = Delivery()
     rank.replay_dets = 0
     rank.replay_sent = {}
     rank.deposited = {}

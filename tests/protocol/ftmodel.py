@@ -1,8 +1,8 @@
 """A model of vpool's fault tolerance, with no I/O: simulated ranks, agents and relays.
 
-This is docs/internals.md "Fault tolerance (issue 4)" as an executable specification. The relays
-use the real sans-IO state machines (``protocol.mailbox.Mailbox`` per destination,
-``protocol.detlog.DetLog`` per rank); everything around them (the rank's runtime, its agent, the
+This is docs/internals.md "Fault tolerance" as an executable specification. The relays are the
+product's sans-IO core (``protocol.relay_core.RelayCore``, with its ``Mailbox`` per destination
+and ``DetLog`` per rank); everything around them (the rank's runtime, its agent, the
 network, disks, crashes) is simulated, and a scheduler chooses what happens next.
 
 The pieces:

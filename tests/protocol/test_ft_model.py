@@ -284,7 +284,7 @@ def test_nondeterministic_resend_is_caught() -> None:
 
 
 def test_resending_only_what_the_relay_lacks_hides_nondeterminism() -> None:
-    """docs/internals.md has the agent resend, after a relay restart, only ``Data`` with seq >
+    """An earlier design had the agent resend, after a relay restart, only ``Data`` with seq >
     ``Attached.stored``. But a new incarnation's unacknowledged message may have the seq of one
     its previous incarnation logged: skipping it skips the digest check, and a
     non-deterministic program then diverges silently. Resending it costs one duplicate."""
@@ -395,7 +395,7 @@ def test_without_the_lazy_flush_a_crash_changes_the_execution() -> None:
 
 
 def test_replaying_undurable_determinants_breaks_the_log() -> None:
-    """docs/internals.md lets a home Attach answer ``dets=len(log)`` at once. Then a new
+    """An earlier design let a home Attach answer ``dets=len(log)`` at once. Then a new
     incarnation can obey a determinant that is not durable yet, which a relay crash loses: the
     next determinant leaves a gap in the log (or a later one is taken for a duplicate). So the
     relay must let a new incarnation attach only once its determinant log is durable."""

@@ -196,7 +196,7 @@ async def test_fetch_unpack_then_a_failed_restore(
     seen: list[tuple[dict[int, int], int, int]] = []
 
     async def attach(svc: RankServices, rank: LocalRank) -> None:
-        seen.append((dict(rank.received), rank.dets_in, rank.restored_from))
+        seen.append((dict(rank.delivery.received), rank.delivery.dets, rank.restored_from))
         restore_file = json.loads((rank_dir / restore.RESTORE_FILE).read_text())
         assert restore_file["checkpoint"] == 11 and restore_file["secret"] == rank.secret
         assert restore_file["incarnation"] == 3
@@ -215,7 +215,7 @@ async def test_fetch_unpack_then_a_failed_restore(
     assert "restore ended" in tried[1].reason
     assert "not_found" in tried[2].reason  # the store has no image 3
     # The rank is reset for a start from the beginning; nothing is left in the scratch.
-    assert (rank.received, rank.dets_in, rank.restored_from) == ({}, 0, -1)
+    assert (rank.delivery.received, rank.delivery.dets, rank.restored_from) == ({}, 0, -1)
     assert not any((tmp_path / "scratch").iterdir())
 
 
