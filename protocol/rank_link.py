@@ -34,6 +34,27 @@ from vpool.protocol.framing import Buffer
 Frame = tuple[int, list[Buffer]]  # (seq or index, the frame's parts)
 
 
+FIRST_INCARNATION = 1
+
+
+def is_current(held: int, named: int) -> bool:
+    """A message that names incarnation ``named`` (a relay's ``Stop``, a coordinator's order)
+    concerns the local incarnation ``held`` only when they are the same: an older one's is
+    about a process replaced here already."""
+    return held == named
+
+
+def replaces(new: int, old: int) -> bool:
+    """A lease of incarnation ``new`` replaces a local rank of incarnation ``old`` (a repeated
+    or older lease does not)."""
+    return new > old
+
+
+def restarted(incarnation: int) -> bool:
+    """Whether this start of a rank follows an earlier one."""
+    return incarnation > FIRST_INCARNATION
+
+
 class RankLink:
     """Unacknowledged ``Data`` per destination and ``Det``s of one rank on one relay link."""
 

@@ -138,6 +138,12 @@ RANK_TRANSITIONS: dict[tuple[RankState, RankEvent], tuple[RankState, tuple[Act, 
 }
 
 
+def may_read_image(reader: int, image: int) -> bool:
+    """An incarnation restores from images of its own or of earlier incarnations, never from a
+    newer one's (that one replaced it)."""
+    return reader >= image
+
+
 # -- state ----------------------------------------------------------------------------------
 
 
@@ -430,6 +436,13 @@ class RelayCore(Generic[C, R]):
                 job=job,
                 rank=rank,
             )
+
+    def image_replaced(self, key: Key, incarnation: int, images: list[int]) -> int | None:
+        """The incarnation that replaced ``incarnation`` of rank ``key``: the newest attached
+        here, or one whose image the store holds (``images``); None while it is the newest.
+        An image of a replaced incarnation is refused ``fenced``."""
+        top = max([self.fence.get(key, 0), *images])
+        return top if incarnation < top else None
 
     def refused(self, conn: C, job: int, rank: int) -> None:
         """The shell refused an attachment of this rank (rank scope): its late frames on this

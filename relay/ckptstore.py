@@ -413,8 +413,8 @@ class CheckpointStore:
         if job in self.hub.finished:
             return Refused(ErrorCode.JOB_FINISHED, f"job {job} is over", job=job, rank=rank)
         imgs = self.images.get(key, {})
-        top = max([self.hub.fence.get(key, 0), *(i.incarnation for i in imgs.values())])
-        if incarnation < top:
+        top = self.hub.core.image_replaced(key, incarnation, [i.incarnation for i in imgs.values()])
+        if top is not None:
             return Refused(
                 ErrorCode.FENCED,
                 f"image {ckpt} of incarnation {incarnation} of rank {rank} of job "
@@ -446,7 +446,7 @@ class CheckpointStore:
         self.uploading.discard(key)
         if job in self.hub.finished:
             return Refused(ErrorCode.JOB_FINISHED, f"job {job} is over", job=job, rank=rank)
-        if self.hub.fence.get(key, 0) > img.incarnation:
+        if self.hub.core.image_replaced(key, img.incarnation, []) is not None:
             return Refused(
                 ErrorCode.FENCED,
                 f"incarnation {img.incarnation} of rank {rank} of job {job} was replaced while "

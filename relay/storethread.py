@@ -64,7 +64,7 @@ from vpool.protocol.messages import (
     Welcome,
     encode,
 )
-from vpool.protocol.relay_core import Refused
+from vpool.protocol.relay_core import Refused, may_read_image
 from vpool.protocol.tokens import AgentClaims, RankClaims, verify_token
 from vpool.relay.ckptstore import (
     PART,
@@ -540,7 +540,7 @@ class StoreThread:
                 rank=rank,
             )
         try:
-            if claims.incarnation < img.incarnation:
+            if not may_read_image(claims.incarnation, img.incarnation):
                 raise Refused(
                     ErrorCode.FENCED,
                     f"incarnation {claims.incarnation} may not read image {img.ckpt} of "

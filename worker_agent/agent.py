@@ -27,6 +27,7 @@ from vpool.protocol.api import (
     Lease,
     RankProblem,
 )
+from vpool.protocol.rank_link import replaces
 from vpool.worker_agent import identity, sandbox, sandboxed, selftest
 from vpool.worker_agent.bundle import BlobCache
 from vpool.worker_agent.checkpoints import Capability, Checkpointer, find_capability
@@ -332,7 +333,7 @@ class Agent:
 
     def start(self, lease: Lease) -> None:
         existing = self.ranks.by_key.get((lease.job, lease.rank))
-        if existing is not None and existing.lease.incarnation >= lease.incarnation:
+        if existing is not None and not replaces(lease.incarnation, existing.lease.incarnation):
             log.warning("ignoring a repeated lease for rank %d of job %d", lease.rank, lease.job)
             return
         if existing is not None:

@@ -19,7 +19,7 @@ import trio
 from vpool.protocol.api import Lease, RankState
 from vpool.protocol.framing import Buffer
 from vpool.protocol.messages import Abort, Message
-from vpool.protocol.rank_link import Delivery
+from vpool.protocol.rank_link import Delivery, is_current
 
 if TYPE_CHECKING:
     from vpool.worker_agent.checkpoints import Checkpointer
@@ -230,7 +230,7 @@ class LocalRanks:
 
     def find(self, job: int, rank: int, incarnation: int) -> LocalRank | None:
         found = self.by_key.get((job, rank))
-        if found is None or found.lease.incarnation != incarnation:
+        if found is None or not is_current(found.lease.incarnation, incarnation):
             return None
         return found
 

@@ -53,6 +53,7 @@ from vpool.protocol.api import (
 )
 from vpool.protocol.framing import encode_frame
 from vpool.protocol.messages import Stop
+from vpool.protocol.rank_link import restarted
 from vpool.sizes import format_size
 from vpool.worker_agent import bundle, restore, sandbox, sandboxed
 from vpool.worker_agent.checkpoints import Capability, Checkpointer, checkpoint_signal
@@ -445,7 +446,7 @@ async def execute(
     try:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(pump.run, launched.stdout, launched.stderr)
-            if lease.restore or lease.incarnation > 1:
+            if lease.restore or restarted(lease.incarnation):
                 nursery.start_soon(_report_start, svc, rank, tried or [])
             async with trio.open_nursery() as watch:
                 watch.start_soon(_stop_when_asked, rank, launched, settings.stop_grace)

@@ -17,7 +17,7 @@ import trio
 from vpool.framestream import FrameStream
 from vpool.protocol.errors import ErrorCode, ends_connection
 from vpool.protocol.messages import Ack, Attached, Data, Det, DetAck, Error, Stop
-from vpool.protocol.rank_link import RankLink
+from vpool.protocol.rank_link import RankLink, is_current
 from vpool.protocol.session import Session
 from vpool.worker_agent.errors import RelayLinkError
 from vpool.worker_agent.local_ranks import LocalRank, RankKey
@@ -132,7 +132,7 @@ class InboundRouting:
     def _stop(self, msg: Stop) -> None:
         key = (msg.job, msg.rank)
         rank = self.ranks.get(key)
-        if rank is None or rank.lease.incarnation != msg.incarnation:
+        if rank is None or not is_current(rank.lease.incarnation, msg.incarnation):
             return  # an older incarnation, replaced here already
         self.attached.pop(key, None)
         text = f"{self.where} stopped it: {msg.reason}"

@@ -1,6 +1,7 @@
-"""Frame parsing lives in ``protocol/`` only: every shell reads frames through
+"""The rules live in ``protocol/`` only. Every shell reads frames through
 ``protocol.framing.FrameScanner`` (``frames_in`` for a log read back), so the tests that split
-streams at every byte cover the code that runs."""
+streams at every byte cover the code that runs; and no shell compares incarnations itself (which
+one replaces which is the cores' rule: ``relay_core``, ``rank_link``)."""
 
 from __future__ import annotations
 
@@ -59,3 +60,46 @@ def test_the_guard_finds_each_way() -> None:
         'Struct("!II")',
         "class FrameReader",
     ]
+
+
+def _incarnations(tree: ast.AST) -> list[tuple[int, str]]:
+    """Comparisons of incarnations, and the newest of several taken by hand."""
+
+    def named(x: ast.expr) -> bool:
+        if isinstance(x, ast.Attribute):
+            return x.attr == "incarnation"
+        return isinstance(x, ast.Name) and x.id in ("incarnation", "inc")
+
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare) and any(named(x) for x in (node.left, *node.comparators)):
+            found.append((node.lineno, ast.unparse(node)))
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in ("max", "min")
+            and "incarnation" in ast.unparse(node)
+        ):
+            found.append((node.lineno, ast.unparse(node)))
+    return sorted(found)
+
+
+def test_no_shell_compares_incarnations() -> None:
+    offenders = []
+    for folder in ("relay", "worker_agent", "sdk", "mpi", "vpool"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            for line, what in _incarnations(ast.parse(path.read_text())):
+                offenders.append(f"{path.relative_to(ROOT)}:{line}: {what}")
+    assert offenders == [], "incarnation rules belong to the protocol cores:\n" + "\n".join(
+        offenders
+    )
+
+
+def test_the_incarnation_guard_finds_each_way() -> None:
+    src = (
+        "if lease.incarnation > 1: pass\n"
+        "ok = inc < top\n"
+        "top = max(i.incarnation for i in imgs)\n"
+        "fine = lease.job == job\n"
+    )
+    assert [line for line, _ in _incarnations(ast.parse(src))] == [1, 2, 3]

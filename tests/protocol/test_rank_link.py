@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from vpool.protocol.rank_link import Delivery, RankLink
+from vpool.protocol.rank_link import Delivery, RankLink, is_current, replaces, restarted
 
 
 def test_acks_release_frames_and_resend_takes_every_unacked_message() -> None:
@@ -80,3 +80,9 @@ def test_determinants_reach_the_rank_once_each_in_order(events: list[tuple[bool,
         assert d.dets >= last
         last = d.dets
     assert all(i in has for i in range(d.dets))
+
+
+def test_incarnation_rules_of_the_agent() -> None:
+    assert is_current(2, 2) and not is_current(2, 1) and not is_current(1, 2)
+    assert replaces(3, 2) and not replaces(2, 2) and not replaces(1, 2)
+    assert not restarted(1) and restarted(2)

@@ -18,6 +18,7 @@ from vpool.protocol.relay_core import (
     Refused,
     RelayCore,
     TrimPoint,
+    may_read_image,
 )
 
 JOB, RANK, SIZE = 7, 1, 3
@@ -371,3 +372,12 @@ def test_a_finished_job_stops_its_ranks_and_gives_back_its_boxes() -> None:
     assert core.deposit("a", JOB, RANK, 0, 1, b"x") is None
     assert attach(core, "c", 1) is None
     assert [s.reason for _, _, s in shell.take("stop")] == ["job finished"]
+
+
+def test_images_of_replaced_incarnations_are_fenced() -> None:
+    core, _ = make()
+    attach(core, "a", 3)
+    assert core.image_replaced(KEY, 3, []) is None
+    assert core.image_replaced(KEY, 2, []) == 3
+    assert core.image_replaced(KEY, 3, [4, 1]) == 4  # the store holds a newer one's image
+    assert may_read_image(3, 2) and may_read_image(3, 3) and not may_read_image(2, 3)
