@@ -20,9 +20,9 @@ from typing import Any
 from vpool.mpi import errors
 from vpool.mpi.comm import Intracomm, _Core
 from vpool.mpi.constants import THREAD_SERIALIZED
-from vpool.mpi.ft import K_NAME, K_WTIME
 from vpool.mpi.request import DoneOp, Request
 from vpool.mpi.runtime import Engine
+from vpool.protocol.rank_ft import K_NAME, K_WTIME
 
 _NOT_STARTED, _RUNNING, _FINALIZED = 0, 1, 2
 
@@ -38,6 +38,11 @@ def engine() -> Engine:
     if _engine is None:
         raise errors.MPIException(errors.ERR_OTHER, "MPI is not initialized")
     return _engine
+
+
+def fault_tolerant() -> bool:
+    """Whether this rank logs determinants: unless ``VPOOL_FT`` is ``0`` (or off/false/no)."""
+    return os.environ.get("VPOOL_FT", "1").strip().lower() not in ("0", "off", "false", "no")
 
 
 def _rank_secret() -> str:
@@ -78,7 +83,9 @@ def init() -> None:
         eng.ckpt = checkpoint.start(eng, transport, secret)  # None unless the agent asked
         _processor = transport.processor or socket.gethostname()
         # A restarted rank reads its determinants here, before the program runs.
-        eng.ft.attach(transport, transport.replay_dets, transport.replay_sent)
+        eng.ft.attach(
+            transport, transport.replay_dets, transport.replay_sent, logging=fault_tolerant()
+        )
     else:
         eng = Engine(0, 0, 1)
         _processor = socket.gethostname()

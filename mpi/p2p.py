@@ -16,11 +16,11 @@ from vpool.mpi import errors
 from vpool.mpi.buffers import recv_view, view_of
 from vpool.mpi.constants import ANY_SOURCE, ANY_TAG, PROC_NULL, TAG_UB_VALUE
 from vpool.mpi.envelope import as_rank
-from vpool.mpi.ft import K_PROBE
 from vpool.mpi.request import PROC_NULL_RECV, DoneOp, Prequest, RecvOp, Request
 from vpool.mpi.serialization import pickle_
 from vpool.mpi.status import Status
 from vpool.protocol.messages import KIND_BUFFER, KIND_PICKLE
+from vpool.protocol.rank_ft import K_PROBE
 
 _dumps = pickle_.dumps
 

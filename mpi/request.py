@@ -9,7 +9,7 @@ MPI error, fills the status and returns the received object for lower-case recei
 Completion order is decided in one place per call (``Waitany``/``Testany``/``Waitsome``): the
 lowest index among completed requests, so the choice depends only on which messages arrived.
 Which had arrived is a matter of timing: every such outcome (and every test of a request that
-is not trivially complete) is a determinant (``ft.FT.decide``): logged live, obeyed on replay.
+is not trivially complete) is a determinant (``rank_ft.FT.decide``): logged live, obeyed on replay.
 """
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ from typing import Any
 
 from vpool.mpi import errors
 from vpool.mpi.constants import ANY_SOURCE, ANY_TAG, PROC_NULL, UNDEFINED
-from vpool.mpi.ft import K_ANY, K_SOME, K_TEST
 from vpool.mpi.serialization import pickle_
 from vpool.mpi.status import Status
 from vpool.protocol.messages import Data
+from vpool.protocol.rank_ft import K_ANY, K_SOME, K_TEST
 
 
 class RecvOp:

@@ -22,10 +22,10 @@ from typing import Any
 
 from vpool.mpi import errors
 from vpool.mpi.constants import ANY_SOURCE
-from vpool.mpi.ft import BATCH, FT
 from vpool.mpi.matching import Matcher
-from vpool.mpi.transport import Transport
+from vpool.mpi.transport import Transport, die
 from vpool.protocol.messages import KIND_BUFFER, Data
+from vpool.protocol.rank_ft import BATCH, FT
 
 KIND_SYNC = 0x10  # flag on Data.kind: the sender waits until the message is matched
 CTX_MATCHED = -1  # reserved context of "your synchronous message seq=tag was matched" notices
@@ -81,7 +81,8 @@ class Engine:
         # so a rank blocked in, say, Recv still sends the rounds its peers' collectives need.
         self.schedules: list[Any] = []
         self.advancing = False
-        self.ft = FT(self)  # determinants: logging live, obeying them on replay
+        # Determinants: logging live, obeying them on replay; a disagreement ends the rank.
+        self.ft = FT(self, fail=die)
         self.ckpt: Any = None  # ``checkpoint.Checkpointer`` when checkpoints are enabled
 
     # ---- sending -------------------------------------------------------------------------

@@ -149,7 +149,7 @@ class Ack(_Msg, frozen=True, tag="ack"):
 class Det(_Msg, frozen=True, tag="det"):
     """One determinant of (job, rank): the ``index``-th (0, 1, 2, ...) non-deterministic outcome
     the rank's runtime logged. ``data`` is opaque to agents and relays (the runtime's own
-    encoding, ``vpool.mpi.ft``). Rank -> agent -> home relay to log it; home relay ->
+    encoding, ``vpool.protocol.rank_ft``). Rank -> agent -> home relay to log it; home relay ->
     agent -> rank to replay it after a restart. Header only, never a payload."""
 
     job: int
@@ -212,7 +212,7 @@ class RankWelcome(_Msg, frozen=True, tag="rank_welcome"):
     replay_dets: int = 0  # determinants that follow as Det frames before anything else
     # A replaying rank: per destination, the highest seq from this rank the relays already hold
     # (``Attached.stored``). Until it has re-sent that much, the runtime performs asynchronous
-    # sends only as its determinants say (``vpool.mpi.ft``).
+    # sends only as its determinants say (``vpool.protocol.rank_ft``).
     replay_sent: dict[int, int] = {}
 
 

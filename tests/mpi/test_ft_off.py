@@ -10,7 +10,8 @@ import pytest
 import trio
 
 from tests.mpi.test_ft_unit import FakeEngine, FakeTransport, Op
-from vpool.mpi.ft import K_TEST, K_WTIME, fault_tolerant
+from vpool.mpi.environment import fault_tolerant
+from vpool.protocol.rank_ft import K_TEST, K_WTIME
 from vpool.sdk import mpiexec
 
 PROGRAM = Path(__file__).parent / "programs" / "ft_off.py"
@@ -71,7 +72,7 @@ def test_runtime_records_nothing_when_off(monkeypatch: Any) -> None:
     monkeypatch.setenv("VPOOL_FT", "0")
     eng = FakeEngine()
     t = FakeTransport()
-    eng.ft.attach(t, 0, {})
+    eng.ft.attach(t, 0, {}, logging=fault_tolerant())  # as MPI.Init does
     monkeypatch.setenv("VPOOL_FT", "1")  # read once, at attach (MPI.Init): no effect now
     ft = eng.ft
     op = Op()

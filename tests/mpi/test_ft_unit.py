@@ -1,16 +1,21 @@
-"""``vpool.mpi.ft`` alone: what a live run logs, and how a replay obeys it."""
+"""``vpool.protocol.rank_ft`` alone: what a live run logs, and how a replay obeys it."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NoReturn
 
 import msgspec
 import pytest
 
-from vpool.mpi import ft as ftmod
 from vpool.mpi import transport as transport_mod
 from vpool.mpi.constants import ANY_SOURCE
-from vpool.mpi.ft import FT, K_MATCH, K_TEST, K_WTIME, R_FAILED, R_OUTCOME
+from vpool.protocol import rank_ft as ftmod
+from vpool.protocol.rank_ft import FT, K_MATCH, K_TEST, K_WTIME, R_FAILED, R_OUTCOME
+
+
+def _fail(text: str) -> NoReturn:
+    """As the runtime's ``die``, which ends the process: here, the test."""
+    raise SystemExit(text)
 
 
 class FakeTransport:
@@ -44,7 +49,7 @@ class FakeEngine:
         self.notices: list[tuple[int, int]] = []
         self.schedules: list[Any] = []
         self.advancing = False
-        self.ft = FT(self)
+        self.ft = FT(self, fail=_fail)
 
     def advance_schedules(self) -> None:
         pass

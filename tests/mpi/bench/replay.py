@@ -1,5 +1,5 @@
 """The replay bench: ``vsdk mpiexec`` with a rank killed and restarted with replay, or
-checkpointed and restored, to test the runtime's fault tolerance (``vpool.mpi.ft``) and
+checkpointed and restored, to test the runtime's fault tolerance (``vpool.protocol.rank_ft``) and
 checkpoints (``vpool.mpi.checkpoint``) without the pool. A test tool, not part of vpool:
 
     python -m tests.mpi.bench.replay [--kill RANK:N] [--ckpt RANK:N:M[:orphan]] -n N app.py args

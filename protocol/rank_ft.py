@@ -62,18 +62,18 @@ Pessimistic rule: no ``Data`` leaves before every record made so far is acknowle
 (``DetAck``); ``Transport.send_data`` checks ``det_need != det_acked`` (one integer comparison)
 and only then calls ``before_data``.
 
-Fault tolerance off (``VPOOL_FT=0``, read once by ``attach`` inside ``MPI.Init``; set by the
-coordinator in the leases of a job submitted with ``--no-fault-tolerance``): no record is made,
+Fault tolerance off (``attach(logging=False)``: ``VPOOL_FT=0``, read by the runtime inside
+``MPI.Init``, set by the coordinator in the leases of a job submitted with
+``--no-fault-tolerance``): no record is made,
 so no ``Det`` is written and no deposit waits for a ``DetAck``. Events are still numbered and
 asynchronous sends still made at once; a replay handed to such a rank is still obeyed.
 """
 
 from __future__ import annotations
 
-import os
 from collections import deque
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 import msgspec
 
@@ -88,22 +88,12 @@ BATCH = 512  # records per Det at most (a Det is header only: at most 64 KiB)
 MAX_DATA = 48 * 1024
 
 
-def fault_tolerant() -> bool:
-    """Whether this rank logs determinants: unless ``VPOOL_FT`` is ``0`` (or off/false/no)."""
-    return os.environ.get("VPOOL_FT", "1").strip().lower() not in ("0", "off", "false", "no")
-
-
-def _die(text: str) -> None:
-    from vpool.mpi.transport import die
-
-    die(f"program is not deterministic: {text}")
-
-
 class FT:
     """The determinant layer of one rank (``Engine.ft``). Without a transport (a singleton run)
     nothing is logged and nothing replayed."""
 
     __slots__ = (
+        "_fail",
         "any_ops",
         "async_live",
         "asyncs",
@@ -123,8 +113,10 @@ class FT:
         "transport",
     )
 
-    def __init__(self, eng: Any) -> None:
+    def __init__(self, eng: Any, *, fail: Callable[[str], NoReturn]) -> None:
         self.eng = eng
+        # How the rank ends when the log and the program disagree (the runtime exits).
+        self._fail = fail
         self.transport: Any = None
         self.logging = False  # records are made (a transport, fault tolerance on)
         self.ev = 0  # the next event's number
@@ -145,10 +137,18 @@ class FT:
 
     # ---- wiring ----------------------------------------------------------------------------
 
-    def attach(self, transport: Any, replay_dets: int, replay_sent: dict[int, int]) -> None:
+    def attach(
+        self,
+        transport: Any,
+        replay_dets: int,
+        replay_sent: dict[int, int],
+        *,
+        logging: bool = True,
+    ) -> None:
+        """Start over ``transport``; ``logging``: make records (fault tolerance on)."""
         self.transport = transport
         transport.ft = self
-        self.logging = fault_tolerant()
+        self.logging = logging
         self.index = transport.det_sent = transport.det_acked = replay_dets
         self.replay_sent = dict(replay_sent)
         if replay_dets:
@@ -166,9 +166,9 @@ class FT:
         ``replay_sent`` holds back live asynchronous sends as in ``attach``."""
         start = self.index
         if total_dets < start:
-            from vpool.mpi.transport import die
-
-            die(f"the agent holds {total_dets} determinants, the checkpoint image wrote {start}")
+            self._fail(
+                f"the agent holds {total_dets} determinants, the checkpoint image wrote {start}"
+            )
         self.loaded = start
         self.replay_sent = dict(replay_sent)
         self.pending.clear()  # written before the image was taken: nothing is pending
@@ -192,7 +192,7 @@ class FT:
             if rec is None:
                 continue  # no match was logged: decided live, as in ``any_post``
             if rec[0] != K_MATCH:
-                _die(
+                self._diverged(
                     f"event {ev} was a {KIND_NAMES[rec[0]]} when logged, "
                     "a receive from ANY_SOURCE now"
                 )
@@ -207,9 +207,7 @@ class FT:
     def load(self, index: int, data: bytes) -> None:
         """A determinant of an earlier incarnation (in index order, before any new one)."""
         if index != self.loaded:
-            from vpool.mpi.transport import die
-
-            die(f"determinant {index} from the agent, expected {self.loaded}")
+            self._fail(f"determinant {index} from the agent, expected {self.loaded}")
         self.loaded += 1
         try:
             for rec in _decode(data):
@@ -224,10 +222,13 @@ class FT:
                 else:
                     raise ValueError(f"record kind {kind}")
         except (msgspec.DecodeError, ValueError, IndexError, TypeError) as exc:
-            _die(f"determinant {index} is malformed ({exc})")
+            self._diverged(f"determinant {index} is malformed ({exc})")
         if self.any_ops:
             # A restored process: before any Data that follows the Dets can match them.
             self._resume_any_ops()
+
+    def _diverged(self, text: str) -> NoReturn:
+        self._fail(f"program is not deterministic: {text}")
 
     # ---- writing records ---------------------------------------------------------------------
 
@@ -310,14 +311,16 @@ class FT:
         if rec is None:
             return None  # within the horizon, an event without a record was a failed test
         if rec[0] != kind:
-            _die(f"event {ev} was a {KIND_NAMES[rec[0]]} when logged, a {KIND_NAMES[kind]} now")
+            self._diverged(
+                f"event {ev} was a {KIND_NAMES[rec[0]]} when logged, a {KIND_NAMES[kind]} now"
+            )
         value = rec[1]
         if ready is not None:
             self.until(lambda: ready(value))
         return value
 
     def missing(self, what: str) -> None:
-        _die(f"event {self.ev - 1} ({what}) has no logged value")
+        self._diverged(f"event {self.ev - 1} ({what}) has no logged value")
 
     def until(self, cond: Callable[[], bool]) -> None:
         """Make progress until ``cond()`` (a recorded outcome can be reproduced)."""
@@ -331,7 +334,7 @@ class FT:
             if cond():
                 break
             if self.transport is None:
-                _die("a logged outcome cannot be reproduced without peers")
+                self._diverged("a logged outcome cannot be reproduced without peers")
             self.transport.progress(True)
             if self.pending:
                 self.flush()
@@ -344,7 +347,7 @@ class FT:
             rec = self.outcomes.pop(ev, None)
             if rec is not None:
                 if rec[0] != K_MATCH:
-                    _die(
+                    self._diverged(
                         f"event {ev} was a {KIND_NAMES[rec[0]]} when logged, "
                         "a receive from ANY_SOURCE now"
                     )
@@ -425,7 +428,9 @@ class FT:
             head = self.asyncs[0]
             if head[1] < self._position():
                 what = "a collective round" if head[0] == R_STEP else "a match notice"
-                _die(f"{what} logged after {head[1]} messages was not due after {head[1]}")
+                self._diverged(
+                    f"{what} logged after {head[1]} messages was not due after {head[1]}"
+                )
             return head
         self._check_live()
         return None
