@@ -1,15 +1,23 @@
 """The in-process router of ``vsdk mpiexec``: it plays the agent and the relay for every rank.
 
-It admits each rank by its secret, forwards every ``Data`` frame verbatim to the destination
-rank's connection (per-destination FIFO: one writer at a time per connection, frames of one
-source in order), acknowledges deposits at once (nothing here outlives the job anyway) and keeps
-the job's fate: the first rank to exit non-zero, or to call ``MPI.Abort(code)``, ends the job and
-the other ranks are terminated. The test bench ``tests/mpi/bench/replay_router.ReplayRouter``
-extends it.
+It admits each rank by its secret and runs the relay's own core (``protocol.relay_core``) in
+memory: every rank is attached at home here, its ``Data`` frames are deposited in the
+destination's mailbox and pushed, verbatim and in each channel's order, to the destination's
+connection (one writer at a time per connection); determinants are logged and acknowledged at
+once, acks are cumulative per channel, exactly as a relay does (nothing is written to disk:
+nothing here outlives the job, and a mailbox drops what it pushed). It keeps the job's fate: the
+first rank to exit non-zero, or to call ``MPI.Abort(code)``, ends the job and the other ranks
+are terminated. The test bench ``tests/mpi/bench/replay_router.ReplayRouter`` extends it.
+
+Frames are pushed by the task that deposited them when the destination's connection is free
+(one write per destination and read, the acks for that rank riding along), else by the
+destination's own pusher task.
 """
 
 from __future__ import annotations
 
+import hashlib
+import math
 import os
 import secrets
 import signal
@@ -18,6 +26,7 @@ from typing import Any
 
 import trio
 
+from vpool.protocol.api import RankLost, RelayDiverged
 from vpool.protocol.errors import ErrorCode, RemoteProtocolError
 from vpool.protocol.framing import Large, Small, decode_head
 from vpool.protocol.messages import (
@@ -32,12 +41,17 @@ from vpool.protocol.messages import (
     Message,
     RankHello,
     RankWelcome,
+    Stop,
 )
-from vpool.sdk.mpiexec_wire import _GONE, SocketFrames, _acquire, _frame, _read, _write
+from vpool.protocol.relay_core import Box, RelayCore, TrimPoint
+from vpool.sdk.mpiexec_wire import _GONE, SocketFrames, _acquire, _frame, _write
 
 JOB = 0
 READ_BUFFER = 1024 * 1024
-SMALL_RUN = 64 * 1024  # frames up to this size are copied to go out in one write with acks
+# Bytes of frames gathered into one write to a rank.
+PUSH_ROUND = 1024 * 1024
+# A mailbox drops what it pushed once it holds this many entries (nothing is ever re-pushed).
+TRIM_AT = 4096
 SOCKET_BUFFER = 4 * 1024 * 1024
 KILL_GRACE = 2.0  # seconds between SIGTERM and SIGKILL for ranks being stopped
 # Acks wait this long for a data frame to the same rank to ride along with (one write, one
@@ -60,7 +74,10 @@ class _Rank:
         self.hung_up = trio.Event()  # its connection ended (or never began: process gone)
         self.exited = False
         self.finalized = False
-        self.dets: list[bytes] = []  # its determinants (Det.data by index), acked at once
+        # Control frames the core asked to send it (DetAck), and its pusher's wake-up.
+        self.control: list[bytes] = []
+        self.push_wanted = trio.Event()
+        self.delivered: dict[int, int] = {}  # per source, the highest seq pushed to it
 
 
 def hello_refusal(msg: RankHello, *, known: bool, connected: bool) -> Error | None:
@@ -90,6 +107,40 @@ class _Router:
         # held until it is all shown: a rank's traceback comes before "rank 1 called
         # MPI.Abort(1)", as with mpiexec.
         self.held: list[str] | None = None
+        # The relay's core, in memory. Pushed frames are credited at once (the socket is the
+        # flow control), so the window never holds anything back.
+        self.core: RelayCore[_Rank, Any] = RelayCore(
+            self, name="vsdk mpiexec", window=PUSH_ROUND, lost_grace=math.inf, digest=_digest
+        )
+        self._kicked: dict[_Rank, None] = {}  # ranks with something to push
+
+    # ---- what the core asks (``relay_core.Shell``) ----------------------------------------
+
+    def open_box(self, box: Box[_Rank, Any]) -> None:
+        box.io = None  # in memory only
+
+    def queue_ack(self, conn: _Rank, job: int, src: int, dst: int, seq: int) -> None:
+        if seq > conn.acks.get(dst, 0):
+            conn.acks[dst] = seq
+
+    def send(self, conn: _Rank, msg: Error | DetAck | Det) -> None:
+        conn.control.append(_frame(msg))
+        self._kicked[conn] = None
+
+    def stop(self, conn: _Rank, stop: Stop) -> None:
+        pass  # one incarnation per rank: nothing replaces one
+
+    def wake(self, conn: _Rank) -> None:
+        self._kicked[conn] = None
+
+    def record_incarnation(self, job: int, rank: int, incarnation: int) -> None:
+        pass
+
+    def report_lost(self, report: RankLost) -> None:
+        pass  # a rank's process is watched (``watch``), not its connection
+
+    def report_diverged(self, report: RelayDiverged) -> None:
+        self.fail(1, report.message)
 
     def say(self, text: str) -> None:
         if self.held is not None:
@@ -198,9 +249,13 @@ class _Router:
         return _frame(RankWelcome(JOB, rank.index, self.size, 1, socket.gethostname()))
 
     def _connected(self, rank: _Rank, sock: socket.socket) -> None:
-        """Start serving a rank that just said hello."""
+        """Start serving a rank that just said hello: attached at home in the core."""
         assert self.nursery is not None
+        self.core.attach(
+            rank, job=JOB, rank=rank.index, incarnation=1, size=self.size, home=True, received={}
+        )
         self.nursery.start_soon(self.send_acks, rank)
+        self.nursery.start_soon(self._pusher, rank)
 
     async def _hello(self, frames: SocketFrames) -> _Rank | None:
         sock = frames.sock
@@ -223,67 +278,91 @@ class _Router:
         return rank
 
     async def _pump(self, rank: _Rank, frames: SocketFrames) -> None:
-        """Read the rank's frames and route them, until it hangs up. Consecutive frames to one
-        destination go out in one write; a large one streams through as it arrives."""
-        sock = frames.sock
+        """Read the rank's frames and hand them to the core, until it hangs up; what they
+        make pushable goes out after each read."""
         scanner = frames.scanner
-        acks = rank.acks
-        run_dst = -1
-        run: list[memoryview] = []
+        core = self.core
         while True:
             event = scanner.next_event()
             if event is None:
-                # The run's views are of the scanner's buffer: out before the next read.
-                await self._flush_run(run_dst, run)
-                run_dst, run = -1, []
-                if acks:
+                await self._push_kicked()
+                if rank.acks:
                     rank.ack_wanted.set()
                 if not await frames.receive():
                     return
                 continue
+            if type(event) is Large:  # kept whole: it is logged and pushed verbatim
+                scanner.claim(bytearray(event.head.nbytes + event.payload_len), whole=True)
+                continue
             if type(event) is Small:
                 msg = decode_head(event.frame, event.header_len, event.payload_len)
-                if type(msg) is Data:
-                    self._check(rank, msg)
-                    acks[msg.dst] = msg.seq
-                    if msg.dst != run_dst:
-                        await self._flush_run(run_dst, run)
-                        run_dst, run = msg.dst, []
-                    run.append(event.frame)
-                    continue
-                await self._flush_run(run_dst, run)
-                run_dst, run = -1, []
-                if type(msg) is Det:
-                    await self.on_det(rank, sock, msg)
-                else:
-                    self._control(rank, msg)
-                continue
-            assert type(event) is Large
-            msg = decode_head(event.head, event.header_len, event.payload_len)
-            if type(msg) is not Data:
-                raise RemoteProtocolError(f"{type(msg).__name__} frame with a payload")
-            self._check(rank, msg)
-            acks[msg.dst] = msg.seq
-            await self._flush_run(run_dst, run)
-            run_dst, run = -1, []
-            # Too large to buffer: stream it through, holding the destination.
-            head = bytes(event.head)
-            have = scanner.take_payload()
-            await self._stream(frames, msg.dst, [head, have], event.payload_len - have.nbytes)
+                frame: bytes | bytearray | memoryview = event.frame
+            else:
+                frame = event.target
+                msg = decode_head(frame, event.header_len, event.payload_len)
+            if type(msg) is Data:
+                self._check(rank, msg)
+                box = core.deposit(rank, JOB, msg.src, msg.dst, msg.seq, frame)
+                if box is not None:
+                    entry = box.mailbox.append(msg.src, msg.seq, len(frame), bytes(frame))
+                    entry.written = True
+                    core.written(box)
+            elif type(msg) is Det:
+                box = core.det(rank, JOB, rank.index, msg.index)
+                if box is not None:
+                    box.dets.append(msg.index, msg)
+                    box.dets.written(msg.index)
+                    core.dets_written(box)
+            else:
+                self._control(rank, msg)
 
-    async def on_det(self, rank: _Rank, sock: socket.socket, msg: Det) -> None:
-        """Log a determinant (in memory: nothing here outlives the job) and ack it at once."""
-        if msg.job != JOB or msg.rank != rank.index:
-            raise RemoteProtocolError(f"rank {rank.index} sent a determinant as {msg.rank}")
-        if msg.index == len(rank.dets):
-            rank.dets.append(msg.data)
-        elif msg.index > len(rank.dets):
-            raise RemoteProtocolError(f"determinant {msg.index} after {len(rank.dets) - 1}")
+    async def _push_kicked(self) -> None:
+        """Push to every rank the core woke, from this task when its connection is free."""
+        while self._kicked:
+            rank = next(iter(self._kicked))
+            del self._kicked[rank]
+            if rank.lock.locked():
+                rank.push_wanted.set()
+            else:
+                await self._push(rank)
+
+    async def _pusher(self, rank: _Rank) -> None:
+        while rank.open:
+            await rank.push_wanted.wait()
+            rank.push_wanted = trio.Event()
+            await self._push(rank)
+
+    async def _push(self, rank: _Rank) -> None:
+        """One write to the rank: control frames, its acks, then what its mailbox holds."""
+        box = self.core.boxes.get((JOB, rank.index))
         await _acquire(rank.lock)
         try:
-            await _write(sock, _frame(DetAck(JOB, rank.index, len(rank.dets))))
-        except _GONE:
-            pass
+            parts: list[Any] = rank.control
+            rank.control = []
+            acks = _take_acks(rank)
+            if acks:
+                parts.append(acks)
+            nbytes = 0
+            if box is not None:
+                mailbox = box.mailbox
+                delivered = rank.delivered
+                while nbytes < PUSH_ROUND and (entry := mailbox.next_push()) is not None:
+                    parts.append(entry.ref)
+                    entry.ref = None  # pushed: nothing here pushes it again
+                    delivered[entry.src] = entry.seq
+                    nbytes += entry.size
+                    mailbox.credit(entry.size)
+                if len(mailbox) > TRIM_AT:
+                    self.core.trim(box, TrimPoint(dict(delivered), box.trim.dets))
+            if not parts or not rank.open:
+                return
+            try:
+                await _write(rank.sock, parts[0] if len(parts) == 1 else b"".join(parts))
+            except _GONE:
+                rank.open = False
+                return
+            if box is not None and box.mailbox.can_push():
+                rank.push_wanted.set()
         finally:
             rank.lock.release()
 
@@ -305,58 +384,6 @@ class _Router:
         else:
             raise RemoteProtocolError(f"unexpected {type(msg).__name__} from a rank")
 
-    async def _flush_run(self, dst: int, run: list[memoryview]) -> None:
-        if dst < 0 or not run:
-            return
-        frames = run[0] if len(run) == 1 else b"".join(run)
-        target = self.ranks[dst]
-        if not target.ready.is_set():
-            await target.ready.wait()
-        await _acquire(target.lock)
-        try:
-            if target.open:
-                acks = _take_acks(target)
-                try:
-                    if acks and len(frames) <= SMALL_RUN:
-                        await _write(target.sock, acks + frames)
-                    else:
-                        if acks:
-                            await _write(target.sock, acks)
-                        await _write(target.sock, frames)
-                except _GONE:
-                    target.open = False
-        finally:
-            target.lock.release()
-
-    async def _stream(
-        self, frames: SocketFrames, dst: int, head: list[Any], remaining: int
-    ) -> None:
-        """Write ``head`` (the frame's start), then the rest of its payload as it arrives."""
-        target = self.ranks[dst]
-        if not target.ready.is_set():
-            await target.ready.wait()
-        buf = bytearray(min(remaining, READ_BUFFER)) if remaining else bytearray()
-        view = memoryview(buf)
-        await _acquire(target.lock)
-        try:
-            chunks: list[Any] = head
-            while True:
-                for chunk in chunks:
-                    if target.open and len(chunk):
-                        try:
-                            await _write(target.sock, chunk)
-                        except _GONE:
-                            target.open = False
-                if not remaining:
-                    return
-                n = await _read(frames.sock, view[: min(remaining, len(buf))])
-                if n == 0:
-                    raise trio.BrokenResourceError("rank hung up mid-frame")
-                remaining -= n
-                chunks = [view[:n]]
-        finally:
-            target.lock.release()
-
     async def send_acks(self, rank: _Rank) -> None:
         """Acks nobody took along within ACK_DELAY go out on their own."""
         while True:
@@ -375,6 +402,11 @@ class _Router:
                         rank.open = False
             finally:
                 rank.lock.release()
+
+
+def _digest(frame: bytes | bytearray | memoryview) -> bytes:
+    """A frame's digest, for the core's check of re-sent copies (the test bench replays)."""
+    return hashlib.blake2b(frame, digest_size=16).digest()
 
 
 def _take_acks(rank: _Rank) -> bytes:

@@ -18,13 +18,16 @@ PROGRAM = Path(__file__).parent / "programs" / "ft_off.py"
 
 
 class CountingRouter(mpiexec._Router):
-    """The router of ``vsdk mpiexec``, counting the ``Det`` frames each rank sends."""
+    """The router of ``vsdk mpiexec``, counting the determinants each rank logged in its core
+    (those it has when it exits)."""
 
     dets: dict[int, int] = {}
 
-    async def on_det(self, rank: Any, sock: Any, msg: Any) -> None:
-        CountingRouter.dets[rank.index] = CountingRouter.dets.get(rank.index, 0) + 1
-        await super().on_det(rank, sock, msg)
+    def exited(self, rank: Any, code: int) -> None:
+        box = self.core.boxes.get((mpiexec.JOB, rank.index))
+        if box is not None and len(box.dets):
+            CountingRouter.dets[rank.index] = len(box.dets)
+        super().exited(rank, code)
 
 
 async def _run(tmp_path: Path, monkeypatch: Any, env: dict[str, str]) -> tuple[int, str, str]:

@@ -27,6 +27,7 @@ from vpool.protocol.messages import (
     CkptForked,
     Data,
     Det,
+    DetAck,
     Error,
     Message,
     RankHello,
@@ -51,6 +52,7 @@ from vpool.sdk.mpiexec_wire import (
 class _RRank(_Rank):
     def __init__(self, index: int) -> None:
         super().__init__(index)
+        self.dets: list[bytes] = []  # its determinants (Det.data by index), acked at once
         self.incarnation = 1
         self.log: list[bytes] = []  # Data frames delivered to this rank, in delivery order
         self.grew = trio.Event()
@@ -342,7 +344,7 @@ class ReplayRouter(CheckpointBench):
         elif plen:
             raise RemoteProtocolError(f"{type(msg).__name__} frame with a payload")
         elif type(msg) is Det:
-            await self.on_det(rank, sock, msg)
+            await _log_det(rank, sock, msg)
             _notify(rank)
         else:
             self._control(rank, msg)
@@ -385,6 +387,23 @@ class ReplayRouter(CheckpointBench):
             rank.proc.kill()
         if self.ckpt is not None and self.ckpt[0] == rank.index:
             self._ckpt_step(rank)
+
+
+async def _log_det(rank: _Rank, sock: socket.socket, msg: Det) -> None:
+    """Log a determinant in the bench's own log and ack it at once."""
+    if msg.job != JOB or msg.rank != rank.index:
+        raise RemoteProtocolError(f"rank {rank.index} sent a determinant as {msg.rank}")
+    if msg.index == len(rank.dets):
+        rank.dets.append(msg.data)
+    elif msg.index > len(rank.dets):
+        raise RemoteProtocolError(f"determinant {msg.index} after {len(rank.dets) - 1}")
+    await _acquire(rank.lock)
+    try:
+        await _write(sock, _frame(DetAck(JOB, rank.index, len(rank.dets))))
+    except _GONE:
+        pass
+    finally:
+        rank.lock.release()
 
 
 def _notify(rank: _RRank) -> None:
