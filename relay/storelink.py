@@ -8,33 +8,49 @@ command line) and sends it ``Init``; then, for each store connection whose pream
 ``Conn`` with the connection's socket attached (``SCM_RIGHTS``). The store process serves it in
 a thread of its own (``storethread``); what the session needs of the relay's state (the signing
 key, the refusals of a put, the ``uploading`` set, the commit and its report, the image index)
-it asks with a ``Call``, answered by a ``Reply`` of the same ``rid``; ``Ended`` says a session
-is over. A packet is one message (msgpack), so neither side ever reads half of one.
+it asks with a ``Call`` carrying a typed request, answered by a ``Reply`` of the same ``rid``
+carrying a typed answer; ``Ended`` says a session is over. A packet is one message (msgpack),
+so neither side ever reads half of one.
 
-Calls (``op``, ``args`` -> ``Reply.value``):
+Every message is a tagged struct (its class name in ``type``), decoded by a typed decoder
+(``to_worker``, ``from_worker``): a packet with an unknown tag, a missing or unknown field or
+a field of the wrong type fails decoding as a whole (the side that reads it stops the link),
+it never reaches the code that uses it.
 
-- ``signing_key``: () -> the raw Ed25519 public key, or None while the relay has none;
-- ``begin_put``: (job, rank, incarnation, ckpt) -> None, or a refusal [code, message];
-- ``end_upload``: (job, rank) -> None (the upload ended without a commit);
-- ``job_finished``: (job,) -> bool;
-- ``commit``: (manifest, directory, wait) -> [refusal or None, retained ids, known]: the
-  image is on disk; ``known`` is ``report_outcome``'s answer (None when refused);
-- ``image``: (job, rank, ckpt) -> [manifest, directory], or None.
+Requests (``Call.request``) -> answers (``Reply.value``):
+
+- ``SigningKeyAsk()`` -> ``SigningKey(raw)``: the raw Ed25519 public key, or None while the
+  relay has none;
+- ``BeginPut(job, rank, incarnation, ckpt)`` -> ``Granted()`` (the rank is ``uploading``) or
+  ``Refusal(code, message)``;
+- ``EndUpload(job, rank)`` -> ``Done()`` (the upload ended without a commit);
+- ``JobFinished(job)`` -> ``JobState(finished)``;
+- ``Commit(manifest, directory, wait)`` (the image is on disk) -> ``Committed(retained,
+  known)``, ``known`` being ``report_outcome``'s answer, or ``Refusal(code, message)``;
+- ``ImageAsk(job, rank, ckpt)`` -> ``Found(manifest, directory)`` or ``NotFound()``.
+
+Any request may be answered ``NoAnswer(error)`` instead: its session is over, or the relay
+could not answer (a bad request, or a bug); the session ends.
 """
 
 from __future__ import annotations
 
 import array
 import socket
-from typing import Any
 
 import msgspec
+
+from vpool.protocol.errors import ErrorCode
 
 # Largest link packet. A manifest names one counter per sending rank: a few bytes each.
 MAX_PACKET = 4 * 1024 * 1024
 
 
-class Init(msgspec.Struct, tag=True):
+class _Link(msgspec.Struct, tag=True, forbid_unknown_fields=True):
+    """A message of the link (or a part of one): tagged with its class name."""
+
+
+class Init(_Link):
     """What the store process needs of the relay's settings (the first packet)."""
 
     name: str
@@ -49,31 +65,133 @@ class Init(msgspec.Struct, tag=True):
     log_level: int
 
 
-class Conn(msgspec.Struct, tag=True):
+class Conn(_Link):
     """A store connection, its socket attached, preamble read."""
 
     cid: int
     peer: str
 
 
-class Reply(msgspec.Struct, tag=True):
-    """The answer to a ``Call``; ``error`` set: there is none (the session is over)."""
+class Ended(_Link):
+    """Session ``cid`` is over."""
 
-    rid: int
-    value: Any = None
-    error: str = ""
-
-
-class Call(msgspec.Struct, tag=True):
-    rid: int
-    cid: int
-    op: str
-    args: list[Any]
-
-
-class Ended(msgspec.Struct, tag=True):
     cid: int
     reason: str
+
+
+# -- requests (store process -> relay) --------------------------------------------------------
+
+
+class SigningKeyAsk(_Link):
+    """The key tokens are verified with (waits ``handshake_timeout`` for it at most)."""
+
+
+class BeginPut(_Link):
+    """May image ``ckpt`` of ``incarnation`` of the rank be uploaded now? Granted, the rank is
+    marked as uploading until ``Commit`` or ``EndUpload``."""
+
+    job: int
+    rank: int
+    incarnation: int
+    ckpt: int
+
+
+class EndUpload(_Link):
+    """The upload of the rank ended without a commit."""
+
+    job: int
+    rank: int
+
+
+class JobFinished(_Link):
+    """Is ``job`` over?"""
+
+    job: int
+
+
+class Commit(_Link):
+    """The image of ``manifest`` (``Image.to_json``) is on disk in ``directory``: commit it,
+    and wait (at most ``wait`` s) for the coordinator to know it."""
+
+    manifest: bytes
+    directory: str
+    wait: float
+
+
+class ImageAsk(_Link):
+    """Image ``ckpt`` of the rank, from the relay's index."""
+
+    job: int
+    rank: int
+    ckpt: int
+
+
+Request = SigningKeyAsk | BeginPut | EndUpload | JobFinished | Commit | ImageAsk
+
+
+# -- answers (relay -> store process) ---------------------------------------------------------
+
+
+class SigningKey(_Link):
+    raw: bytes | None  # None: the relay has no key (yet)
+
+
+class Granted(_Link):
+    pass
+
+
+class Refusal(_Link):
+    """Why a put or a commit is refused (what ``Refused`` says, but for job and rank)."""
+
+    code: ErrorCode
+    message: str
+
+
+class Done(_Link):
+    pass
+
+
+class JobState(_Link):
+    finished: bool
+
+
+class Committed(_Link):
+    retained: list[int]  # the image ids the relay keeps of the rank
+    known: bool | None  # the coordinator accepted the image, refused it, or did not say in time
+
+
+class Found(_Link):
+    manifest: bytes
+    directory: str
+
+
+class NotFound(_Link):
+    pass
+
+
+class NoAnswer(_Link):
+    """The relay has no answer: the session is over, or the request failed."""
+
+    error: str
+
+
+Answer = SigningKey | Granted | Refusal | Done | JobState | Committed | Found | NotFound | NoAnswer
+
+
+# -- the packets --------------------------------------------------------------------------------
+
+
+class Call(_Link):
+    rid: int
+    cid: int
+    request: Request
+
+
+class Reply(_Link):
+    """The answer to the ``Call`` of the same ``rid``."""
+
+    rid: int
+    value: Answer
 
 
 ToWorker = Init | Conn | Reply

@@ -4,8 +4,11 @@
 process and waits for the session's ``Ended``; the process is started at the first such
 connection (starting one costs 0.4 s of CPU, which a relay that stores nothing, like most in
 the tests, never pays) and again at the next after it died. ``run`` (a task of the relay's)
-owns the processes: it answers their ``Call``s from ``CheckpointStore`` and stops the process
-when the relay stops.
+owns the processes: it answers their ``Call``s from ``CheckpointStore``, each request by its
+type (``_call``: one ``case`` per request of ``storelink``, each returning one of that
+request's answers), and stops the process when the relay stops. A request the relay cannot
+answer (its session is over, or answering it failed) gets ``NoAnswer``, which ends that
+session; a packet that does not decode stops the process.
 
 At most ``store_threads`` sessions run at once; more wait here, before their TLS handshake.
 The relay keeps its own copy of each session's socket: when it stops, it shuts them down,
@@ -24,7 +27,7 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, assert_never
 
 import msgspec
 import trio
@@ -33,11 +36,28 @@ from vpool.protocol.relay_core import Refused
 from vpool.relay.ckptstore import PART, Image, Key, ckpt_dir
 from vpool.relay.storelink import (
     MAX_PACKET,
+    Answer,
+    BeginPut,
     Call,
+    Commit,
+    Committed,
     Conn,
+    Done,
     Ended,
+    EndUpload,
+    Found,
+    Granted,
+    ImageAsk,
     Init,
+    JobFinished,
+    JobState,
+    NoAnswer,
+    NotFound,
+    Refusal,
     Reply,
+    Request,
+    SigningKey,
+    SigningKeyAsk,
     encode,
     fd_rights,
     from_worker,
@@ -235,55 +255,56 @@ class StoreSupervisor:
 
     async def _answer(self, p: _Process, call: Call) -> None:
         session = p.sessions.get(call.cid)
+        answer: Answer
         if session is None:
-            reply = Reply(rid=call.rid, error=f"store session {call.cid} is over")
+            answer = NoAnswer(error=f"store session {call.cid} is over")
         else:
             try:
-                reply = Reply(rid=call.rid, value=await self._call(session, call.op, *call.args))
+                answer = await self._call(session, call.request)
             except Exception:
                 # A bad call (or a bug) ends that session, never the relay.
-                logger.exception("store process: %s call %r failed", call.op, call.args)
-                reply = Reply(rid=call.rid, error=f"the relay could not answer {call.op}")
+                logger.exception("store process: call %r failed", call.request)
+                answer = NoAnswer(error=f"the relay could not answer {type(call.request).__name__}")
         try:
-            await p.send(reply)
+            await p.send(Reply(rid=call.rid, value=answer))
         except OSError:
             pass  # the process is gone; _watch sees the end of the link
 
-    async def _call(self, session: _Session, op: str, *args: Any) -> Any:
+    async def _call(self, session: _Session, request: Request) -> Answer:
         store = self.store
-        if op == "signing_key":
-            key = await store.signing_key()
-            return None if key is None else key.public_bytes_raw()
-        if op == "begin_put":
-            job, rank, incarnation, ckpt = (int(a) for a in args)
-            rej = store.begin_put((job, rank), incarnation, ckpt)
-            if rej is not None:
-                return [rej.code, rej.message]
-            session.upload = (job, rank)
-            return None
-        if op == "end_upload":
-            job, rank = (int(a) for a in args)
-            store.uploading.discard((job, rank))
-            session.upload = None
-            return None
-        if op == "job_finished":
-            return int(args[0]) in self.hub.finished
-        if op == "commit":
-            manifest, directory, wait = args
-            img = Image.from_json(manifest, Path(directory))
-            # The image's directory is the one its rank's images go to, whatever is said.
-            if img.directory != ckpt_dir(self.hub.data_dir, img.job, img.rank):
-                raise ValueError(f"image {img.ckpt} of rank {img.rank} is in {directory}")
-            session.upload = None
-            answer = await store.commit_put(img)
-            if isinstance(answer, Refused):
-                return [[answer.code, answer.message], None, None]
-            return [None, answer, await store.report_outcome(img, float(wait))]
-        if op == "image":
-            job, rank, ckpt = (int(a) for a in args)
-            img = store.image((job, rank), ckpt)
-            return None if img is None else [img.to_json(), str(img.directory)]
-        raise ValueError(f"unknown call {op!r}")
+        match request:
+            case SigningKeyAsk():
+                key = await store.signing_key()
+                return SigningKey(raw=None if key is None else key.public_bytes_raw())
+            case BeginPut(job=job, rank=rank, incarnation=incarnation, ckpt=ckpt):
+                rej = store.begin_put((job, rank), incarnation, ckpt)
+                if rej is not None:
+                    return Refusal(code=rej.code, message=rej.message)
+                session.upload = (job, rank)
+                return Granted()
+            case EndUpload(job=job, rank=rank):
+                store.uploading.discard((job, rank))
+                session.upload = None
+                return Done()
+            case JobFinished(job=job):
+                return JobState(finished=job in self.hub.finished)
+            case Commit(manifest=manifest, directory=directory, wait=wait):
+                img = Image.from_json(manifest, Path(directory))
+                # The image's directory is the one its rank's images go to, whatever is said.
+                if img.directory != ckpt_dir(self.hub.data_dir, img.job, img.rank):
+                    raise ValueError(f"image {img.ckpt} of rank {img.rank} is in {directory}")
+                session.upload = None
+                answer = await store.commit_put(img)
+                if isinstance(answer, Refused):
+                    return Refusal(code=answer.code, message=answer.message)
+                return Committed(retained=answer, known=await store.report_outcome(img, wait))
+            case ImageAsk(job=job, rank=rank, ckpt=ckpt):
+                found = store.image((job, rank), ckpt)
+                if found is None:
+                    return NotFound()
+                return Found(manifest=found.to_json(), directory=str(found.directory))
+            case _:
+                assert_never(request)
 
     async def _sweep_parts(self, key: Key) -> None:
         """The upload of ``key`` died with its process: delete its part file (the rank had

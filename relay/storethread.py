@@ -14,8 +14,9 @@ straight into the buffer of the image file (``DirectFile.receive``, ``O_DIRECT``
 (Poly1305) and digested (``protocol.ckptdigest``) and written from there, and a get is read
 with ``os.preadv`` into the buffer of the frame it is sent in. Everything that touches the
 relay's state (the signing key, the refusals of a put, the ``uploading`` set, the commit and
-its report, the image index) is asked of the relay through the link (``storelink``, calls
-answered by ``CheckpointStore`` methods in the relay's loop).
+its report, the image index) is asked of the relay through the link with ``RelayLink``'s
+methods (``storeworker``): each sends a typed request (``storelink``) answered with a typed
+answer from ``CheckpointStore`` in the relay's loop.
 
 The messages, their order and the error codes are in ``ckptstore``'s docstring. The socket
 has a timeout (``handshake_timeout`` up to the ``Hello``, then ``store_idle_timeout``); the

@@ -6,7 +6,11 @@ imports take a fraction of a second even while ranks keep every core busy, then 
 own (``store_nice``) before it reads anything: every thread it starts inherits that.
 
 The main thread reads the link: each ``Conn`` brings a socket, served by a ``StoreThread``
-in a thread of its own; each ``Reply`` wakes the thread that made the ``Call``. When the link
+in a thread of its own; each ``Reply`` wakes the thread that made the ``Call``. A session
+thread asks through ``RelayLink``'s methods, one per request (``storelink``), each of which
+takes its typed answer apart; an answer of another type than its request's ends the session
+like a link that is gone (``LinkClosed``), and a packet that does not decode ends the link,
+like one that is truncated. When the link
 ends (the relay stopped or died), every connection is shut down, which ends the threads'
 blocking calls (an interrupted upload deletes its part file), and the process exits once they
 are done, or after ``EXIT_WAIT`` in any case. SIGINT is ignored: the process shares the
@@ -24,23 +28,39 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
 
+import msgspec
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from vpool import tls
 from vpool.niceness import lower_this_process
-from vpool.protocol.errors import ErrorCode, known
 from vpool.protocol.relay_core import Refused
 from vpool.protocol.tokens import RankClaims
 from vpool.relay.ckptstore import Image, Key
 from vpool.relay.storelink import (
     MAX_PACKET,
+    Answer,
+    BeginPut,
     Call,
+    Commit,
+    Committed,
     Conn,
+    Done,
     Ended,
+    EndUpload,
+    Found,
+    Granted,
+    ImageAsk,
     Init,
+    JobFinished,
+    JobState,
+    NoAnswer,
+    NotFound,
+    Refusal,
     Reply,
+    Request,
+    SigningKey,
+    SigningKeyAsk,
     encode,
     received_fds,
     to_worker,
@@ -60,8 +80,8 @@ class LinkClosed(OSError):
 class _Pending:
     def __init__(self) -> None:
         self.done = threading.Event()
-        self.value: Any = None
-        self.error = ""
+        self.value: Answer | None = None
+        self.error = ""  # the link ended before the answer came
 
 
 class RelayLink:
@@ -84,7 +104,9 @@ class RelayLink:
                 raise LinkClosed("the relay is gone")
             self.sock.send(encode(msg))
 
-    def call(self, cid: int, op: str, *args: Any) -> Any:
+    def call(self, cid: int, request: Request) -> Answer:
+        """Ask the relay ``request`` for session ``cid`` and wait for its answer; LinkClosed
+        if the relay is gone or has none (``NoAnswer``)."""
         pending = _Pending()
         with self._lock:
             if self._closed:
@@ -92,41 +114,65 @@ class RelayLink:
             rid = next(self._rids)
             self._pending[rid] = pending
             try:
-                self.sock.send(encode(Call(rid=rid, cid=cid, op=op, args=list(args))))
+                self.sock.send(encode(Call(rid=rid, cid=cid, request=request)))
             except OSError:
                 del self._pending[rid]
                 raise
         pending.done.wait()
-        if pending.error:
-            raise LinkClosed(pending.error)
-        return pending.value
+        answer = pending.value
+        if pending.error or answer is None:
+            raise LinkClosed(pending.error or "the relay is gone")
+        if isinstance(answer, NoAnswer):
+            raise LinkClosed(answer.error)
+        return answer
 
     def signing_key(self, cid: int) -> Ed25519PublicKey | None:
-        raw = self.call(cid, "signing_key")
-        return None if raw is None else Ed25519PublicKey.from_public_bytes(raw)
+        answer = self.call(cid, SigningKeyAsk())
+        if not isinstance(answer, SigningKey):
+            raise _unexpected(SigningKeyAsk, answer)
+        return None if answer.raw is None else Ed25519PublicKey.from_public_bytes(answer.raw)
 
     def begin_put(self, cid: int, claims: RankClaims, ckpt: int) -> Refused | None:
         job, rank = claims.job, claims.rank
-        refusal = self.call(cid, "begin_put", job, rank, claims.incarnation, ckpt)
-        return None if refusal is None else _rejected(refusal, job, rank)
+        request = BeginPut(job=job, rank=rank, incarnation=claims.incarnation, ckpt=ckpt)
+        match answer := self.call(cid, request):
+            case Granted():
+                return None
+            case Refusal():
+                return _rejected(answer, job, rank)
+        raise _unexpected(BeginPut, answer)
 
     def end_upload(self, cid: int, key: Key) -> None:
-        self.call(cid, "end_upload", *key)
+        job, rank = key
+        answer = self.call(cid, EndUpload(job=job, rank=rank))
+        if not isinstance(answer, Done):
+            raise _unexpected(EndUpload, answer)
 
     def job_finished(self, cid: int, job: int) -> bool:
-        return bool(self.call(cid, "job_finished", job))
+        answer = self.call(cid, JobFinished(job=job))
+        if not isinstance(answer, JobState):
+            raise _unexpected(JobFinished, answer)
+        return answer.finished
 
     def commit(self, cid: int, img: Image, wait: float) -> tuple[Refused | list[int], bool | None]:
         """Commit an image on disk, and wait (at most ``wait`` s) for the coordinator to know
         it: (the ids retained, or why it was refused; whether the coordinator accepted it)."""
-        refusal, retained, known = self.call(cid, "commit", img.to_json(), str(img.directory), wait)
-        if refusal is not None:
-            return _rejected(refusal, img.job, img.rank), None
-        return [int(c) for c in retained], known
+        request = Commit(manifest=img.to_json(), directory=str(img.directory), wait=wait)
+        match answer := self.call(cid, request):
+            case Committed(retained=retained, known=known):
+                return retained, known
+            case Refusal():
+                return _rejected(answer, img.job, img.rank), None
+        raise _unexpected(Commit, answer)
 
     def image(self, cid: int, key: Key, ckpt: int) -> Image | None:
-        found = self.call(cid, "image", *key, ckpt)
-        return None if found is None else Image.from_json(found[0], Path(found[1]))
+        job, rank = key
+        match answer := self.call(cid, ImageAsk(job=job, rank=rank, ckpt=ckpt)):
+            case Found(manifest=manifest, directory=directory):
+                return Image.from_json(manifest, Path(directory))
+            case NotFound():
+                return None
+        raise _unexpected(ImageAsk, answer)
 
     # -- the main loop ------------------------------------------------------------------------
 
@@ -144,12 +190,18 @@ class RelayLink:
                 if flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC):
                     logger.error("store process: a link packet was truncated; stopping")
                     return
-                msg = to_worker.decode(data)
+                try:
+                    msg = to_worker.decode(data)
+                except msgspec.DecodeError as exc:
+                    logger.error("store process: bad link packet (%s); stopping", exc)
+                    for fd in fds:
+                        socket.socket(fileno=fd).close()
+                    return
                 if isinstance(msg, Reply):
                     with self._lock:
                         pending = self._pending.pop(msg.rid, None)
                     if pending is not None:
-                        pending.value, pending.error = msg.value, msg.error
+                        pending.value = msg.value
                         pending.done.set()
                 elif isinstance(msg, Conn) and len(fds) == 1:
                     self._start(msg, socket.socket(fileno=fds[0]), ssl_context)
@@ -200,11 +252,13 @@ class RelayLink:
             thread.join(max(0.0, deadline - time.monotonic()))
 
 
-def _rejected(refusal: list[Any], job: int, rank: int) -> Refused:
-    code, message = refusal
-    return Refused(
-        known(str(code)) or ErrorCode.UNEXPECTED_MESSAGE, str(message), job=job, rank=rank
-    )
+def _rejected(refusal: Refusal, job: int, rank: int) -> Refused:
+    return Refused(refusal.code, refusal.message, job=job, rank=rank)
+
+
+def _unexpected(request: type[Request], answer: Answer) -> LinkClosed:
+    """The relay answered ``request`` with something else than its answers (a bug)."""
+    return LinkClosed(f"the relay answered {request.__name__} with {type(answer).__name__}")
 
 
 def main() -> None:
@@ -215,7 +269,10 @@ def main() -> None:
     data = sock.recv(MAX_PACKET)
     if not data:
         return
-    init = to_worker.decode(data)
+    try:
+        init = to_worker.decode(data)
+    except msgspec.DecodeError as exc:
+        sys.exit(f"storeworker: bad Init ({exc})")
     if not isinstance(init, Init):
         sys.exit(f"storeworker: expected Init, got {type(init).__name__}")
     logging.basicConfig(

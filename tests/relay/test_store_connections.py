@@ -26,6 +26,7 @@ from vpool.protocol.messages import (
     Hello,
     Welcome,
 )
+from vpool.relay.storelink import NoAnswer, Reply
 
 
 async def test_preamble_sorts_connections_on_one_port(
@@ -214,22 +215,23 @@ async def test_store_sessions_run_in_a_nicer_process(
     assert (os.getpgid(pid), os.getsid(pid)) == (os.getpgid(0), os.getsid(0))
 
 
-# A store process that answers a store connection with a bad call, an unknown one and a
-# malformed packet, and notes the relay's replies.
+# A store process that answers a store connection with a call the relay cannot answer, notes
+# the relay's reply, then calls with a request of a type the link does not know.
 BAD_STORE_PROCESS = """
 import os, socket, sys
-from vpool.relay.storelink import MAX_PACKET, Call, encode, received_fds, to_worker
+import msgspec
+from vpool.relay.storelink import MAX_PACKET, Call, Commit, encode, received_fds, to_worker
 link = socket.socket(fileno=int(sys.argv[2]))
 to_worker.decode(link.recv(MAX_PACKET))  # Init
 data, ancdata, _, _ = link.recvmsg(MAX_PACKET, socket.CMSG_SPACE(16))
 conn, fds = to_worker.decode(data), received_fds(ancdata)
-errors = []
-for rid, op, args in ((1, "commit", ["not a manifest", "/", 1.0]), (2, "no_such_call", [])):
-    link.send(encode(Call(rid=rid, cid=conn.cid, op=op, args=args)))
-    errors.append(to_worker.decode(link.recv(MAX_PACKET)).error)
+bad = Commit(manifest=b"not a manifest", directory="/", wait=1.0)
+link.send(encode(Call(rid=1, cid=conn.cid, request=bad)))
+reply = to_worker.decode(link.recv(MAX_PACKET))
 with open(os.environ["BAD_STORE_OUT"], "w") as out:
-    out.write(repr(errors))
-link.send(b"\\xc1 not msgpack")
+    out.write(repr(reply))
+unknown = {"type": "Call", "rid": 2, "cid": conn.cid, "request": {"type": "NoSuchCall"}}
+link.send(msgspec.msgpack.encode(unknown))
 link.recv(1)  # until the relay closes the link
 """
 
@@ -242,8 +244,9 @@ async def test_bad_link_packets_end_the_store_process_not_the_relay(
     monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    """Calls the relay cannot answer get an error reply (that session ends), a malformed
-    packet stops that store process, and the relay serves on."""
+    """A call the relay cannot answer gets ``NoAnswer`` (that session ends), a packet that
+    does not decode (a request of an unknown type) stops that store process, and the relay
+    serves on."""
     from vpool.relay import storesupervisor
 
     out = tmp_path / "errors"
@@ -258,14 +261,14 @@ async def test_bad_link_packets_end_the_store_process_not_the_relay(
     await until(lambda: supervisor.current.proc.returncode is not None)
     assert supervisor.current.proc.returncode == 0
     assert out.read_text() == repr(
-        ["the relay could not answer commit", "the relay could not answer no_such_call"]
+        Reply(rid=1, value=NoAnswer(error="the relay could not answer Commit"))
     )
     logged = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
     assert [m.split(" (")[0] for m in logged] == [
-        "store process: commit call ['not a manifest', '/', 1.0] failed",
-        "store process: no_such_call call [] failed",
+        "store process: call Commit(manifest=b'not a manifest', directory='/', wait=1.0) failed",
         "store process: bad link packet",
     ], logged
+    assert "NoSuchCall" in logged[1], logged
     caplog.clear()  # the errors above were expected
     agent = await FakeAgent.connect(pool, relay.addr, "agent-a")
     await agent.attach(pool, 1, 0, size=1, home=True)
