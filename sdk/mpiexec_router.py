@@ -48,8 +48,9 @@ from vpool.sdk.mpiexec_wire import _GONE, SocketFrames, _acquire, _frame, _write
 
 JOB = 0
 READ_BUFFER = 1024 * 1024
-# Bytes of frames gathered into one write to a rank.
+# Bytes of frames gathered into one write to a rank; frames above JOIN_MAX go out alone.
 PUSH_ROUND = 1024 * 1024
+JOIN_MAX = 64 * 1024
 # A mailbox drops what it pushed once it holds this many entries (nothing is ever re-pushed).
 TRIM_AT = 4096
 SOCKET_BUFFER = 4 * 1024 * 1024
@@ -304,7 +305,10 @@ class _Router:
                 self._check(rank, msg)
                 box = core.deposit(rank, JOB, msg.src, msg.dst, msg.seq, frame)
                 if box is not None:
-                    entry = box.mailbox.append(msg.src, msg.seq, len(frame), bytes(frame))
+                    # A small frame is a view of the scanner's buffer: copied; a large one was
+                    # received into its own buffer: kept as it is.
+                    ref = frame if type(frame) is bytearray else bytes(frame)
+                    entry = box.mailbox.append(msg.src, msg.seq, len(frame), ref)
                     entry.written = True
                     core.written(box)
             elif type(msg) is Det:
@@ -357,7 +361,7 @@ class _Router:
             if not parts or not rank.open:
                 return
             try:
-                await _write(rank.sock, parts[0] if len(parts) == 1 else b"".join(parts))
+                await _write_parts(rank.sock, parts)
             except _GONE:
                 rank.open = False
                 return
@@ -402,6 +406,21 @@ class _Router:
                         rank.open = False
             finally:
                 rank.lock.release()
+
+
+async def _write_parts(sock: Any, parts: list[Any]) -> None:
+    """Write frames: small ones joined into one write, a large one on its own (no copy)."""
+    small: list[Any] = []
+    for part in parts:
+        if len(part) > JOIN_MAX:
+            if small:
+                await _write(sock, small[0] if len(small) == 1 else b"".join(small))
+                small = []
+            await _write(sock, part)
+        else:
+            small.append(part)
+    if small:
+        await _write(sock, small[0] if len(small) == 1 else b"".join(small))
 
 
 def _digest(frame: bytes | bytearray | memoryview) -> bytes:
