@@ -95,6 +95,14 @@ def hello_refusal(msg: RankHello, *, known: bool, connected: bool) -> Error | No
     return None
 
 
+async def read_hello(frames: SocketFrames) -> RankHello | None:
+    """A rank's first frame, which must be its hello; None when it hung up first."""
+    msg = await frames.message()
+    if msg is not None and not isinstance(msg, RankHello):
+        raise RemoteProtocolError(f"expected RankHello, got {type(msg).__name__}")
+    return msg
+
+
 class _Router:
     def __init__(self, size: int, err: Any) -> None:
         self.size = size
@@ -260,11 +268,9 @@ class _Router:
 
     async def _hello(self, frames: SocketFrames) -> _Rank | None:
         sock = frames.sock
-        msg = await frames.message()
+        msg = await read_hello(frames)
         if msg is None:
             return None
-        if not isinstance(msg, RankHello):
-            raise RemoteProtocolError(f"expected RankHello, got {type(msg).__name__}")
         rank = self.by_secret.get(msg.secret)
         refusal = hello_refusal(
             msg, known=rank is not None, connected=rank is not None and rank.sock is not None

@@ -30,7 +30,6 @@ from vpool.protocol.messages import (
     DetAck,
     Error,
     Message,
-    RankHello,
     RankWelcome,
 )
 from vpool.sdk.mpiexec import rank_environment
@@ -39,6 +38,7 @@ from vpool.sdk.mpiexec_router import (
     KILL_GRACE,
     _Rank,
     hello_refusal,
+    read_hello,
 )
 from vpool.sdk.mpiexec_wire import (
     _GONE,
@@ -232,11 +232,9 @@ class ReplayRouter(CheckpointBench):
 
     async def _hello(self, frames: SocketFrames) -> _Rank | None:
         sock = frames.sock
-        msg = await frames.message()
+        msg = await read_hello(frames)
         if msg is None:
             return None
-        if not isinstance(msg, RankHello):
-            raise RemoteProtocolError(f"expected RankHello, got {type(msg).__name__}")
         waiting = self.pending_secrets.get(msg.secret)
         if waiting is not None:
             # A restored clone can call before its predecessor is gone: it waits for that.
