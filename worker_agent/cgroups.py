@@ -214,11 +214,34 @@ def _read_limit(path: Path) -> int | None:
     return None if value >= _UNLIMITED else value
 
 
+# The rank groups this process made and has not removed.
+_MADE: set[Path] = set()
+
+
 def _read_procs(path: Path) -> list[int]:
     try:
         return [int(line) for line in _read(path).split()]
     except FileNotFoundError:
         return []
+
+
+def _make_group(group: Path) -> None:
+    """mkdir ``group``. One this process made and has not removed is in use: refused
+    (``FileExistsError``), as is one with processes in it. Any other one is a leftover of an
+    earlier agent that had this pid (an agent killed with SIGKILL leaves its groups behind,
+    and pids are reused): it is removed and made again."""
+    try:
+        group.mkdir()
+    except FileExistsError:
+        if group in _MADE or _read_procs(group / "cgroup.procs"):
+            raise
+        log.info("removing %s, left by an earlier agent with this pid", group)
+        try:
+            group.rmdir()
+        except OSError as exc:
+            raise FileExistsError(f"{group} is left over and cannot be removed: {exc}") from exc
+        group.mkdir()
+    _MADE.add(group)
 
 
 def _describe(exc: OSError) -> str:
@@ -455,7 +478,7 @@ class RankCgroup:
                     try:
                         if layout.version == 1:
                             base.mkdir(exist_ok=True)
-                        group.mkdir()
+                        _make_group(group)
                     except FileExistsError as exc:
                         raise CgroupError(f"{group} exists already") from exc
                     except OSError as exc:
@@ -726,8 +749,9 @@ def _remove_dirs(dirs: dict[Path, frozenset[str]]) -> list[str]:
     for group in dirs:
         try:
             group.rmdir()
+            _MADE.discard(group)
         except FileNotFoundError:
-            pass
+            _MADE.discard(group)
         except OSError as exc:
             failed.append(f"{group} ({_describe(exc)})")
             continue

@@ -271,6 +271,32 @@ def test_groups_are_made_under_the_agents_own_groups(version: int) -> None:
         group.remove()
 
 
+def test_a_group_left_by_an_earlier_agent_with_this_pid_is_made_again(version: int) -> None:
+    # An agent killed with SIGKILL leaves its groups; a later agent may get its pid.
+    stale = RankCgroup.create("test-left-over", Limits(), version=version)
+    cgroups._MADE.clear()  # this process is now that later agent: it made none of them
+    again = RankCgroup.create("test-left-over", Limits(pids=32), version=version)
+    try:
+        assert again.limits_applied()["pids"] == 32 or again.problems
+        assert again.procs_files() == stale.procs_files()
+    finally:
+        again.remove()
+
+
+def test_a_group_with_processes_in_it_is_never_taken_over(version: int) -> None:
+    busy = RankCgroup.create("test-busy", Limits(), version=version)
+    proc = subprocess.Popen(["sleep", "30"])
+    try:
+        busy.attach(proc.pid)
+        cgroups._MADE.clear()  # as for a later agent: what makes it refuse is the process
+        with pytest.raises(cgroups.CgroupError, match="exists already"):
+            RankCgroup.create("test-busy", Limits(), version=version)
+    finally:
+        proc.kill()
+        proc.wait()
+        busy.remove()
+
+
 def test_limits_read_back_as_set_or_are_reported(
     version: int, make_group: Callable[[Limits], RankCgroup]
 ) -> None:
