@@ -29,6 +29,7 @@ import msgspec
 from vpool.protocol.errors import RemoteProtocolError
 from vpool.protocol.framing import (
     DEFAULT_MAX_HEADER,
+    LARGE,
     PREFIX,
     FrameScanner,
     Large,
@@ -52,8 +53,7 @@ from vpool.protocol.messages import (
     encode,
 )
 
-# Payloads above this are read straight into their destination instead of the read buffer.
-LARGE = 64 * 1024
+# Payloads above framing.LARGE are read straight into their destination, not the read buffer.
 READ_BUFFER = 4 * LARGE + DEFAULT_MAX_HEADER
 SOCKET_BUFFER = 4 * 1024 * 1024
 MAX_IOV = 512  # below every platform's IOV_MAX

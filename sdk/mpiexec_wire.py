@@ -51,18 +51,6 @@ async def _read(sock: Any, view: memoryview) -> int:
             await trio.lowlevel.wait_readable(sock)
 
 
-async def _read_exact(sock: Any, n: int) -> bytes:
-    buf = bytearray(n)
-    view = memoryview(buf)
-    got = 0
-    while got < n:
-        k = await _read(sock, view[got:])
-        if not k:
-            raise trio.BrokenResourceError("connection closed")
-        got += k
-    return bytes(buf)
-
-
 class SocketFrames:
     """Frames off one non-blocking socket through a ``FrameScanner``: the system call is
     tried first, the scheduler waited on only when it would block (every 16 reads that found

@@ -76,7 +76,7 @@ class InboundRouting:
                     store.acked(msg.dst, msg.seq)
                 rank = ranks.get(key)
                 if rank is not None:
-                    rank.outbox.push_ack(msg.dst, bytes(frame.parts[0]))
+                    rank.outbox.push_ack(msg.dst, bytes(frame.frame))
             elif isinstance(msg, Det):
                 rank = ranks.get((msg.job, msg.rank))
                 # One the rank has is not given again (a resumed home attachment).
