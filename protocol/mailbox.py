@@ -21,6 +21,7 @@ will follow when it is).
 Delivery side (one receiver at a time, the rank's current home attachment)::
 
     attach(received)         resume after ``received[src]`` for every source
+    delivered(src, seq)      the receiver got (src, ..seq) another way: do not push those
     credit(nbytes, now)      the receiver consumed that many pushed bytes
     next_push(now) -> entry  the next durable entry to push while the window allows, else None
     detach()
@@ -189,6 +190,18 @@ class Mailbox(Generic[R]):
             if k < len(positions) and positions[k] < start:
                 start = positions[k]
         self._cursor = start
+
+    def delivered(self, src: int, seq: int) -> Entry[R] | None:
+        """The current receiver has every message of ``src`` up to ``seq`` already (its agent
+        delivered them locally): they are not pushed to it. Logged and kept all the same (a
+        later receiver, one restarted from an image, gets them pushed). Returns the entry of
+        (``src``, ``seq``) when it is in the log (its copy in memory is not needed for a
+        push)."""
+        if not self._attached:
+            return None
+        if seq > self._received.get(src, 0):
+            self._received[src] = seq
+        return self.entry(src, seq)
 
     def detach(self) -> None:
         self._attached = False

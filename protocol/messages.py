@@ -12,7 +12,7 @@ Hops and who sends what::
 
     rank -> agent:   RankHello, Data, Det, Abort, Finalize
     agent -> rank:   RankWelcome, Data, Det, Ack, DetAck, Error, Stop, CheckpointRequest
-    agent -> relay:  Hello, Attach, Data, Det, Credit, Detach
+    agent -> relay:  Hello, Attach, Data, Det, Credit, Delivered, Detach
     relay -> agent:  Welcome, Attached, Data, Det, Ack, DetAck, Error, Stop
 
 Checkpoints (docs/internals.md, "Checkpoints"): a rank's second unix connection, opened with
@@ -177,6 +177,22 @@ class Credit(_Msg, frozen=True, tag="credit"):
     nbytes: int
 
 
+class Delivered(_Msg, frozen=True, tag="delivered"):
+    """Agent -> relay: incarnation ``incarnation`` of rank (job, ``rank``), home-attached on this
+    connection, has every message of channel (``src``, rank) up to ``seq``: its agent handed
+    them over itself (agent-local delivery, the sender being a rank of the same agent). The
+    relay still logs them (the sender deposits them as always) but pushes none of them to
+    this attachment. Sent right after the ``Data`` it is about; a relay drops one that names
+    another incarnation or an attachment elsewhere (docs/internals.md, "Agent-local
+    delivery")."""
+
+    job: int
+    rank: int
+    incarnation: int
+    src: int
+    seq: int
+
+
 class Stop(_Msg, frozen=True, tag="stop"):
     """Tells the receiver that (job, rank, incarnation) must stop: fenced, cancelled or failed."""
 
@@ -337,6 +353,7 @@ Message = (
     | DetAck
     | Ack
     | Credit
+    | Delivered
     | Stop
     | RankHello
     | RankWelcome

@@ -17,11 +17,13 @@ that check is what catches a replaying incarnation that diverged under a seq its
 logged (found by tests/protocol/test_ft_model.py). A checkpoint waits until the relays hold what
 the image says was sent (``holds_data``, ``holds_dets``).
 
-``Delivery``, one per rank: what its home relay delivered to it, so a re-attachment resumes
-after it (``Attach.received``, ``Attach.dets_from``): per source the highest ``Data`` seq given
-to the rank, and the count of determinants it has, those replayed to it and those it made, so a
-re-attachment never gets the rank's own determinants pushed back. A restored rank starts from
-its image's counters.
+``Delivery``, one per rank: what was delivered to it, so a re-attachment resumes after it
+(``Attach.received``, ``Attach.dets_from``): per source the highest ``Data`` seq given to the
+rank, by its home relay or by the agent itself (agent-local delivery: a message between two
+ranks of one agent goes straight to the receiver, in channel order, and is still deposited at
+the receiver's home relay, which is told with ``Delivered`` not to push it back), and the
+count of determinants it has, those replayed to it and those it made, so a re-attachment never
+gets the rank's own determinants pushed back. A restored rank starts from its image's counters.
 """
 
 from __future__ import annotations
@@ -129,9 +131,24 @@ class Delivery:
         self.received: dict[int, int] = {s: q for s, q in (received or {}).items() if q > 0}
         self.dets = dets
 
-    def data(self, src: int, seq: int) -> None:
-        """The relay pushed message ``seq`` of ``src``; it goes to the rank."""
+    def data(self, src: int, seq: int) -> bool:
+        """The relay pushed message ``seq`` of ``src``: whether it goes to the rank (not when
+        the agent delivered it locally already: its ``Delivered`` came too late to stop the
+        push)."""
+        if seq <= self.received.get(src, 0):
+            return False
         self.received[src] = seq
+        return True
+
+    def local(self, src: int, seq: int) -> bool:
+        """A rank of this agent sends message ``seq`` of channel (``src``, this rank): whether
+        the agent may hand it over itself (agent-local delivery). Only the next one of the
+        channel: while earlier ones are still to come from the relay, it goes that way too,
+        so the channel stays in order."""
+        if seq != self.received.get(src, 0) + 1:
+            return False
+        self.received[src] = seq
+        return True
 
     def det_in(self, index: int) -> bool:
         """The relay pushed determinant ``index``: whether the rank gets it (one it has is not

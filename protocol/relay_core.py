@@ -682,6 +682,31 @@ class RelayCore(Generic[C, R]):
             if box.mailbox.can_push():
                 self.shell.wake(conn)
 
+    def delivered(
+        self, conn: C, job: int, rank: int, incarnation: int, src: int, seq: int
+    ) -> Entry[R] | None:
+        """A ``Delivered``: the agent on ``conn`` gave the rank messages of ``src`` up to
+        ``seq`` itself. Honoured only for the rank's current home attachment on this very
+        connection and of that incarnation (the receiver's agent is the one that delivered);
+        any other (a replaced incarnation's, one sent before the rank moved) is dropped: its
+        pushes then go out as usual, and the agent drops what it has. Returns the logged entry
+        it is about when there is one (the shell need not keep its bytes for a push)."""
+        link = self.links.get(conn)
+        att = link.attached.get((job, rank)) if link is not None else None
+        if att is None or not att.home or att.incarnation != incarnation:
+            return None
+        if not 0 <= src < att.size:
+            raise Refused(
+                ErrorCode.BAD_DST,
+                f"delivery from rank {src} outside job {job} of {att.size} ranks",
+                job=job,
+                rank=rank,
+            )
+        box = self.boxes.get((job, rank))
+        if box is None or box.receiver != conn:
+            return None
+        return box.mailbox.delivered(src, seq)
+
     # -- jobs and checkpoints ---------------------------------------------------------------
 
     def finish_jobs(self, jobs: list[int]) -> list[Box[C, R]]:

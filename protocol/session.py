@@ -24,6 +24,7 @@ from vpool.protocol.messages import (
     Attached,
     Credit,
     Data,
+    Delivered,
     Det,
     Detach,
     DetAck,
@@ -54,7 +55,7 @@ _S, _O = State.OPENING, State.OPEN
 TRANSITIONS: dict[tuple[Kind, Side, State, type], State] = {
     ("relay", "client", _S, Hello): State.HELLO_SENT,
     ("relay", "server", State.HELLO_SENT, Welcome): _O,
-    **{("relay", "client", _O, t): _O for t in (Attach, Data, Det, Credit, Detach)},
+    **{("relay", "client", _O, t): _O for t in (Attach, Data, Det, Credit, Delivered, Detach)},
     **{("relay", "server", _O, t): _O for t in (Attached, Data, Det, Ack, DetAck, Stop)},
     ("rank", "client", _S, RankHello): State.HELLO_SENT,
     ("rank", "server", State.HELLO_SENT, RankWelcome): _O,

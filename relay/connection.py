@@ -41,6 +41,7 @@ from vpool.protocol.messages import (
     Attached,
     Credit,
     Data,
+    Delivered,
     Det,
     Detach,
     Error,
@@ -274,6 +275,12 @@ class Connection:
                         relay.credit(self, msg.job, msg.rank, msg.nbytes, trio.current_time())
                     except RemoteProtocolError as exc:
                         raise rejection(exc, job=msg.job, rank=msg.rank) from exc
+                elif type(msg) is Delivered:
+                    entry = relay.delivered(
+                        self, msg.job, msg.rank, msg.incarnation, msg.src, msg.seq
+                    )
+                    if entry is not None:
+                        self.hub.pushed(entry)  # its copy in memory is needed no more
                 elif type(msg) is Det:
                     try:
                         box = relay.det(self, msg.job, msg.rank, msg.index)
@@ -432,6 +439,7 @@ class Connection:
                     if frame is None:
                         continue
                 hub.pushed(entry)
+                hub.frames_pushed += 1
                 parts.append(frame)
                 nbytes += entry.size
         if nbytes:

@@ -120,6 +120,7 @@ class Hub:
         self.lost_ready = trio.Event()
         self._timer_wake = trio.Event()
         self.memory_used = 0
+        self.frames_pushed = 0  # Data frames pushed to receivers since the start
         self.messages_stored = 0
         self.bytes_stored = 0
         self.io_limiter = trio.CapacityLimiter(max(1, settings.write_threads))
@@ -384,7 +385,8 @@ class Hub:
             await box.io.settled.wait()
 
     def pushed(self, entry: Entry[Location]) -> None:
-        """A frame went out: its in-memory copy is no longer needed (the log has it)."""
+        """A frame went out, or its receiver has it already (agent-local delivery): its
+        in-memory copy is no longer needed (the log has it)."""
         loc = entry.ref
         if loc.frame is not None:
             loc.frame = None

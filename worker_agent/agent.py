@@ -152,7 +152,10 @@ class Agent:
             environments=self.environments,
         )
         self.proxy = RankProxy(
-            self.ranks, processor=socket.gethostname(), max_payload=settings.max_payload
+            self.ranks,
+            processor=socket.gethostname(),
+            max_payload=settings.max_payload,
+            local_delivery=settings.local_delivery,
         )
 
     @property

@@ -27,6 +27,8 @@ if TYPE_CHECKING:
 
 # One write to a rank's socket gathers frames up to about this many bytes.
 _BATCH = 256 * 1024
+# Agent-local delivery stops while this many bytes wait for a rank's socket (``has_room``).
+LOCAL_BACKLOG = 8 * 1024 * 1024
 
 RankKey = tuple[int, int]  # (job, rank)
 
@@ -58,6 +60,8 @@ class Outbox:
         self._on_written: Callable[[Connection, int], None] | None = None
         # Credit written but not yet sent, per relay connection (see Connection.credit_batch).
         self.held: dict[Connection, int] = {}
+        # Bytes of the frames waiting (not yet taken by the writer task).
+        self.queued = 0
 
     def set_socket(self, fd: int, on_written: Callable[[Connection, int], None]) -> None:
         """Enable write-through into ``fd`` (non-blocking); ``fd=-1`` disables it."""
@@ -80,7 +84,14 @@ class Outbox:
             if n:
                 parts = _after(parts, n)
         self._frames.append((parts, size, link))
+        self.queued += size
         self._wake.set()
+
+    def has_room(self) -> bool:
+        """Whether agent-local delivery may add a frame: the rank is reading (less than
+        ``LOCAL_BACKLOG`` bytes wait). Pushed frames are bounded by the relay's window; local
+        ones by this, and past it they go through the relay, under its window."""
+        return self.queued < LOCAL_BACKLOG and not self._closed
 
     def push_ack(self, dst: int, frame: bytes) -> None:
         self._acks[dst] = frame
@@ -109,6 +120,7 @@ class Outbox:
         frames = self._frames
         while frames and total < _BATCH:
             parts, size, link = frames.popleft()
+            self.queued -= size
             batch.append(parts)
             if link is not None:
                 total += size

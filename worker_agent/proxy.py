@@ -31,12 +31,13 @@ import trio
 
 from vpool.framestream import FrameStream, send_frames
 from vpool.protocol.errors import ErrorCode, ProtocolError
-from vpool.protocol.framing import encode_frame
+from vpool.protocol.framing import Buffer, encode_frame
 from vpool.protocol.messages import (
     PROTOCOL_VERSION,
     Abort,
     CkptForked,
     Data,
+    Delivered,
     Det,
     Error,
     Finalize,
@@ -46,7 +47,7 @@ from vpool.protocol.messages import (
 from vpool.protocol.session import Session
 from vpool.worker_agent.errors import RankSocketError, RelayLinkError
 from vpool.worker_agent.local_ranks import LocalRank, LocalRanks
-from vpool.worker_agent.relay_link import Connection
+from vpool.worker_agent.relay_link import Connection, RelayLink
 
 log = logging.getLogger("vpool.agent")
 
@@ -127,10 +128,13 @@ def bind_rank_socket(path: Path) -> trio.SocketListener:
 class RankProxy:
     """Serves rank connections on the agent's socket."""
 
-    def __init__(self, ranks: LocalRanks, *, processor: str, max_payload: int) -> None:
+    def __init__(
+        self, ranks: LocalRanks, *, processor: str, max_payload: int, local_delivery: bool = True
+    ) -> None:
         self.ranks = ranks
         self.processor = processor
         self.max_payload = max_payload
+        self.local_delivery = local_delivery
 
     async def serve(
         self, path: Path, *, task_status: trio.TaskStatus[Path] = trio.TASK_STATUS_IGNORED
@@ -327,6 +331,7 @@ class RankProxy:
         """Forward the rank's frames; True at end of stream, False after refusing a frame."""
         job, me, size = rank.lease.job, rank.lease.rank, rank.lease.size
         route = rank.route
+        local = self.local_delivery
         try:
             while True:
                 frame = await reader.receive()
@@ -353,7 +358,11 @@ class RankProxy:
                         continue  # being stopped (maybe replaced): it must deposit no more
                     rank.deposited[msg.dst] = msg.seq
                     try:
-                        await link.send_data(msg, frame.parts)
+                        await link.send_data(
+                            msg,
+                            frame.parts,
+                            _deliver_locally(link, msg, frame.parts, frame.size) if local else None,
+                        )
                     except RelayLinkError:
                         # Already reported as a RankProblem by the link; the coordinator will
                         # stop this rank. Dropping here keeps the socket drained meanwhile.
@@ -418,6 +427,27 @@ class RankProxy:
         finally:
             # The descriptor is closed once this connection ends and may be reused.
             outbox.set_socket(-1, written)
+
+
+def _deliver_locally(
+    link: RelayLink, msg: Data, parts: list[Buffer], size: int
+) -> Delivered | None:
+    """Agent-local delivery (docs/internals.md): when the receiver of ``msg`` is a rank of this
+    agent home-attached on ``link`` (the link the message is deposited on), reading, and this
+    is the next message of the channel for it, the frame goes into its outbox here and now;
+    the ``Delivered`` to send behind the deposit is returned. None: the relay pushes it."""
+    peer = link.home_of((msg.job, msg.dst))
+    if (
+        peer is None
+        or peer.stop_reason is not None
+        or not peer.outbox.has_room()
+        or not peer.delivery.local(msg.src, msg.seq)
+    ):
+        return None
+    peer.outbox.push_data(parts, size, None)
+    return Delivered(
+        job=msg.job, rank=msg.dst, incarnation=peer.lease.incarnation, src=msg.src, seq=msg.seq
+    )
 
 
 def _unlink(path: Path) -> None:

@@ -67,8 +67,12 @@ class InboundRouting:
             if isinstance(msg, Data):
                 rank = ranks.get((msg.job, msg.dst))
                 if rank is not None:
-                    rank.delivery.data(msg.src, msg.seq)
-                    rank.outbox.push_data(frame.parts, frame.size, conn)
+                    if rank.delivery.data(msg.src, msg.seq):
+                        rank.outbox.push_data(frame.parts, frame.size, conn)
+                    elif due := rank.outbox.credit_due(conn, frame.size):
+                        # This agent delivered it already (its Delivered came after the
+                        # push): dropped, and credited as if written.
+                        conn.credit_nowait(msg.job, msg.dst, due)
             elif isinstance(msg, Ack):
                 key = (msg.job, msg.src)
                 store = unacked.get(key)

@@ -35,6 +35,7 @@ from vpool.protocol.messages import (
     Attached,
     Credit,
     Data,
+    Delivered,
     Det,
     Detach,
     Message,
@@ -363,7 +364,9 @@ class RelayLink(InboundRouting):
     async def _send_msg(self, msg: Message, *, gated: bool = True) -> None:
         await self._enqueue(msg, [encode_frame(msg)], gated=gated)
 
-    async def _enqueue(self, msg: Message | None, parts: list[Buffer], *, gated: bool) -> None:
+    async def _enqueue(
+        self, msg: Message | None, parts: list[Buffer], *, gated: bool, lazy: bool = False
+    ) -> None:
         """Write or queue one frame on the current connection. ``gated``: wait until the link
         is ready (after a reconnection: once the resend is out). ``msg`` None: a resent frame,
         checked by the session when it was first sent."""
@@ -376,7 +379,10 @@ class RelayLink(InboundRouting):
             raise Dropped(f"connection to {self.where} dropped")
         if msg is not None:
             self._session.send(msg)
-        await writer.put(parts)
+        if lazy:
+            await writer.put_lazy(parts)
+        else:
+            await writer.put(parts)
 
     def credit_nowait(self, job: int, rank: int, nbytes: int) -> None:
         """Queue a ``Credit`` for the writer task without waiting (credits are few and small,
@@ -447,13 +453,25 @@ class RelayLink(InboundRouting):
                 else f"{self.where} did not answer Attach for {rank.label} in {ATTACH_TIMEOUT} s"
             )
 
+    def home_of(self, key: RankKey) -> LocalRank | None:
+        """The rank of this agent home-attached on this link under ``key``, if any: where
+        agent-local delivery may go (the relay honours its ``Delivered`` only there)."""
+        if self.attached.get(key) is not True or not self._ready:
+            return None
+        return self.ranks.get(key)
+
     def unacked(self, key: RankKey) -> RankLink | None:
         """What rank ``key`` deposited through this link that is not acknowledged yet (None:
         the link does not carry the rank); a checkpoint waits on it."""
         return self._unacked.get(key)
 
-    async def send_data(self, msg: Data, parts: list[Buffer]) -> None:
-        """Forward one of a rank's ``Data`` frames, bytes unchanged, keeping it until acked."""
+    async def send_data(
+        self, msg: Data, parts: list[Buffer], delivered: Delivered | None = None
+    ) -> None:
+        """Forward one of a rank's ``Data`` frames, bytes unchanged, keeping it until acked;
+        with ``delivered``, the agent handed it to its receiver itself: the notice goes right
+        behind it (in the same write: the relay reads it before it could push), and both may
+        wait a little to go out with others (``FrameWriter.put_lazy``)."""
         if not self._ready:
             await self._wait_ready()
         store = self._unacked.get((msg.job, msg.src))
@@ -461,7 +479,13 @@ class RelayLink(InboundRouting):
             raise RelayLinkError(f"rank {msg.src} of job {msg.job} is not attached to {self.where}")
         store.deposited(msg.dst, msg.seq, parts)
         try:
-            await self._enqueue(msg, parts, gated=False)
+            if delivered is None:
+                await self._enqueue(msg, parts, gated=False)
+            else:
+                self._session.send(msg)
+                await self._enqueue(
+                    delivered, [*parts, encode_frame(delivered)], gated=False, lazy=True
+                )
         except Dropped:
             if self.broken is not None:
                 raise

@@ -43,6 +43,12 @@ class AgentSettings:
         "Longest pause (s) between retries while the coordinator is unreachable (kept short: "
         "a restarted coordinator must hear from the agent before its agent_timeout).",
     )
+    local_delivery: bool = setting(
+        True,
+        "Hand a message between two ranks of this agent straight to the receiver (it is still "
+        "logged at the receiver's home relay, which then does not send it back); off: every "
+        "message comes to its receiver from the relay.",
+    )
     relay_reconnect: float = setting(
         30.0,
         "Seconds a dropped relay connection is retried (ranks keep running, their messages "

@@ -86,3 +86,30 @@ def test_incarnation_rules_of_the_agent() -> None:
     assert is_current(2, 2) and not is_current(2, 1) and not is_current(1, 2)
     assert replaces(3, 2) and not replaces(2, 2) and not replaces(1, 2)
     assert not restarted(1) and restarted(2)
+
+
+def test_local_delivery_takes_only_the_next_message_of_a_channel() -> None:
+    d = Delivery({0: 2})
+    assert d.local(0, 4) is False  # 3 is still to come from the relay
+    assert d.data(0, 3) is True and d.local(0, 4) is True
+    assert d.data(0, 4) is False  # the relay's push of it, too late: dropped
+    assert d.local(1, 1) is True and d.local(1, 1) is False
+    assert d.resume(home=True) == ({0: 4, 1: 1}, 0)
+
+
+@given(st.lists(st.tuples(st.booleans(), st.integers(1, 12)), max_size=60))
+def test_a_channel_reaches_the_rank_once_each_in_order(events: list[tuple[bool, int]]) -> None:
+    """Whatever mix of relay pushes (in order, maybe repeated after a reconnection) and local
+    offers, the rank gets each seq of a channel once, in order, with no gap."""
+    d = Delivery()
+    got: list[int] = []
+    relay = 0
+    for local, seq in events:
+        if local:
+            if d.local(0, seq):
+                got.append(seq)
+        else:
+            relay = min(relay + 1, seq)  # the relay pushes in order, from where it is
+            if d.data(0, relay):
+                got.append(relay)
+    assert got == list(range(1, len(got) + 1))

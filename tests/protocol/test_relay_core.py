@@ -381,3 +381,51 @@ def test_images_of_replaced_incarnations_are_fenced() -> None:
     assert core.image_replaced(KEY, 2, []) == 3
     assert core.image_replaced(KEY, 3, [4, 1]) == 4  # the store holds a newer one's image
     assert may_read_image(3, 2) and may_read_image(3, 3) and not may_read_image(2, 3)
+
+
+# -- agent-local delivery -----------------------------------------------------------------------
+
+
+def pushed(core: RelayCore[str, bytes], dst: int) -> list[tuple[int, int]]:
+    box = core.boxes[(JOB, dst)]
+    out = []
+    while (entry := box.mailbox.next_push()) is not None:
+        out.append((entry.src, entry.seq))
+    return out
+
+
+def test_a_message_the_agent_delivered_is_logged_and_acked_but_not_pushed_back() -> None:
+    core, shell = make()
+    attach(core, "a", 1, rank=0, home=False)  # sender and receiver on one agent: "a"
+    attach(core, "a", 1, rank=2)
+    deposit_new(core, "a", 0, 2, 1)
+    core.delivered("a", JOB, 2, 1, 0, 1)
+    deposit_new(core, "a", 0, 2, 2)  # this one took the relay's way
+    write_all(core, 2)
+    assert shell.take("ack") == [("ack", "a", JOB, 0, 2, 2)]
+    assert pushed(core, 2) == [(0, 2)]
+    # A restarted receiver (incarnation 2, from the beginning) gets both pushed.
+    attach(core, "b", 2, rank=2)
+    assert pushed(core, 2) == [(0, 1), (0, 2)]
+
+
+def test_a_delivered_notice_counts_only_for_that_incarnation_on_that_connection() -> None:
+    core, shell = make()
+    attach(core, "a", 1, rank=0, home=False)
+    attach(core, "b", 2, rank=2)  # the receiver's newest incarnation is elsewhere
+    deposit_new(core, "a", 0, 2, 1)
+    core.delivered("a", JOB, 2, 1, 0, 1)  # a late notice for incarnation 1: dropped
+    core.delivered("b", JOB, 2, 1, 0, 1)  # the right connection, the wrong incarnation
+    write_all(core, 2)
+    assert pushed(core, 2) == [(0, 1)]
+    attach(core, "a", 1, rank=1, home=False)
+    core.delivered("a", JOB, 1, 1, 0, 1)  # rank 1 is not home-attached here: nothing to do
+    assert core.rank_state((JOB, 1)) is RankState.ATTACHED
+
+
+def test_a_delivered_notice_from_outside_the_job_is_refused() -> None:
+    core, _ = make()
+    attach(core, "a", 1, rank=2)
+    with pytest.raises(Refused) as info:
+        core.delivered("a", JOB, 2, 1, SIZE, 1)
+    assert info.value.code is ErrorCode.BAD_DST and info.value.rank == 2

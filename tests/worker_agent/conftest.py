@@ -8,6 +8,8 @@ frames of ``protocol/framing.py`` with certificates from ``protocol/pki.py``.
 
 from __future__ import annotations
 
+import dataclasses
+
 import datetime as dt
 import functools
 import hashlib
@@ -505,8 +507,10 @@ def lease_for(
 
 
 @pytest.fixture
-def settings(tmp_path: Path, pool_pki: Pki) -> AgentSettings:
-    return AgentSettings(
+def settings(request: pytest.FixtureRequest, tmp_path: Path, pool_pki: Pki) -> AgentSettings:
+    """The test agent's settings; ``parametrize("settings", [{...}], indirect=True)`` changes
+    some."""
+    base = AgentSettings(
         name="test-agent",
         coordinator_url="https://coordinator.invalid",
         coordinator_ca=str(pool_pki.ca),
@@ -517,6 +521,7 @@ def settings(tmp_path: Path, pool_pki: Pki) -> AgentSettings:
         retry_max_delay=0.2,
         relay_reconnect=1.0,  # tests of reconnection set their own
     )
+    return dataclasses.replace(base, **getattr(request, "param", {}))
 
 
 @dataclass

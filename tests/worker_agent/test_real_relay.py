@@ -13,6 +13,7 @@ import trio
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from vpool.protocol import api
+from vpool.relay.hub import Hub
 from vpool.worker_agent.settings import AgentSettings
 
 from .conftest import FakeCoordinator, Pki, RunningAgent, lease_for, lines
@@ -28,9 +29,14 @@ def coordinator() -> FakeCoordinator:
 
 
 @pytest.fixture
-async def real_relay(
+async def real_relay(relay_and_hub: tuple[api.RelayInfo, Hub]) -> api.RelayInfo:
+    return relay_and_hub[0]
+
+
+@pytest.fixture
+async def relay_and_hub(
     nursery: trio.Nursery, coordinator: FakeCoordinator, pool_pki: Pki, tmp_path: Path
-) -> api.RelayInfo:
+) -> tuple[api.RelayInfo, Hub]:
     assert coordinator.signing_key is not None
     settings = RelaySettings(
         name="relay-a",
@@ -40,10 +46,16 @@ async def real_relay(
         tls_cert=str(pool_pki.cert),
         tls_key=str(pool_pki.key),
     )
+    hubs_in, hubs_out = trio.open_memory_channel[Hub](1)
     host, port = await nursery.start(
-        functools.partial(serve_relay, settings, signing_key=coordinator.signing_key.public_key())
+        functools.partial(
+            serve_relay,
+            settings,
+            signing_key=coordinator.signing_key.public_key(),
+            hub_ready=hubs_in,
+        )
     )
-    return api.RelayInfo(name="relay-a", host=host, port=port)
+    return api.RelayInfo(name="relay-a", host=host, port=port), await hubs_out.receive()
 
 
 def _add_pair(coordinator: FakeCoordinator, relay: api.RelayInfo, args: list[str]) -> None:
@@ -67,16 +79,42 @@ async def test_ping_pong_through_the_real_relay(
     assert {"ack": [1, 0, 1]} in out1
 
 
+@pytest.mark.parametrize(
+    "settings", [{"local_delivery": False}, {}], indirect=True, ids=["via-relay", "local"]
+)
 async def test_stream_beyond_the_push_window(
     agent: RunningAgent, coordinator: FakeCoordinator, real_relay: api.RelayInfo
 ) -> None:
-    # 3000 x 4 KiB = 12 MiB: three times the relay's push window, so it only gets through if
-    # the agent credits what it delivers; thousands of small frames exercise the batching.
+    # 3000 x 4 KiB = 12 MiB: three times the relay's push window, so through the relay it only
+    # gets through if the agent credits what it delivers; thousands of small frames exercise
+    # the batching. Delivered locally, the receiver's backlog bound sends part of it the
+    # relay's way when the receiver falls behind.
     _add_pair(coordinator, real_relay, ["stream", "3000", "4096"])
     await coordinator.wait_for(lambda: len(coordinator.exits) == 2, seconds=60)
     assert [(e.code, e.aborted) for e in coordinator.exits] == [(0, False), (0, False)]
     assert coordinator.problems == []
     assert "mb_per_s" in lines(coordinator.output_of(7, 0))[-1]
+
+
+@pytest.mark.parametrize("settings", [{"local_delivery": False}, {}], indirect=True)
+async def test_messages_between_ranks_of_one_agent_are_logged_but_not_pushed_back(
+    agent: RunningAgent,
+    coordinator: FakeCoordinator,
+    relay_and_hub: tuple[api.RelayInfo, Hub],
+    settings: AgentSettings,
+) -> None:
+    relay, hub = relay_and_hub
+    _add_pair(coordinator, relay, ["pingpong", "10"])
+    await coordinator.wait_for(lambda: len(coordinator.exits) == 2, seconds=30)
+    assert [(e.code, e.aborted) for e in coordinator.exits] == [(0, False), (0, False)]
+    assert {"data": "pong", "n": 40, "src": 1} in lines(coordinator.output_of(7, 0))
+    # Both messages are in the receivers' logs at the relay, and acknowledged (the ranks
+    # waited for their Acks) ...
+    assert hub.core.boxes[(7, 1)].mailbox.acked(0) == 1
+    assert hub.core.boxes[(7, 0)].mailbox.acked(1) == 1
+    # ... and the relay pushed them only when the agent did not deliver them itself.
+    assert hub.frames_pushed == (0 if settings.local_delivery else 2)
+    assert hub.memory_used == 0  # and keeps no copy of them in memory
 
 
 async def test_agent_shutdown_blames_itself_not_the_relay(

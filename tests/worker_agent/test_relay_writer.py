@@ -56,3 +56,53 @@ async def test_every_sender_waiting_for_room_gets_through(monkeypatch) -> None:
     for i in range(senders):  # each sender's frames stay in order
         mine = [s for s in sent if s.startswith(b"%d-" % i)]
         assert mine == [b"%d-%d" % (i, k) for k in range(per_sender)]
+
+
+async def test_lazy_frames_wait_for_their_delay_then_go_in_one_write(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    stream = GatedStream()
+    stream.open.set()
+    writer = FrameWriter(stream, "relay test")
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(writer.run)
+        start = trio.current_time()
+        for k in range(3):
+            await writer.put_lazy([b"lazy-%d;" % k])
+        await trio.testing.wait_all_tasks_blocked()
+        assert stream.got == []  # waiting for company
+        while not stream.got:
+            await trio.sleep(relay_writer.LAZY_DELAY / 10)
+        assert trio.current_time() - start >= relay_writer.LAZY_DELAY
+        assert stream.got == [b"lazy-0;lazy-1;lazy-2;"]
+        writer.close()
+
+
+async def test_a_frame_put_the_usual_way_takes_the_lazy_ones_along_ahead_of_it() -> None:
+    stream = GatedStream()
+    stream.open.set()
+    writer = FrameWriter(stream, "relay test")
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(writer.run)
+        await writer.put_lazy([b"0->1#1;"])
+        await writer.put_lazy([b"0->1#2;"])
+        await writer.put([b"0->1#3;"])  # the channel's next message: it must not overtake
+        await trio.testing.wait_all_tasks_blocked()
+        assert b"".join(stream.got) == b"0->1#1;0->1#2;0->1#3;"
+        writer.close()
+
+
+async def test_lazy_frames_go_at_once_when_enough_gathered(monkeypatch) -> None:
+    monkeypatch.setattr(relay_writer, "LAZY_BYTES", 10)
+    stream = GatedStream()
+    stream.open.set()
+    writer = FrameWriter(stream, "relay test")
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(writer.run)
+        await writer.put_lazy([b"12345;"])
+        await trio.testing.wait_all_tasks_blocked()
+        assert stream.got == []
+        await writer.put_lazy([b"67890;"])
+        await trio.testing.wait_all_tasks_blocked()
+        assert b"".join(stream.got) == b"12345;67890;"
+        writer.close()
