@@ -410,7 +410,7 @@ def test_a_message_the_agent_delivered_is_logged_and_acked_but_not_pushed_back()
 
 
 def test_a_delivered_notice_counts_only_for_that_incarnation_on_that_connection() -> None:
-    core, shell = make()
+    core, _ = make()
     attach(core, "a", 1, rank=0, home=False)
     attach(core, "b", 2, rank=2)  # the receiver's newest incarnation is elsewhere
     deposit_new(core, "a", 0, 2, 1)

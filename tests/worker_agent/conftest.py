@@ -9,7 +9,6 @@ frames of ``protocol/framing.py`` with certificates from ``protocol/pki.py``.
 from __future__ import annotations
 
 import dataclasses
-
 import datetime as dt
 import functools
 import hashlib
