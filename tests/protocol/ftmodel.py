@@ -12,15 +12,31 @@ The pieces:
   payload)``), ``Poll(src or ANY)`` (returns a source with a message waiting, or None), and
   ``Env()`` (an unlogged read of the environment: a program that uses it is not deterministic).
   The generator's return value is the rank's output.
-- **A rank** (``SimRank``: runtime + agent) numbers its messages per destination (seq 1, 2, ...),
-  logs its non-deterministic outcomes as determinants ``Det(index, (clock, kind, value))`` at its
-  home relay (the clock counts the rank's non-deterministic events), keeps consecutive failed polls
-  as one lazy record flushed before the next deposit, deposits nothing before every determinant it
-  created is acknowledged (the pessimistic rule), and keeps unacknowledged frames to resend after
-  a relay restart. A restarted incarnation starts the program from the beginning with zeroed
-  counters and obeys the determinants it got at attach time: a recorded outcome is reproduced
-  (waiting for the message if needed), an event inside the recorded horizon without a record is a
-  failed poll, an event past the horizon is decided live and logged.
+- **A rank** (``SimRank``: runtime + its share of the agent) numbers its messages per destination
+  (seq 1, 2, ...), logs its non-deterministic outcomes as determinants ``Det(index, (clock, kind,
+  value))`` at its home relay (the clock counts the rank's non-deterministic events), keeps
+  consecutive failed polls as one lazy record flushed before the next deposit, deposits nothing
+  before every determinant it created is acknowledged (the pessimistic rule), and keeps
+  unacknowledged frames to resend after a relay restart (the product's ``RankLink``, one per
+  relay: after a restart every unacknowledged frame goes again, determinants first). What it was
+  given is the product's ``Delivery`` (per source, the highest seq, whoever gave it): a
+  re-attachment resumes after it (``Attach.received``). A restarted incarnation starts the program
+  from the beginning with zeroed counters and obeys the determinants it got at attach time: a
+  recorded outcome is reproduced (waiting for the message if needed), an event inside the recorded
+  horizon without a record is a failed poll, an event past the horizon is decided live and logged.
+- **Agents**: with ``Config.agents`` = n > 0, rank r runs on agent r % n (0: one agent per rank,
+  no co-location). A message between two ranks of one agent is delivered locally (*agent-local
+  delivery*): at the deposit, if the receiver's incarnation is alive and the message is the next
+  of its channel for it (``Delivery.local``), it goes straight into the receiver's queue; the
+  ``Data`` is still deposited at the receiver's home relay, and a ``Delivered(rank, inc, src,
+  seq)`` follows on the receiver's own connection to that relay, which the relay honours only
+  from the receiver's current home attachment of that incarnation (``RelayCore.delivered``) by not
+  pushing those messages. In the product the notice follows the ``Data`` on the agent's one
+  connection; here the receiver's connection is another FIFO, so the notice may even overtake the
+  ``Data`` (harder on the relay, not easier). A push that comes anyway (the notice was too late,
+  or was lost with a relay's connections) is dropped by the agent (``Delivery.data``) and still
+  credited. An **agent crash** kills every live rank of the agent at once; each restarts as after
+  a rank crash.
 - **A relay** (``SimRelay``) is the product's ``protocol.relay_core.RelayCore``: the mailboxes of
   the ranks it is home to, their determinant logs, attachments and fencing. Deposits and
   determinants are appended at once and become durable when the scheduler writes them (in any order;
@@ -31,8 +47,8 @@ The pieces:
   and logs from the durable entries, and every live rank re-attaches and resends what was not
   acknowledged.
 - **Links** are FIFO queues of frames, one per direction per (rank incarnation, relay)
-  connection. A rank's crash kills the links towards it; frames it already sent may still land,
-  and the relay drops them once a newer incarnation attached (fencing).
+  connection. A rank's crash (or its agent's) kills the links towards it; frames it already sent
+  may still land, and the relay drops them once a newer incarnation attached (fencing).
 
 ``run(programs, schedule, config)`` executes one schedule (a list of ints, each picking one of the
 events enabled at that point), then runs fault-free to the end; the tests compare the surviving
@@ -40,7 +56,10 @@ incarnations with a fault-free execution of the same programs that makes the sam
 (``reference`` in test_ft_model.py). MPICH-V's two properties (seeds/000 §3.5) are what they check:
 *logging* (the restarted rank re-executes exactly what it did, because every non-deterministic
 outcome others could depend on was logged) and *silent re-execution* (its re-sent messages have no
-effect on the others: the relays drop them, after checking their digest).
+effect on the others: the relays drop them, after checking their digest). With local delivery a
+rank may consume a message before any relay logged it; that is safe for a deterministic program
+(its sender's replay sends the same message again), but the digest check can then miss a
+non-deterministic one: see ``test_local_delivery_can_hide_nondeterminism`` in test_ft_model.py.
 
 This module holds the world and the scheduler; the programs' abstract MPI is ``ftmodel_mpi``,
 the simulator's parts ``ftmodel_rank`` (``SimRank``), ``ftmodel_relay`` (``SimRelay``),
@@ -90,6 +109,8 @@ class Outcome:
     relay_crashes: int
     trace: list[str]
     divergence: str | None = None
+    agent_crashes: int = 0
+    late_notices: int = 0  # pushes the agent dropped: the message was delivered locally
 
 
 class World:
@@ -99,7 +120,8 @@ class World:
         self.ranks = range(self.size)
         self.links: list[Link] = []
         self.relays = [SimRelay(self, x) for x in range(config.relays)]
-        self.rank_crashes = self.relay_crashes = 0
+        self.rank_crashes = self.relay_crashes = self.agent_crashes = 0
+        self.late_notices = 0
         self.trace: list[str] = []
         self.procs = [SimRank(self, r, 1, []) for r in self.ranks]
         for proc in self.procs:
@@ -108,6 +130,20 @@ class World:
 
     def home(self, rank: int) -> int:
         return rank % self.config.relays
+
+    def agent(self, rank: int) -> int:
+        return rank % self.config.agents if self.config.agents else rank
+
+    def local_receiver(self, sender: SimRank, dst: int, seq: int) -> SimRank | None:
+        """The rank ``sender``'s agent hands message ``seq`` to itself (agent-local delivery),
+        or None: only a live incarnation of a rank of the same agent, and only the next
+        message of the channel for it (``Delivery.local``)."""
+        if not self.config.local_delivery or self.agent(dst) != self.agent(sender.rank):
+            return None
+        to = self.procs[dst]
+        if to.state not in ("running", "finalizing") or not to.delivery.local(sender.rank, seq):
+            return None
+        return to
 
     def link(self, link: Link) -> Link:
         self.links.append(link)
@@ -144,6 +180,9 @@ class World:
             faults += [("crash", r) for r in live]
         if self.relay_crashes < self.config.max_relay_crashes:
             faults += [("relay_crash", x) for x in range(len(self.relays))]
+        if self.config.agents and self.agent_crashes < self.config.max_agent_crashes:
+            hosts = {self.agent(p.rank) for p in self.procs if p.state in ("running", "finalizing")}
+            faults += [("agent_crash", a) for a in sorted(hosts)]
         return faults
 
     def _can_restart(self, proc: SimRank) -> bool:
@@ -170,11 +209,26 @@ class World:
             return self._crash(event[1])
         if kind == "restart":
             return self._restart(event[1])
+        if kind == "agent_crash":
+            return self._agent_crash(event[1])
         assert kind == "relay_crash"
         return self._relay_crash(event[1])
 
     def _crash(self, rank: int) -> str:
         self.rank_crashes += 1
+        return self._kill(rank)
+
+    def _agent_crash(self, agent: int) -> str:
+        """Every live rank of ``agent`` dies at once (each restarts as usual)."""
+        self.agent_crashes += 1
+        gone = [
+            self._kill(p.rank)
+            for p in self.procs
+            if self.agent(p.rank) == agent and p.state in ("running", "finalizing")
+        ]
+        return f"AGENT {agent} CRASH: {', '.join(gone)}"
+
+    def _kill(self, rank: int) -> str:
         proc = self.procs[rank]
         proc.state = "down"
         for relay in self.relays:
@@ -197,19 +251,16 @@ class World:
         for proc in self.procs:
             if proc.state not in ("running", "finalizing"):
                 continue
-            relay.attach(proc, dict(proc.received))
-            for dst, pending in proc.unacked.items():
-                if self.home(dst) != index:
-                    continue
-                held = relay.mailboxes[dst].stored(proc.rank)  # Attached.stored[dst]
-                for seq in sorted(pending):
-                    if seq <= held and not self.config.resend_held:
-                        del pending[seq]  # taken as acknowledged
-                    else:
-                        self.send(proc.up[index], pending[seq])
-            if proc.home == index:
-                for i in sorted(proc.unacked_dets):
-                    self.send(proc.up[index], proc.unacked_dets[i])
+            relay.attach(proc, dict(proc.delivery.received))  # Attach.received
+            link = proc.links[index]
+            if not self.config.resend_held:
+                for dst in list(link.data):  # taken as acknowledged: seq <= Attached.stored
+                    link.acked(dst, relay.mailboxes[dst].stored(proc.rank))
+            logged = 0  # Attached.dets, when the determinants the relay holds are not resent
+            if proc.home == index and not self.config.resend_logged_dets:
+                logged = len(relay.detlogs[proc.rank])
+            for parts in link.resend(logged):  # the determinants first
+                self.send(proc.up[index], parts[0])
             proc._maybe_exit()
         return f"RELAY {index} CRASH and restart"
 
@@ -242,6 +293,8 @@ class World:
             relay_crashes=self.relay_crashes,
             trace=self.trace,
             divergence=divergence,
+            agent_crashes=self.agent_crashes,
+            late_notices=self.late_notices,
         )
 
 
@@ -278,6 +331,9 @@ def run(programs: list[Program], schedule: Schedule, config: Config | None = Non
     except Divergence as exc:
         world.trace.append(f"DETECTED: {exc}")
         return world.outcome(str(exc))
+    except Exception as exc:  # a broken invariant: the note says how the run got there
+        exc.add_note("trace:\n" + "\n".join(world.trace))
+        raise
     return world.outcome()
 
 
@@ -285,7 +341,7 @@ def run_script(programs: list[Program], script: list[tuple[Any, ...]], config: C
     """Execute a hand-written schedule, then run fault-free to the end. Each step names an
     event: ``("step", rank)``, ``("deliver", link name)``, ``("write", relay, dst)``,
     ``("write_det", relay, rank)``, ``("crash", rank)``, ``("restart", rank)``,
-    ``("relay_crash", relay)``; it must be possible at that point."""
+    ``("relay_crash", relay)``, ``("agent_crash", agent)``; it must be possible at that point."""
     world = World(programs, config)
     try:
         for want in script:
@@ -300,4 +356,7 @@ def run_script(programs: list[Program], script: list[tuple[Any, ...]], config: C
     except Divergence as exc:
         world.trace.append(f"DETECTED: {exc}")
         return world.outcome(str(exc))
+    except Exception as exc:  # a broken invariant: the note says how the run got there
+        exc.add_note("trace:\n" + "\n".join(world.trace))
+        raise
     return world.outcome()

@@ -38,6 +38,17 @@ class Det:
 
 
 @dataclass(frozen=True)
+class Delivered:
+    """The receiver's agent gave ``rank`` (incarnation ``inc``) message ``seq`` of ``src``
+    itself (agent-local delivery): its home relay need not push it."""
+
+    rank: int
+    inc: int
+    src: int
+    seq: int
+
+
+@dataclass(frozen=True)
 class Credit:
     rank: int
     inc: int

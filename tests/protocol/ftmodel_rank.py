@@ -1,7 +1,10 @@
 """A simulated rank of the fault-tolerance model: the program's runtime and its agent.
 
 See ``ftmodel`` ("A rank") for what it does: numbering, determinants, the pessimistic rule,
-lazy failed polls, resends, and replay of a restarted incarnation.
+lazy failed polls, resends, replay of a restarted incarnation, and agent-local delivery. What its
+agent keeps is the product's: ``protocol.rank_link.Delivery`` (per source, the highest seq given
+to the rank, by the relay or locally) and one ``protocol.rank_link.RankLink`` per relay (the
+frames not acknowledged yet, resent after a relay restart).
 """
 
 from __future__ import annotations
@@ -9,12 +12,26 @@ from __future__ import annotations
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
+from vpool.protocol.rank_link import Delivery, RankLink
+
 from .ftmodel_config import Divergence, ModelError
-from .ftmodel_frames import Ack, Credit, Data, Det, DetAck, Link, Push
+from .ftmodel_frames import Ack, Credit, Data, Delivered, Det, DetAck, Link, Push
 from .ftmodel_mpi import ANY, Env, Op, Poll, Recv, RecvAny, Send
 
 if TYPE_CHECKING:
     from .ftmodel import World
+
+
+class UnorderedDelivery(Delivery):
+    """``Delivery`` with one rule taken out, for the test that shows the model notices: a
+    message goes to a rank of the same agent at once even when earlier ones of its channel
+    are still to come from the relay."""
+
+    def local(self, src: int, seq: int) -> bool:
+        if seq <= self.received.get(src, 0):
+            return False
+        self.received[src] = seq
+        return True
 
 
 class SimRank:
@@ -24,7 +41,9 @@ class SimRank:
         self.state = "running"  # running -> finalizing -> exited; or down (crashed)
         self.seq_out: dict[int, int] = {}
         self.arrived: dict[int, deque[tuple[int, Any]]] = {s: deque() for s in world.ranks}
-        self.received: dict[int, int] = {}  # per source, the highest seq pushed to us
+        # Per source, the highest seq given to us (pushed by the home relay, or delivered by
+        # the agent itself): ``Attach.received`` of a re-attachment.
+        self.delivery = Delivery() if world.config.local_in_order else UnorderedDelivery()
         self.consumed: list[tuple[int, int, Any]] = []  # (src, seq, payload), in program order
         self.decisions: list[tuple[str, Any]] = []  # every non-deterministic outcome
         self.clock = 0
@@ -33,8 +52,8 @@ class SimRank:
         self.dets = len(replay)  # index of the next determinant
         self.det_acked = len(replay)
         self.lazy: int | None = None  # clock of the last failed poll not logged yet
-        self.unacked: dict[int, dict[int, Data]] = {}  # dst -> seq -> frame
-        self.unacked_dets: dict[int, Det] = {}
+        # relay -> what the agent keeps unacknowledged there (frames as one-part lists)
+        self.links = {x: RankLink(home=x == self.home) for x in range(world.config.relays)}
         self.up: dict[int, Link] = {}  # relay -> our link to it
         self.output: Any = None
         self.gen = world.programs[rank](rank, world.size)
@@ -90,10 +109,19 @@ class SimRank:
             assert isinstance(op, Send)
             seq = self.seq_out[op.dst] = self.seq_out.get(op.dst, 0) + 1
             frame = Data(self.rank, self.inc, op.dst, seq, op.payload)
-            self.unacked.setdefault(op.dst, {})[seq] = frame
-            self.world.send(self.up[self.world.home(op.dst)], frame)
+            to = self.world.local_receiver(self, op.dst, seq)
+            if to is not None:  # agent-local delivery
+                to.arrived[self.rank].append((seq, op.payload))
+            if to is None or self.world.config.deposit_local:
+                relay = self.world.home(op.dst)
+                self.links[relay].deposited(op.dst, seq, [frame])
+                self.world.send(self.up[relay], frame)
+            if to is not None:  # right behind the Data (here: on the receiver's connection)
+                notice = Delivered(to.rank, to.inc, self.rank, seq)
+                self.world.send(to.up[to.home], notice)
             self._advance(None)
-            return f"{self}: deposits {op.dst}#{seq}={op.payload!r}"
+            how = f", delivered locally to {to}" if to is not None else ""
+            return f"{self}: deposits {op.dst}#{seq}={op.payload!r}{how}"
         if choice == "recv":
             assert isinstance(op, Recv)
             return self._consume(op.src, live=None)
@@ -138,7 +166,7 @@ class SimRank:
             self.rank, self.inc, self.dets, (self.clock if clock is None else clock, kind, value)
         )
         self.dets += 1
-        self.unacked_dets[det.index] = det
+        self.links[self.home].det_sent(det.index, [det])
         self.world.send(self.up[self.home], det)
 
     def _advance(self, value: Any) -> None:
@@ -150,7 +178,9 @@ class SimRank:
 
     def _maybe_exit(self) -> None:
         # Finalize waits until every deposit is acknowledged, so no message dies with the process.
-        if self.state == "finalizing" and not any(self.unacked.values()):
+        if self.state == "finalizing" and not any(
+            queue for link in self.links.values() for queue in link.data.values()
+        ):
             self.state = "exited"
 
     # Frames from the relays.
@@ -158,17 +188,19 @@ class SimRank:
         if self.state == "exited":
             return
         if isinstance(frame, Push):
-            if frame.seq != self.received.get(frame.src, 0) + 1:
-                raise ModelError(f"{self} got {frame.src}#{frame.seq} after {self.received}")
-            self.received[frame.src] = frame.seq
-            self.arrived[frame.src].append((frame.seq, frame.payload))
+            had = dict(self.delivery.received)
+            if self.delivery.data(frame.src, frame.seq):
+                if frame.seq != had.get(frame.src, 0) + 1:
+                    raise ModelError(f"{self} got {frame.src}#{frame.seq} after {had}")
+                self.arrived[frame.src].append((frame.seq, frame.payload))
+            else:  # delivered locally already: our Delivered came too late to stop it
+                self.world.late_notices += 1
+                if not self.world.config.credit_dropped:
+                    return  # dropped (and, here, not credited)
             self.world.send(self.up[relay], Credit(self.rank, self.inc))
         elif isinstance(frame, Ack):
-            pending = self.unacked.get(frame.dst, {})
-            for seq in [s for s in pending if s <= frame.seq]:
-                del pending[seq]
+            self.links[relay].acked(frame.dst, frame.seq)
             self._maybe_exit()
         elif isinstance(frame, DetAck):
             self.det_acked = max(self.det_acked, frame.count)
-            for index in [i for i in self.unacked_dets if i < frame.count]:
-                del self.unacked_dets[index]
+            self.links[relay].dets_acked(frame.count)

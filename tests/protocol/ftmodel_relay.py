@@ -12,7 +12,7 @@ from vpool.protocol.detlog import DetLog
 from vpool.protocol.relay_core import Attachment, Box, RelayCore
 
 from .ftmodel_config import Divergence, ModelError
-from .ftmodel_frames import Ack, Credit, Det, DetAck, Link, Push, digest
+from .ftmodel_frames import Ack, Credit, Delivered, Det, DetAck, Link, Push, digest
 
 if TYPE_CHECKING:
     from .ftmodel import World
@@ -33,6 +33,18 @@ class UnclampedCore(RelayCore[Link, Any]):
         return seq
 
 
+class LaxDeliveredCore(RelayCore[Link, Any]):
+    """The core with another rule taken out: a ``Delivered`` is honoured whoever sent it (a
+    replaced incarnation, another connection), as long as someone receives the box."""
+
+    def delivered(
+        self, conn: Link, job: int, rank: int, incarnation: int, src: int, seq: int
+    ) -> None:
+        box = self.boxes.get((job, rank))
+        if box is not None:
+            box.mailbox.delivered(src, seq)
+
+
 class SimRelay:
     def __init__(self, world: World, index: int) -> None:
         self.world, self.index = world, index
@@ -44,7 +56,11 @@ class SimRelay:
 
     def _core(self) -> RelayCore[Link, Any]:
         config = self.world.config
-        kind = RelayCore if config.acks_by_attachment else UnclampedCore
+        kind: type[RelayCore[Link, Any]] = RelayCore
+        if not config.acks_by_attachment:
+            kind = UnclampedCore
+        elif not config.delivered_by_attachment:
+            kind = LaxDeliveredCore
         core: RelayCore[Link, Any] = kind(
             self,
             name=f"relay {self.index}",
@@ -157,6 +173,8 @@ class SimRelay:
         core = self.core
         if isinstance(frame, Credit):
             core.credit(conn, JOB, frame.rank, 1, None)
+        elif isinstance(frame, Delivered):
+            core.delivered(conn, JOB, frame.rank, frame.inc, frame.src, frame.seq)
         elif isinstance(frame, Det):
             box = core.det(conn, JOB, frame.rank, frame.index)
             if box is not None:

@@ -1,11 +1,13 @@
 """The fault-tolerance protocol against its model (``ftmodel.py``), under hypothesis schedules.
 
 Each test runs small MPI-like programs on simulated ranks and relays (the relays use the real
-``Mailbox`` and ``DetLog``), with a hypothesis-chosen schedule of deliveries, disk writes, acks,
-rank crashes and relay crashes, and checks MPICH-V's properties: whatever the faults, every
-surviving rank consumes the same (src, seq, payload) sequence and returns the same output as the
-fault-free execution making the same choices, and a deterministic program never trips the
-divergence check. The last tests turn each protocol rule off and show the model then fails.
+``RelayCore``, ``Mailbox`` and ``DetLog``, the ranks' agents the real ``RankLink`` and
+``Delivery``), with a hypothesis-chosen schedule of deliveries, disk writes, acks, rank crashes,
+relay crashes and (with ranks sharing agents, and agent-local delivery) agent crashes, and checks
+MPICH-V's properties: whatever the faults, every surviving rank consumes the same (src, seq,
+payload) sequence and returns the same output as the fault-free execution making the same
+choices, and a deterministic program never trips the divergence check. The last tests turn each
+protocol rule off and show the model then fails.
 """
 
 from __future__ import annotations
@@ -216,6 +218,14 @@ PROGRAMS: dict[str, list[Program]] = {
     "poll_loop": [poll_loop] * 3,
     "poll_then_send": [poll_then_send] * 3,
 }
+# Ranks sharing agents: every 3-rank program on one agent and on two (ranks 0 and 2 together),
+# and 4-rank ones on two agents (0 with 2, 1 with 3).
+COLOCATED: list[tuple[str, list[Program], int]] = [
+    *((name, programs, agents) for name, programs in PROGRAMS.items() for agents in (1, 2)),
+    ("ring4", [ring] * 4, 2),
+    ("gather_any4", [gather_any] * 4, 2),
+    ("all_any4", [all_any] * 4, 2),
+]
 
 # Hypothesis picks the first choices, a seed for the rest, and where faults land (anywhere in
 # the first 80 steps, when the programs are mid-way).
@@ -245,6 +255,14 @@ def explain(outcome: Outcome) -> str:
     return "\n".join(outcome.trace)
 
 
+def replay(programs: list[Program], schedule: Schedule, config: Config) -> str:
+    """The trace of a run, also of one that broke an invariant (``run`` notes it then)."""
+    try:
+        return explain(run(programs, schedule, config))
+    except (ModelError, ProtocolError) as exc:
+        return "\n".join([f"{type(exc).__name__}: {exc}", *getattr(exc, "__notes__", [])])
+
+
 # -- the properties ------------------------------------------------------------------------------
 
 
@@ -254,6 +272,26 @@ def explain(outcome: Outcome) -> str:
 def test_faults_change_nothing(name: str, schedule: Schedule) -> None:
     programs = PROGRAMS[name]
     outcome = run(programs, schedule)
+    assert outcome.divergence is None, explain(outcome)
+    assert check(programs, outcome) == [], explain(outcome)
+
+
+@pytest.mark.parametrize(
+    ("programs", "agents"),
+    [
+        pytest.param(programs, agents, id=f"{name}-agents{agents}")
+        for name, programs, agents in COLOCATED
+    ],
+)
+@many
+@given(schedule=schedules)
+def test_faults_change_nothing_with_local_delivery(
+    programs: list[Program], agents: int, schedule: Schedule
+) -> None:
+    """Ranks that share an agent get each other's messages from it (and the relays still log
+    them); agents crash too, taking all their ranks at once."""
+    config = Config(agents=agents)
+    outcome = run(programs, schedule, config)
     assert outcome.divergence is None, explain(outcome)
     assert check(programs, outcome) == [], explain(outcome)
 
@@ -362,6 +400,65 @@ def test_the_model_explores_crashes_and_replays() -> None:
     assert relay_crashes > 50
 
 
+def test_the_model_explores_local_delivery() -> None:
+    """Co-located schedules do deliver locally, get pushes the notice came too late for, and
+    crash agents (whose ranks then replay)."""
+    rnd = random.Random(5)
+    programs = [all_any] * 4
+    config = Config(agents=2)
+    local = late = agent_crashes = replays = 0
+    for _ in range(300):
+        faults = tuple((rnd.randrange(80), rnd.randrange(256)) for _ in range(4))
+        outcome = run(programs, Schedule(faults=faults, seed=rnd.randrange(2**32)), config)
+        assert outcome.divergence is None
+        assert check(programs, outcome) == []
+        local += sum("delivered locally" in e for e in outcome.trace)
+        late += outcome.late_notices
+        agent_crashes += outcome.agent_crashes
+        replays += sum("RESTART" in e and "replaying 0 " not in e for e in outcome.trace)
+    assert local > 1000
+    assert late > 50
+    assert agent_crashes > 50
+    assert replays > 50
+
+
+def test_local_delivery_can_hide_nondeterminism() -> None:
+    """A limit of agent-local delivery (found by this model, 2026-11-26): rank 1's message,
+    stamped with something it read from the environment, is delivered locally to rank 0 (same
+    agent), which consumes it; rank 1 crashes before its ``Data`` reached the relay, and its
+    next incarnation is attached (fencing the first) before the ``Data`` lands, so the relay
+    drops that copy unchecked. Rank 1.2 sends message 1 with another stamp: the relay logs it
+    as new (there is nothing to compare it with) and rank 0's agent drops its push (delivered
+    already). The job goes on with rank 0 having consumed a message no surviving incarnation
+    sent: the digest check, the only place a non-deterministic program shows, never saw the
+    first copy. Deterministic programs are safe (rank 1.2 sends the same message again). In the
+    product the late copy needs the new incarnation attached before the old agent's bytes are
+    read, or the relay's connection lost while the sender is dead (a relay crash does it here
+    too). Without local delivery rank 0 only consumes what the relay logged."""
+    script = [
+        ("step", 1, "env"),  # rank 1.1 reads stamp 1 ...
+        ("step", 1, "deposit"),  # ... and sends message 1 to rank 0: delivered locally
+        ("step", 0),  # rank 0 consumes it (ANY_SOURCE: Det 0)
+        ("crash", 1),  # its Data still on the wire
+        ("restart", 1),  # rank 1.2 attaches: rank 1.1 is fenced
+        ("deliver", "rank 1.1->relay 0"),  # the late Data is dropped, unchecked
+    ]
+    programs = [stamped] * 3
+    outcome = run_script(programs, script, Config(agents=1))
+    assert "rank 1.1: deposits 0#1=101, delivered locally to rank 0.1" in explain(outcome)
+    assert outcome.divergence is None
+    problems = check(programs, outcome)
+    # Rank 0 took 101, rank 1's last incarnation sent 201; what rank 0 sent on shows it too.
+    assert problems[0] == (
+        "rank 0 consumed [(1, 1, 101), (2, 1, 2)], expected [(1, 1, 201), (2, 1, 2)]"
+    ), explain(outcome)
+    assert "rank 1 consumed [(0, 1, 1013)], expected [(0, 1, 2013)]" in problems
+    # Without local delivery rank 0 waits for the relay, which gets rank 1.2's message only.
+    outcome = run_script(programs, script[:2] + script[3:], Config(agents=1, local_delivery=False))
+    assert outcome.divergence is None
+    assert check(programs, outcome) == [], explain(outcome)
+
+
 # -- each rule of the protocol is needed ---------------------------------------------------------
 
 search = settings(
@@ -378,6 +475,11 @@ def counterexample(programs: list[Program], config: Config) -> tuple[Schedule, s
     why = failure(programs, schedule, config)
     assert why is not None
     return schedule, why
+
+
+def counterexample_trace(programs: list[Program], config: Config) -> tuple[str, str]:
+    schedule, why = counterexample(programs, config)
+    return why, replay(programs, schedule, config)
 
 
 def test_without_the_pessimistic_wait_a_crash_changes_the_execution() -> None:
@@ -421,3 +523,71 @@ def test_replaying_undurable_determinants_breaks_the_log() -> None:
     assert outcome.divergence is None
     assert check(programs, outcome) == []
     assert "replaying 1 determinants [(0, 'any', 1)]" in explain(outcome)
+
+
+def test_resending_only_the_determinants_the_relay_lacks_hangs_the_rank() -> None:
+    """After a relay restart the agent must resend even the determinants the relay says it
+    holds (``Attached.dets``): a ``DetAck`` lost with the connection is only said again for a
+    copy, and until it comes the rank's next deposit waits (the pessimistic rule). NOTE: the
+    product's agent does not do this today: ``RankLink.resend(Attached.dets)`` drops them
+    (worker_agent/relay_link.py ``_resync``), and nothing else tells the rank; the model, with
+    ``resend_logged_dets=False``, deadlocks as below."""
+    script = [
+        ("step", 1),  # rank 1 deposits message 1 for rank 0
+        ("deliver", "rank 1.1->relay 0"),
+        ("write", 0, 0),
+        ("deliver", "relay 0->rank 0.1"),  # pushed to rank 0
+        ("step", 0),  # whose poll finds it: Det 0
+        ("deliver", "rank 0.1->relay 0"),  # the credit
+        ("deliver", "rank 0.1->relay 0"),  # Det 0
+        ("write_det", 0, 0),  # durable: DetAck(1) on the wire ...
+        ("relay_crash", 0),  # ... and lost
+    ]
+    programs = PROGRAMS["poll_then_send"]
+    with pytest.raises(ModelError, match=r"deadlock: \[\(rank 0\.1, Send\(dst=2"):
+        run_script(programs, script, Config(resend_logged_dets=False))
+    outcome = run_script(programs, script, Config())
+    assert check(programs, outcome) == [], explain(outcome)
+    why, trace = counterexample_trace(PROGRAMS["gather_any"], Config(resend_logged_dets=False))
+    assert "deadlock" in why
+    print(why, trace, sep="\n")
+
+
+# -- each rule of agent-local delivery is needed --------------------------------------------------
+
+
+def test_a_relay_honouring_any_delivered_notice_starves_the_next_incarnation() -> None:
+    """``RelayCore.delivered`` honours a notice only from the receiver's current home
+    attachment (its connection, its incarnation). A core that honours any: rank 0.1 got
+    message 1 of rank 2 locally and crashed; its late ``Delivered`` keeps the relay from ever
+    pushing that message to rank 0.2, which then gets message 2 first (or waits forever)."""
+    why, trace = counterexample_trace(
+        PROGRAMS["all_any"], Config(agents=2, delivered_by_attachment=False)
+    )
+    assert "got 2#2 after" in why or "deadlock" in why or "consumed" in why
+    print(why, trace, sep="\n")
+
+
+def test_local_delivery_out_of_channel_order_loses_a_message() -> None:
+    """``Delivery.local`` hands over only the next message of the channel. Without that rule
+    a message overtakes an earlier one still to come from the relay, and the agent then drops
+    the earlier one as delivered already."""
+    why, trace = counterexample_trace(PROGRAMS["all_any"], Config(agents=2, local_in_order=False))
+    assert "deadlock" in why or "consumed" in why
+    print(why, trace, sep="\n")
+
+
+def test_a_locally_delivered_message_must_still_be_deposited() -> None:
+    """The relay must log a locally delivered message all the same: else the channel's numbering
+    has a gap at the relay, and a restarted receiver never gets the message."""
+    why, trace = counterexample_trace(PROGRAMS["all_any"], Config(agents=2, deposit_local=False))
+    assert "a gap in the channel" in why or "deadlock" in why
+    print(why, trace, sep="\n")
+
+
+def test_a_dropped_push_must_still_be_credited() -> None:
+    """The agent credits the pushes it drops (delivered locally already): else they fill the
+    relay's window and the receiver's other messages stop coming."""
+    why, trace = counterexample_trace(PROGRAMS["all_any"], Config(agents=2, credit_dropped=False))
+    assert "deadlock" in why
+    print(why, trace, sep="\n")
