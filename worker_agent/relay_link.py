@@ -38,6 +38,7 @@ from vpool.protocol.messages import (
     Delivered,
     Det,
     Detach,
+    DetAck,
     Message,
     Welcome,
 )
@@ -305,6 +306,13 @@ class RelayLink(InboundRouting):
             store = self._unacked.get(key)
             if store is None:
                 continue
+            if home and result.dets:
+                # The relay holds these determinants (durable: an attach waits for them) and
+                # they are not resent, so no DetAck would come for one whose DetAck was lost
+                # with the connection: the rank is told here (else its next deposit would
+                # wait forever; found by tests/protocol/test_ft_model.py).
+                det_ack = DetAck(job=rank.lease.job, rank=rank.lease.rank, count=result.dets)
+                rank.outbox.push_control(encode_frame(det_ack))
             frames = store.resend(result.dets)
             if frames:
                 log.info("resending %d frames of %s to %s", len(frames), rank.label, self.where)

@@ -73,7 +73,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .ftmodel_config import Config, Divergence, ModelError
-from .ftmodel_frames import Link
+from .ftmodel_frames import DetAck, Link
 from .ftmodel_mpi import ANY, Env, Op, Poll, Program, Recv, RecvAny, Send
 from .ftmodel_rank import SimRank
 from .ftmodel_relay import SimRelay
@@ -256,11 +256,13 @@ class World:
             if not self.config.resend_held:
                 for dst in list(link.data):  # taken as acknowledged: seq <= Attached.stored
                     link.acked(dst, relay.mailboxes[dst].stored(proc.rank))
-            logged = 0  # Attached.dets, when the determinants the relay holds are not resent
-            if proc.home == index and not self.config.resend_logged_dets:
-                logged = len(relay.detlogs[proc.rank])
+            # Attached.dets: the determinants the relay holds are not resent, and the rank is
+            # told they are durable (the product's agent, ``RelayLink._resync``).
+            logged = len(relay.detlogs[proc.rank]) if proc.home == index else 0
             for parts in link.resend(logged):  # the determinants first
                 self.send(proc.up[index], parts[0])
+            if logged and self.config.detack_from_attached:
+                proc.receive(index, DetAck(logged))
             proc._maybe_exit()
         return f"RELAY {index} CRASH and restart"
 

@@ -28,11 +28,11 @@ class Config:
     # relay says it holds (seq <= Attached.stored): the logged copy may come from an older
     # incarnation, and the relay's digest check is the only place a different one shows.
     resend_held: bool = True
-    # After a relay restart the agent resends every determinant the rank has no DetAck for,
-    # also those the relay says it holds (index < Attached.dets): the relay answers a copy
-    # with a DetAck, and that is how the rank learns of one whose DetAck was lost with the
-    # connection (else its next deposit waits for it forever).
-    resend_logged_dets: bool = True
+    # After a relay restart the agent resends the determinants the relay lacks (index >=
+    # Attached.dets) and tells the rank that the others are durable (a DetAck of
+    # Attached.dets), as the product's agent does: else a rank whose DetAck was lost with the
+    # connection is never told again, and its next deposit waits forever.
+    detack_from_attached: bool = True
     # Acks name no more than the current attachment deposited or re-sent (the relay's
     # ``Attachment.offered``): a dead incarnation's message, written after its successor
     # attached, must not acknowledge the successor's message of that seq unseen.

@@ -525,13 +525,12 @@ def test_replaying_undurable_determinants_breaks_the_log() -> None:
     assert "replaying 1 determinants [(0, 'any', 1)]" in explain(outcome)
 
 
-def test_resending_only_the_determinants_the_relay_lacks_hangs_the_rank() -> None:
-    """After a relay restart the agent must resend even the determinants the relay says it
-    holds (``Attached.dets``): a ``DetAck`` lost with the connection is only said again for a
-    copy, and until it comes the rank's next deposit waits (the pessimistic rule). NOTE: the
-    product's agent does not do this today: ``RankLink.resend(Attached.dets)`` drops them
-    (worker_agent/relay_link.py ``_resync``), and nothing else tells the rank; the model, with
-    ``resend_logged_dets=False``, deadlocks as below."""
+def test_a_detack_lost_with_a_relay_restart_is_said_again_from_attached() -> None:
+    """After a relay restart the agent resends only the determinants the relay lacks
+    (``Attached.dets``), so a ``DetAck`` lost with the connection would never come again,
+    and the rank's next deposit would wait for it forever (the pessimistic rule). The agent
+    tells the rank ``Attached.dets`` as a ``DetAck``; without that, the rank deadlocks as
+    below (found by this model: the product's agent had this hang)."""
     script = [
         ("step", 1),  # rank 1 deposits message 1 for rank 0
         ("deliver", "rank 1.1->relay 0"),
@@ -545,10 +544,10 @@ def test_resending_only_the_determinants_the_relay_lacks_hangs_the_rank() -> Non
     ]
     programs = PROGRAMS["poll_then_send"]
     with pytest.raises(ModelError, match=r"deadlock: \[\(rank 0\.1, Send\(dst=2"):
-        run_script(programs, script, Config(resend_logged_dets=False))
+        run_script(programs, script, Config(detack_from_attached=False))
     outcome = run_script(programs, script, Config())
     assert check(programs, outcome) == [], explain(outcome)
-    why, trace = counterexample_trace(PROGRAMS["gather_any"], Config(resend_logged_dets=False))
+    why, trace = counterexample_trace(PROGRAMS["gather_any"], Config(detack_from_attached=False))
     assert "deadlock" in why
     print(why, trace, sep="\n")
 

@@ -137,6 +137,39 @@ async def test_relay_connection_drop_reattaches_and_resends(
     ]
 
 
+async def test_a_detack_lost_with_the_connection_reaches_the_rank_from_attached(
+    agent: RunningAgent, coordinator: FakeCoordinator, relay: FakeRelay
+) -> None:
+    # The relay wrote the rank's determinant, but its DetAck was lost with the connection: on
+    # the re-attachment it says it holds it (Attached.dets), the agent does not resend it, and
+    # the rank must still hear that it is durable (else, waiting for the DetAck before its
+    # next deposit, it would hang).
+    coordinator.add_lease(lease_for(coordinator, relay, program=FT_PROGRAM, args=["reconnect"]))
+    conn = await _open(relay)
+    attach, _, _ = await conn.receive()
+    await conn.send(Attached(job=7, rank=0, incarnation=1))
+    sent = [await conn.receive() for _ in range(3)]
+    for s in (1, 2):
+        await conn.send(Data(job=7, src=1, dst=0, seq=s, ctx=0, tag=0), b"p%d" % s)
+        await conn.receive()  # its Credit
+    await conn.send(Ack(job=7, src=0, dst=1, seq=1))
+    await conn.close()
+
+    conn = await _open(relay)
+    attach, _, _ = await conn.receive()
+    assert isinstance(attach, Attach) and attach.dets_from == 1
+    await conn.send(Attached(job=7, rank=0, incarnation=1, stored={1: 1}, dets=1))
+    resent = [await conn.receive() for _ in range(2)]
+    assert [raw for _, _, raw in resent[:1]] == [sent[1][2]]  # seq 2 only: no Det
+    assert resent[1][0] == Data(job=7, src=0, dst=1, seq=3, ctx=0, tag=0)
+    await conn.send(Ack(job=7, src=0, dst=1, seq=3))
+    await conn.send(Data(job=7, src=1, dst=0, seq=3, ctx=0, tag=0), b"p3")
+    done = await coordinator.wait_for(lambda: coordinator.exit_of(7, 0))
+    assert (done.code, done.lost) == (0, False)
+    got = [x["got"][:5] for x in lines(coordinator.output_of(7, 0)) if "got" in x]
+    assert ["DetAck", 7, 0, 1] in got
+
+
 async def test_frames_wait_while_the_relay_is_away(
     agent: RunningAgent, coordinator: FakeCoordinator, relay: FakeRelay
 ) -> None:
