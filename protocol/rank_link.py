@@ -60,20 +60,34 @@ def restarted(incarnation: int) -> bool:
 class RankLink:
     """Unacknowledged ``Data`` per destination and ``Det``s of one rank on one relay link."""
 
-    __slots__ = ("data", "dets", "home")
+    __slots__ = ("data", "dets", "home", "local")
 
     def __init__(self, *, home: bool) -> None:
         self.home = home  # the rank's home relay: its determinants go here
         self.data: dict[int, deque[Frame]] = {}
         self.dets: deque[Frame] = deque()
+        # Per destination, the highest seq the agent also delivered to it itself.
+        self.local: dict[int, int] = {}
 
     # -- out: what the rank deposits ---------------------------------------------------------
 
-    def deposited(self, dst: int, seq: int, parts: list[Buffer]) -> None:
+    def deposited(self, dst: int, seq: int, parts: list[Buffer], *, local: bool = False) -> None:
+        """The rank sent message ``seq`` to ``dst`` through this link; ``local``: its
+        receiver, a rank of this agent, has it already (agent-local delivery)."""
         queue = self.data.get(dst)
         if queue is None:
             queue = self.data[dst] = deque()
         queue.append((seq, parts))
+        if local:
+            self.local[dst] = seq
+
+    def unlogged_local(self) -> list[int]:
+        """The receivers that were handed a message of this rank that the relay has not
+        acknowledged yet. While the sender lives, it is resent until it is; a sender that
+        ended leaves them holding a message that may never be logged, and only a logged one
+        is checked against what the sender's next incarnation sends (the determinism
+        check): they must wait for it, or be restarted."""
+        return [dst for dst, seq in self.local.items() if not self.holds_data(dst, seq)]
 
     def det_sent(self, index: int, parts: list[Buffer]) -> None:
         self.dets.append((index, parts))

@@ -196,6 +196,7 @@ class LocalRank:
         self.slot_released = False
         self.conn_done = trio.Event()
         self.stop_reason: str | None = None
+        self.stop_lost = False
         self.stop_requested = trio.Event()
         self.ended = False
         self.problem_reported = False
@@ -211,9 +212,12 @@ class LocalRank:
     def label(self) -> str:
         return f"rank {self.lease.rank} of job {self.lease.job}"
 
-    def request_stop(self, reason: str) -> None:
+    def request_stop(self, reason: str, *, lost: bool = False) -> None:
+        """Stop the process; ``lost``: the coordinator is to start it again (it is reported
+        lost, not failed)."""
         if self.stop_reason is None:
             self.stop_reason = reason
+            self.stop_lost = lost
         self.stop_requested.set()
 
 

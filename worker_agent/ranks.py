@@ -651,7 +651,7 @@ def _describe_exit(rank: LocalRank, returncode: int) -> tuple[int, str, bool]:
     fail the job like any error exit, code 128 + signal as a shell reports it."""
     if rank.stop_reason is not None:
         code = 128 - returncode if returncode < 0 else returncode
-        return code, f"stopped: {rank.stop_reason}", False
+        return code, f"stopped: {rank.stop_reason}", rank.stop_lost
     if returncode >= 0:
         return returncode, "", False
     sig = -returncode

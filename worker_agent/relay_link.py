@@ -57,6 +57,10 @@ log = logging.getLogger("vpool.agent")
 
 CONNECT_TIMEOUT = 15.0
 ATTACH_TIMEOUT = 30.0
+# An ended rank's detach waits this long for the relay to log what this agent delivered from
+# it to its other ranks (``_settle_local``), looking every _SETTLE_POLL seconds.
+LOCAL_SETTLE = 5.0
+_SETTLE_POLL = 0.005
 _RECONNECT_FIRST = 0.1  # s before the first reconnection attempt, doubled up to _RECONNECT_MAX
 _RECONNECT_MAX = 2.0
 
@@ -468,6 +472,30 @@ class RelayLink(InboundRouting):
             return None
         return self.ranks.get(key)
 
+    async def _settle_local(self, rank: LocalRank) -> None:
+        """Before an ended rank detaches: wait until the relay holds the messages this agent
+        delivered from it to its other ranks (``RankLink.unlogged_local``). If it cannot (the
+        connection dropped: an ended rank's frames are not resent), those receivers are
+        restarted, so that they take the message from the log, as sent by the rank's next
+        incarnation: consuming one the log never had would keep a program that is not
+        deterministic from being caught."""
+        store = self._unacked.get(rank.key)
+        if store is None or not store.local:
+            return
+        with trio.move_on_after(LOCAL_SETTLE):
+            # Polled: acknowledgements land in the link's books, which signal nobody.
+            while store.unlogged_local() and self.broken is None and self._ready:  # noqa: ASYNC110
+                await trio.sleep(_SETTLE_POLL)
+        job = rank.lease.job
+        for dst in store.unlogged_local():
+            peer = self.ranks.get((job, dst))
+            if peer is not None and not peer.ended:
+                peer.request_stop(
+                    f"it was given messages of {rank.label}, which ended before "
+                    f"{self.where} logged them: restarted to take them from the log",
+                    lost=True,
+                )
+
     def unacked(self, key: RankKey) -> RankLink | None:
         """What rank ``key`` deposited through this link that is not acknowledged yet (None:
         the link does not carry the rank); a checkpoint waits on it."""
@@ -485,7 +513,7 @@ class RelayLink(InboundRouting):
         store = self._unacked.get((msg.job, msg.src))
         if store is None:
             raise RelayLinkError(f"rank {msg.src} of job {msg.job} is not attached to {self.where}")
-        store.deposited(msg.dst, msg.seq, parts)
+        store.deposited(msg.dst, msg.seq, parts, local=delivered is not None)
         try:
             if delivered is None:
                 await self._enqueue(msg, parts, gated=False)
@@ -520,6 +548,7 @@ class RelayLink(InboundRouting):
         key = rank.key
         if self.ranks.get(key) is not rank:
             return  # never attached, or a newer incarnation took its place (the relay knows)
+        await self._settle_local(rank)
         del self.ranks[key]
         self.attached.pop(key, None)
         self._unacked.pop(key, None)

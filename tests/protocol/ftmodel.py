@@ -216,7 +216,16 @@ class World:
 
     def _crash(self, rank: int) -> str:
         self.rank_crashes += 1
-        return self._kill(rank)
+        proc = self.procs[rank]
+        unlogged: set[int] = set()
+        if self.config.settle_local:
+            for link in proc.links.values():
+                unlogged.update(link.unlogged_local())
+        out = [self._kill(rank)]
+        for dst in sorted(unlogged):  # its agent restarts them (``settle_local``)
+            if self.procs[dst].state in ("running", "finalizing"):
+                out.append(f"{self._kill(dst)} (it got messages of {proc} never logged)")
+        return "; ".join(out)
 
     def _agent_crash(self, agent: int) -> str:
         """Every live rank of ``agent`` dies at once (each restarts as usual)."""

@@ -21,6 +21,11 @@ class Config:
     # The protocol's rules, each of which a test turns off to show the model notices.
     pessimistic: bool = True  # deposit only once every earlier determinant is acknowledged
     flush_lazy: bool = True  # the lazy failed-poll record is logged before the next deposit
+    # A rank that ended with messages it gave to ranks of its agent not yet logged: its
+    # agent waits for their acks before it detaches, and restarts those receivers when it
+    # cannot have them (``RelayLink._settle_local``). The model takes the second way at once
+    # (the crashed rank's links are gone): the receivers crash with it.
+    settle_local: bool = True
     # A new incarnation attaches to its home relay only once every logged determinant is durable
     # (else it could obey a determinant that a relay crash then loses).
     attach_after_durable: bool = True

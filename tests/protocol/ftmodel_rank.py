@@ -114,7 +114,7 @@ class SimRank:
                 to.arrived[self.rank].append((seq, op.payload))
             if to is None or self.world.config.deposit_local:
                 relay = self.world.home(op.dst)
-                self.links[relay].deposited(op.dst, seq, [frame])
+                self.links[relay].deposited(op.dst, seq, [frame], local=to is not None)
                 self.world.send(self.up[relay], frame)
             if to is not None:  # right behind the Data (here: on the receiver's connection)
                 notice = Delivered(to.rank, to.inc, self.rank, seq)

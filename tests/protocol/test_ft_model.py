@@ -422,8 +422,9 @@ def test_the_model_explores_local_delivery() -> None:
     assert replays > 50
 
 
-def test_local_delivery_can_hide_nondeterminism() -> None:
-    """A limit of agent-local delivery (found by this model, 2026-11-26): rank 1's message,
+def test_a_sender_that_ends_restarts_the_receivers_of_its_unlogged_local_messages() -> None:
+    """Without that rule agent-local delivery could hide a program that is not deterministic
+    (found by this model, 2026-11-26): rank 1's message,
     stamped with something it read from the environment, is delivered locally to rank 0 (same
     agent), which consumes it; rank 1 crashes before its ``Data`` reached the relay, and its
     next incarnation is attached (fencing the first) before the ``Data`` lands, so the relay
@@ -434,7 +435,8 @@ def test_local_delivery_can_hide_nondeterminism() -> None:
     first copy. Deterministic programs are safe (rank 1.2 sends the same message again). In the
     product the late copy needs the new incarnation attached before the old agent's bytes are
     read, or the relay's connection lost while the sender is dead (a relay crash does it here
-    too). Without local delivery rank 0 only consumes what the relay logged."""
+    too). Without local delivery rank 0 only consumes what the relay logged. The agent's rule
+    (``RelayLink._settle_local``, ``Config.settle_local``) restarts rank 0 as well."""
     script = [
         ("step", 1, "env"),  # rank 1.1 reads stamp 1 ...
         ("step", 1, "deposit"),  # ... and sends message 1 to rank 0: delivered locally
@@ -444,7 +446,15 @@ def test_local_delivery_can_hide_nondeterminism() -> None:
         ("deliver", "rank 1.1->relay 0"),  # the late Data is dropped, unchecked
     ]
     programs = [stamped] * 3
-    outcome = run_script(programs, script, Config(agents=1))
+    # The agent's rule that closes it: rank 0 got a message of rank 1.1 that the relay never
+    # acknowledged, so when rank 1.1 ends rank 0 is restarted too, and takes message 1 from
+    # the log, as rank 1.2 sent it.
+    outcome = run_script(programs, [*script[:4], ("restart", 0), *script[4:]], Config(agents=1))
+    assert "(it got messages of rank 1.1 never logged)" in explain(outcome)
+    assert outcome.divergence is None
+    assert check(programs, outcome) == [], explain(outcome)
+    # Without it:
+    outcome = run_script(programs, script, Config(agents=1, settle_local=False))
     assert "rank 1.1: deposits 0#1=101, delivered locally to rank 0.1" in explain(outcome)
     assert outcome.divergence is None
     problems = check(programs, outcome)
@@ -454,7 +464,11 @@ def test_local_delivery_can_hide_nondeterminism() -> None:
     ), explain(outcome)
     assert "rank 1 consumed [(0, 1, 1013)], expected [(0, 1, 2013)]" in problems
     # Without local delivery rank 0 waits for the relay, which gets rank 1.2's message only.
-    outcome = run_script(programs, script[:2] + script[3:], Config(agents=1, local_delivery=False))
+    outcome = run_script(
+        programs,
+        script[:2] + script[3:],
+        Config(agents=1, local_delivery=False, settle_local=False),
+    )
     assert outcome.divergence is None
     assert check(programs, outcome) == [], explain(outcome)
 
@@ -590,3 +604,37 @@ def test_a_dropped_push_must_still_be_credited() -> None:
     why, trace = counterexample_trace(PROGRAMS["all_any"], Config(agents=2, credit_dropped=False))
     assert "deadlock" in why
     print(why, trace, sep="\n")
+
+
+def hidden(programs: list[Program], schedule: Schedule, config: Config) -> str | None:
+    """Why this run of a program that is not deterministic went wrong unnoticed, or None:
+    either the relays caught it, or the survivors are consistent with one execution."""
+    try:
+        outcome = run(programs, schedule, config)
+    except (ModelError, ProtocolError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    if outcome.divergence is not None:
+        return None
+    problems = check(programs, outcome)
+    return "; ".join(problems) if problems else None
+
+
+@pytest.mark.parametrize("agents", [1, 2])
+@many
+@given(schedules)
+def test_a_program_that_is_not_deterministic_never_goes_unnoticed(
+    agents: int, schedule: Schedule
+) -> None:
+    """With ranks sharing agents, crashes anywhere: the run is either consistent or the
+    relays report the divergence (never a silent difference)."""
+    programs = [stamped] * 3
+    assert hidden(programs, schedule, Config(agents=agents)) is None
+
+
+def test_without_settling_local_messages_a_divergence_can_hide() -> None:
+    config = Config(agents=1, settle_local=False)
+    programs = [stamped] * 3
+    schedule = find(schedules, lambda s: hidden(programs, s, config) is not None, settings=search)
+    why = hidden(programs, schedule, config)
+    assert why is not None and "consumed" in why
+    print(why, replay(programs, schedule, config), sep="\n")

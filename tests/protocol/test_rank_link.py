@@ -113,3 +113,15 @@ def test_a_channel_reaches_the_rank_once_each_in_order(events: list[tuple[bool, 
             if d.data(0, relay):
                 got.append(relay)
     assert got == list(range(1, len(got) + 1))
+
+
+def test_receivers_of_unlogged_local_messages_are_known_until_acked() -> None:
+    link = RankLink(home=False)
+    link.deposited(1, 1, [b"a"], local=True)
+    link.deposited(1, 2, [b"b"])  # went the relay's way
+    link.deposited(2, 1, [b"c"], local=True)
+    assert sorted(link.unlogged_local()) == [1, 2]
+    link.acked(1, 1)
+    assert link.unlogged_local() == [2]
+    link.acked(2, 1)
+    assert link.unlogged_local() == []

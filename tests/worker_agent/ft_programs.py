@@ -48,6 +48,14 @@ FT_PROGRAM = textwrap.dedent(
         say(got=show(recv()))  # the Ack
         send(m.Det(job=job, rank=me + 1, index=0, data=b"forged"))
         say(got=show(recv()))  # refused
+    elif mode == "local_then_die":
+        # rank 0 sends rank 1 (same agent) one message and dies before it is logged; rank 1
+        # says it got it and waits.
+        if me == 0:
+            send(m.Data(job=job, src=0, dst=1, seq=1, ctx=0, tag=0), b"early")
+            os._exit(3)
+        say(got=show(recv()))
+        recv()
     elif mode == "reconnect":
         send(m.Data(job=job, src=me, dst=1, seq=1, ctx=0, tag=0), b"one")
         send(m.Data(job=job, src=me, dst=1, seq=2, ctx=0, tag=0), b"two" * 30000)

@@ -16,6 +16,7 @@ from vpool.protocol.messages import (
     Attached,
     Credit,
     Data,
+    Delivered,
     Det,
     Detach,
     DetAck,
@@ -168,6 +169,34 @@ async def test_a_detack_lost_with_the_connection_reaches_the_rank_from_attached(
     assert (done.code, done.lost) == (0, False)
     got = [x["got"][:5] for x in lines(coordinator.output_of(7, 0)) if "got" in x]
     assert ["DetAck", 7, 0, 1] in got
+
+
+async def test_a_receiver_of_a_message_its_ended_sender_never_got_logged_is_restarted(
+    agent: RunningAgent, coordinator: FakeCoordinator, relay: FakeRelay
+) -> None:
+    # Rank 0 gives rank 1 (same agent) a message and dies; the relay never acknowledges it
+    # and the connection drops: the agent cannot have it logged (an ended rank's frames are
+    # not resent), so rank 1, which consumed it, is restarted (reported lost) to take it from
+    # the log as rank 0's next incarnation sends it.
+    for r in (0, 1):
+        coordinator.add_lease(
+            lease_for(coordinator, relay, program=FT_PROGRAM, args=["local_then_die"], rank=r)
+        )
+    conn = await _open(relay)
+    for _ in range(2):
+        attach, _, _ = await conn.receive()
+        assert isinstance(attach, Attach)
+        rank = int(attach.token.rsplit("-", 1)[1])  # the fake coordinator's rank-token-7-R
+        await conn.send(Attached(job=7, rank=rank, incarnation=1))
+    data, payload, _ = await conn.receive()
+    assert data == Data(job=7, src=0, dst=1, seq=1, ctx=0, tag=0) and payload == b"early"
+    delivered, _, _ = await conn.receive()
+    assert delivered == Delivered(job=7, rank=1, incarnation=1, src=0, seq=1)
+    await coordinator.wait_for(lambda: coordinator.exit_of(7, 0))
+    await conn.close()  # no Ack: lost with the connection
+    done = await coordinator.wait_for(lambda: coordinator.exit_of(7, 1))
+    assert done.lost is True and "which ended before relay relay-0" in done.message
+    assert lines(coordinator.output_of(7, 1))[1] == {"got": ["Data", 7, 0, 1, 1, 0, 0, 0, []]}
 
 
 async def test_frames_wait_while_the_relay_is_away(
