@@ -80,7 +80,9 @@ log = logging.getLogger("vpool.agent")
 _PASSED_ENV = ("PATH", "LANG", "LANGUAGE", "LC_ALL", "LC_CTYPE", "TZ", "SYSTEMROOT")
 # How long the rank's pipes may stay open after it exited (a child it left behind).
 _PIPE_GRACE = 5.0
-_SHIELDED_CLEANUP = 5.0
+# Clean-up after a rank, even while the agent shuts down: its last frames (2 s), its
+# detaches (each may wait LOCAL_SETTLE for what it gave other ranks to be logged), files.
+_SHIELDED_CLEANUP = 8.0
 EXIT_BAD_BUNDLE = 126  # as a shell says of a program it cannot run
 _DISK_EVERY = 2.0  # s between looks at a sandboxed rank's disk use
 # The rank's secret, in its directory until the runtime reads (and deletes) it.

@@ -59,7 +59,7 @@ CONNECT_TIMEOUT = 15.0
 ATTACH_TIMEOUT = 30.0
 # An ended rank's detach waits this long for the relay to log what this agent delivered from
 # it to its other ranks (``_settle_local``), looking every _SETTLE_POLL seconds.
-LOCAL_SETTLE = 5.0
+LOCAL_SETTLE = 2.0
 _SETTLE_POLL = 0.005
 _RECONNECT_FIRST = 0.1  # s before the first reconnection attempt, doubled up to _RECONNECT_MAX
 _RECONNECT_MAX = 2.0
@@ -480,8 +480,8 @@ class RelayLink(InboundRouting):
         incarnation: consuming one the log never had would keep a program that is not
         deterministic from being caught."""
         store = self._unacked.get(rank.key)
-        if store is None or not store.local:
-            return
+        if store is None or not store.local or rank.stop_reason is not None:
+            return  # (a rank stopped by the agent: its job is over, or it was replaced)
         with trio.move_on_after(LOCAL_SETTLE):
             # Polled: acknowledgements land in the link's books, which signal nobody.
             while store.unlogged_local() and self.broken is None and self._ready:  # noqa: ASYNC110
@@ -489,7 +489,7 @@ class RelayLink(InboundRouting):
         job = rank.lease.job
         for dst in store.unlogged_local():
             peer = self.ranks.get((job, dst))
-            if peer is not None and not peer.ended:
+            if peer is not None and not peer.ended and peer.stop_reason is None:
                 peer.request_stop(
                     f"it was given messages of {rank.label}, which ended before "
                     f"{self.where} logged them: restarted to take them from the log",
