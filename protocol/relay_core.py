@@ -234,6 +234,17 @@ class Shell(Protocol[C]):
     def report_diverged(self, report: RelayDiverged) -> None: ...
 
 
+def _in_job(att: Attachment[Any], peer: int, what: str) -> None:
+    """``peer`` is a rank of ``att``'s job; else ``bad_dst`` (rank scope)."""
+    if not 0 <= peer < att.size:
+        raise Refused(
+            ErrorCode.BAD_DST,
+            f"{what} {peer} outside job {att.job} of {att.size} ranks",
+            job=att.job,
+            rank=att.rank,
+        )
+
+
 # -- the core -------------------------------------------------------------------------------
 
 
@@ -531,13 +542,7 @@ class RelayCore(Generic[C, R]):
             )
         if att.diverged:
             return None
-        if not 0 <= dst < att.size:
-            raise Refused(
-                ErrorCode.BAD_DST,
-                f"destination {dst} outside job {job} of {att.size} ranks",
-                job=job,
-                rank=src,
-            )
+        _in_job(att, dst, "destination")
         box = self.boxes.get((job, dst)) or self.box(job, dst)
         mailbox = box.mailbox
         offer = mailbox.offer(src, seq)
@@ -695,13 +700,7 @@ class RelayCore(Generic[C, R]):
         att = link.attached.get((job, rank)) if link is not None else None
         if att is None or not att.home or att.incarnation != incarnation:
             return None
-        if not 0 <= src < att.size:
-            raise Refused(
-                ErrorCode.BAD_DST,
-                f"delivery from rank {src} outside job {job} of {att.size} ranks",
-                job=job,
-                rank=rank,
-            )
+        _in_job(att, src, "source of a delivery")
         box = self.boxes.get((job, rank))
         if box is None or box.receiver != conn:
             return None
