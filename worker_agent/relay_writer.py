@@ -12,8 +12,11 @@ itself (agent-local delivery) waits up to ``LAZY_DELAY``, or until ``LAZY_BYTES`
 goes out with whatever is written next. Nobody waits for it (only its ``Ack``, which a sender's
 ``Finalize`` and checkpoint need, comes that much later), and one write of many deposits costs
 the agent and the relay far less than one write each: on a ping-pong between two ranks of one
-agent, most of the agent's and relay's time was these writes. A frame put the usual way takes
-the lazy ones along, ahead of it, so a channel never overtakes itself.
+agent, most of the agent's and relay's time was these writes, and the relay's work (and its
+acks) competes with the ranks for the CPU. Measured there (2 cores): an 8 B round trip took
+about 600 us with every deposit written at once, 275 us with 2 ms of delay, 190 us with 20 ms,
+185 us with 50 ms. A frame put the usual way takes the lazy ones along, ahead of it, so a
+channel never overtakes itself.
 
 A writer lives as long as its connection: once ``close``d (the connection dropped) every sender
 waiting on it gets ``Dropped``, and a reconnected link starts a new writer.
@@ -33,7 +36,7 @@ from vpool.worker_agent.errors import RelayLinkError
 # Frames queued for one relay before senders wait: back-pressure from a slow relay.
 QUEUE = 512
 _BATCH = 256 * 1024
-LAZY_DELAY = 0.002  # seconds
+LAZY_DELAY = 0.02  # seconds
 LAZY_BYTES = 256 * 1024
 
 
