@@ -439,7 +439,7 @@ class Connection:
                     if frame is None:
                         continue
                 hub.pushed(entry)
-                hub.frames_pushed += 1
+                hub.pushed_to[box.job, box.dst] += 1
                 parts.append(frame)
                 nbytes += entry.size
         if nbytes:

@@ -20,6 +20,7 @@ import logging
 import math
 import shutil
 import time
+from collections import Counter
 from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -120,7 +121,8 @@ class Hub:
         self.lost_ready = trio.Event()
         self._timer_wake = trio.Event()
         self.memory_used = 0
-        self.frames_pushed = 0  # Data frames pushed to receivers since the start
+        # Data frames pushed to each (job, receiving rank) since the start.
+        self.pushed_to: Counter[tuple[int, int]] = Counter()
         self.messages_stored = 0
         self.bytes_stored = 0
         self.io_limiter = trio.CapacityLimiter(max(1, settings.write_threads))

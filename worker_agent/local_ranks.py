@@ -60,8 +60,10 @@ class Outbox:
         self._on_written: Callable[[Connection, int], None] | None = None
         # Credit written but not yet sent, per relay connection (see Connection.credit_batch).
         self.held: dict[Connection, int] = {}
-        # Bytes of the frames waiting (not yet taken by the writer task).
+        # Bytes of the frames waiting (not yet taken by the writer task), and an event set
+        # when they fall below LOCAL_BACKLOG.
         self.queued = 0
+        self._room = trio.Event()
 
     def set_socket(self, fd: int, on_written: Callable[[Connection, int], None]) -> None:
         """Enable write-through into ``fd`` (non-blocking); ``fd=-1`` disables it."""
@@ -88,10 +90,19 @@ class Outbox:
         self._wake.set()
 
     def has_room(self) -> bool:
-        """Whether agent-local delivery may add a frame: the rank is reading (less than
+        """Whether agent-local delivery may add a frame now: the rank is reading (less than
         ``LOCAL_BACKLOG`` bytes wait). Pushed frames are bounded by the relay's window; local
-        ones by this, and past it they go through the relay, under its window."""
+        ones by this (``wait_room``)."""
         return self.queued < LOCAL_BACKLOG and not self._closed
+
+    async def wait_room(self) -> None:
+        """Wait until ``has_room`` (or the outbox is closed). The sender waits meanwhile, as
+        a socket's sender does: a rank blocked writing still reads what comes to it (the
+        runtime's transport), so two ranks sending each other much cannot deadlock."""
+        while self.queued >= LOCAL_BACKLOG and not self._closed:
+            if self._room.is_set():
+                self._room = trio.Event()
+            await self._room.wait()
 
     def push_ack(self, dst: int, frame: bytes) -> None:
         self._acks[dst] = frame
@@ -104,6 +115,7 @@ class Outbox:
     def close(self) -> None:
         self._closed = True
         self._wake.set()
+        self._room.set()
 
     async def take(self) -> tuple[list[list[Buffer]], dict[Connection, int]]:
         """Wait for frames; return a batch and the bytes to credit back per relay link.
@@ -130,6 +142,8 @@ class Outbox:
         if self._acks:
             batch.append(list(self._acks.values()))
             self._acks.clear()
+        if self.queued < LOCAL_BACKLOG:
+            self._room.set()
         self.busy = True
         return batch, credits
 

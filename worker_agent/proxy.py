@@ -361,7 +361,9 @@ class RankProxy:
                         await link.send_data(
                             msg,
                             frame.parts,
-                            _deliver_locally(link, msg, frame.parts, frame.size) if local else None,
+                            await _deliver_locally(link, msg, frame.parts, frame.size)
+                            if local
+                            else None,
                         )
                     except RelayLinkError:
                         # Already reported as a RankProblem by the link; the coordinator will
@@ -429,20 +431,25 @@ class RankProxy:
             outbox.set_socket(-1, written)
 
 
-def _deliver_locally(
+async def _deliver_locally(
     link: RelayLink, msg: Data, parts: list[Buffer], size: int
 ) -> Delivered | None:
     """Agent-local delivery (docs/internals.md): when the receiver of ``msg`` is a rank of this
-    agent home-attached on ``link`` (the link the message is deposited on), reading, and this
-    is the next message of the channel for it, the frame goes into its outbox here and now;
-    the ``Delivered`` to send behind the deposit is returned. None: the relay pushes it."""
-    peer = link.home_of((msg.job, msg.dst))
-    if (
-        peer is None
-        or peer.stop_reason is not None
-        or not peer.outbox.has_room()
-        or not peer.delivery.local(msg.src, msg.seq)
-    ):
+    agent home-attached on ``link`` (the link the message is deposited on) and this is the
+    next message of the channel for it, the frame goes into its outbox, once that has room
+    (the sender waits meanwhile, as on a full socket); the ``Delivered`` to send behind the
+    deposit is returned. None: the relay pushes it."""
+    key = (msg.job, msg.dst)
+    peer = link.home_of(key)
+    if peer is None or peer.stop_reason is not None:
+        return None
+    if not peer.outbox.has_room():
+        await peer.outbox.wait_room()
+        if link.home_of(key) is not peer or peer.stop_reason is not None:
+            return None
+        if not peer.outbox.has_room():
+            return None  # closed
+    if not peer.delivery.local(msg.src, msg.seq):
         return None
     peer.outbox.push_data(parts, size, None)
     return Delivered(
