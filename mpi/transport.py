@@ -200,15 +200,7 @@ class Transport:
     def _write_slow(self, parts: list[Any], sent: int) -> None:
         views = [memoryview(p) for p in parts]
         views = [v if v.format == "B" and v.ndim == 1 else v.cast("B") for v in views]
-        i = 0
-        while sent:
-            size = views[i].nbytes
-            if sent >= size:
-                sent -= size
-                i += 1
-            else:
-                views[i] = views[i][sent:]
-                sent = 0
+        i = _consumed(views, 0, sent)
         poll = self._poll
         fd = self._fd
         poll.modify(fd, select.POLLIN | select.POLLOUT)
@@ -228,14 +220,7 @@ class Transport:
                     continue
                 except OSError as exc:
                     die(f"lost the connection to the agent: {exc}")
-                while n:
-                    size = views[i].nbytes
-                    if n >= size:
-                        n -= size
-                        i += 1
-                    else:
-                        views[i] = views[i][n:]
-                        n = 0
+                i = _consumed(views, i, n)
                 while i < len(views) and views[i].nbytes == 0:
                     i += 1
         finally:
@@ -353,6 +338,20 @@ class Transport:
 
     def abort(self, code: int, message: str) -> None:
         self.send_message(Abort(code=code, message=message))
+
+
+def _consumed(views: list[memoryview], i: int, n: int) -> int:
+    """``n`` more bytes of ``views[i:]`` were written: the index of the first view not
+    written in full, which is cut to what is left of it."""
+    while n:
+        size = views[i].nbytes
+        if n >= size:
+            n -= size
+            i += 1
+        else:
+            views[i] = views[i][n:]
+            n = 0
+    return i
 
 
 def open_connection(path: str, hello: RankHello) -> tuple[socket.socket, RankWelcome]:
