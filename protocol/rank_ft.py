@@ -71,11 +71,14 @@ asynchronous sends still made at once; a replay handed to such a rank is still o
 
 from __future__ import annotations
 
+import enum
 from collections import deque
 from collections.abc import Callable
 from typing import Any, NoReturn
 
 import msgspec
+
+from vpool.protocol.errors import LocalProtocolError
 
 R_OUTCOME, R_FAILED, R_STEP, R_NOTICE = range(4)
 K_MATCH, K_PROBE, K_TEST, K_ANY, K_SOME, K_WTIME, K_NAME = range(7)
@@ -86,6 +89,58 @@ _decode = msgspec.msgpack.decode
 
 BATCH = 512  # records per Det at most (a Det is header only: at most 64 KiB)
 MAX_DATA = 48 * 1024
+
+
+# -- the rule of a decision event, as data ----------------------------------------------------
+
+
+class Event(enum.Enum):
+    TEST = "test"  # a test, probe or read (``decide``): no outcome recorded = a failed test
+    ANY_RECV = "any_recv"  # a receive from ANY_SOURCE being posted (``any_post``)
+
+
+class Phase(enum.Enum):
+    LIVE = "live"  # past the horizon of the loaded records
+    REPLAY = "replay"  # within it
+
+
+class Record(enum.Enum):
+    NONE = "none"  # no record of this event
+    SAME = "same"  # a record of this event's kind
+    OTHER = "other"  # a record of another kind
+
+
+class Rule(enum.Enum):
+    DECIDE = "decide"  # decided now and logged (a failed test lazily)
+    REPRODUCE = "reproduce"  # the recorded outcome, waiting until it can be had
+    FAILED = "failed"  # a failed test, not logged again
+    DIVERGED = "diverged"  # the program is not deterministic: the rank ends
+
+
+# (event, phase, record) -> rule. Past the horizon there are no records (the horizon is the
+# highest event they mention), so the LIVE rows with one cannot happen. A receive from
+# ANY_SOURCE without a record inside the horizon did not match in the logged run before it
+# ended: deciding it live is safe, since every message it could take was left untaken by every
+# logged decision.
+EVENT_RULES: dict[tuple[Event, Phase, Record], Rule] = {
+    (Event.TEST, Phase.LIVE, Record.NONE): Rule.DECIDE,
+    (Event.TEST, Phase.REPLAY, Record.NONE): Rule.FAILED,
+    (Event.TEST, Phase.REPLAY, Record.SAME): Rule.REPRODUCE,
+    (Event.TEST, Phase.REPLAY, Record.OTHER): Rule.DIVERGED,
+    (Event.ANY_RECV, Phase.LIVE, Record.NONE): Rule.DECIDE,
+    (Event.ANY_RECV, Phase.REPLAY, Record.NONE): Rule.DECIDE,
+    (Event.ANY_RECV, Phase.REPLAY, Record.SAME): Rule.REPRODUCE,
+    (Event.ANY_RECV, Phase.REPLAY, Record.OTHER): Rule.DIVERGED,
+}
+
+
+def event_rule(event: Event, phase: Phase, rec: tuple[int, Any] | None, kind: int) -> Rule:
+    """The rule for one decision event of ``kind`` (``K_*``) given its record, if any."""
+    record = Record.NONE if rec is None else Record.SAME if rec[0] == kind else Record.OTHER
+    rule = EVENT_RULES.get((event, phase, record))
+    if rule is None:
+        raise LocalProtocolError(f"{event.value} event in {phase.value} with {record.value}")
+    return rule
 
 
 class FT:
@@ -189,13 +244,12 @@ class FT:
         posted, so ``any_post`` cannot do it)."""
         for op, ev in list(self.any_ops.items()):
             rec = self.outcomes.pop(ev, None)
-            if rec is None:
+            rule = event_rule(Event.ANY_RECV, Phase.REPLAY, rec, K_MATCH)
+            if rule is Rule.DECIDE:
                 continue  # no match was logged: decided live, as in ``any_post``
-            if rec[0] != K_MATCH:
-                self._diverged(
-                    f"event {ev} was a {KIND_NAMES[rec[0]]} when logged, "
-                    "a receive from ANY_SOURCE now"
-                )
+            if rule is Rule.DIVERGED:
+                self._mismatch(ev, rec, "a receive from ANY_SOURCE")
+            assert rec is not None
             del self.any_ops[op]
             op.src = rec[1]
 
@@ -226,6 +280,10 @@ class FT:
         if self.any_ops:
             # A restored process: before any Data that follows the Dets can match them.
             self._resume_any_ops()
+
+    def _mismatch(self, ev: int, rec: tuple[int, Any] | None, now: str) -> NoReturn:
+        assert rec is not None
+        self._diverged(f"event {ev} was a {KIND_NAMES[rec[0]]} when logged, {now} now")
 
     def _diverged(self, text: str) -> NoReturn:
         self._fail(f"program is not deterministic: {text}")
@@ -308,12 +366,12 @@ class FT:
             # A checkpoint was taken inside ``live()`` and this is the restored process: the
             # image's maker decided this event after the fork; its outcome is in the log.
         rec = self.outcomes.pop(ev, None)
-        if rec is None:
-            return None  # within the horizon, an event without a record was a failed test
-        if rec[0] != kind:
-            self._diverged(
-                f"event {ev} was a {KIND_NAMES[rec[0]]} when logged, a {KIND_NAMES[kind]} now"
-            )
+        rule = event_rule(Event.TEST, Phase.REPLAY, rec, kind)
+        if rule is Rule.FAILED:
+            return None
+        if rule is Rule.DIVERGED:
+            self._mismatch(ev, rec, f"a {KIND_NAMES[kind]}")
+        assert rec is not None
         value = rec[1]
         if ready is not None:
             self.until(lambda: ready(value))
@@ -345,16 +403,13 @@ class FT:
         self.ev = ev + 1
         if ev <= self.horizon:
             rec = self.outcomes.pop(ev, None)
-            if rec is not None:
-                if rec[0] != K_MATCH:
-                    self._diverged(
-                        f"event {ev} was a {KIND_NAMES[rec[0]]} when logged, "
-                        "a receive from ANY_SOURCE now"
-                    )
+            rule = event_rule(Event.ANY_RECV, Phase.REPLAY, rec, K_MATCH)
+            if rule is Rule.DIVERGED:
+                self._mismatch(ev, rec, "a receive from ANY_SOURCE")
+            if rule is Rule.REPRODUCE:
+                assert rec is not None
                 op.src = rec[1]
                 return
-            # No record: it did not match in the logged run before its end. Deciding it live
-            # is safe: every message it could take was left untaken by every logged decision.
         if self.logging:
             self.any_ops[op] = ev
 

@@ -28,6 +28,7 @@ gets the rank's own determinants pushed back. A restored rank starts from its im
 
 from __future__ import annotations
 
+import enum
 from collections import deque
 from collections.abc import Mapping
 
@@ -136,6 +137,40 @@ class RankLink:
         return len(self.dets) + sum(map(len, self.data.values()))
 
 
+class Via(enum.Enum):
+    RELAY = "relay"  # its home relay pushed it
+    LOCAL = "local"  # a rank of the same agent sent it (agent-local delivery)
+
+
+class Place(enum.Enum):
+    """Where a message's seq is against what the rank has of its channel."""
+
+    HAD = "had"  # seq <= received: the rank has it
+    NEXT = "next"  # seq == received + 1
+    AHEAD = "ahead"  # seq > received + 1: earlier ones are still to come
+
+
+class Take(enum.Enum):
+    GIVE = "give"  # it goes to the rank, and counts as received
+    DROP = "drop"  # the rank has it: dropped (a push is still credited)
+    RELAY = "relay"  # not handed over here: it goes the relay's way
+
+
+# (how it came, where its seq is) -> what the agent does with a message for its rank. A relay
+# pushes each channel in order from what the attachment said the rank had, so it sends no
+# AHEAD one (what it sends is passed on as it comes). Locally only the next message is handed
+# over: one ahead would overtake one the relay still has to push, and one the rank had comes
+# from a replaying sender, whose copy the relay must compare with the logged one.
+DELIVERY_RULES: dict[tuple[Via, Place], Take] = {
+    (Via.RELAY, Place.HAD): Take.DROP,
+    (Via.RELAY, Place.NEXT): Take.GIVE,
+    (Via.RELAY, Place.AHEAD): Take.GIVE,
+    (Via.LOCAL, Place.HAD): Take.RELAY,
+    (Via.LOCAL, Place.NEXT): Take.GIVE,
+    (Via.LOCAL, Place.AHEAD): Take.RELAY,
+}
+
+
 class Delivery:
     """What a rank's home relay delivered to it (see the module docstring)."""
 
@@ -145,24 +180,26 @@ class Delivery:
         self.received: dict[int, int] = {s: q for s, q in (received or {}).items() if q > 0}
         self.dets = dets
 
+    def take(self, via: Via, src: int, seq: int) -> Take:
+        """Message ``seq`` of ``src`` for the rank came ``via``: what to do with it
+        (``DELIVERY_RULES``); given, it counts as received."""
+        had = self.received.get(src, 0)
+        place = Place.HAD if seq <= had else Place.NEXT if seq == had + 1 else Place.AHEAD
+        take = DELIVERY_RULES[via, place]
+        if take is Take.GIVE:
+            self.received[src] = seq
+        return take
+
     def data(self, src: int, seq: int) -> bool:
         """The relay pushed message ``seq`` of ``src``: whether it goes to the rank (not when
         the agent delivered it locally already: its ``Delivered`` came too late to stop the
         push)."""
-        if seq <= self.received.get(src, 0):
-            return False
-        self.received[src] = seq
-        return True
+        return self.take(Via.RELAY, src, seq) is Take.GIVE
 
     def local(self, src: int, seq: int) -> bool:
         """A rank of this agent sends message ``seq`` of channel (``src``, this rank): whether
-        the agent may hand it over itself (agent-local delivery). Only the next one of the
-        channel: while earlier ones are still to come from the relay, it goes that way too,
-        so the channel stays in order."""
-        if seq != self.received.get(src, 0) + 1:
-            return False
-        self.received[src] = seq
-        return True
+        the agent may hand it over itself (agent-local delivery)."""
+        return self.take(Via.LOCAL, src, seq) is Take.GIVE
 
     def det_in(self, index: int) -> bool:
         """The relay pushed determinant ``index``: whether the rank gets it (one it has is not

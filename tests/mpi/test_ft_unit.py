@@ -191,3 +191,73 @@ def test_malformed_determinant_ends_the_rank(monkeypatch: Any) -> None:
     with pytest.raises(SystemExit, match="determinant 0 is malformed"):
         replay_ft([(0, b"\xc1")])
     assert ftmod.KIND_NAMES[K_MATCH] == "ANY_SOURCE match"
+
+
+# -- the decision rule, as a table: every (event, phase, record) -------------------------------
+
+Event, Phase, Record, Rule = ftmod.Event, ftmod.Phase, ftmod.Record, ftmod.Rule
+IMPOSSIBLE = {(e, Phase.LIVE, r) for e in Event for r in (Record.SAME, Record.OTHER)}
+
+
+def test_every_triple_is_a_rule_or_impossible() -> None:
+    every = {(e, p, r) for e in Event for p in Phase for r in Record}
+    assert set(ftmod.EVENT_RULES) == every - IMPOSSIBLE
+    for event, phase, record in IMPOSSIBLE:
+        rec = (K_MATCH + 1, None) if record is Record.OTHER else (K_MATCH, 1)
+        with pytest.raises(ftmod.LocalProtocolError):
+            ftmod.event_rule(event, phase, rec, K_MATCH)
+
+
+def _logged(*steps: str) -> list[tuple[int, bytes]]:
+    """A live run's determinants: "wtime" (a logged read), "any" (an ANY_SOURCE receive
+    matching rank 1), "fail" (a failed test)."""
+    ft, t = live_ft()
+    for step in steps:
+        if step == "wtime":
+            ft.decide(K_WTIME, lambda: 1.0)
+        elif step == "any":
+            op = Op()
+            ft.any_post(op)
+            ft.matched(op, 1)
+        else:
+            ft.decide(K_TEST, lambda: None)
+    ft.before_data()
+    ft.flush()
+    return t.written
+
+
+@pytest.mark.parametrize("key", sorted(ftmod.EVENT_RULES, key=str))
+def test_each_rule(key: tuple[Any, Any, Any], monkeypatch: Any) -> None:
+    """Each row of the table, through the public API of ``FT``."""
+    event, phase, record = key
+    rule = ftmod.EVENT_RULES[key]
+
+    def die(text: str, code: int = 1) -> None:
+        raise SystemExit(text)
+
+    monkeypatch.setattr(transport_mod, "die", die)
+    # Event 0 is the one under test. Its record: an ANY_SOURCE match ("any"), a Wtime read
+    # ("wtime", the kind the test-like event below asks for), or none (a failed test, inside
+    # the horizon because event 1 is logged).
+    first = {
+        Record.NONE: "fail",
+        Record.SAME: "any" if event is Event.ANY_RECV else "wtime",
+        Record.OTHER: "wtime" if event is Event.ANY_RECV else "any",
+    }[record]
+    ft, _ = replay_ft(_logged(first, "wtime")) if phase is Phase.REPLAY else live_ft()
+    kind = K_WTIME  # what a test-like event asks here
+    if rule is Rule.DIVERGED:
+        with pytest.raises(SystemExit, match="not deterministic: event 0 was a"):
+            ft.any_post(Op()) if event is Event.ANY_RECV else ft.decide(kind, lambda: 2.0)
+        return
+    if event is Event.ANY_RECV:
+        op = Op()
+        ft.any_post(op)
+        if rule is Rule.REPRODUCE:
+            assert op.src == 1 and op not in ft.any_ops
+        else:  # decided live: logged when it matches
+            assert rule is Rule.DECIDE and op.src == ANY_SOURCE and op in ft.any_ops
+        return
+    got = ft.decide(kind, lambda: 2.0)
+    expected = {Rule.DECIDE: 2.0, Rule.REPRODUCE: 1.0, Rule.FAILED: None}[rule]
+    assert got == expected

@@ -125,3 +125,15 @@ def test_receivers_of_unlogged_local_messages_are_known_until_acked() -> None:
     assert link.unlogged_local() == [2]
     link.acked(2, 1)
     assert link.unlogged_local() == []
+
+
+def test_every_delivery_pair_is_a_rule() -> None:
+    from vpool.protocol.rank_link import DELIVERY_RULES, Place, Take, Via
+
+    assert set(DELIVERY_RULES) == {(v, p) for v in Via for p in Place}
+    # Each rule through ``take``: the rank has 2 of channel (0, me).
+    place_seq = {Place.HAD: 2, Place.NEXT: 3, Place.AHEAD: 5}
+    for (via, place), rule in DELIVERY_RULES.items():
+        d = Delivery({0: 2})
+        assert d.take(via, 0, place_seq[place]) is rule
+        assert d.received[0] == (place_seq[place] if rule is Take.GIVE else 2)
