@@ -18,12 +18,14 @@ The pieces:
   consecutive failed polls as one lazy record flushed before the next deposit, deposits nothing
   before every determinant it created is acknowledged (the pessimistic rule), and keeps
   unacknowledged frames to resend after a relay restart (the product's ``RankLink``, one per
-  relay: after a restart every unacknowledged frame goes again, determinants first). What it was
-  given is the product's ``Delivery`` (per source, the highest seq, whoever gave it): a
+  relay: after a relay restart the messages and the determinants the relay lacks go again,
+  determinants first, and the rank is told the others are durable). What it was given is the
+  product's ``Delivery`` (per source, the highest seq, whoever gave it; ``DELIVERY_RULES``): a
   re-attachment resumes after it (``Attach.received``). A restarted incarnation starts the program
-  from the beginning with zeroed counters and obeys the determinants it got at attach time: a
-  recorded outcome is reproduced (waiting for the message if needed), an event inside the recorded
-  horizon without a record is a failed poll, an event past the horizon is decided live and logged.
+  from the beginning with zeroed counters and obeys the determinants it got at attach time, by
+  the runtime's rule (``rank_ft.EVENT_RULES``): a recorded outcome is reproduced (waiting for the
+  message if needed), an event inside the recorded horizon without a record is a failed poll, an
+  event past the horizon is decided live and logged.
 - **Agents**: with ``Config.agents`` = n > 0, rank r runs on agent r % n (0: one agent per rank,
   no co-location). A message between two ranks of one agent is delivered locally (*agent-local
   delivery*): at the deposit, if the receiver's incarnation is alive and the message is the next

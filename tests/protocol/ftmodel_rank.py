@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
+from vpool.protocol.rank_ft import K_MATCH, K_PROBE, Event, Phase, Rule, event_rule
 from vpool.protocol.rank_link import Delivery, RankLink
 
 from .ftmodel_config import Divergence, ModelError
@@ -32,6 +33,10 @@ class UnorderedDelivery(Delivery):
             return False
         self.received[src] = seq
         return True
+
+
+# The model's record kinds as the runtime's (a failed poll is a record of a probe's kind).
+_KINDS = {"any": K_MATCH, "poll": K_PROBE, "fail": K_PROBE}
 
 
 class SimRank:
@@ -78,19 +83,19 @@ class SimRank:
             return ["recv"] if self.arrived[op.src] else []
         if isinstance(op, Env):
             return ["env"]
+        # A decision event: the runtime's rule (``rank_ft.EVENT_RULES``) says what it does.
+        rule = self._rule()
         record = self.records.get(self.clock)
-        if record is not None:  # replaying: reproduce the recorded outcome
-            want = "any" if isinstance(op, RecvAny) else ("poll", "fail")
-            if record[1] not in want:
-                raise Divergence(
-                    f"program is not deterministic: {self} event {self.clock} is {op}, "
-                    f"the log says {record}"
-                )
+        if rule is Rule.DIVERGED:
+            raise Divergence(
+                f"program is not deterministic: {self} event {self.clock} is {op}, "
+                f"the log says {record}"
+            )
+        if rule is Rule.REPRODUCE:
+            assert record is not None
             src = record[2]
             return [record[1]] if src is None or self.arrived[src] else []
-        if self.clock <= self.horizon:  # inside the horizon, no record: a failed poll
-            if isinstance(op, RecvAny):
-                raise Divergence(f"program is not deterministic: {self} {op} not in the log")
+        if rule is Rule.FAILED:
             return ["fail"]
         waiting = [s for s, q in self.arrived.items() if q]
         if isinstance(op, Poll) and op.src != ANY:
@@ -129,8 +134,8 @@ class SimRank:
             self.decisions.append(("env", self.inc))
             self._advance(self.inc)
             return f"{self}: reads the environment (unlogged): {self.inc}"
-        # A non-deterministic event: decided live past the horizon, else replayed.
-        live = self.clock > self.horizon
+        # A non-deterministic event: decided live (``Rule.DECIDE``), else replayed.
+        live = self._rule() is Rule.DECIDE
         if isinstance(op, RecvAny):
             return self._consume(choice[1] if live else self.records[self.clock][2], live=live)
         if choice == "fail":
@@ -145,6 +150,16 @@ class SimRank:
         self.clock += 1
         self._advance(src)
         return f"{self}: {op} -> {src} ({'live' if live else 'replay'})"
+
+    def _rule(self) -> Rule:
+        """The runtime's rule for the current decision event (a poll is a test-like event,
+        its records "poll" and "fail" of one kind; a ``RecvAny`` an ANY_SOURCE receive)."""
+        op = self.op
+        event = Event.ANY_RECV if isinstance(op, RecvAny) else Event.TEST
+        phase = Phase.REPLAY if self.clock <= self.horizon else Phase.LIVE
+        record = self.records.get(self.clock)
+        rec = None if record is None else (_KINDS[record[1]], record[2])
+        return event_rule(event, phase, rec, K_MATCH if event is Event.ANY_RECV else K_PROBE)
 
     def _consume(self, src: int, live: bool | None) -> str:
         seq, payload = self.arrived[src].popleft()
