@@ -132,6 +132,18 @@ def _install_error_handlers(app: FastAPI) -> None:
         code = _STATUS_CODES.get(exc.status_code, "error")
         return _answer(request, exc.status_code, code, str(exc.detail))
 
+    @app.exception_handler(OverflowError)
+    async def out_of_range(request: Request, exc: OverflowError) -> Response:
+        # A number from the client beyond what the database stores (a 64-bit integer): every
+        # id, rank, offset and count the coordinator keeps is one, so this is the client's.
+        log.info("%s %s: a number out of range: %s", request.method, request.url.path, exc)
+        return _answer(
+            request,
+            422,
+            "out_of_range",
+            "a number in the request is out of range (integers are at most 2**63 - 1)",
+        )
+
     @app.exception_handler(ClientDisconnect)
     async def client_gone(request: Request, exc: ClientDisconnect) -> Response:
         # The client (an agent that died mid-upload, say) is gone: nothing was stored, and

@@ -306,3 +306,95 @@ async def test_client_gone_mid_upload_is_a_4xx_not_an_internal_error(
     assert 400 <= start["status"] < 500
     assert not await pool.core.has_blob(sha256)
     assert "internal error" not in caplog.text
+
+
+BIG = 2**70
+
+
+async def test_integers_beyond_64_bits_are_refused_not_crashed(pool: Pool) -> None:
+    """Every route that takes an integer, in its path, query or body: 4xx, never a 500 (the
+    database keeps 64-bit integers)."""
+    c = pool.client
+    user = pool.user()
+    relay = {"Authorization": f"Bearer {RELAY_SECRET}"}
+    await pool.register_relay()
+    agent = await pool.enroll(slots=1)
+    good = make_zip({"app.py": b"print('hi')\n"})
+    wrong = []
+    for method, url, headers, body in [
+        ("GET", f"/api/v1/jobs/{BIG}", user, None),
+        ("GET", f"/api/v1/jobs/{BIG}/timeline", user, None),
+        ("GET", f"/api/v1/jobs/{BIG}/output", user, None),
+        ("GET", f"/api/v1/jobs/1/output?after={BIG}", user, None),
+        ("GET", f"/api/v1/jobs/1/output?rank={BIG}", user, None),
+        ("POST", f"/api/v1/jobs/{BIG}/cancel", user, None),
+        ("POST", f"/api/v1/jobs/{BIG}/checkpoint", user, None),
+        ("GET", f"/api/v1/jobs/{BIG}/results", user, None),
+        ("POST", f"/api/v1/tokens/{BIG}/revoke", user, None),
+        ("PUT", f"/api/v1/agents/results/{BIG}/0/1", agent.headers, good),
+        ("PUT", f"/api/v1/agents/results/1/{BIG}/1", agent.headers, good),
+        ("PUT", f"/api/v1/agents/results/1/0/{BIG}", agent.headers, good),
+        (
+            "POST",
+            "/api/v1/agents/exit",
+            agent.headers,
+            f'{{"job": {BIG}, "rank": 0, "incarnation": 1, "code": 0}}'.encode(),
+        ),
+        (
+            "POST",
+            "/api/v1/agents/problem",
+            agent.headers,
+            f'{{"job": {BIG}, "rank": 0, "incarnation": 1, "message": "x"}}'.encode(),
+        ),
+        (
+            "POST",
+            "/api/v1/agents/restored",
+            agent.headers,
+            f'{{"job": 1, "rank": 0, "incarnation": {BIG}, "ckpt": -1}}'.encode(),
+        ),
+        (
+            "POST",
+            "/api/v1/agents/checkpoint-failed",
+            agent.headers,
+            f'{{"job": {BIG}, "rank": 0, "incarnation": 1, "reason": "x"}}'.encode(),
+        ),
+        (
+            "POST",
+            "/api/v1/agents/output",
+            agent.headers,
+            f'{{"chunks": [{{"job": {BIG}, "rank": 0, "incarnation": 1, "stream": "stdout", '
+            f'"offset": 0, "data": ""}}]}}'.encode(),
+        ),
+        (
+            "POST",
+            "/api/v1/agents/heartbeat",
+            agent.headers,
+            f'{{"ranks": [{{"job": {BIG}, "rank": 0, "incarnation": 1, "state": "running"}}], '
+            f'"free_slots": 1}}'.encode(),
+        ),
+        (
+            "POST",
+            "/api/v1/relays/lost",
+            relay,
+            f'{{"name": "r", "lost": [{{"job": {BIG}, "rank": 0, "incarnation": 1, '
+            f'"reason": "x"}}]}}'.encode(),
+        ),
+        (
+            "POST",
+            "/api/v1/relays/diverged",
+            relay,
+            f'{{"name": "r", "job": {BIG}, "rank": 0, "incarnation": 1, "message": "x"}}'.encode(),
+        ),
+        ("GET", f"/jobs/{BIG}", user, None),
+        ("GET", f"/jobs/{BIG}/live", user, None),
+        ("GET", f"/jobs/{BIG}/results", user, None),
+    ]:
+        r = await c.request(method, url, headers=headers, content=body)
+        if url.startswith("/api/"):
+            if not 400 <= r.status_code < 500:
+                wrong.append((method, url, r.status_code, r.text[:200]))
+            else:
+                assert_error(r, r.status_code)
+        elif r.status_code >= 500:  # a page (this client has no session: sign-in)
+            wrong.append((method, url, r.status_code, r.text[:200]))
+    assert wrong == []
