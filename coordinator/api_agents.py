@@ -8,6 +8,7 @@ from fastapi.responses import FileResponse
 
 from vpool.coordinator.transport import (
     bearer,
+    chunks,
     coordinator,
     declared_length,
     decode,
@@ -99,4 +100,4 @@ async def results(request: Request, job: int, rank: int, incarnation: int) -> Re
     c = coordinator(request)
     agent = await _agent(request)
     declared_length(request, c.settings.max_blob_bytes)
-    return reply(await c.put_result(agent, job, rank, incarnation, request.stream()))
+    return reply(await c.put_result(agent, job, rank, incarnation, chunks(request)))

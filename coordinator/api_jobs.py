@@ -11,7 +11,14 @@ from fastapi.responses import FileResponse
 from starlette.background import BackgroundTask
 
 from vpool.coordinator.access import Action
-from vpool.coordinator.transport import coordinator, declared_length, decode, principal, reply
+from vpool.coordinator.transport import (
+    chunks,
+    coordinator,
+    declared_length,
+    decode,
+    principal,
+    reply,
+)
 from vpool.protocol import api
 from vpool.web import timeline
 
@@ -68,7 +75,7 @@ async def put_blob(request: Request, sha256: str) -> Response:
     c = coordinator(request)
     await principal(request)
     declared_length(request, c.settings.max_blob_bytes)
-    return reply(await c.put_blob(sha256, request.stream()))
+    return reply(await c.put_blob(sha256, chunks(request)))
 
 
 @router.head("/blobs/{sha256}")

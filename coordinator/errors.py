@@ -59,3 +59,8 @@ class Conflict(CoordinatorError):
 class TooLarge(CoordinatorError):
     status = 413
     code = "too_large"
+
+
+class Stalled(CoordinatorError):
+    status = 408
+    code = "upload_stalled"

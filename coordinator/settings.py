@@ -58,6 +58,11 @@ class CoordinatorSettings:
     )
     pool_name: str = setting("vpool", "Name of the pool, shown to users and volunteers.")
     max_blob_bytes: int = setting(1 << 30, "Largest blob (bundle, stdin, results) accepted.")
+    upload_idle_timeout: float = setting(
+        60.0,
+        "Seconds a request body (an upload) may send nothing before the request is refused "
+        "(408 upload_stalled) and what it sent is dropped.",
+    )
     max_ranks: int = setting(256, "Largest number of ranks a job may ask for.")
     public_url: str = setting(
         "", "URL clients use to reach this coordinator (shown on the web portal's pool page)."

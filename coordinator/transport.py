@@ -3,12 +3,14 @@ bodies, bearer credentials."""
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgspec
+import trio
 from fastapi import Request, Response
 
-from vpool.coordinator.errors import BadRequest, TooLarge, Unauthorized
+from vpool.coordinator.errors import BadRequest, Stalled, TooLarge, Unauthorized
 
 if TYPE_CHECKING:
     from vpool.coordinator.access import Principal
@@ -38,10 +40,26 @@ def declared_length(request: Request, limit: int) -> None:
         raise TooLarge(f"the body is larger than {limit} bytes")
 
 
+async def chunks(request: Request) -> AsyncIterator[bytes]:
+    """The request's body as it comes; a client that sends nothing for
+    ``upload_idle_timeout`` seconds gets ``Stalled`` (408), and what it sent is dropped."""
+    idle = coordinator(request).settings.upload_idle_timeout
+    stream = request.stream().__aiter__()
+    while True:
+        try:
+            with trio.fail_after(idle):
+                chunk = await stream.__anext__()
+        except StopAsyncIteration:
+            return
+        except trio.TooSlowError:
+            raise Stalled(f"the request body stalled: nothing came for {idle:g} s") from None
+        yield chunk
+
+
 async def body(request: Request, limit: int) -> bytes:
     declared_length(request, limit)
     data = bytearray()
-    async for chunk in request.stream():
+    async for chunk in chunks(request):
         data += chunk
         if len(data) > limit:
             raise TooLarge(f"the body is larger than {limit} bytes")

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import hashlib
+from collections.abc import AsyncIterator
 
 import httpx
 import pytest
+import trio
 from coord_helpers import RELAY_SECRET, Pool, make_zip, sha
 
 from vpool.protocol import api
@@ -398,3 +400,32 @@ async def test_integers_beyond_64_bits_are_refused_not_crashed(pool: Pool) -> No
         elif r.status_code >= 500:  # a page (this client has no session: sign-in)
             wrong.append((method, url, r.status_code, r.text[:200]))
     assert wrong == []
+
+
+async def test_a_stalled_upload_is_refused_and_leaves_nothing(
+    pool: Pool, autojump_clock: object
+) -> None:
+    """A body that stops coming: 408 upload_stalled once ``upload_idle_timeout`` passes with
+    nothing, and the blob is not stored."""
+    user = pool.user()
+    sent = b"x" * 1000
+    gave_up = []
+
+    async def stalls() -> AsyncIterator[bytes]:
+        yield sent[:500]
+        await trio.sleep(pool.core.settings.upload_idle_timeout * 10)
+        gave_up.append(True)  # never: the server ended the request first
+        yield sent[500:]
+
+    digest = hashlib.sha256(sent).hexdigest()
+    start = trio.current_time()
+    r = await pool.client.put(f"/api/v1/blobs/{digest}", headers=user, content=stalls())
+    assert_error(r, 408, "upload_stalled")
+    waited = trio.current_time() - start
+    assert (
+        pool.core.settings.upload_idle_timeout
+        <= waited
+        < 2 * pool.core.settings.upload_idle_timeout
+    )
+    assert gave_up == []
+    assert not pool.core.blobs.path(digest).exists()  # nothing stored
