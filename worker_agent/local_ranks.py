@@ -27,7 +27,8 @@ if TYPE_CHECKING:
 
 # One write to a rank's socket gathers frames up to about this many bytes.
 _BATCH = 256 * 1024
-# Agent-local delivery stops while this many bytes wait for a rank's socket (``has_room``).
+# Agent-local delivery holds the sender back while this many bytes wait for a rank's socket
+# (``has_room``, ``wait_room``).
 LOCAL_BACKLOG = 8 * 1024 * 1024
 
 RankKey = tuple[int, int]  # (job, rank)

@@ -356,15 +356,17 @@ class RankProxy:
                         )
                     if rank.stop_reason is not None:
                         continue  # being stopped (maybe replaced): it must deposit no more
+                    # Before ``deposited`` counts it: a checkpoint would take a message counted
+                    # there, but not yet in the link's books, as acknowledged (and local
+                    # delivery may wait long for room).
+                    notice = (
+                        await _deliver_locally(link, msg, frame.parts, frame.size)
+                        if local
+                        else None
+                    )
                     rank.deposited[msg.dst] = msg.seq
                     try:
-                        await link.send_data(
-                            msg,
-                            frame.parts,
-                            await _deliver_locally(link, msg, frame.parts, frame.size)
-                            if local
-                            else None,
-                        )
+                        await link.send_data(msg, frame.parts, notice)
                     except RelayLinkError:
                         # Already reported as a RankProblem by the link; the coordinator will
                         # stop this rank. Dropping here keeps the socket drained meanwhile.
