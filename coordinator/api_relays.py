@@ -11,43 +11,44 @@ from vpool.protocol import api
 router = APIRouter(prefix="/api/v1/relays")
 
 
-def _relay(request: Request) -> None:
-    coordinator(request).relay(bearer(request))
+async def _relay(request: Request) -> str:
+    """The name of the relay the request's key belongs to."""
+    return await coordinator(request).relay(bearer(request))
 
 
 @router.post("/register")
 async def register(request: Request) -> Response:
-    _relay(request)
+    relay = await _relay(request)
     reg = await decode(request, api.RelayRegister)
-    return reply(await coordinator(request).register_relay(reg))
+    return reply(await coordinator(request).register_relay(relay, reg))
 
 
 @router.post("/heartbeat")
 async def heartbeat(request: Request) -> Response:
-    _relay(request)
+    relay = await _relay(request)
     hb = await decode(request, api.RelayHeartbeat)
-    return reply(await coordinator(request).relay_heartbeat(hb))
+    return reply(await coordinator(request).relay_heartbeat(relay, hb))
 
 
 @router.post("/lost")
 async def lost(request: Request) -> Response:
-    _relay(request)
+    relay = await _relay(request)
     report = await decode(request, api.RelayLost)
-    await coordinator(request).relay_lost(report)
+    await coordinator(request).relay_lost(relay, report)
     return empty()
 
 
 @router.post("/diverged")
 async def diverged(request: Request) -> Response:
-    _relay(request)
+    relay = await _relay(request)
     report = await decode(request, api.RelayDiverged)
-    await coordinator(request).relay_diverged(report)
+    await coordinator(request).relay_diverged(relay, report)
     return empty()
 
 
 @router.post("/checkpoint")
 async def checkpoint(request: Request) -> Response:
-    _relay(request)
+    relay = await _relay(request)
     report = await decode(request, api.RelayCheckpoint)
-    await coordinator(request).relay_checkpoint(report)
+    await coordinator(request).relay_checkpoint(relay, report)
     return empty()

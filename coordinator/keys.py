@@ -2,7 +2,7 @@
 
 ``signing.key`` (Ed25519, mode 0600) signs agent and rank tokens; it is made on first start and
 must survive restarts, or every enrolled agent and running rank loses its token. API tokens are
-shown once and only their sha256 is stored.
+shown once and only their sha256 is stored; so are join tokens and relay keys.
 """
 
 from __future__ import annotations
@@ -16,7 +16,9 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from vpool.protocol.tokens import private_key_bytes, private_key_from_bytes
 
-TOKEN_PREFIX = "vpt_"
+TOKEN_PREFIX = "vpt_"  # a user's API token
+JOIN_PREFIX = "vpj_"  # a join token: admits new agents
+RELAY_PREFIX = "vpr_"  # a relay's key
 
 
 def load_or_create_signing_key(path: Path) -> Ed25519PrivateKey:
@@ -37,9 +39,10 @@ def write_private(path: Path, data: bytes) -> None:
     os.replace(tmp, path)
 
 
-def new_api_token() -> tuple[str, str]:
-    """A fresh user API token and the hash to store."""
-    token = TOKEN_PREFIX + secrets.token_urlsafe(32)
+def new_api_token(prefix: str = TOKEN_PREFIX) -> tuple[str, str]:
+    """A fresh secret (a user's API token unless ``prefix`` says otherwise) and the hash to
+    store."""
+    token = prefix + secrets.token_urlsafe(32)
     return token, hash_token(token)
 
 

@@ -262,6 +262,33 @@ def _m9_environments(db: sqlite_utils.Database) -> None:
         db.execute(sql)
 
 
+def _m10_credentials(db: sqlite_utils.Database) -> None:
+    """Trust between parties (issue 20). ``join_tokens``: what an operator hands a volunteer to
+    enroll an agent (sha256 only; ``uses_left`` NULL = unlimited, ``expires`` NULL = never).
+    ``relay_keys``: one key per relay name, registered by the operator (sha256 only). An agent
+    records the join token that first admitted it; a banned agent has state ``banned`` and the
+    operator's reason."""
+    for sql in (
+        """CREATE TABLE join_tokens (
+            id INTEGER PRIMARY KEY AUTOINCREMENT,
+            hash TEXT NOT NULL UNIQUE,
+            label TEXT NOT NULL,
+            created REAL NOT NULL,
+            expires REAL,
+            uses_left INTEGER,
+            used INTEGER NOT NULL DEFAULT 0,
+            revoked REAL)""",
+        """CREATE TABLE relay_keys (
+            name TEXT PRIMARY KEY,
+            hash TEXT NOT NULL UNIQUE,
+            created REAL NOT NULL,
+            revoked REAL)""",
+        "ALTER TABLE agents ADD COLUMN join_token INTEGER",
+        "ALTER TABLE agents ADD COLUMN banned TEXT NOT NULL DEFAULT ''",
+    ):
+        db.execute(sql)
+
+
 def new_job_uid() -> str:
     return secrets.token_hex(16)
 
@@ -281,6 +308,7 @@ MIGRATIONS: list[Callable[[sqlite_utils.Database], None]] = [
     _m7_accounts,
     _m8_queue_reasons,
     _m9_environments,
+    _m10_credentials,
 ]
 
 

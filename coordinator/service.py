@@ -11,7 +11,6 @@ comes from the injected ``clock`` so tests can move it.
 from __future__ import annotations
 
 import hashlib
-import hmac
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -232,15 +231,18 @@ class Coordinator:
     async def agent(self, token: str) -> str:
         return await self.agent_seen(self.agent_id(token))
 
-    def relay(self, token: str) -> None:
-        secret = self.settings.relay_secret
-        if not secret:
-            raise Forbidden(
-                "this coordinator accepts no relays (relay_secret is not set)",
-                code="relays_disabled",
+    async def relay(self, key: str) -> str:
+        """The name of the relay whose key ``key`` is (``vpool-coordinator relay add``)."""
+        name = (
+            await self.db.call(self.store.relay_by_key_hash, keys.hash_token(key)) if key else None
+        )
+        if name is None:
+            raise Unauthorized(
+                "not a relay key of this pool (register the relay with "
+                "`vpool-coordinator relay add NAME` and set its relay_key)",
+                code="bad_token",
             )
-        if not hmac.compare_digest(token.encode(), secret.encode()):
-            raise Unauthorized("wrong relay secret", code="bad_token")
+        return name
 
     # -- blobs --------------------------------------------------------------------------------
 
@@ -417,9 +419,6 @@ class Coordinator:
     # -- agents -------------------------------------------------------------------------------
 
     async def enroll(self, req: api.EnrollRequest) -> api.EnrollResponse:
-        secret = self.settings.enroll_secret
-        if secret and not hmac.compare_digest(req.enroll_secret.encode(), secret.encode()):
-            raise Forbidden("wrong enrollment secret", code="bad_enroll_secret")
         if not 1 <= req.slots <= MAX_AGENT_SLOTS:
             raise BadRequest(f"slots must be between 1 and {MAX_AGENT_SLOTS}")
         if len(req.name) > 200:
@@ -435,6 +434,8 @@ class Coordinator:
             req.slots,
             req.software,
             self.clock(),
+            join_token_hash=keys.hash_token(req.join_token) if req.join_token else None,
+            open_enrollment=self.settings.open_enrollment,
         )
         await self.schedule()
         return api.EnrollResponse(
@@ -543,9 +544,8 @@ class Coordinator:
 
     # -- relays -------------------------------------------------------------------------------
 
-    async def register_relay(self, reg: api.RelayRegister) -> api.RelayRegistered:
-        if not reg.name or len(reg.name) > 200:
-            raise BadRequest("a relay name is 1 to 200 characters")
+    async def register_relay(self, relay: str, reg: api.RelayRegister) -> api.RelayRegistered:
+        _check_name(relay, reg.name)
         if not 0 < reg.port < 65536:
             raise BadRequest(f"port {reg.port} is not a TCP port")
         await self.db.call(self.store.register_relay, reg, self.clock())
@@ -554,7 +554,10 @@ class Coordinator:
             signing_key=self.signing_key, heartbeat_interval=self.settings.heartbeat_interval
         )
 
-    async def relay_heartbeat(self, hb: api.RelayHeartbeat) -> api.RelayHeartbeatResponse:
+    async def relay_heartbeat(
+        self, relay: str, hb: api.RelayHeartbeat
+    ) -> api.RelayHeartbeatResponse:
+        _check_name(relay, hb.name)
         now = self.clock()
         finished = await self.db.call(
             self.store.relay_heartbeat, hb.name, hb.load, now, now - FINISHED_JOBS_WINDOW
@@ -566,19 +569,22 @@ class Coordinator:
         await self.schedule()
         return api.RelayHeartbeatResponse(finished_jobs=finished)
 
-    async def relay_lost(self, report: api.RelayLost) -> None:
+    async def relay_lost(self, relay: str, report: api.RelayLost) -> None:
+        _check_name(relay, report.name)
         if await self.db.call(self.store.relay_lost, report.name, report.lost, self.clock()):
             self._states_changed()
             await self.schedule()
 
-    async def relay_diverged(self, report: api.RelayDiverged) -> None:
+    async def relay_diverged(self, relay: str, report: api.RelayDiverged) -> None:
+        _check_name(relay, report.name)
         if await self.db.call(self.store.relay_diverged, report, self.clock()):
             self._states_changed()
             await self.schedule()
 
-    async def relay_checkpoint(self, report: api.RelayCheckpoint) -> None:
+    async def relay_checkpoint(self, relay: str, report: api.RelayCheckpoint) -> None:
         """Record a committed image; ``Conflict`` (409) tells the relay to delete it. A new
         image may let a rank waiting for a restorer start."""
+        _check_name(relay, report.name)
         if await self.db.call(self.store.relay_checkpoint, report, self.clock()):
             self.changes.fire()
             await self.schedule()
@@ -626,6 +632,15 @@ def progress_mark(job: api.JobInfo, running: int) -> str:
     ranks running."""
     text = f"{job.state}\0{job.waiting}\0{job.never_fits}\0{job.restarts}\0{running}"
     return hashlib.blake2s(text.encode(), digest_size=6).hexdigest()
+
+
+def _check_name(relay: str, name: str) -> None:
+    """A relay speaks for itself only: the name in its request is the one its key belongs to."""
+    if name != relay:
+        raise Forbidden(
+            f"this key is relay {relay!r}'s; it cannot speak for relay {name[:200]!r}",
+            code="not_your_name",
+        )
 
 
 def _check_memory(sub: api.JobSubmit) -> None:

@@ -26,10 +26,11 @@ class CoordinatorSettings:
     insecure_http: bool = setting(
         False, "Serve plain HTTP when tls_cert/tls_key are empty (tests and demos only)."
     )
-    relay_secret: str = setting(
-        "", "Shared secret relays present to register; empty = relays are refused."
+    open_enrollment: bool = setting(
+        False,
+        "Let any agent enroll without a join token (a private pool of trusted machines only); "
+        "by default a new agent needs one (vpool-coordinator join-token create).",
     )
-    enroll_secret: str = setting("", "Secret agents must present to enroll; empty = open.")
     heartbeat_interval: float = setting(
         2.0, "Seconds between heartbeats, told to agents and relays."
     )

@@ -89,11 +89,17 @@ class CheckpointsMixin:
             if job["state"] != "running":
                 raise Conflict(f"job {report.job} is {job['state']}", code="job_over")
             row = self._one(
-                "SELECT incarnation FROM ranks WHERE job = ? AND rank = ?",
+                "SELECT incarnation, relay FROM ranks WHERE job = ? AND rank = ?",
                 [report.job, report.rank],
             )
             if row is None:
                 raise Conflict(f"job {report.job} has no rank {report.rank}", code="unknown_rank")
+            if row["relay"] != report.name:
+                # A rank's images are kept by its home relay only.
+                raise Forbidden(
+                    f"relay {report.name} is not the home of job {report.job} rank {report.rank}",
+                    code="not_your_rank",
+                )
             # An older incarnation's image is as good a starting point as the current one's:
             # the log entries after it are still held.
             if not 1 <= report.incarnation <= row["incarnation"]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from typing import Any
 
 import sqlite_utils
 
@@ -50,8 +51,13 @@ class FaultsMixin(CheckpointsMixin):
             return self._lose(pr.job, pr.rank, reason, now, suspect=True)
 
     def relay_lost(self, relay: str, lost: list[api.RankLost], now: float) -> bool:
+        """Ranks whose connection to ``relay`` dropped and did not come back. A relay speaks
+        only of ranks of jobs it serves (every rank of a job attaches to each of its relays):
+        a report naming another job is refused whole (``Forbidden``) and changes nothing."""
         changed = False
         with self.db.atomic():
+            for item in lost:
+                self._check_serves(relay, item.job)
             for item in lost:
                 row = self._one(
                     "SELECT incarnation, agent FROM ranks WHERE job = ? AND rank = ?",
@@ -68,13 +74,9 @@ class FaultsMixin(CheckpointsMixin):
     def relay_diverged(self, report: api.RelayDiverged, now: float) -> bool:
         """A relay found a re-sent message that differs from the logged one: fail the job."""
         with self.db.atomic():
-            row = self.job_row(report.job)
+            row = self._check_serves(report.name, report.job)
             if row is None:
                 return False
-            if report.name not in json.loads(row["relays"]):
-                raise Forbidden(
-                    f"relay {report.name} does not serve job {report.job}", code="not_your_job"
-                )
             if not 0 <= report.rank < row["ranks"]:
                 raise BadRequest(f"job {report.job} has no rank {report.rank}")
             if row["state"] != "running":
@@ -90,6 +92,13 @@ class FaultsMixin(CheckpointsMixin):
             )
             self._end(report.job, "failed", None, message, now)
         return True
+
+    def _check_serves(self, relay: str, job: int) -> dict[str, Any] | None:
+        """The row of ``job`` (None: no such job) if ``relay`` is one of its relays."""
+        row = self.job_row(job)
+        if row is not None and relay not in json.loads(row["relays"]):
+            raise Forbidden(f"relay {relay} does not serve job {job}", code="not_your_job")
+        return row
 
     # -- failure detection --------------------------------------------------------------------
 

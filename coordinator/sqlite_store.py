@@ -21,6 +21,7 @@ import sqlite_utils
 from vpool.coordinator import migrations
 from vpool.coordinator.errors import Forbidden
 from vpool.coordinator.sqlite_accounts import AccountsMixin
+from vpool.coordinator.sqlite_credentials import CredentialsMixin
 from vpool.coordinator.sqlite_jobs import JobsMixin
 from vpool.protocol import api
 
@@ -52,7 +53,7 @@ class _Database(sqlite_utils.Database):
             self.conn.execute("COMMIT")
 
 
-class SqliteStore(AccountsMixin, JobsMixin):
+class SqliteStore(AccountsMixin, JobsMixin, CredentialsMixin):
     def __init__(
         self, path: Path | str, *, max_restarts: int = 50, restore_wait_timeout: float = 600.0
     ) -> None:
@@ -91,11 +92,21 @@ class SqliteStore(AccountsMixin, JobsMixin):
     # -- agents -------------------------------------------------------------------------------
 
     def enroll_agent(
-        self, public_key: str, name: str, slots: int, software: str, now: float
+        self,
+        public_key: str,
+        name: str,
+        slots: int,
+        software: str,
+        now: float,
+        *,
+        join_token_hash: str | None = None,
+        open_enrollment: bool = False,
     ) -> str:
-        """Id of the agent holding ``public_key``: the same key always gets the same id."""
+        """Id of the agent holding ``public_key``: the same key always gets the same id.
+        ``Forbidden`` when the key may not enroll (``CredentialsMixin._admit_agent``)."""
         agent_id = "agent-" + hashlib.sha256(public_key.encode()).hexdigest()[:16]
         with self.db.atomic():
+            admitted_by = self._admit_agent(agent_id, join_token_hash, now, open_=open_enrollment)
             if self._one("SELECT id FROM agents WHERE id = ?", [agent_id]):
                 self.db.execute(
                     # A restarted agent's checkpoint capability and isolation are unknown
@@ -108,15 +119,18 @@ class SqliteStore(AccountsMixin, JobsMixin):
             else:
                 self.db.execute(
                     "INSERT INTO agents (id, public_key, name, slots, free_slots, software, "
-                    "enrolled, last_seen, state) VALUES (?, ?, ?, ?, ?, ?, ?, ?, 'alive')",
-                    [agent_id, public_key, name, slots, slots, software, now, now],
+                    "enrolled, last_seen, state, join_token) "
+                    "VALUES (?, ?, ?, ?, ?, ?, ?, ?, 'alive', ?)",
+                    [agent_id, public_key, name, slots, slots, software, now, now, admitted_by],
                 )
         return agent_id
 
     def touch_agent(self, agent_id: str, now: float, free_slots: int | None) -> bool:
-        """Record a sign of life; False if the agent is unknown."""
+        """Record a sign of life; False if the agent is unknown or banned."""
         with self.db.atomic():
-            if not self._one("SELECT id FROM agents WHERE id = ?", [agent_id]):
+            if not self._one(
+                "SELECT id FROM agents WHERE id = ? AND state != 'banned'", [agent_id]
+            ):
                 return False
             if free_slots is None:
                 self.db.execute(
@@ -134,7 +148,8 @@ class SqliteStore(AccountsMixin, JobsMixin):
         return list(
             self.db.query(
                 "SELECT a.id, a.name, a.slots, a.free_slots, a.last_seen, a.state, a.software, "
-                "a.criu, a.fingerprint, a.isolation, a.rank_memory, a.isolation_report, "
+                "a.criu, a.fingerprint, a.isolation, a.rank_memory, a.isolation_report, a.banned, "
+                "a.enrolled, a.join_token, "
                 "(SELECT COUNT(*) FROM ranks r WHERE r.agent = a.id "
                 "AND r.state IN ('leased', 'running')) AS active FROM agents a ORDER BY a.name"
             )

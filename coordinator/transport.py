@@ -74,6 +74,11 @@ async def decode(request: Request, type_: type[T]) -> T:
         raise BadRequest(f"invalid {type_.__name__}: {exc}") from exc
     except msgspec.DecodeError as exc:
         raise BadRequest(f"the body is not valid JSON: {exc}") from exc
+    except UnicodeDecodeError as exc:
+        # msgspec's error for bytes that are not UTF-8 inside a string ('{"name": "\xff"}').
+        raise BadRequest(
+            f"the body is not valid JSON: {exc.reason} (not UTF-8) at byte {exc.start}"
+        ) from exc
 
 
 async def principal(request: Request) -> Principal:

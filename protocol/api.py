@@ -88,7 +88,7 @@ class AgentInfo(msgspec.Struct, frozen=True):
 
     id: str
     name: str
-    state: str  # alive | lost
+    state: str  # alive | lost | banned
     slots: int
     ranks: int  # ranks placed there now
     last_seen: float
@@ -305,7 +305,22 @@ class EnrollRequest(msgspec.Struct, frozen=True):
     name: str
     slots: int
     software: str = ""
-    enroll_secret: str = ""
+    # What the pool's operator gave the volunteer (``vpool-coordinator join-token create``):
+    # needed by a key the pool has not seen, unless enrollment is open.
+    join_token: str = ""
+
+
+class JoinTokenInfo(msgspec.Struct, frozen=True):
+    """A join token as operators see it (never the token itself: it is shown once)."""
+
+    id: int
+    label: str
+    created: float
+    expires: float | None  # None: never
+    uses_left: int | None  # None: unlimited
+    used: int  # agents it admitted
+    revoked: float | None
+    usable: bool  # admits an agent now
 
 
 class EnrollResponse(msgspec.Struct, frozen=True):

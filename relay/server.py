@@ -153,7 +153,7 @@ async def serve_relay(
         if settings.coordinator_url:
             client = CoordinatorClient(
                 settings.coordinator_url,
-                settings.relay_secret,
+                settings.relay_key,
                 ca=settings.coordinator_ca,
                 transport=coordinator_transport,
             )

@@ -45,7 +45,11 @@ class RelaySettings:
         "PEM file of the pool CA that signed the coordinator's certificate; empty = the "
         "system's trust store.",
     )
-    relay_secret: str = setting("", "Shared secret presented to the coordinator (Bearer).")
+    relay_key: str = setting(
+        "",
+        "This relay's own key, presented to the coordinator (Bearer); the operator makes it "
+        "with `vpool-coordinator relay add NAME`, NAME being this relay's name.",
+    )
     signing_key: str = setting(
         "",
         "Coordinator's Ed25519 public key (base64url) to verify tokens with when "

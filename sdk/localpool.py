@@ -48,6 +48,7 @@ from vpool.sdk.localpool_files import (  # noqa: F401  re-exported for callers
     component_command,
     coordinator_argv,
     coordinator_settings,
+    issue_secrets,
     layout,
     make_ca,
     make_server_cert,
@@ -420,7 +421,9 @@ def up(
     kept = _reset_root(lay, keep_jobs=not fresh, progress=progress)
 
     now = dt.datetime.now(dt.UTC)
-    sec = Secrets()
+    relay_names = [f"relay-{i}" for i in range(relays)]
+    agent_names = [f"agent-{i}" for i in range(agents)]
+    sec = issue_secrets(lay, relay_names, agents)
     make_ca(lay, now=now)
     make_server_cert(lay, "coordinator", now=now)
     write_config(lay, "coordinator", coordinator_settings(lay, sec))
@@ -436,8 +439,6 @@ def up(
         if kept:
             _cancel_leftovers(url, token, lay.ca_cert, progress)
 
-        relay_names = [f"relay-{i}" for i in range(relays)]
-        agent_names = [f"agent-{i}" for i in range(agents)]
         for name in relay_names:
             make_server_cert(lay, name, now=now)
             write_config(

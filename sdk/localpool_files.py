@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import datetime as dt
 import os
-import secrets
 import sys
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -72,8 +72,34 @@ def layout() -> Layout:
 
 @dataclass(frozen=True)
 class Secrets:
-    relay_secret: str = field(default_factory=lambda: secrets.token_urlsafe(32))
-    enroll_secret: str = field(default_factory=lambda: secrets.token_urlsafe(32))
+    """What the local pool's relays and agents present: a key per relay, one join token."""
+
+    relay_keys: dict[str, str] = field(default_factory=dict)
+    join_token: str = ""
+
+
+def issue_secrets(lay: Layout, relays: Sequence[str], agents: int) -> Secrets:
+    """Register ``relays`` and make a join token for ``agents`` agents in the coordinator's
+    database (created if new), as `vpool-coordinator relay add` and `join-token create`
+    would; the coordinator need not run."""
+    from vpool.coordinator import keys
+    from vpool.coordinator.sqlite_store import SqliteStore
+
+    state = Path(coordinator_settings(lay, Secrets())["state_dir"])
+    state.mkdir(parents=True, exist_ok=True, mode=0o700)
+    store = SqliteStore(state / "vpool.db")
+    try:
+        now = time.time()
+        relay_keys = {}
+        for name in relays:
+            key, key_hash = keys.new_api_token(keys.RELAY_PREFIX)
+            store.add_relay_key(name, key_hash, now, replace=True)
+            relay_keys[name] = key
+        token, token_hash = keys.new_api_token(keys.JOIN_PREFIX)
+        store.create_join_token(token_hash, "vsdk local up", now, uses=agents, expires=None)
+    finally:
+        store.close()
+    return Secrets(relay_keys=relay_keys, join_token=token)
 
 
 def _write_private(path: Path, data: bytes) -> None:
@@ -116,8 +142,6 @@ def coordinator_settings(lay: Layout, sec: Secrets) -> dict[str, Any]:
         "state_dir": str(d / "state"),
         "tls_cert": str(d / "cert.pem"),
         "tls_key": str(d / "key.pem"),
-        "relay_secret": sec.relay_secret,
-        "enroll_secret": sec.enroll_secret,
     }
 
 
@@ -133,7 +157,7 @@ def relay_settings(lay: Layout, name: str, sec: Secrets, coordinator_url: str) -
         "tls_key": str(d / "key.pem"),
         "coordinator_url": coordinator_url,
         "coordinator_ca": str(lay.ca_cert),
-        "relay_secret": sec.relay_secret,
+        "relay_key": sec.relay_keys.get(name, ""),
     }
 
 
@@ -152,7 +176,7 @@ def agent_settings(
         "name": name,
         "coordinator_url": coordinator_url,
         "coordinator_ca": str(lay.ca_cert),
-        "enroll_secret": sec.enroll_secret,
+        "join_token": sec.join_token,
         "identity_dir": str(d / "identity"),
         "work_dir": str(d / "work"),
         "slots": slots,

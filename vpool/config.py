@@ -26,6 +26,21 @@ class SettingsError(Exception):
     """A settings file or variable has a bad name or value."""
 
 
+# Settings that existed once, and what replaced them (said instead of "unknown setting").
+REMOVED = {
+    "relay_secret": "relays no longer share a secret: `vpool-coordinator relay add NAME` "
+    "prints a key for each relay, set as that relay's relay_key",
+    "enroll_secret": "agents enroll with a join token instead: `vpool-coordinator "
+    "join-token create` prints one, set as the agent's join_token (or set "
+    "open_enrollment = true on the coordinator)",
+}
+
+
+def _unknown(key: str) -> str:
+    hint = REMOVED.get(key)
+    return f"setting {key!r} was removed: {hint}" if hint else f"unknown setting {key!r}"
+
+
 def setting(default: Any, help: str) -> Any:
     """Declare one setting: its default and a one-line help text."""
     if isinstance(default, list | dict):
@@ -51,7 +66,7 @@ def load_settings(
             raise SettingsError(f"{file}: not valid TOML: {exc}") from exc
         for key, value in data.items():
             if key not in fields:
-                raise SettingsError(f"{file}: unknown setting {key!r}")
+                raise SettingsError(f"{file}: {_unknown(key)}")
             values[key] = value
     env = os.environ if env is None else env
     for name in fields:
@@ -62,7 +77,7 @@ def load_settings(
     for key, value in (overrides or {}).items():
         if value is not None:
             if key not in fields:
-                raise SettingsError(f"unknown setting {key!r}")
+                raise SettingsError(_unknown(key))
             values[key] = value
     try:
         return msgspec.convert(values, cls, strict=False)

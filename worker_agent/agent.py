@@ -462,7 +462,7 @@ async def enroll(
         key,
         name=settings.agent_name,
         slots=settings.slot_count,
-        enroll_secret=settings.enroll_secret,
+        join_token=settings.join_token,
     )
     enrolled = await client.enroll(req)
     log.info("enrolled with %s as %s", settings.coordinator_url, enrolled.agent_id)

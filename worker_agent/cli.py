@@ -35,7 +35,7 @@ Example:
   where agent.toml holds for instance:
     coordinator_url = "https://pool.example.org:8443"
     coordinator_ca = "/home/me/.config/vpool/ca.pem"
-    enroll_secret = "..."
+    join_token = "vpj_..."
 
 Every setting can also come from the environment as VPOOL_AGENT_<NAME>.
 """

@@ -56,7 +56,7 @@ def _create(path: Path) -> Ed25519PrivateKey:
 
 
 def enroll_request(
-    key: Ed25519PrivateKey, *, name: str, slots: int, enroll_secret: str
+    key: Ed25519PrivateKey, *, name: str, slots: int, join_token: str
 ) -> EnrollRequest:
     timestamp = round(time.time(), 3)
     public_key, signature = tokens.sign_possession(key, timestamp)
@@ -67,5 +67,5 @@ def enroll_request(
         name=name,
         slots=slots,
         software=f"vpool-agent {__version__}",
-        enroll_secret=enroll_secret,
+        join_token=join_token,
     )

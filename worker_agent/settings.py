@@ -25,7 +25,11 @@ class AgentSettings:
         "",
         "PEM file of the pool CA, trusted for the coordinator and the relays; empty = system CAs.",
     )
-    enroll_secret: str = setting("", "Secret the pool operator requires to enroll; empty = none.")
+    join_token: str = setting(
+        "",
+        "Join token from the pool's operator; needed the first time this agent enrolls "
+        "(its identity key is its credential from then on), unless the pool is open.",
+    )
     identity_dir: str = setting(
         "", "Directory of identity.key (Ed25519, mode 0600); empty = <config dir>/agent."
     )

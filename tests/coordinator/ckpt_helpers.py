@@ -4,11 +4,11 @@ test_checkpoint_orders.py)."""
 from __future__ import annotations
 
 import httpx
-from coord_helpers import HELLO, RELAY_SECRET, SANDBOX, Agent, Pool, decode, make_zip
+from coord_helpers import HELLO, SANDBOX, Agent, Pool, decode, make_zip, relay_headers
 
 from vpool.protocol import api
 
-RELAY = {"Authorization": f"Bearer {RELAY_SECRET}"}
+RELAY = relay_headers()
 FP_X = "x" * 64
 FP_Y = "y" * 64
 FP_Z = "z" * 64
@@ -81,7 +81,8 @@ def image(
 
 
 async def commit(pool: Pool, report: api.RelayCheckpoint) -> httpx.Response:
-    return await pool.post("/api/v1/relays/checkpoint", report, RELAY)
+    """Post ``report`` with the key of the relay it names."""
+    return await pool.post("/api/v1/relays/checkpoint", report, relay_headers(report.name))
 
 
 async def running(pool: Pool, ranks: int = 2) -> tuple[Agent, list[api.Lease]]:

@@ -24,7 +24,17 @@ from vpool.protocol import api
 from vpool.protocol.tokens import sign_possession
 
 T = TypeVar("T")
-RELAY_SECRET = "relay-secret-for-tests"
+RELAY_NAMES = [f"relay-{i}" for i in range(10)]  # each has a key in every test pool
+
+
+def relay_key(name: str = "relay-0") -> str:
+    return f"vpr_key-of-{name}-for-tests"
+
+
+def relay_headers(name: str = "relay-0") -> dict[str, str]:
+    return {"Authorization": f"Bearer {relay_key(name)}"}
+
+
 HELLO = b"from mpi4py import MPI\nprint('hello from', MPI.COMM_WORLD.Get_rank())\n"
 # What the fake agents' heartbeats say of their isolation unless a test says otherwise: a
 # sandbox with no memory limit per rank, so that every job may be placed there.
@@ -130,9 +140,10 @@ class Pool:
         name: str = "agent-1",
         slots: int = 2,
         isolation: api.IsolationReport | None = SANDBOX,
+        join_token: str = "",
     ) -> Agent:
         key = Ed25519PrivateKey.generate()
-        return await self.enroll_key(key, name, slots, isolation)
+        return await self.enroll_key(key, name, slots, isolation, join_token)
 
     async def enroll_key(
         self,
@@ -140,19 +151,32 @@ class Pool:
         name: str,
         slots: int,
         isolation: api.IsolationReport | None = SANDBOX,
+        join_token: str = "",
     ) -> Agent:
         """Enroll, then (unless ``isolation`` is None) send a first heartbeat with the
         isolation report, as real agents do before they ask for leases."""
-        ts = self.clock()
-        pub, sig = sign_possession(key, ts)
-        req = api.EnrollRequest(public_key=pub, timestamp=ts, signature=sig, name=name, slots=slots)
-        resp = decode(await self.post("/api/v1/agents/enroll", req, {}), api.EnrollResponse)
+        resp = decode(await self.enroll_request(key, name, slots, join_token), api.EnrollResponse)
         agent = Agent(
             resp.agent_id, resp.agent_token, key, {"Authorization": f"Bearer {resp.agent_token}"}
         )
         if isolation is not None:
             await self.heartbeat(agent, [], free=slots, isolation=isolation)
         return agent
+
+    async def enroll_request(
+        self, key: Ed25519PrivateKey, name: str = "agent-1", slots: int = 2, join_token: str = ""
+    ) -> httpx.Response:
+        ts = self.clock()
+        pub, sig = sign_possession(key, ts)
+        req = api.EnrollRequest(
+            public_key=pub,
+            timestamp=ts,
+            signature=sig,
+            name=name,
+            slots=slots,
+            join_token=join_token,
+        )
+        return await self.post("/api/v1/agents/enroll", req, {})
 
     async def lease(self, agent: Agent, free: int = 8, wait: float = 0.0) -> list[api.Lease]:
         r = await self.post(
@@ -212,7 +236,7 @@ class Pool:
         r = await self.post(
             "/api/v1/relays/register",
             api.RelayRegister(name=name, host="127.0.0.1", port=port),
-            {"Authorization": f"Bearer {RELAY_SECRET}"},
+            relay_headers(name),
         )
         decode(r, api.RelayRegistered)
 
@@ -220,7 +244,7 @@ class Pool:
         r = await self.post(
             "/api/v1/relays/heartbeat",
             api.RelayHeartbeat(name=name, load=api.RelayLoad()),
-            {"Authorization": f"Bearer {RELAY_SECRET}"},
+            relay_headers(name),
         )
         return decode(r, api.RelayHeartbeatResponse)
 
@@ -228,7 +252,8 @@ class Pool:
 def test_settings(tmp_path: Path, **overrides: Any) -> CoordinatorSettings:
     values: dict[str, Any] = {
         "state_dir": str(tmp_path / "state"),
-        "relay_secret": RELAY_SECRET,
+        # Most tests enroll agents of their own; tests of join tokens close it.
+        "open_enrollment": True,
         "insecure_http": True,
         "heartbeat_interval": 1.0,
         "agent_timeout": 10.0,
@@ -253,6 +278,8 @@ async def open_pool(
     in-process HTTP client, closed at the end."""
     clock = clock or FakeClock()
     core = Coordinator(test_settings(tmp_path, **overrides), clock=clock)
+    for name in RELAY_NAMES:
+        core.store.add_relay_key(name, keys.hash_token(relay_key(name)), clock(), replace=True)
     app = create_app(core.settings, coordinator=core)
     transport = httpx.ASGITransport(app=app)
     try:

@@ -7,7 +7,7 @@ from functools import partial
 
 import msgspec
 import trio
-from coord_helpers import RELAY_SECRET, Agent, Pool
+from coord_helpers import Agent, Pool, relay_headers
 
 from vpool.coordinator import scheduler
 from vpool.protocol import api
@@ -126,7 +126,7 @@ async def _relay_lost(pool: Pool, job: int, rank: int, incarnation: int) -> None
     r = await pool.client.post(
         "/api/v1/relays/lost",
         content=msgspec.json.encode(report),
-        headers={"Authorization": f"Bearer {RELAY_SECRET}"},
+        headers=relay_headers(),
     )
     assert r.status_code == 200, r.text
 
@@ -166,7 +166,7 @@ async def test_stale_relay_lost_report_is_ignored(pool: Pool) -> None:
     await pool.client.post(
         "/api/v1/relays/lost",
         content=msgspec.json.encode(report),
-        headers={"Authorization": f"Bearer {RELAY_SECRET}"},
+        headers=relay_headers(),
     )
     assert (await pool.job(job.id)).job.state == "running"
 

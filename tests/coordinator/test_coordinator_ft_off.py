@@ -7,12 +7,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import sqlite_utils
-from coord_helpers import HELLO, RELAY_SECRET, Agent, Pool, decode, make_zip
+from coord_helpers import HELLO, Agent, Pool, decode, make_zip, relay_headers
 
 from vpool.coordinator import migrations
 from vpool.protocol import api
 
-RELAY = {"Authorization": f"Bearer {RELAY_SECRET}"}
+RELAY = relay_headers()
 
 
 async def _submit(pool: Pool, ranks: int = 2, *, ft: bool = True) -> api.JobInfo:

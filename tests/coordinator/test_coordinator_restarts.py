@@ -10,20 +10,20 @@ import msgspec
 import pytest
 import trio
 from coord_helpers import (
-    RELAY_SECRET,
     Agent,
     FakeClock,
     Pool,
     decode,
     make_zip,
     open_pool,
+    relay_headers,
 )
 
 from vpool.config import SettingsError
 from vpool.coordinator import scheduler, settings
 from vpool.protocol import api
 
-RELAY = {"Authorization": f"Bearer {RELAY_SECRET}"}
+RELAY = relay_headers()
 
 
 async def _running(pool: Pool, ranks: int = 2, slots: int = 3) -> tuple[Agent, list[api.Lease]]:
@@ -189,8 +189,10 @@ async def test_relay_diverged_fails_the_job_and_stops_every_rank(pool: Pool) -> 
     bad = await pool.client.post("/api/v1/relays/diverged", content=b"{}", headers=RELAY)
     assert bad.status_code == 422 and bad.json()["error"]["code"] == "bad_request"
     stranger = msgspec.structs.replace(report, name="relay-9")
-    r = await pool.post("/api/v1/relays/diverged", stranger, RELAY)
+    r = await pool.post("/api/v1/relays/diverged", stranger, relay_headers("relay-9"))
     assert r.status_code == 403 and r.json()["error"]["code"] == "not_your_job"
+    r = await pool.post("/api/v1/relays/diverged", stranger, RELAY)  # relay-0 posing as relay-9
+    assert r.status_code == 403 and r.json()["error"]["code"] == "not_your_name"
     r = await pool.post("/api/v1/relays/diverged", report, RELAY)
     assert r.status_code == 200, r.text
     detail = await pool.job(job)

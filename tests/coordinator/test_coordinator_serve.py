@@ -53,7 +53,7 @@ def _pool_files(tmp_path: Path) -> tuple[Path, Path]:
     config.write_text(
         f'host = "127.0.0.1"\nport = 0\nstate_dir = "{tmp_path / "state"}"\n'
         f'tls_cert = "{tmp_path / "cert.pem"}"\ntls_key = "{tmp_path / "key.pem"}"\n'
-        'relay_secret = "r"\npool_name = "serve-test"\n'
+        'pool_name = "serve-test"\n'
     )
     return config, tmp_path / "ca.pem"
 

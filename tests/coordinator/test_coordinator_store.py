@@ -114,7 +114,7 @@ def _store_with_running_job(tmp_path: Path) -> tuple[SqliteStore, str]:
     """A store with job 1 (2 ranks) running on one agent, through the store's own calls."""
     store = SqliteStore(tmp_path / "vpool.db", max_restarts=5)
     store.register_relay(api.RelayRegister(name="relay-0", host="127.0.0.1", port=1), 100.0)
-    agent = store.enroll_agent("key-1", "agent-1", 4, "", 100.0)
+    agent = store.enroll_agent("key-1", "agent-1", 4, "", 100.0, open_enrollment=True)
     hb = api.AgentHeartbeat(ranks=[], free_slots=4, isolation=SANDBOX)
     store.agent_heartbeat(agent, hb, 100.0, 10.0)
     sub = api.JobSubmit(ranks=2, bundle="b" * 64, entry="app.py")

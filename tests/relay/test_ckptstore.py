@@ -218,7 +218,7 @@ async def test_ckpt_stored_comes_once_the_coordinator_has_the_image(
     coord.status = 200
     coord.gate = trio.Event()
     settings = pool.settings(
-        tmp_path / "relay", coordinator_url="http://coord", relay_secret="s3cret"
+        tmp_path / "relay", coordinator_url="http://coord", relay_key="s3cret"
     )
     relay = await start_relay(nursery, settings, coordinator_transport=coord.transport)
     conn = await store_conn(pool, relay.addr)
@@ -248,7 +248,7 @@ async def test_reports_trim_only_once_accepted_and_409_deletes(
     settings = pool.settings(
         tmp_path / "relay",
         coordinator_url="http://coord",
-        relay_secret="s3cret",
+        relay_key="s3cret",
         store_report_wait=0.5,
     )
     relay = await start_relay(nursery, settings, coordinator_transport=coord.transport)

@@ -210,7 +210,7 @@ async def test_detach_is_not_a_loss(
 
     coord = FakeCoordinator(pool)
     settings = pool.settings(  # type: ignore[operator]
-        tmp_path / "relay", coordinator_url="http://coord", relay_secret="s3cret", lost_grace=0.05
+        tmp_path / "relay", coordinator_url="http://coord", relay_key="s3cret", lost_grace=0.05
     )
     relay = await start_relay(nursery, settings, coordinator_transport=coord.transport)
     a = await FakeAgent.connect(pool, relay.addr, "agent-a")

@@ -23,7 +23,7 @@ async def _relay_with_coordinator(
 ) -> tuple[object, FakeCoordinator]:
     coord = FakeCoordinator(pool)
     settings = pool.settings(
-        tmp_path / "relay", coordinator_url="http://coord", relay_secret="s3cret", **settings_kw
+        tmp_path / "relay", coordinator_url="http://coord", relay_key="s3cret", **settings_kw
     )
     relay = await start_relay(nursery, settings, coordinator_transport=coord.transport)
     return relay, coord

@@ -178,7 +178,7 @@ async def test_finished_jobs_are_deleted(
 ) -> None:
     coord = FakeCoordinator(pool)
     settings = pool.settings(
-        tmp_path / "relay", coordinator_url="http://coord", relay_secret="s3cret"
+        tmp_path / "relay", coordinator_url="http://coord", relay_key="s3cret"
     )
     relay = await start_relay(nursery, settings, coordinator_transport=coord.transport)
     a = await FakeAgent.connect(pool, relay.addr, "agent-a")

@@ -16,7 +16,7 @@ async def test_registers_and_heartbeats(
     settings = pool.settings(
         tmp_path / "relay",
         coordinator_url="http://coord",
-        relay_secret="s3cret",
+        relay_key="s3cret",
         advertise_host="relay.example",
     )
     relay = await start_relay(nursery, settings, coordinator_transport=coord.transport)
@@ -35,7 +35,7 @@ async def test_lost_ranks_are_reported_after_grace(
 ) -> None:
     coord = FakeCoordinator(pool)
     settings = pool.settings(
-        tmp_path / "relay", coordinator_url="http://coord", relay_secret="s3cret", lost_grace=0.3
+        tmp_path / "relay", coordinator_url="http://coord", relay_key="s3cret", lost_grace=0.3
     )
     relay = await start_relay(nursery, settings, coordinator_transport=coord.transport)
     a = await FakeAgent.connect(pool, relay.addr, "agent-a")
@@ -76,7 +76,7 @@ async def test_keeps_serving_while_the_coordinator_is_away(
         return await coord.handle(request)
 
     settings = pool.settings(
-        tmp_path / "relay", coordinator_url="http://coord", relay_secret="s3cret"
+        tmp_path / "relay", coordinator_url="http://coord", relay_key="s3cret"
     )
     relay = await start_relay(nursery, settings, coordinator_transport=httpx.MockTransport(flaky))
     await coord.wait_for(lambda: len(coord.heartbeats) >= 1)

@@ -22,6 +22,8 @@ from cryptography import x509
 
 from vpool import paths
 from vpool.config import load_settings
+from vpool.coordinator import keys
+from vpool.coordinator.sqlite_store import SqliteStore
 from vpool.sdk import localpool
 from vpool.sdk.cli import cli
 from vpool.sdk.errors import LocalPoolError
@@ -81,7 +83,7 @@ def _settings_class(module: str, name: str) -> Any:
 def test_configs_load_as_the_components_settings(
     lay: localpool.Layout, component: str, module: str, cls: str, prefix: str
 ) -> None:
-    sec = localpool.Secrets()
+    sec = localpool.issue_secrets(lay, ["relay-1"], 1)
     if component == "coordinator":
         data = localpool.coordinator_settings(lay, sec)
     elif component.startswith("relay"):
@@ -100,19 +102,29 @@ def test_configs_load_as_the_components_settings(
         assert str(getattr(settings, key)) == str(value), key
 
 
-def test_configs_share_secrets_and_point_at_the_coordinator(lay: localpool.Layout) -> None:
-    sec = localpool.Secrets()
+def test_configs_carry_credentials_the_coordinator_knows(lay: localpool.Layout) -> None:
+    """Each relay gets its own key and the agents one join token, registered in the
+    coordinator's database before it starts; nothing is shared between relays."""
+    sec = localpool.issue_secrets(lay, ["relay-0", "relay-1"], 2)
     coord = localpool.coordinator_settings(lay, sec)
-    relay = localpool.relay_settings(lay, "relay-0", sec, URL)
+    relays = [localpool.relay_settings(lay, f"relay-{i}", sec, URL) for i in range(2)]
     agent = localpool.agent_settings(lay, "agent-0", sec, URL, 8)
-    assert coord["host"] == relay["host"] == relay["advertise_host"] == "127.0.0.1"
-    assert coord["port"] == relay["port"] == 0
-    assert relay["relay_secret"] == coord["relay_secret"] != coord["enroll_secret"]
-    assert agent["enroll_secret"] == coord["enroll_secret"]
-    assert relay["coordinator_url"] == agent["coordinator_url"] == URL
-    assert relay["coordinator_ca"] == agent["coordinator_ca"] == str(lay.ca_cert)
+    assert coord["host"] == relays[0]["host"] == relays[0]["advertise_host"] == "127.0.0.1"
+    assert coord["port"] == relays[0]["port"] == 0
+    assert "open_enrollment" not in coord  # closed, as every pool is by default
+    assert relays[0]["relay_key"] != relays[1]["relay_key"]
+    assert agent["join_token"].startswith("vpj_") and len(agent["join_token"]) >= 40
+    assert relays[0]["coordinator_url"] == agent["coordinator_url"] == URL
+    assert relays[0]["coordinator_ca"] == agent["coordinator_ca"] == str(lay.ca_cert)
     assert agent["slots"] == 8 == localpool.DEFAULT_SLOTS
-    assert len(sec.relay_secret) >= 32 and localpool.Secrets().relay_secret != sec.relay_secret
+    store = SqliteStore(Path(coord["state_dir"]) / "vpool.db")
+    try:
+        for i, relay in enumerate(relays):
+            assert store.relay_by_key_hash(keys.hash_token(relay["relay_key"])) == f"relay-{i}"
+        [token] = store.list_join_tokens(0.0)
+        assert (token.uses_left, token.usable) == (2, True)
+    finally:
+        store.close()
 
 
 def test_command_lines(lay: localpool.Layout) -> None:
