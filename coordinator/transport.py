@@ -36,7 +36,8 @@ def empty() -> Response:
 
 def declared_length(request: Request, limit: int) -> None:
     raw = request.headers.get("content-length")
-    if raw is not None and raw.isdigit() and int(raw) > limit:
+    # isascii: str.isdigit() holds for '²', which int() refuses.
+    if raw is not None and raw.isascii() and raw.isdigit() and int(raw) > limit:
         raise TooLarge(f"the body is larger than {limit} bytes")
 
 

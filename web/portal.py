@@ -249,7 +249,7 @@ async def live(request: Request, job_id: int, after: int = 0, rank: int | None =
         raise Unauthorized("not signed in, or the session ended", code="no_session") from None
     await core.job(v.who, job_id)
     last = request.headers.get("last-event-id", "")
-    if last.isdigit() and len(last) < 19:
+    if last.isascii() and last.isdigit() and len(last) < 19:  # isdigit() alone takes '²' too
         after = max(after, int(last))
     after = max(0, min(after, 2**62))
 

@@ -83,8 +83,17 @@ def check_origin(request: Request) -> None:
             raise Forbidden(f"a form from a {site} page may not post here", code="bad_origin")
         return
     origin = request.headers.get("origin")
-    if origin is not None and urlsplit(origin).netloc != request.headers.get("host", ""):
+    if origin is not None and _netloc(origin) != request.headers.get("host", ""):
         raise Forbidden(f"a form from {origin} may not post here", code="bad_origin")
+
+
+def _netloc(url: str) -> str | None:
+    """The host (and port) of a URL; None for what does not parse as one (``http://[::1``):
+    no origin of ours."""
+    try:
+        return urlsplit(url).netloc
+    except ValueError:
+        return None
 
 
 def safe_next(target: str | None) -> str:

@@ -88,7 +88,7 @@ async def submit(request: Request) -> Response:
     v = await viewer(request)
     core = coordinator(request)
     length = request.headers.get("content-length", "")
-    if not length.isdigit():
+    if not (length.isascii() and length.isdigit()):  # isdigit() alone takes '²' too
         raise BadRequest("a form upload must say its length", code="length_required")
     if int(length) > core.settings.max_blob_bytes:
         raise TooLarge(f"the upload is larger than {core.settings.max_blob_bytes} bytes")
