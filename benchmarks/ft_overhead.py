@@ -162,18 +162,27 @@ def medians(runs: dict[str, list[Results]]) -> dict[str, dict[str, float | None]
     return out
 
 
-def report(runs: dict[str, list[Results]], elapsed: float) -> dict[str, dict[str, float | None]]:
+def report(
+    runs: dict[str, list[Results]],
+    elapsed: float,
+    *,
+    title: str = "ft_overhead",
+    what: str = "FT",
+    cost: str = "logging",
+) -> dict[str, dict[str, float | None]]:
+    """Print the medians of the "on" and "off" runs side by side, with their ratio; ``what``
+    names the switch in the columns, ``cost`` what the ratio is the cost of."""
     table = medians(runs)
     repeat = len(runs["on"])
-    print(f"\nft_overhead: {elapsed:.0f} s, median of {repeat} run(s) each; times per operation")
-    print(f"{'figure':26}{'FT on':>12}{'FT off':>12}{'on/off':>9}")
+    print(f"\n{title}: {elapsed:.0f} s, median of {repeat} run(s) each; times per operation")
+    print(f"{'figure':26}{what + ' on':>12}{what + ' off':>12}{'on/off':>9}")
     for label, kind, _ in FIGURES:
         on, off = table[label]["on"], table[label]["off"]
         fmt = (lambda v: "-" if v is None else f"{v:.0f}") if kind == "bw" else _t
         ratio = f"{on / off:.2f}x" if on and off else "-"
         table[label]["ratio"] = on / off if on and off else None
         print(f"{label:26}{fmt(on):>12}{fmt(off):>12}{ratio:>9}")
-    print("(times: on/off above 1 is the cost of logging; bandwidth: below 1 is)")
+    print(f"(times: on/off above 1 is the cost of {cost}; bandwidth: below 1 is)")
     return table
 
 

@@ -27,9 +27,21 @@ Signer = Callable[[RankClaims], str]
 MAX_MESSAGE = 2000
 
 
+# A rank lost because its agent could not reach a relay of its job is restarted after
+# RELAY_BACKOFF_FIRST s, doubling with each such loss in a row up to RELAY_BACKOFF_MAX s.
+RELAY_BACKOFF_FIRST = 0.5
+RELAY_BACKOFF_MAX = 30.0
+
+
+def relay_backoff(losses: int) -> float:
+    """Seconds before the replacement of a rank's ``losses``-th relay-caused loss in a row."""
+    return float(min(RELAY_BACKOFF_MAX, RELAY_BACKOFF_FIRST * 2 ** min(max(losses - 1, 0), 16)))
+
+
 class FaultsMixin(CheckpointsMixin):
     db: sqlite_utils.Database
     max_restarts: int
+    relay_down_timeout: float
 
     # -- start-up -----------------------------------------------------------------------------
 
@@ -48,6 +60,10 @@ class FaultsMixin(CheckpointsMixin):
                 return False
             name = self._agent_name(agent_id)
             reason = f"rank {pr.rank} lost: agent {name} reported: {pr.message}"
+            job = self.job_row(pr.job)
+            if pr.relay and job is not None and pr.relay in json.loads(job["relays"]):
+                # The relay's outage, not the agent's fault or the rank's.
+                return self._lose(pr.job, pr.rank, reason, now, suspect=False, outage=pr.relay)
             return self._lose(pr.job, pr.rank, reason, now, suspect=True)
 
     def relay_lost(self, relay: str, lost: list[api.RankLost], now: float) -> bool:
@@ -189,16 +205,19 @@ class FaultsMixin(CheckpointsMixin):
         *,
         suspect: bool,
         exit_code: int | None = None,
+        outage: str = "",
     ) -> bool:
         """End the rank's current incarnation as lost. In a running job, the rank gets a new
         incarnation waiting for a slot (avoiding the old agent if it is ``suspect``), unless
         the job has had ``max_restarts`` restarts already or runs with fault tolerance off: then
-        the job fails."""
+        the job fails. A loss caused by relay ``outage`` (its agent could not reach it) does
+        not count as a restart: the replacement waits a backoff instead, and the job fails
+        only once the relay has been unreachable for ``relay_down_timeout``."""
         with self.db.atomic():
             row = self._one(
-                "SELECT r.state, r.incarnation, r.agent, j.state AS job_state, j.restarts, "
-                "j.fault_tolerance FROM ranks r JOIN jobs j ON j.id = r.job "
-                "WHERE r.job = ? AND r.rank = ?",
+                "SELECT r.state, r.incarnation, r.agent, r.relay_losses, r.relay_since, "
+                "j.state AS job_state, j.restarts, j.fault_tolerance "
+                "FROM ranks r JOIN jobs j ON j.id = r.job WHERE r.job = ? AND r.rank = ?",
                 [job, rank],
             )
             if row is None or row["state"] not in scheduler.ACTIVE_RANK_STATES:
@@ -210,9 +229,22 @@ class FaultsMixin(CheckpointsMixin):
                 "AND incarnation = ?",
                 [now, reason, exit_code, job, rank, incarnation],
             )
-            self._event(job, now, "rank_lost", reason, rank)
+            since = row["relay_since"] if row["relay_since"] is not None else now
+            losses = int(row["relay_losses"]) + 1 if outage else 0
+            delay = relay_backoff(losses) if outage else 0.0
             if not row["fault_tolerance"]:
                 why = f"{reason} (fault tolerance is off for this job)"
+            elif outage and now - since >= self.relay_down_timeout:
+                why = (
+                    f"relay {outage} has been unreachable for {now - since:.0f} s "
+                    f"(relay_down_timeout is {self.relay_down_timeout:g} s): {reason}"
+                )
+            elif outage:
+                why = ""
+                reason += (
+                    f" (relay {outage} unreachable; restarting in {delay:g} s, "
+                    "not counted as a restart)"
+                )
             elif row["restarts"] >= self.max_restarts:
                 why = (
                     f"{reason} (not restarted: the job had {row['restarts']} restarts, "
@@ -220,17 +252,28 @@ class FaultsMixin(CheckpointsMixin):
                 )
             else:
                 why = ""
+            self._event(job, now, "rank_lost", reason, rank)
             if row["job_state"] != "running" or why:
                 self.db.execute(
                     "UPDATE ranks SET state = 'lost' WHERE job = ? AND rank = ?", [job, rank]
                 )
                 self._end(job, "failed", None, why or reason, now)
                 return True
-            self.db.execute("UPDATE jobs SET restarts = restarts + 1 WHERE id = ?", [job])
+            if not outage:
+                self.db.execute("UPDATE jobs SET restarts = restarts + 1 WHERE id = ?", [job])
             self.db.execute(
                 "UPDATE ranks SET incarnation = ?, state = 'pending', agent = NULL, "
-                "exit_code = NULL, avoid = ? WHERE job = ? AND rank = ?",
-                [incarnation + 1, row["agent"] if suspect else None, job, rank],
+                "exit_code = NULL, avoid = ?, not_before = ?, relay_losses = ?, "
+                "relay_since = ? WHERE job = ? AND rank = ?",
+                [
+                    incarnation + 1,
+                    row["agent"] if suspect else None,
+                    now + delay if outage else None,
+                    losses,
+                    since if outage else None,
+                    job,
+                    rank,
+                ],
             )
         return True
 
@@ -252,7 +295,14 @@ class FaultsMixin(CheckpointsMixin):
             self.db.query(
                 "SELECT r.job, r.rank, r.incarnation, r.relay, r.avoid, r.from_start, "
                 "j.ranks AS size, j.memory, j.unsandboxed FROM ranks r JOIN jobs j ON j.id = r.job "
-                "WHERE r.state = 'pending' AND j.state = 'running' ORDER BY r.job, r.rank"
+                "WHERE r.state = 'pending' AND j.state = 'running' "
+                "AND (r.not_before IS NULL OR r.not_before <= ?) "
+                # A job with a relay down waits for it (its ranks could not attach), at most
+                # relay_down_timeout (expire_relays).
+                "AND NOT EXISTS (SELECT 1 FROM json_each(j.relays) jr JOIN relays rl "
+                "ON rl.name = jr.value WHERE rl.state != 'alive') "
+                "ORDER BY r.job, r.rank",
+                [now],
             )
         )
         caps = self._agent_capabilities() if pending else {}

@@ -520,12 +520,16 @@ class RestoreReport(msgspec.Struct, frozen=True):
 
 
 class RankProblem(msgspec.Struct, frozen=True):
-    """The agent lost something a rank needs (e.g. its relay connection dropped)."""
+    """The agent lost something a rank needs (e.g. its relay connection dropped). ``relay``
+    names the relay of the job it could not reach when that is the cause: the coordinator
+    restarts the rank with backoff, against the relay's outage rather than the job's restart
+    budget."""
 
     job: int
     rank: int
     incarnation: int
     message: str
+    relay: str = ""
 
 
 class RelayRegister(msgspec.Struct, frozen=True):

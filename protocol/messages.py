@@ -123,7 +123,9 @@ class Data(_Msg, frozen=True, tag="data"):
 
     ``ctx`` is the communicator context id, ``tag`` the MPI tag, ``kind`` how to read the
     payload (``KIND_*``), ``parts`` the lengths of the payload's parts for pickled messages
-    (first the pickle stream, then each out-of-band buffer). The payload follows raw.
+    (first the pickle stream, then each out-of-band buffer). The payload follows raw, or
+    (``sealed``: between agents and relays) encrypted with the job's message key, 16 bytes
+    longer (``protocol.sealing``); ranks only ever see plaintext.
     """
 
     job: int
@@ -134,6 +136,7 @@ class Data(_Msg, frozen=True, tag="data"):
     tag: int
     kind: int = KIND_BUFFER
     parts: list[int] = []
+    sealed: bool = False
 
 
 class Ack(_Msg, frozen=True, tag="ack"):

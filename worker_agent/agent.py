@@ -172,11 +172,12 @@ class Agent:
 
     # -- problems ---------------------------------------------------------------------------
 
-    def _problem_soon(self, rank: LocalRank, message: str) -> None:
-        self.nursery.start_soon(self.report_problem, rank, message)
+    def _problem_soon(self, rank: LocalRank, message: str, relay: str) -> None:
+        self.nursery.start_soon(self.report_problem, rank, message, relay)
 
-    async def report_problem(self, rank: LocalRank, message: str) -> None:
-        """Tell the coordinator once that ``rank`` cannot go on (it then fails the job)."""
+    async def report_problem(self, rank: LocalRank, message: str, relay: str = "") -> None:
+        """Tell the coordinator once that ``rank`` cannot go on; ``relay``: the relay it could
+        not reach, if that is why."""
         if rank.problem_reported or rank.ended:
             return
         rank.problem_reported = True
@@ -185,7 +186,11 @@ class Agent:
         try:
             await self.client.post_problem(
                 RankProblem(
-                    job=lease.job, rank=lease.rank, incarnation=lease.incarnation, message=message
+                    job=lease.job,
+                    rank=lease.rank,
+                    incarnation=lease.incarnation,
+                    message=message,
+                    relay=relay,
                 )
             )
         except CoordinatorRejected as exc:
@@ -342,6 +347,7 @@ class Agent:
         if existing is not None:
             existing.request_stop(f"replaced by incarnation {lease.incarnation}")
         rank = LocalRank(lease)
+        rank.seal = self.settings.seal_messages and rank.sealer is not None
         self.ranks.add(rank)
         self.busy += 1
         # A held heartbeat covers only the ranks it lists: report the new one now, so that its

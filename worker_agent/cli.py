@@ -93,6 +93,8 @@ async def serve(settings: AgentSettings, ready_file: Path | None) -> None:
                 {"pid": started.pid, "agent_id": started.agent_id, "name": started.name},
             )
         log.info("agent %s (%s) ready on %s", started.name, started.agent_id, started.socket_path)
+        if not settings.seal_messages:
+            log.warning("seal_messages is off: relays see the messages of ranks run here")
 
 
 @click.group(

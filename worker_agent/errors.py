@@ -55,7 +55,13 @@ class BundleRejected(BundleError):
 
 
 class RelayLinkError(AgentError):
-    pass
+    """``relay``: the relay's name when the trouble is reaching it (no answer, a dropped
+    connection that did not come back), which the coordinator treats as the relay's outage
+    rather than the rank's fault; "" when the relay answered and refused."""
+
+    def __init__(self, message: str, *, relay: str = "") -> None:
+        super().__init__(message)
+        self.relay = relay
 
 
 class RankSocketError(AgentError):

@@ -20,6 +20,7 @@ from vpool.protocol.api import Lease, RankState
 from vpool.protocol.framing import Buffer
 from vpool.protocol.messages import Abort, Message
 from vpool.protocol.rank_link import Delivery, is_current
+from vpool.protocol.sealing import Sealer, message_key
 
 if TYPE_CHECKING:
     from vpool.worker_agent.checkpoints import Checkpointer
@@ -50,7 +51,8 @@ class Outbox:
     """
 
     def __init__(self) -> None:
-        self._frames: deque[tuple[list[Buffer], int, Connection | None]] = deque()
+        # (parts, bytes to write, relay connection to credit, bytes to credit it)
+        self._frames: deque[tuple[list[Buffer], int, Connection | None, int]] = deque()
         self._acks: dict[int, bytes] = {}
         self._wake = trio.Event()
         self._closed = False
@@ -71,9 +73,15 @@ class Outbox:
         self._fd = fd
         self._on_written = on_written
 
-    def push_data(self, parts: list[Buffer], size: int, link: Connection | None) -> None:
+    def push_data(
+        self, parts: list[Buffer], size: int, link: Connection | None, credit: int = -1
+    ) -> None:
         """Queue a frame from a relay, in arrival order: pushed ``Data`` (credited back to
-        ``link`` once written) or, with ``link`` None, a ``Det``/``DetAck`` (not credited)."""
+        ``link`` once written: ``credit`` bytes, the size the relay pushed, when it differs
+        from the ``size`` written, as for a frame opened here) or, with ``link`` None, a
+        ``Det``/``DetAck`` (not credited)."""
+        if credit < 0:
+            credit = size
         if self._fd >= 0 and not self._frames and not self.busy and not self._closed:
             try:
                 n = os.writev(self._fd, parts)
@@ -82,11 +90,11 @@ class Outbox:
             if n == size:
                 if link is not None:
                     assert self._on_written is not None
-                    self._on_written(link, size)
+                    self._on_written(link, credit)
                 return
             if n:
                 parts = _after(parts, n)
-        self._frames.append((parts, size, link))
+        self._frames.append((parts, size, link, credit))
         self.queued += size
         self._wake.set()
 
@@ -110,7 +118,7 @@ class Outbox:
         self._wake.set()
 
     def push_control(self, frame: bytes) -> None:
-        self._frames.append(([frame], 0, None))
+        self._frames.append(([frame], 0, None, 0))
         self._wake.set()
 
     def close(self) -> None:
@@ -132,12 +140,12 @@ class Outbox:
         total = 0
         frames = self._frames
         while frames and total < _BATCH:
-            parts, size, link = frames.popleft()
+            parts, size, link, credit = frames.popleft()
             self.queued -= size
             batch.append(parts)
             if link is not None:
                 total += size
-                credits[link] = credits.get(link, 0) + size
+                credits[link] = credits.get(link, 0) + credit
             else:
                 total += size or len(parts[0])
         if self._acks:
@@ -176,6 +184,10 @@ class LocalRank:
     def __init__(self, lease: Lease) -> None:
         self.lease = lease
         self.key: RankKey = (lease.job, lease.rank)
+        # Opens the sealed Data relays push (``protocol.sealing``); ``seal``: this agent seals
+        # what the rank sends (the agent's ``seal_messages``).
+        self.sealer = Sealer(message_key(lease.ckpt_key)) if lease.ckpt_key else None
+        self.seal = False
         self.secret = secrets.token_urlsafe(32)
         self.state = "starting"
         self.pid: int | None = None

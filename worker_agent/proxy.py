@@ -44,6 +44,7 @@ from vpool.protocol.messages import (
     RankHello,
     RankWelcome,
 )
+from vpool.protocol.sealing import TAG_SIZE
 from vpool.protocol.session import Session
 from vpool.worker_agent.errors import RankSocketError, RelayLinkError
 from vpool.worker_agent.local_ranks import LocalRank, LocalRanks
@@ -347,8 +348,13 @@ class RankProxy:
                             f"{len(rank.links)} relays)",
                             code=ErrorCode.NOT_YOURS,
                         )
+                    if msg.sealed:
+                        raise ProtocolError(
+                            f"{rank.label} sent a sealed Data frame: ranks send plaintext",
+                            code=ErrorCode.UNEXPECTED_MESSAGE,
+                        )
                     link = route[msg.dst]
-                    if frame.payload_len > link.max_payload:
+                    if frame.payload_len + TAG_SIZE > link.max_payload:
                         raise ProtocolError(
                             f"a message of {frame.payload_len} bytes is larger than the "
                             f"{link.max_payload} bytes {link.where} accepts",
@@ -365,8 +371,13 @@ class RankProxy:
                         else None
                     )
                     rank.deposited[msg.dst] = msg.seq
+                    parts = frame.parts
+                    if rank.seal:
+                        assert rank.sealer is not None
+                        msg, sealed = rank.sealer.seal(msg, frame.frame, frame.header_len)
+                        parts = [sealed]
                     try:
-                        await link.send_data(msg, frame.parts, notice)
+                        await link.send_data(msg, parts, notice)
                     except RelayLinkError:
                         # Already reported as a RankProblem by the link; the coordinator will
                         # stop this rank. Dropping here keeps the socket drained meanwhile.

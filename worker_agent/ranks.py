@@ -112,7 +112,7 @@ class RankServices:
     blobs: bundle.BlobCache
     ranks: LocalRanks
     socket_path: Path
-    report_problem: Callable[[LocalRank, str], Awaitable[None]]
+    report_problem: Callable[[LocalRank, str, str], Awaitable[None]]
     # Called once the rank's process is gone and its exit is reported: its slot is free for the
     # next lease (a replacement of a lost rank, often) while the clean-up goes on.
     release_slot: Callable[[LocalRank], None] = lambda rank: None
@@ -302,6 +302,7 @@ async def run_rank(svc: RankServices, rank: LocalRank) -> None:
                         rank,
                         f"{rank.label} cannot start: no checkpoint image could be restored "
                         f"({reasons or 'none given'}) and the relays no longer hold its start",
+                        "",
                     )
                     return
             if restored is not None:
@@ -319,7 +320,8 @@ async def run_rank(svc: RankServices, rank: LocalRank) -> None:
             return
         except (BundleError, RelayLinkError, CoordinatorRejected) as exc:
             log.error("%s cannot start: %s", rank.label, exc)
-            await svc.report_problem(rank, f"{rank.label} cannot start: {exc}")
+            relay = exc.relay if isinstance(exc, RelayLinkError) else ""
+            await svc.report_problem(rank, f"{rank.label} cannot start: {exc}", relay)
             return
         code, message, lost = await execute(svc, rank, prepared, restored, tried)
         await _upload_results(svc, rank, prepared, code, message, lost)

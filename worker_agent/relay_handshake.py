@@ -64,7 +64,11 @@ async def handshake(
                 await trio.aclose_forcefully(stream)
                 raise
     except trio.TooSlowError as exc:
-        raise RelayLinkError(f"{where} did not answer within {seconds:g} s") from exc
+        raise RelayLinkError(
+            f"{where} did not answer within {seconds:g} s", relay=info.name
+        ) from exc
     except (OSError, trio.BrokenResourceError, ssl.SSLError, ProtocolError) as exc:
-        raise RelayLinkError(f"cannot connect to {where}: {describe(exc)}") from exc
+        raise RelayLinkError(
+            f"cannot connect to {where}: {describe(exc)}", relay=info.name
+        ) from exc
     return stream, reader, session, frame.message

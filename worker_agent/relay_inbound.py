@@ -14,10 +14,11 @@ from typing import TYPE_CHECKING
 
 import trio
 
-from vpool.framestream import FrameStream
+from vpool.framestream import FrameStream, WireFrame
 from vpool.protocol.errors import ErrorCode, ends_connection
 from vpool.protocol.messages import Ack, Attached, Data, Det, DetAck, Error, Stop
 from vpool.protocol.rank_link import RankLink, is_current
+from vpool.protocol.sealing import SealError
 from vpool.protocol.session import Session
 from vpool.worker_agent.errors import RelayLinkError
 from vpool.worker_agent.local_ranks import LocalRank, RankKey
@@ -68,7 +69,10 @@ class InboundRouting:
                 rank = ranks.get((msg.job, msg.dst))
                 if rank is not None:
                     if rank.delivery.data(msg.src, msg.seq):
-                        rank.outbox.push_data(frame.parts, frame.size, conn)
+                        if msg.sealed:
+                            self._push_opened(rank, msg, frame, conn)
+                        else:
+                            rank.outbox.push_data(frame.parts, frame.size, conn)
                     elif due := rank.outbox.credit_due(conn, frame.size):
                         # This agent delivered it already (its Delivered came after the
                         # push): dropped, and credited as if written.
@@ -107,10 +111,25 @@ class InboundRouting:
                     self._resolve(key, text, code=msg.code)
                 elif (rank := ranks.get(key)) is not None:
                     self._forget(key)
-                    self._owner.on_problem(rank, text)
+                    self._owner.on_problem(rank, text, "")
                 return f"{self.where} sent {msg.code}: {msg.message}"
             else:
                 raise RelayLinkError(f"unexpected {type(msg).__name__} from {self.where}")
+
+    def _push_opened(self, rank: LocalRank, msg: Data, frame: WireFrame, conn: Connection) -> None:
+        """Open a sealed ``Data`` and queue the plaintext for the rank; the relay is credited
+        with the sealed size it pushed."""
+        try:
+            if rank.sealer is None:
+                raise SealError(f"{rank.label} has no job key to open message {msg.seq} with")
+            _, plain = rank.sealer.open(msg, frame.frame, frame.header_len)
+        except SealError as exc:
+            # Changed on its way: the rank cannot go on without it. A restart fetches it again.
+            self._owner.on_problem(rank, f"{self.where}: {exc}", "")
+            if due := rank.outbox.credit_due(conn, frame.size):
+                conn.credit_nowait(msg.job, msg.dst, due)
+            return
+        rank.outbox.push_data([plain], len(plain), conn, frame.size)
 
     def _rank_error(self, msg: Error) -> None:
         """An Error about one rank that leaves the connection up (``protocol.errors.SCOPES``):

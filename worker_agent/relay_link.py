@@ -64,7 +64,9 @@ _SETTLE_POLL = 0.005
 _RECONNECT_FIRST = 0.1  # s before the first reconnection attempt, doubled up to _RECONNECT_MAX
 _RECONNECT_MAX = 2.0
 
-ProblemCallback = Callable[[LocalRank, str], None]
+# (rank, message, relay): ``relay`` names the relay that could not be reached ("" when the
+# problem is another one), as ``RankProblem.relay`` tells the coordinator.
+ProblemCallback = Callable[[LocalRank, str, str], None]
 
 
 class Connection:
@@ -327,7 +329,7 @@ class RelayLink(InboundRouting):
         """A re-attachment the relay answered with an Error or a Stop."""
         if pending.code == ErrorCode.STOPPED:
             return  # the rank's runner is stopping it
-        self._owner.on_problem(rank, str(pending.result))
+        self._owner.on_problem(rank, str(pending.result), "")
         if pending.code == ErrorCode.FENCED:
             rank.request_stop(str(pending.result))
 
@@ -363,7 +365,7 @@ class RelayLink(InboundRouting):
         if victims:
             log.warning("lost %s with %d ranks attached: %s", self.where, len(victims), reason)
         for rank in victims:
-            self._owner.on_problem(rank, f"connection to {self.where} dropped: {reason}")
+            self._owner.on_problem(rank, f"connection to {self.where} dropped: {reason}", self.name)
 
     # -- used by ranks ----------------------------------------------------------------------
 

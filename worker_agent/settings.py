@@ -53,6 +53,11 @@ class AgentSettings:
         "logged at the receiver's home relay, which then does not send it back); off: every "
         "message comes to its receiver from the relay.",
     )
+    seal_messages: bool = setting(
+        True,
+        "Encrypt the messages your ranks send before they reach a relay (relays then keep "
+        "only ciphertext); off only to measure what it costs.",
+    )
     relay_reconnect: float = setting(
         30.0,
         "Seconds a dropped relay connection is retried (ranks keep running, their messages "

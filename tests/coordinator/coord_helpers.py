@@ -270,6 +270,15 @@ def test_settings(tmp_path: Path, **overrides: Any) -> CoordinatorSettings:
 test_settings.__test__ = False  # type: ignore[attr-defined]
 
 
+def new_core(tmp_path: Path, clock: FakeClock, **overrides: Any) -> Coordinator:
+    """A coordinator on ``tmp_path`` (``test_settings`` plus ``overrides``) that knows the key
+    of every relay in ``RELAY_NAMES``."""
+    core = Coordinator(test_settings(tmp_path, **overrides), clock=clock)
+    for name in RELAY_NAMES:
+        core.store.add_relay_key(name, keys.hash_token(relay_key(name)), clock(), replace=True)
+    return core
+
+
 @asynccontextmanager
 async def open_pool(
     tmp_path: Path, clock: FakeClock | None = None, **overrides: Any
@@ -277,9 +286,7 @@ async def open_pool(
     """A coordinator on ``tmp_path`` (``test_settings`` plus ``overrides``) behind an
     in-process HTTP client, closed at the end."""
     clock = clock or FakeClock()
-    core = Coordinator(test_settings(tmp_path, **overrides), clock=clock)
-    for name in RELAY_NAMES:
-        core.store.add_relay_key(name, keys.hash_token(relay_key(name)), clock(), replace=True)
+    core = new_core(tmp_path, clock, **overrides)
     app = create_app(core.settings, coordinator=core)
     transport = httpx.ASGITransport(app=app)
     try:

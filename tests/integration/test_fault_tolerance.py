@@ -178,6 +178,31 @@ def test_restarted_relay_or_coordinator_loses_nothing(pool4: Pool, component: st
     assert output(pool4, job) == ref
 
 
+def test_a_long_relay_outage_is_waited_out_without_spending_restarts(pool4: Pool) -> None:
+    """relay-0 stays down past the agents' relay_reconnect (30 s): its ranks are lost, but
+    their replacements wait for it (no restart budget burnt on a relay nobody can reach), and
+    the job goes on once it is back."""
+    ref = reference(pool4, HEAT, 8, "3000")
+    job = submit(pool4, HEAT, 8, "3000")
+    wait_until(pool4, job, all_running, "all ranks running")
+    wait_until(pool4, job, lambda d: ended(d) or b"step " in output(pool4, job), "first steps")
+    os.kill(pool4.pid_of("relay-0"), signal.SIGKILL)
+    d = wait_until(
+        pool4,
+        job,
+        lambda d: ended(d) or any("not counted as a restart" in e["message"] for e in d["events"]),
+        "ranks lost to the relay's outage",
+        timeout=90,
+    )
+    assert not ended(d) and "relay_down" in kinds(d), d["events"]
+    res = pool4.vsdk("local", "restart", "relay-0")
+    assert res.returncode == 0, res.stderr.decode()
+    d = wait_until(pool4, job, ended, "job end", timeout=180)
+    assert d["job"]["state"] == "succeeded", (d, pool4.logs())
+    assert output(pool4, job) == ref
+    assert d["job"]["restarts"] == 0, d["events"]
+
+
 def test_frozen_agent_is_replaced_and_fenced_when_it_wakes(pool4: Pool) -> None:
     ref = reference(pool4, HEAT, 8, "3000")
     job = submit(pool4, HEAT, 8, "3000")

@@ -18,7 +18,6 @@ import pytest
 import trio
 
 from vpool.coordinator.app import create_app
-from vpool.coordinator.service import Coordinator
 from vpool.protocol import api
 from vpool.worker_agent.agent import Agent, CheckpointOrderIds, enroll
 from vpool.worker_agent.coordinator import CoordinatorClient
@@ -109,9 +108,7 @@ class Setup:
 async def setup(
     tmp_path: Path, settings: AgentSettings, nursery: trio.Nursery
 ) -> AsyncIterator[Setup]:
-    core = Coordinator(
-        helpers.test_settings(tmp_path / "coord", heartbeat_interval=0.2), clock=helpers.FakeClock()
-    )
+    core = helpers.new_core(tmp_path / "coord", helpers.FakeClock(), heartbeat_interval=0.2)
     app = create_app(core.settings, coordinator=core)
     wire = Wire(httpx.ASGITransport(app=app))
     try:

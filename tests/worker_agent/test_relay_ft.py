@@ -192,7 +192,7 @@ async def test_a_receiver_of_a_message_its_ended_sender_never_got_logged_is_rest
     assert data == Data(job=7, src=0, dst=1, seq=1, ctx=0, tag=0) and payload == b"early"
     delivered, _, _ = await conn.receive()
     assert delivered == Delivered(job=7, rank=1, incarnation=1, src=0, seq=1)
-    got = {"got": ["Data", 7, 0, 1, 1, 0, 0, 0, []]}
+    got = {"got": ["Data", 7, 0, 1, 1, 0, 0, 0, [], False]}
     await coordinator.wait_for(lambda: got in lines(coordinator.output_of(7, 1)))  # consumed
     await coordinator.wait_for(lambda: coordinator.exit_of(7, 0))
     await conn.close()  # no Ack: lost with the connection
