@@ -289,6 +289,36 @@ def _m10_credentials(db: sqlite_utils.Database) -> None:
         db.execute(sql)
 
 
+def _m11_relay_outages(db: sqlite_utils.Database) -> None:
+    """Restarts that wait (issue 20): a rank lost because an agent could not reach one of its
+    job's relays is restarted no sooner than ``not_before`` (a backoff growing with
+    ``relay_losses``, the losses in a row), without using the job's restart budget; its job
+    fails once the relay has been unreachable since ``relay_since`` for longer than
+    ``relay_down_timeout``. A running incarnation clears both."""
+    for sql in (
+        "ALTER TABLE ranks ADD COLUMN not_before REAL",
+        "ALTER TABLE ranks ADD COLUMN relay_losses INTEGER NOT NULL DEFAULT 0",
+        "ALTER TABLE ranks ADD COLUMN relay_since REAL",
+    ):
+        db.execute(sql)
+
+
+def _m12_quotas(db: sqlite_utils.Database) -> None:
+    """Quotas (issue 20): the bytes of output stored per job (``output_bytes``, counted as
+    they are stored, so the quota is checked without summing the output table) and when its
+    output was first cut at ``max_job_output`` (``output_cut``); jobs of an older database
+    start from what they stored. An index finds a user's unfinished jobs (``max_queued_jobs``,
+    ``max_user_blob_bytes``)."""
+    for sql in (
+        "ALTER TABLE jobs ADD COLUMN output_bytes INTEGER NOT NULL DEFAULT 0",
+        "ALTER TABLE jobs ADD COLUMN output_cut REAL",
+        "UPDATE jobs SET output_bytes = (SELECT COALESCE(SUM(length(o.data)), 0) "
+        "FROM output o WHERE o.job = jobs.id)",
+        "CREATE INDEX jobs_user_state ON jobs(user, state)",
+    ):
+        db.execute(sql)
+
+
 def new_job_uid() -> str:
     return secrets.token_hex(16)
 
@@ -309,6 +339,8 @@ MIGRATIONS: list[Callable[[sqlite_utils.Database], None]] = [
     _m8_queue_reasons,
     _m9_environments,
     _m10_credentials,
+    _m11_relay_outages,
+    _m12_quotas,
 ]
 
 

@@ -27,7 +27,7 @@ from vpool.coordinator.errors import BadRequest, Forbidden, NotFound, Unauthoriz
 from vpool.coordinator.results import build_results_zip
 from vpool.coordinator.settings import CoordinatorSettings
 from vpool.coordinator.sqlite_store import SqliteStore
-from vpool.coordinator.store import Database, Store
+from vpool.coordinator.store import Database, Quotas, Store
 from vpool.protocol import api
 from vpool.protocol.errors import TokenError
 from vpool.protocol.tokens import (
@@ -90,6 +90,8 @@ class Coordinator:
                 state / "vpool.db",
                 max_restarts=settings.max_restarts,
                 restore_wait_timeout=settings.restore_wait_timeout,
+                relay_down_timeout=settings.relay_down_timeout,
+                quotas=Quotas.of(settings),
             )
         )
         # Agents and relays count as seen now: nothing is lost because we were down.
@@ -502,7 +504,11 @@ class Coordinator:
         for chunk in batch.chunks:
             if chunk.offset < 0:
                 raise BadRequest("output offsets are >= 0")
-        if await self.db.call(self.store.add_output, agent_id, batch.chunks):
+        stored = await self.db.call(self.store.add_output, agent_id, batch.chunks, self.clock())
+        if stored.ended:  # past max_job_output: its ranks stop, its slots are free
+            self._states_changed()
+            await self.schedule()
+        elif stored:
             self.changes.fire()
 
     async def rank_exit(self, agent_id: str, ex: api.RankExit) -> None:

@@ -58,7 +58,25 @@ class CoordinatorSettings:
         1.0, "Shortest checkpoint period (JobSubmit.checkpoint_every, seconds) a job may ask for."
     )
     pool_name: str = setting("vpool", "Name of the pool, shown to users and volunteers.")
-    max_blob_bytes: int = setting(1 << 30, "Largest blob (bundle, stdin, results) accepted.")
+    max_blob_bytes: int = setting(
+        1 << 30, "Largest blob (bundle, stdin, a rank's results) accepted, per blob."
+    )
+    max_user_blob_bytes: int = setting(
+        4 << 30,
+        "Bytes of uploads (bundles and stdin, each distinct blob once) a user's queued and "
+        "running jobs may hold together; a submission beyond it is refused (409 "
+        "quota_exceeded) until some of them have ended.",
+    )
+    max_queued_jobs: int = setting(
+        100,
+        "Jobs a user may have queued or running at once; one more is refused (409 "
+        "quota_exceeded) until some of them have ended.",
+    )
+    max_job_output: int = setting(
+        64 << 20,
+        "Bytes of stdout and stderr (all ranks together) the coordinator stores per job; a "
+        "job whose output goes past it fails, naming the quota, and the rest is not stored.",
+    )
     upload_idle_timeout: float = setting(
         60.0,
         "Seconds a request body (an upload) may send nothing before the request is refused "
@@ -92,6 +110,9 @@ class CoordinatorSettings:
             raise ValueError(
                 f"restore_wait_timeout must be more than 0 s, not {self.restore_wait_timeout:g}"
             )
+        for quota in ("max_queued_jobs", "max_job_output", "max_user_blob_bytes"):
+            if getattr(self, quota) < 1:
+                raise ValueError(f"{quota} must be at least 1, not {getattr(self, quota)}")
         if not self.min_checkpoint_every > 0:
             raise ValueError(
                 f"min_checkpoint_every must be more than 0 s, not {self.min_checkpoint_every:g}"

@@ -18,6 +18,7 @@ from vpool import requirements
 from vpool.coordinator import migrations, scheduler
 from vpool.coordinator.errors import Conflict, Forbidden, NotFound
 from vpool.coordinator.sqlite_faults import FaultsMixin
+from vpool.coordinator.store import Quotas
 from vpool.protocol import api
 from vpool.protocol.tokens import RankClaims
 from vpool.sizes import format_size
@@ -25,10 +26,12 @@ from vpool.sizes import format_size
 Signer = Callable[[RankClaims], str]
 TERMINAL_SQL = "('succeeded', 'failed', 'cancelled')"
 MAX_REASON = 2000  # characters of an agent's message kept as a job's reason
+UNFINISHED_OF_USER = "user = ? AND state IN ('queued', 'running')"  # what quotas count
 
 
 class JobsMixin(FaultsMixin):
     db: sqlite_utils.Database
+    quotas: Quotas
 
     def _one(self, sql: str, params: Any = ()) -> dict[str, Any] | None:
         raise NotImplementedError
@@ -117,7 +120,10 @@ class JobsMixin(FaultsMixin):
     # -- user actions -------------------------------------------------------------------------
 
     def create_job(self, user: str, sub: api.JobSubmit, now: float) -> api.JobInfo:
+        """Queue the job; ``Conflict`` (quota_exceeded) if it would take ``user`` past a
+        quota (``_check_quotas``)."""
         with self.db.atomic():
+            self._check_quotas(user, sub)
             cursor = self.db.execute(
                 "INSERT INTO jobs (user, name, state, ranks, bundle, entry, args, stdin, created, "
                 "fault_tolerance, job_uid, ckpt_key, checkpoint_every, memory, unsandboxed, "
@@ -159,6 +165,49 @@ class JobsMixin(FaultsMixin):
         info = self.job_info(job_id)
         assert info is not None
         return info
+
+    def _check_quotas(self, user: str, sub: api.JobSubmit) -> None:
+        """Refuse a job that would take ``user`` past ``max_queued_jobs`` jobs queued or
+        running, or past ``max_user_blob_bytes`` of uploads held by those jobs (each distinct
+        blob once: a sweep over one bundle holds it once). Inside ``create_job``'s
+        transaction, so two submissions at once cannot both take the last place."""
+        quotas = self.quotas
+        row = self._one(f"SELECT COUNT(*) AS n FROM jobs WHERE {UNFINISHED_OF_USER}", [user])
+        queued = int(row["n"]) if row else 0
+        if queued >= quotas.max_queued_jobs:
+            raise Conflict(
+                f"you have {queued} jobs queued or running, as many as max_queued_jobs "
+                f"({quotas.max_queued_jobs}) allows; submit more once some have ended",
+                code="quota_exceeded",
+            )
+        mine = [sub.bundle, sub.stdin]
+        own = self._blob_bytes("SELECT ? UNION SELECT ?", mine)
+        held = self._blob_bytes(
+            f"SELECT bundle FROM jobs WHERE {UNFINISHED_OF_USER} UNION "
+            f"SELECT stdin FROM jobs WHERE {UNFINISHED_OF_USER} UNION SELECT ? UNION SELECT ?",
+            [user, user, *mine],
+        )
+        limit = quotas.max_user_blob_bytes
+        if own > limit:
+            raise Conflict(
+                f"this job's bundle and stdin hold {format_size(own)}, more than "
+                f"max_user_blob_bytes ({format_size(limit)}) allows a user's unfinished jobs",
+                code="quota_exceeded",
+            )
+        if held > limit:
+            raise Conflict(
+                f"with this job, the bundles and stdin of your queued and running jobs would "
+                f"hold {format_size(held)}, more than max_user_blob_bytes "
+                f"({format_size(limit)}); submit it once some of them have ended",
+                code="quota_exceeded",
+            )
+
+    def _blob_bytes(self, shas: str, params: list[Any]) -> int:
+        """Bytes of the distinct blobs the query ``shas`` names."""
+        row = self._one(
+            f"SELECT COALESCE(SUM(size), 0) AS n FROM blobs WHERE sha256 IN ({shas})", params
+        )
+        return int(row["n"]) if row else 0
 
     def cancel_job(self, job_id: int, now: float) -> api.JobInfo:
         with self.db.atomic():
@@ -407,7 +456,9 @@ class JobsMixin(FaultsMixin):
                 assert row is not None
                 if rs.state == "running" and row["state"] == "leased":
                     self.db.execute(
-                        "UPDATE ranks SET state = 'running' WHERE job = ? AND rank = ?",
+                        # Running means attached to every relay: an outage streak is over.
+                        "UPDATE ranks SET state = 'running', relay_losses = 0, "
+                        "relay_since = NULL WHERE job = ? AND rank = ?",
                         [rs.job, rs.rank],
                     )
                     self._event(rs.job, now, "rank_running", f"rank {rs.rank} is running", rs.rank)

@@ -11,6 +11,7 @@ import contextlib
 import hashlib
 import json
 import sqlite3
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,10 +21,13 @@ import sqlite_utils
 
 from vpool.coordinator import migrations
 from vpool.coordinator.errors import Forbidden
+from vpool.coordinator.settings import CoordinatorSettings
 from vpool.coordinator.sqlite_accounts import AccountsMixin
 from vpool.coordinator.sqlite_credentials import CredentialsMixin
 from vpool.coordinator.sqlite_jobs import JobsMixin
+from vpool.coordinator.store import OutputStored, Quotas
 from vpool.protocol import api
+from vpool.sizes import format_size
 
 # Seconds a transaction waits for another process's (``vpool-coordinator user add`` next to a
 # running coordinator) before "database is locked".
@@ -55,10 +59,18 @@ class _Database(sqlite_utils.Database):
 
 class SqliteStore(AccountsMixin, JobsMixin, CredentialsMixin):
     def __init__(
-        self, path: Path | str, *, max_restarts: int = 50, restore_wait_timeout: float = 600.0
+        self,
+        path: Path | str,
+        *,
+        max_restarts: int = 50,
+        restore_wait_timeout: float = 600.0,
+        relay_down_timeout: float = 300.0,
+        quotas: Quotas | None = None,
     ) -> None:
+        self.quotas = quotas or Quotas.of(CoordinatorSettings())
         self.max_restarts = max_restarts
         self.restore_wait_timeout = restore_wait_timeout
+        self.relay_down_timeout = relay_down_timeout
         # check_same_thread=False: calls come from trio's worker threads, serialized by the
         # Database limiter. isolation_level=None: transactions are explicit (db.atomic()).
         conn = sqlite3.connect(
@@ -216,13 +228,19 @@ class SqliteStore(AccountsMixin, JobsMixin, CredentialsMixin):
 
     # -- output and results -------------------------------------------------------------------
 
-    def add_output(self, agent_id: str, chunks: list[api.OutputChunk]) -> set[int]:
-        """Store the new bytes of each chunk; return the jobs that got new output.
+    def add_output(
+        self, agent_id: str, chunks: list[api.OutputChunk], now: float | None = None
+    ) -> OutputStored:
+        """Store the new bytes of each chunk; return the jobs that got new output, and those
+        that failed because their output went past ``max_job_output``.
 
         Only the rank's current incarnation is heard, and per (job, rank, stream) only bytes
         beyond the end of what is stored: a re-sent chunk, a restarted incarnation re-emitting
-        its output from offset 0 and a replaced incarnation's late output add nothing."""
-        changed: set[int] = set()
+        its output from offset 0 and a replaced incarnation's late output add nothing. A job
+        stores at most ``max_job_output`` bytes (``_output_room``). ``now`` is when a job that
+        goes past it ends (the wall clock if None, for callers that never get that far)."""
+        done = OutputStored()
+        when = time.time() if now is None else now
         with self.db.atomic():
             for chunk in chunks:
                 self._check_runs(agent_id, chunk.job, chunk.rank, chunk.incarnation)
@@ -238,14 +256,47 @@ class SqliteStore(AccountsMixin, JobsMixin, CredentialsMixin):
                 if skip >= len(chunk.data):
                     continue
                 offset, data = (end, chunk.data[skip:]) if skip > 0 else (chunk.offset, chunk.data)
+                data = data[: self._output_room(chunk, len(data), when, done)]
+                if not data:
+                    continue
                 cursor = self.db.execute(
                     "INSERT OR IGNORE INTO output (job, rank, stream, offset, data) "
                     "VALUES (?, ?, ?, ?, ?)",
                     [chunk.job, chunk.rank, chunk.stream, offset, data],
                 )
                 if cursor.rowcount:
-                    changed.add(chunk.job)
-        return changed
+                    self.db.execute(
+                        "UPDATE jobs SET output_bytes = output_bytes + ? WHERE id = ?",
+                        [len(data), chunk.job],
+                    )
+                    done.add(chunk.job)
+        return done
+
+    def _output_room(
+        self, chunk: api.OutputChunk, size: int, now: float, done: OutputStored
+    ) -> int:
+        """How many of ``size`` new bytes of ``chunk`` its job may still store. The first
+        time a job's output goes past ``max_job_output``, a job still running fails (its
+        ranks get stop orders) and one that ended already gets an ``output_cut`` event."""
+        limit = self.quotas.max_job_output
+        job = self._one(
+            "SELECT state, output_bytes, output_cut FROM jobs WHERE id = ?", [chunk.job]
+        )
+        assert job is not None  # the chunk's incarnation is current, so its job exists
+        room = max(0, limit - int(job["output_bytes"]))
+        if size <= room or job["output_cut"] is not None:
+            return min(size, room)
+        self.db.execute("UPDATE jobs SET output_cut = ? WHERE id = ?", [now, chunk.job])
+        reason = (
+            f"job output exceeded max_job_output ({format_size(limit)}): rank {chunk.rank}'s "
+            f"{chunk.stream} went past it, and output beyond it is not stored"
+        )
+        if job["state"] in api.TERMINAL_STATES:
+            self._event(chunk.job, now, "output_cut", reason, chunk.rank)
+        else:
+            self._end(chunk.job, "failed", None, reason, now)
+            done.ended.add(chunk.job)
+        return room
 
     def output_page(
         self, job: int, after: int, rank: int | None, limit: int

@@ -9,17 +9,47 @@ methods. Methods are synchronous: ``Database.call`` runs them on a worker thread
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, ParamSpec, Protocol, TypeVar
 
 import trio
 
 from vpool.coordinator import scheduler
 from vpool.coordinator.access import Principal
+from vpool.coordinator.settings import CoordinatorSettings
 from vpool.protocol import api
 from vpool.protocol.tokens import RankClaims
 
 P = ParamSpec("P")
 T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Quotas:
+    """What one user may hold of the pool (the settings of the same names): jobs queued or
+    running, bytes of uploads those jobs hold, bytes of output stored per job."""
+
+    max_queued_jobs: int
+    max_user_blob_bytes: int
+    max_job_output: int
+
+    @classmethod
+    def of(cls, settings: CoordinatorSettings) -> Quotas:
+        return cls(
+            max_queued_jobs=settings.max_queued_jobs,
+            max_user_blob_bytes=settings.max_user_blob_bytes,
+            max_job_output=settings.max_job_output,
+        )
+
+
+class OutputStored(set[int]):
+    """What ``add_output`` did: the jobs that got new output (the set itself) and ``ended``,
+    those it failed because their output went past ``max_job_output`` (their ranks must stop
+    and their slots are free)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ended: set[int] = set()
 
 
 class Store(Protocol):
@@ -83,7 +113,9 @@ class Store(Protocol):
     ) -> list[int] | None: ...
     def list_relays(self) -> list[dict[str, Any]]: ...
 
-    def add_output(self, agent_id: str, chunks: list[api.OutputChunk]) -> set[int]: ...
+    def add_output(
+        self, agent_id: str, chunks: list[api.OutputChunk], now: float
+    ) -> OutputStored: ...
     def output_page(
         self, job: int, after: int, rank: int | None, limit: int
     ) -> tuple[list[api.OutputRecord], bool]: ...
