@@ -212,7 +212,7 @@ class Connection:
             raise Refused(ErrorCode.TIMEOUT, "no Hello in time")
         header_len, frame = frames[0]
         msg = self._decode(header_len, frame)
-        self.session.receive(msg)
+        self._receive(msg)
         assert isinstance(msg, Hello)  # the session table admits nothing else first
         if msg.version != PROTOCOL_VERSION:
             raise Refused(
@@ -246,6 +246,18 @@ class Connection:
         if len(frames) > 1:
             await self._handle(frames[1:])
 
+    def _receive(self, msg: Message) -> None:
+        """``msg`` checked against the session table. An agent sends a relay no ``Error``: the
+        table would take one as the end of the session (of every message after it, of this
+        side's too: a DetAck or an Ack then due could not be sent) with the connection left
+        open, so it is refused here, before the table sees it."""
+        if type(msg) is Error:
+            raise RemoteProtocolError(
+                f"an agent sends a relay no Error (got {msg.code!r}: {msg.message[:200]!r})",
+                code=ErrorCode.UNEXPECTED_MESSAGE,
+            )
+        self.session.receive(msg)
+
     @staticmethod
     def _decode(header_len: int, frame: bytes | bytearray) -> Message:
         msg = decode(frame[PREFIX_SIZE : PREFIX_SIZE + header_len])
@@ -257,12 +269,11 @@ class Connection:
         """Every frame of one read: the core decides, new deposits are staged for one group
         write."""
         batch = Batch()
-        session = self.session
         relay = self.core
         try:
             for header_len, frame in frames:
                 msg = self._decode(header_len, frame)
-                session.receive(msg)
+                self._receive(msg)
                 if type(msg) is Data:
                     try:
                         box = relay.deposit(self, msg.job, msg.src, msg.dst, msg.seq, frame)
