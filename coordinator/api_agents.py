@@ -3,6 +3,8 @@ checkpoint failures and restore reports."""
 
 from __future__ import annotations
 
+from contextlib import aclosing
+
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import FileResponse
 
@@ -100,4 +102,5 @@ async def results(request: Request, job: int, rank: int, incarnation: int) -> Re
     c = coordinator(request)
     agent = await _agent(request)
     declared_length(request, c.settings.max_blob_bytes)
-    return reply(await c.put_result(agent, job, rank, incarnation, chunks(request)))
+    async with aclosing(chunks(request)) as body:  # read to its end only if it fits
+        return reply(await c.put_result(agent, job, rank, incarnation, body))

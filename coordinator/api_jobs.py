@@ -3,6 +3,7 @@ checkpoints and results (see protocol/api.py). Who may see what is decided in ``
 
 from __future__ import annotations
 
+from contextlib import aclosing
 from pathlib import Path
 from typing import Literal
 
@@ -75,7 +76,8 @@ async def put_blob(request: Request, sha256: str) -> Response:
     c = coordinator(request)
     await principal(request)
     declared_length(request, c.settings.max_blob_bytes)
-    return reply(await c.put_blob(sha256, chunks(request)))
+    async with aclosing(chunks(request)) as body:  # read to its end only if it fits
+        return reply(await c.put_blob(sha256, body))
 
 
 @router.head("/blobs/{sha256}")

@@ -3,7 +3,8 @@ bodies, bearer credentials."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
+from contextlib import aclosing
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgspec
@@ -41,29 +42,34 @@ def declared_length(request: Request, limit: int) -> None:
         raise TooLarge(f"the body is larger than {limit} bytes")
 
 
-async def chunks(request: Request) -> AsyncIterator[bytes]:
+async def chunks(request: Request) -> AsyncGenerator[bytes, None]:
     """The request's body as it comes; a client that sends nothing for
-    ``upload_idle_timeout`` seconds gets ``Stalled`` (408), and what it sent is dropped."""
+    ``upload_idle_timeout`` seconds gets ``Stalled`` (408), and what it sent is dropped.
+
+    A reader that may stop early (a body too large, a hash that does not match) takes it
+    under ``aclosing``: an async generator left unfinished would be closed by the garbage
+    collector only, with the request's stream it holds open (trio warns of each)."""
     idle = coordinator(request).settings.upload_idle_timeout
-    stream = request.stream().__aiter__()
-    while True:
-        try:
-            with trio.fail_after(idle):
-                chunk = await stream.__anext__()
-        except StopAsyncIteration:
-            return
-        except trio.TooSlowError:
-            raise Stalled(f"the request body stalled: nothing came for {idle:g} s") from None
-        yield chunk
+    async with aclosing(request.stream()) as stream:
+        while True:
+            try:
+                with trio.fail_after(idle):
+                    chunk = await anext(stream)
+            except StopAsyncIteration:
+                return
+            except trio.TooSlowError:
+                raise Stalled(f"the request body stalled: nothing came for {idle:g} s") from None
+            yield chunk
 
 
 async def body(request: Request, limit: int) -> bytes:
     declared_length(request, limit)
     data = bytearray()
-    async for chunk in chunks(request):
-        data += chunk
-        if len(data) > limit:
-            raise TooLarge(f"the body is larger than {limit} bytes")
+    async with aclosing(chunks(request)) as stream:
+        async for chunk in stream:
+            data += chunk
+            if len(data) > limit:
+                raise TooLarge(f"the body is larger than {limit} bytes")
     return bytes(data)
 
 

@@ -17,12 +17,14 @@ seeded per route: a failure prints its request, and a run gives the same request
 from __future__ import annotations
 
 import base64
+import gc
 import hashlib
 import inspect
 import json
 import math
 import random
 import re
+import warnings
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -810,3 +812,22 @@ async def test_digits_that_are_not_ascii_are_no_number(pool: Pool) -> None:
         assert r.status_code == 200, r.text
         r = await call(app, Sent("POST", "/jobs/new", {**signed_in, "content-length": digits}, b""))
         assert r.status_code == 422 and "length_required" in r.text, (r.status_code, r.text)
+
+
+async def test_a_body_refused_midway_leaves_no_reader_open(pool: Pool) -> None:
+    """A body found too large as it is read (its Content-Length said less): the readers of
+    the request's stream are closed, not left for the garbage collector (which trio warns of:
+    ResourceWarning, an error under pytest)."""
+    app = create_app(pool.core.settings, coordinator=pool.core)
+    user = pool.user()
+    big = b"x" * (pool.core.settings.max_request_bytes + 1)
+    url = f"/api/v1/blobs/{hashlib.sha256(big * 5).hexdigest()}"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        r = await call(app, Sent("POST", "/api/v1/tokens", {**user, "content-length": "0"}, big))
+        assert_error(r, 413, "too_large")
+        r = await call(app, Sent("PUT", url, {**user, "content-length": "0"}, big * 5))
+        assert_error(r, 413, "too_large")
+        del r
+        gc.collect()
+    assert [str(w.message) for w in caught] == []
