@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import tempfile
 import time
@@ -43,10 +44,26 @@ def _switch(env: dict[str, str], home: Path, on: bool) -> None:
         ]
         config.write_text("\n".join([*lines, f"seal_messages = {str(on).lower()}", ""]))
         log = pool / "logs" / f"{name}.log"
+        _stop(pool, name)
         log.write_text("")  # the restarted agent's lines only
         _run([VSDK, "local", "restart", name], env, 120)
         if (OFF_WARNING in log.read_text()) == on:
             raise RuntimeError(f"{name} did not switch seal_messages to {on}")
+
+
+def _stop(pool: Path, name: str) -> None:
+    """SIGTERM the pool's agent ``name`` (started by this run's `vsdk local up`) and wait
+    until it is gone."""
+    [pid] = [p["pid"] for p in json.loads((pool / "pids.json").read_text()) if p["name"] == name]
+    os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + 60
+    while Path(f"/proc/{pid}").exists():
+        stat = Path(f"/proc/{pid}/stat").read_text(errors="replace")
+        if stat.rsplit(") ", 1)[-1].startswith("Z"):
+            break  # exited; `vsdk local` reaps it
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{name} (pid {pid}) did not stop within 60 s")
+        time.sleep(0.05)
 
 
 def measure(quick: bool, repeat: int, sizes: tuple[int, ...] = (2, 4)) -> dict[str, list[Results]]:

@@ -30,7 +30,7 @@ non-deterministic outcome of a rank) to the rank's home relay, which logs it and
 
 from __future__ import annotations
 
-from typing import Final
+from typing import Annotated, Final
 
 import msgspec
 
@@ -40,6 +40,11 @@ PROTOCOL_VERSION: Final = 2
 # Data.kind: how the payload is to be read by the receiving runtime.
 KIND_BUFFER: Final = 0  # raw bytes of a typed buffer (upper-case Send/Recv)
 KIND_PICKLE: Final = 1  # pickle protocol 5; ``parts`` gives the lengths of out-of-band buffers
+
+
+# An image's id (its wall-clock time in ms): never negative, so nothing on the wire can pose
+# as the store's "no image" (-1).
+ImageId = Annotated[int, msgspec.Meta(ge=0)]
 
 
 class _Msg(msgspec.Struct, array_like=True, frozen=True, tag_field="type"):
@@ -278,7 +283,7 @@ class CkptPut(_Msg, frozen=True, tag="ckpt_put"):
     covers every payload byte of the image (``protocol.ckptdigest``)."""
 
     token: str
-    ckpt: int
+    ckpt: ImageId
     received: dict[int, int]
     dets: int
     fingerprint: str
@@ -290,7 +295,7 @@ class CkptPut(_Msg, frozen=True, tag="ckpt_put"):
 class CkptChunk(_Msg, frozen=True, tag="ckpt_chunk"):
     """Either way: the next bytes of image ``ckpt`` (ciphertext) as the frame's payload."""
 
-    ckpt: int
+    ckpt: ImageId
 
 
 class CkptEnd(_Msg, frozen=True, tag="ckpt_end"):
@@ -298,7 +303,7 @@ class CkptEnd(_Msg, frozen=True, tag="ckpt_end"):
     (``protocol.ckptdigest.ImageDigest``) is ``digest``; after a put, ``mac`` is the Poly1305
     tag of the image's bytes under the put's ``mac_key`` (empty after a get)."""
 
-    ckpt: int
+    ckpt: ImageId
     size: int
     digest: bytes
     mac: bytes = b""
@@ -317,7 +322,7 @@ class CkptGet(_Msg, frozen=True, tag="ckpt_get"):
     incarnation's rank token)."""
 
     token: str
-    ckpt: int
+    ckpt: ImageId
 
 
 class CkptInfo(_Msg, frozen=True, tag="ckpt_info"):

@@ -217,9 +217,7 @@ async def test_ckpt_stored_comes_once_the_coordinator_has_the_image(
     coord = CkptCoordinator(pool)
     coord.status = 200
     coord.gate = trio.Event()
-    settings = pool.settings(
-        tmp_path / "relay", coordinator_url="http://coord", relay_key="s3cret"
-    )
+    settings = pool.settings(tmp_path / "relay", coordinator_url="http://coord", relay_key="s3cret")
     relay = await start_relay(nursery, settings, coordinator_transport=coord.transport)
     conn = await store_conn(pool, relay.addr)
     answers: list[object] = []

@@ -177,9 +177,7 @@ async def test_finished_jobs_are_deleted(
     pool: Pool, nursery: trio.Nursery, tmp_path: Path, agents: object
 ) -> None:
     coord = FakeCoordinator(pool)
-    settings = pool.settings(
-        tmp_path / "relay", coordinator_url="http://coord", relay_key="s3cret"
-    )
+    settings = pool.settings(tmp_path / "relay", coordinator_url="http://coord", relay_key="s3cret")
     relay = await start_relay(nursery, settings, coordinator_transport=coord.transport)
     a = await FakeAgent.connect(pool, relay.addr, "agent-a")
     await a.attach(pool, 5, 0, size=2, home=True)

@@ -183,8 +183,6 @@ class Frames:
         if hostile and fields:
             i = self.rng.randrange(len(fields))
             values[i] = self.hostile_value(fields[i][1])
-            if fields[i][0] == "ckpt" and values[i] == -1 and self.case.state == "store-welcomed":
-                values[i] = -2  # test_a_store_chunk_of_image_minus_one_is_refused (xfail)
         return msgspec.msgpack.encode([tag_of(t), *values])
 
     def whole(self, t: type[Any], *, hostile: bool) -> bytes:
@@ -468,16 +466,9 @@ async def test_an_error_from_an_agent_is_refused(
     assert not relay_bugs(caplog), "\n".join(relay_bugs(caplog))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="relay/storethread.py takes -1, its 'none' for the bulk put and the discarded put, "
-    "for an image id: a CkptChunk of image -1 outside any put has its payload read from "
-    "beneath TLS (the connection hangs until store_idle_timeout), and a CkptChunk or "
-    "CkptEnd of image -1 counts as one of a discarded put",
-)
 async def test_a_store_chunk_of_image_minus_one_is_refused(pool: Pool, relay: RunningRelay) -> None:
-    """Outside a put, a chunk is refused (unexpected_message, "out of order"), whatever its
-    image id; -1 included."""
+    """An image id is never negative: a chunk of image -1 (the store's "no image") is a bad
+    frame, refused at once, not taken for the bulk put's and its payload read beneath TLS."""
     tcp = await trio.open_tcp_stream(*relay.addr)
     await tcp.send_all(STORE_PREAMBLE)
     conn = FakeAgent(trio.SSLStream(tcp, pool.client_ssl, server_hostname=relay.addr[0]), "a")
@@ -486,4 +477,4 @@ async def test_a_store_chunk_of_image_minus_one_is_refused(pool: Pool, relay: Ru
     await conn.expect(Welcome)
     await conn.send(CkptChunk(ckpt=-1), b"x" * 10)
     with trio.fail_after(2):  # answered at once when right; no answer for 60 s when not
-        await conn.expect_error("unexpected_message")
+        await conn.expect_error("bad_frame")

@@ -75,9 +75,7 @@ async def test_keeps_serving_while_the_coordinator_is_away(
             raise httpx.ConnectError("connection refused", request=request)
         return await coord.handle(request)
 
-    settings = pool.settings(
-        tmp_path / "relay", coordinator_url="http://coord", relay_key="s3cret"
-    )
+    settings = pool.settings(tmp_path / "relay", coordinator_url="http://coord", relay_key="s3cret")
     relay = await start_relay(nursery, settings, coordinator_transport=httpx.MockTransport(flaky))
     await coord.wait_for(lambda: len(coord.heartbeats) >= 1)
     away = True
