@@ -46,6 +46,14 @@ async def diverged(request: Request) -> Response:
     return empty()
 
 
+@router.post("/refused")
+async def refused(request: Request) -> Response:
+    relay = await _relay(request)
+    report = await decode(request, api.RelayRefused)
+    await coordinator(request).relay_refused(relay, report)
+    return empty()
+
+
 @router.post("/checkpoint")
 async def checkpoint(request: Request) -> Response:
     relay = await _relay(request)

@@ -566,7 +566,12 @@ class Coordinator:
         _check_name(relay, hb.name)
         now = self.clock()
         finished = await self.db.call(
-            self.store.relay_heartbeat, hb.name, hb.load, now, now - FINISHED_JOBS_WINDOW
+            self.store.relay_heartbeat,
+            hb.name,
+            hb.load,
+            now,
+            now - FINISHED_JOBS_WINDOW,
+            hb.jobs[: api.MAX_HELD_JOBS],
         )
         if finished is None:
             raise NotFound(
@@ -584,6 +589,14 @@ class Coordinator:
     async def relay_diverged(self, relay: str, report: api.RelayDiverged) -> None:
         _check_name(relay, report.name)
         if await self.db.call(self.store.relay_diverged, report, self.clock()):
+            self._states_changed()
+            await self.schedule()
+
+    async def relay_refused(self, relay: str, report: api.RelayRefused) -> None:
+        """The relay refuses the job's deposits for good (its quota, its disk): the job fails
+        with the relay's reason."""
+        _check_name(relay, report.name)
+        if await self.db.call(self.store.relay_refused, report, self.clock()):
             self._states_changed()
             await self.schedule()
 

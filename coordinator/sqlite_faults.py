@@ -109,6 +109,17 @@ class FaultsMixin(CheckpointsMixin):
             self._end(report.job, "failed", None, message, now)
         return True
 
+    def relay_refused(self, report: api.RelayRefused, now: float) -> bool:
+        """A relay refuses the job's deposits for good: fail the job (once) with its reason."""
+        with self.db.atomic():
+            row = self._check_serves(report.name, report.job)
+            if row is None or row["state"] != "running":
+                return False
+            message = report.message[:MAX_MESSAGE] or f"relay {report.name} refused the job"
+            self._event(report.job, now, "job_failed", f"relay {report.name}: {message}")
+            self._end(report.job, "failed", None, message, now)
+        return True
+
     def _check_serves(self, relay: str, job: int) -> dict[str, Any] | None:
         """The row of ``job`` (None: no such job) if ``relay`` is one of its relays."""
         row = self.job_row(job)

@@ -12,7 +12,7 @@ import hashlib
 import json
 import sqlite3
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -198,10 +198,11 @@ class SqliteStore(AccountsMixin, JobsMixin, CredentialsMixin):
         )
 
     def relay_heartbeat(
-        self, name: str, load: api.RelayLoad, now: float, since: float
+        self, name: str, load: api.RelayLoad, now: float, since: float, held: Sequence[int] = ()
     ) -> list[int] | None:
-        """Record the heartbeat; return the jobs finished since ``since`` that used the relay,
-        or None if the relay is unknown."""
+        """Record the heartbeat; return the jobs finished since ``since`` that used the relay
+        and those of ``held`` (what the relay holds files of) that do not run on it (over long
+        ago, never started, unknown), or None if the relay is unknown."""
         with self.db.atomic():
             row = self._one("SELECT state FROM relays WHERE name = ?", [name])
             if row is None:
@@ -218,7 +219,18 @@ class SqliteStore(AccountsMixin, JobsMixin, CredentialsMixin):
                 "ORDER BY j.id",
                 [name, since],
             )
-            return [int(r["id"]) for r in rows]
+            over = {int(r["id"]) for r in rows}
+            if held:
+                running = {
+                    int(r["id"])
+                    for r in self.db.query(
+                        "SELECT DISTINCT j.id FROM jobs j, json_each(j.relays) r "
+                        "WHERE r.value = ? AND j.state = 'running'",
+                        [name],
+                    )
+                }
+                over.update(job for job in held if job not in running)
+            return sorted(over)
 
     def list_relays(self) -> list[dict[str, Any]]:
         rows = list(self.db.query("SELECT * FROM relays ORDER BY name"))

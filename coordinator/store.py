@@ -8,7 +8,7 @@ methods. Methods are synchronous: ``Database.call`` runs them on a worker thread
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, ParamSpec, Protocol, TypeVar
 
@@ -109,8 +109,9 @@ class Store(Protocol):
 
     def register_relay(self, reg: api.RelayRegister, now: float) -> None: ...
     def relay_heartbeat(
-        self, name: str, load: api.RelayLoad, now: float, since: float
+        self, name: str, load: api.RelayLoad, now: float, since: float, held: Sequence[int] = ()
     ) -> list[int] | None: ...
+    def relay_refused(self, report: api.RelayRefused, now: float) -> bool: ...
     def list_relays(self) -> list[dict[str, Any]]: ...
 
     def add_output(

@@ -7,7 +7,7 @@ Prefix ``/api/v1``. Authentication by ``Authorization: Bearer <token>``:
   one place, ``coordinator/access.py``: a user's own jobs only (others' are 404); operators
   (``UserInfo.role``) also the agents, relays and every job;
 - agents: the agent token (``AgentClaims``) returned by enroll and renewed by heartbeats;
-- relays: the pool's relay secret.
+- relays: the relay's own key (`vpool-coordinator relay add NAME`), which names it.
 
 Every error is ``ErrorBody`` with a 4xx/5xx status. Endpoints::
 
@@ -43,11 +43,12 @@ Every error is ``ErrorBody`` with a 4xx/5xx status. Endpoints::
     POST /api/v1/agents/checkpoint-failed CheckpointFailed -> {}      (agent)
     POST /api/v1/agents/restored  RestoreReport -> {}                (agent)
 
-    POST /api/v1/relays/register  RelayRegister -> RelayRegistered   (relay secret)
-    POST /api/v1/relays/heartbeat RelayHeartbeat -> RelayHeartbeatResponse (relay secret)
-    POST /api/v1/relays/lost      RelayLost   -> {}                  (relay secret)
-    POST /api/v1/relays/diverged  RelayDiverged -> {}                (relay secret)
-    POST /api/v1/relays/checkpoint RelayCheckpoint -> {}             (relay secret)
+    POST /api/v1/relays/register  RelayRegister -> RelayRegistered   (relay key)
+    POST /api/v1/relays/heartbeat RelayHeartbeat -> RelayHeartbeatResponse (relay key)
+    POST /api/v1/relays/lost      RelayLost   -> {}                  (relay key)
+    POST /api/v1/relays/diverged  RelayDiverged -> {}                (relay key)
+    POST /api/v1/relays/refused   RelayRefused -> {}                 (relay key)
+    POST /api/v1/relays/checkpoint RelayCheckpoint -> {}             (relay key)
 """
 
 from __future__ import annotations
@@ -559,9 +560,15 @@ class RankLost(msgspec.Struct, frozen=True):
     reason: str
 
 
+MAX_HELD_JOBS = 10_000
+
+
 class RelayHeartbeat(msgspec.Struct, frozen=True):
     name: str
     load: RelayLoad
+    # The jobs whose logs or images the relay holds (at most MAX_HELD_JOBS): the answer says
+    # which of them are over, however long ago, or never ran here (their files are deleted).
+    jobs: list[int] = []
 
 
 class RelayHeartbeatResponse(msgspec.Struct, frozen=True):
@@ -571,6 +578,17 @@ class RelayHeartbeatResponse(msgspec.Struct, frozen=True):
 class RelayLost(msgspec.Struct, frozen=True):
     name: str
     lost: list[RankLost]
+
+
+class RelayRefused(msgspec.Struct, frozen=True):
+    """A relay refuses a job's deposits for good: its logs there reached the relay's
+    ``job_log_quota`` (``quota_exceeded``), or the relay's disk is down to its
+    ``disk_reserve`` (``disk_full``). The coordinator fails the job with ``message``."""
+
+    name: str
+    job: int
+    code: str
+    message: str
 
 
 class RelayDiverged(msgspec.Struct, frozen=True):

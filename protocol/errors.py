@@ -59,6 +59,8 @@ class ErrorCode(enum.StrEnum):
     FENCED = "fenced"  # a newer incarnation holds the rank: this one must stop
     TRIMMED = "trimmed"  # asks for what a committed checkpoint let the log drop
     NOT_DETERMINISTIC = "not_deterministic"  # a re-sent message differs from the logged one
+    QUOTA_EXCEEDED = "quota_exceeded"  # the job's logs at this relay reached job_log_quota
+    DISK_FULL = "disk_full"  # the relay's disk is down to disk_reserve: no new deposits
     STOPPED = "stopped"  # the relay stopped the rank (the job ended); agent-side only
     JOB_FINISHED = "job_finished"
     # -- checkpoint images (the store) ----------------------------------------------------------
@@ -81,6 +83,8 @@ SCOPES: Final[dict[ErrorCode, Scope]] = {
             ErrorCode.FENCED,
             ErrorCode.TRIMMED,
             ErrorCode.NOT_DETERMINISTIC,
+            ErrorCode.QUOTA_EXCEEDED,
+            ErrorCode.DISK_FULL,
             ErrorCode.STOPPED,
             ErrorCode.JOB_FINISHED,
             ErrorCode.NOT_FOUND,

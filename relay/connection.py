@@ -104,6 +104,8 @@ class Connection:
         self._write_slots = trio.Semaphore(WRITES_IN_FLIGHT)
         self._nursery: trio.Nursery | None = None
         self._round = 0
+        # (job, rank) told on this connection that their job may log nothing more here.
+        self._refusals_told: set[tuple[int, int]] = set()
         self.reason = "the agent closed the connection"
 
     def __repr__(self) -> str:
@@ -270,17 +272,24 @@ class Connection:
         write."""
         batch = Batch()
         relay = self.core
+        quotas = self.hub.quotas
         try:
             for header_len, frame in frames:
                 msg = self._decode(header_len, frame)
                 self._receive(msg)
                 if type(msg) is Data:
+                    if msg.job in quotas.refused:
+                        self._refuse_job(msg.job, msg.src, quotas.refused[msg.job])
+                        continue
                     try:
                         box = relay.deposit(self, msg.job, msg.src, msg.dst, msg.seq, frame)
                     except RemoteProtocolError as exc:
                         raise rejection(exc, job=msg.job, rank=msg.src) from exc
                     if box is not None:
-                        self.hub.stage(batch, box, msg.src, msg.seq, frame)
+                        if why := quotas.admit(msg.job, len(frame)):
+                            self._refuse_job(msg.job, msg.src, why)
+                        else:
+                            self.hub.stage(batch, box, msg.src, msg.seq, frame)
                 elif type(msg) is Credit:
                     try:
                         relay.credit(self, msg.job, msg.rank, msg.nbytes, trio.current_time())
@@ -293,12 +302,18 @@ class Connection:
                     if entry is not None:
                         self.hub.pushed(entry)  # its copy in memory is needed no more
                 elif type(msg) is Det:
+                    if msg.job in quotas.refused:
+                        self._refuse_job(msg.job, msg.rank, quotas.refused[msg.job])
+                        continue
                     try:
                         box = relay.det(self, msg.job, msg.rank, msg.index)
                     except RemoteProtocolError as exc:
                         raise rejection(exc, job=msg.job, rank=msg.rank) from exc
                     if box is not None:
-                        self.hub.stage_det(batch, box, msg, frame)
+                        if why := quotas.admit(msg.job, len(frame)):
+                            self._refuse_job(msg.job, msg.rank, why)
+                        else:
+                            self.hub.stage_det(batch, box, msg, frame)
                 elif type(msg) is Attach:
                     claims = self._claims(msg)
                     box = self.hub.boxes.get((claims.job, claims.rank)) if msg.home else None
@@ -316,6 +331,15 @@ class Connection:
             # Frames staged before a bad one still have their place reserved in the log: they
             # must be written, or the log would keep a hole.
             await self._flush(batch)
+
+    def _refuse_job(self, job: int, rank: int, why: tuple[ErrorCode, str]) -> None:
+        """The job may log nothing more here (``relay.quotas``): its frame is dropped, and the
+        rank told why once on this connection (the coordinator ends the job)."""
+        if (job, rank) in self._refusals_told:
+            return
+        self._refusals_told.add((job, rank))
+        code, message = why
+        self.hub.send(self, Error(code=code, message=message, job=job, rank=rank))
 
     def _claims(self, msg: Attach) -> RankClaims:
         """The checked claims of an Attach's token."""

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import logging
 import math
-import shutil
 import time
 from collections import Counter
 from collections.abc import Iterable
@@ -29,7 +28,7 @@ import trio
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from vpool.protocol import relay_core as core
-from vpool.protocol.api import RankLost, RelayDiverged, RelayLoad
+from vpool.protocol.api import MAX_HELD_JOBS, RankLost, RelayDiverged, RelayLoad
 from vpool.protocol.detlog import DetLog
 from vpool.protocol.mailbox import Entry
 from vpool.protocol.messages import Det, DetAck, Error, Stop
@@ -37,6 +36,7 @@ from vpool.relay import log as logfiles
 from vpool.relay import trim
 from vpool.relay.determinism import Determinism
 from vpool.relay.log import Buffer, ChannelLog, Location, digest
+from vpool.relay.quotas import Quotas, disk_free
 from vpool.relay.settings import RelaySettings
 
 if TYPE_CHECKING:
@@ -128,6 +128,7 @@ class Hub:
         self.io_limiter = trio.CapacityLimiter(max(1, settings.write_threads))
         self.hash_limiter = trio.CapacityLimiter(max(1, settings.write_threads))
         self.determinism = Determinism()
+        self.quotas = Quotas(name, data_dir, settings.job_log_quota, settings.disk_reserve)
         from vpool.relay.ckptstore import CheckpointStore
 
         self.store = CheckpointStore(self)
@@ -171,6 +172,7 @@ class Hub:
             self.core.add_box(box)
             self.messages_stored += len(records)
             self.bytes_stored += mailbox.nbytes
+            self.quotas.loaded(job, mailbox.nbytes)
             logger.info(
                 "job %d rank %d: %d messages and %d determinants in the log",
                 job,
@@ -424,6 +426,7 @@ class Hub:
             if job in self.finished:
                 continue
             self.store.forget_job(job)
+            self.quotas.forget(job)
             for box in self.core.finish_jobs([job]):
                 io = box.io
                 if io.settled is not None:
@@ -445,15 +448,13 @@ class Hub:
             messages_stored=self.messages_stored,
             # The log's frames and the checkpoint images: what this relay's disk holds.
             bytes_stored=self.bytes_stored + self.store.nbytes,
-            disk_free=_disk_free(self.data_dir),
+            disk_free=disk_free(self.data_dir),
         )
 
-
-def _disk_free(path: Path) -> int:
-    try:
-        return shutil.disk_usage(path).free
-    except OSError:
-        return 0
+    def held_jobs(self) -> list[int]:
+        """The jobs whose logs or images are here (at most ``MAX_HELD_JOBS``, oldest first)."""
+        jobs = {job for job, _ in self.core.boxes} | {job for job, _ in self.store.images}
+        return sorted(jobs - self.finished)[:MAX_HELD_JOBS]
 
 
 def now() -> float:

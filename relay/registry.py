@@ -27,6 +27,7 @@ from vpool.protocol.api import (
     RelayHeartbeat,
     RelayHeartbeatResponse,
     RelayLost,
+    RelayRefused,
     RelayRegister,
     RelayRegistered,
 )
@@ -100,6 +101,9 @@ class CoordinatorClient:
     async def report_diverged(self, req: RelayDiverged) -> None:
         await self._post("/relays/diverged", req, dict)
 
+    async def report_refused(self, req: RelayRefused) -> None:
+        await self._post("/relays/refused", req, dict)
+
     async def report_checkpoint(self, req: RelayCheckpoint) -> None:
         await self._post("/relays/checkpoint", req, dict)
 
@@ -149,6 +153,27 @@ async def _report_diverged(hub: Hub, client: CoordinatorClient) -> None:
                     break
                 except CoordinatorError as exc:
                     logger.warning("cannot report a divergence, retrying: %s", exc.message)
+                    await trio.sleep(delay)
+                    delay = min(delay * 2, BACKOFF_MAX)
+
+
+async def _report_refused(hub: Hub, client: CoordinatorClient) -> None:
+    """Jobs refused for good (``relay.quotas``): the coordinator fails them. A 4xx is final
+    (the job is over, or not this relay's to speak of)."""
+    quotas = hub.quotas
+    while True:
+        await quotas.ready.wait()
+        for report in quotas.take():
+            delay = BACKOFF_FIRST
+            while True:
+                try:
+                    await client.report_refused(report)
+                    break
+                except CoordinatorError as exc:
+                    if exc.status is not None and 400 <= exc.status < 500 and exc.status != 401:
+                        logger.warning("refusal of job %d not taken: %s", report.job, exc.message)
+                        break
+                    logger.warning("cannot report a refused job, retrying: %s", exc.message)
                     await trio.sleep(delay)
                     delay = min(delay * 2, BACKOFF_MAX)
 
@@ -204,12 +229,13 @@ async def run_registry(hub: Hub, client: CoordinatorClient, req: RelayRegister) 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(_report_lost, hub, client)
             nursery.start_soon(_report_diverged, hub, client)
+            nursery.start_soon(_report_refused, hub, client)
             nursery.start_soon(_report_checkpoints, hub, client)
             while True:
                 await trio.sleep(interval)
                 try:
                     resp = await client.heartbeat(
-                        RelayHeartbeat(name=hub.name, load=hub.load_report())
+                        RelayHeartbeat(name=hub.name, load=hub.load_report(), jobs=hub.held_jobs())
                     )
                 except CoordinatorError as exc:
                     logger.warning("heartbeat failed: %s", exc.message)

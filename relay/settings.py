@@ -80,6 +80,16 @@ class RelaySettings:
         False, "fdatasync the log before acknowledging (survives a machine crash, slower)."
     )
     segment_size: int = setting(64 * MiB, "Size at which a log segment file is closed.")
+    job_log_quota: int = setting(
+        16 * GiB,
+        "Bytes of message and determinant logs one job may hold here; a job that deposits "
+        "more fails, naming this quota, and its logs are deleted (nobody else notices).",
+    )
+    disk_reserve: int = setting(
+        512 * MiB,
+        "Bytes kept free on the disk of data_dir: a deposit that would leave less is refused "
+        "(its job fails with the relay's disk full) and the relay keeps serving the rest.",
+    )
     handshake_timeout: float = setting(
         10.0, "Seconds an agent has to complete TLS and Hello after connecting."
     )

@@ -84,7 +84,9 @@ def apply(hub: Hub, box: Box, point: TrimPoint) -> None:
     for e in dropped:
         hub.pushed(e)
     hub.messages_stored -= len(dropped)
-    hub.bytes_stored -= sum(e.size for e in dropped)
+    nbytes = sum(e.size for e in dropped)
+    hub.bytes_stored -= nbytes
+    hub.quotas.freed(box.job, nbytes)
     live = {id(e.ref.segment) for e in mailbox.entries()}
     chan = box.io.log
     dead = [seg for seg in chan.segments[:-1] if id(seg) not in live]

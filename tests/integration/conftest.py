@@ -192,3 +192,13 @@ def pool4(tmp_path: Path) -> Iterator[Pool]:
         yield p
     finally:
         p.vsdk("local", "down", timeout=60)
+
+
+@pytest.fixture
+def pool_1relay(tmp_path: Path) -> Iterator[Pool]:
+    """A fresh pool of 2 agents and a single relay (tests that change the relay's setup)."""
+    p = start_pool(tmp_path / "home", agents=2, relays=1)
+    try:
+        yield p
+    finally:
+        p.vsdk("local", "down", timeout=60)

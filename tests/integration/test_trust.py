@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import signal
 import subprocess
 import sys
 import time
@@ -16,6 +17,7 @@ from typing import TYPE_CHECKING
 
 import httpx
 import msgspec
+import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from vpool import tls
@@ -140,6 +142,66 @@ def test_a_marker_sent_by_a_program_is_nowhere_on_the_relays(pool: Pool) -> None
     assert d["job"]["state"] == "succeeded", d
     out = pool.vsdk("logs", str(job), timeout=60).stdout.decode()
     assert out.count(marker) == 8, out  # the marker reached every rank, twice
+
+
+def test_a_flood_on_a_small_disk_fails_alone_and_the_relay_stays_up(
+    pool_1relay: Pool, tmp_path: Path
+) -> None:
+    """relay-0's logs on a 96 MiB tmpfs, job_log_quota 16 MiB: a job sending 64 MiB nobody
+    receives fails, naming the quota; a job beside it finishes with its output."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mount = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=96m,mode=0700", "tmpfs", str(disk)],
+        capture_output=True,
+        check=False,
+    )
+    if mount.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs (needs root): {mount.stderr.decode().strip()}")
+    pool = pool_1relay
+    try:
+        relay = _dir(pool) / "relay-0"
+        os.kill(pool.pid_of("relay-0"), signal.SIGTERM)
+        _wait_gone(pool.pid_of("relay-0"))
+        config = relay / "config.toml"
+        text = "".join(
+            line + "\n"
+            for line in config.read_text().splitlines()
+            if not line.startswith("data_dir")
+        )
+        config.write_text(
+            text + f'data_dir = "{disk}"\njob_log_quota = {16 << 20}\ndisk_reserve = {4 << 20}\n'
+        )
+        res = pool.vsdk("local", "restart", "relay-0")
+        assert res.returncode == 0, res.stderr.decode()
+        flood = _submit_program(pool, "flood.py", 2, "64")
+        marker = f"MARKER-{secrets.token_hex(6)}"
+        calm = _submit_program(pool, "marker.py", 2, marker, "2")
+        d = _wait(pool, flood, lambda d: d["job"]["state"] in ("succeeded", "failed"), "flood")
+        assert d["job"]["state"] == "failed", d
+        assert "job_log_quota (16 MiB)" in d["job"]["reason"], d["job"]
+        d = _wait(pool, calm, lambda d: d["job"]["state"] in ("succeeded", "failed"), "calm")
+        assert d["job"]["state"] == "succeeded", (d, pool.logs())
+        out = pool.vsdk("logs", str(calm), timeout=60).stdout.decode()
+        assert out.count(marker) == 4, out
+        assert _alive(pool.pid_of("relay-0")), pool.logs()
+    finally:
+        pool.vsdk("local", "down", timeout=60)  # before the unmount: the relay holds files
+        subprocess.run(["umount", str(disk)], check=False)
+
+
+def _submit_program(pool: Pool, program: str, ranks: int, *args: str) -> int:
+    path = str(PROGRAMS / program)
+    res = pool.vsdk("submit", path, "--ranks", str(ranks), "--json", "--", *args)
+    assert res.returncode == 0, res.stderr.decode()
+    return int(json.loads(res.stdout)["id"])
+
+
+def _wait_gone(pid: int) -> None:
+    deadline = time.monotonic() + 30
+    while _alive(pid):
+        assert time.monotonic() < deadline, f"pid {pid} did not stop"
+        time.sleep(0.05)
 
 
 def test_a_banned_agents_ranks_move_and_the_job_still_succeeds(pool: Pool) -> None:

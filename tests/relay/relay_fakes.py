@@ -319,6 +319,7 @@ class FakeCoordinator:
         self.heartbeats: list[api.RelayHeartbeat] = []
         self.lost: list[api.RankLost] = []
         self.diverged: list[api.RelayDiverged] = []
+        self.refused: list[api.RelayRefused] = []
         self.finished_jobs: list[int] = []
         self.changed = trio.Event()
         self.transport = httpx.MockTransport(self.handle)
@@ -351,6 +352,9 @@ class FakeCoordinator:
                 return self._json(api.RelayHeartbeatResponse(finished_jobs=self.finished_jobs))
             if path == "/api/v1/relays/diverged":
                 self.diverged.append(msgspec.json.decode(request.content, type=api.RelayDiverged))
+                return self._json({})
+            if path == "/api/v1/relays/refused":
+                self.refused.append(msgspec.json.decode(request.content, type=api.RelayRefused))
                 return self._json({})
             if path == "/api/v1/relays/lost":
                 self.lost.extend(msgspec.json.decode(request.content, type=api.RelayLost).lost)

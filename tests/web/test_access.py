@@ -19,7 +19,7 @@ PUBLIC = "public"  # anyone: pool info, the sign-in page, static files
 USER_API = "user_api"  # a user's bearer token
 PAGE = "page"  # a portal session
 AGENT = "agent"  # an enrolled agent's token (or the enrollment itself)
-RELAY = "relay"  # the relay secret
+RELAY = "relay"  # a relay key
 
 CLASSES: dict[tuple[str, str], str] = {
     ("GET", "/api/v1/pool"): PUBLIC,
@@ -85,7 +85,7 @@ CLASSES: dict[tuple[str, str], str] = {
     },
     **{
         ("POST", "/api/v1/relays" + p): RELAY
-        for p in ["/register", "/heartbeat", "/lost", "/diverged", "/checkpoint"]
+        for p in ["/register", "/heartbeat", "/lost", "/diverged", "/refused", "/checkpoint"]
     },
 }
 SECRET = "secret-job-of-alice"
