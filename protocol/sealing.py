@@ -29,20 +29,18 @@ from __future__ import annotations
 import base64
 from typing import Final
 
-import msgspec
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from vpool.protocol.framing import PREFIX, PREFIX_SIZE, Buffer
-from vpool.protocol.messages import Data, encode
+from vpool.protocol.messages import Data
 
 TAG_SIZE: Final = 16
 KEY_INFO: Final = b"vpool message payloads v1"
 _RANK_BITS = 24  # nonce: src (24 bits), dst (24 bits), seq (48 bits)
 _SEQ_BITS = 48
-_aad_encoder = msgspec.msgpack.Encoder()
 
 
 class SealError(Exception):
@@ -63,57 +61,67 @@ def nonce(src: int, dst: int, seq: int) -> bytes:
     return ((src << (_RANK_BITS + _SEQ_BITS)) | (dst << _SEQ_BITS) | seq).to_bytes(12, "big")
 
 
-def _aad(msg: Data) -> bytes:
-    return _aad_encoder.encode(
-        (msg.job, msg.src, msg.dst, msg.seq, msg.ctx, msg.tag, msg.kind, msg.parts)
-    )
+_FALSE, _TRUE = 0xC2, 0xC3  # MessagePack's false and true
 
 
-def _framed(msg: Data, payload_len: int) -> tuple[bytearray, int]:
-    """A frame buffer with ``msg``'s prefix and header written, room for the payload after."""
-    header = encode(msg)
-    out = bytearray(PREFIX_SIZE + len(header) + payload_len)
-    PREFIX.pack_into(out, 0, len(header), payload_len)
-    start = PREFIX_SIZE + len(header)
-    out[PREFIX_SIZE:start] = header
-    return out, start
+def _flag(frame: Buffer, header_len: int, sealed: bool) -> int:
+    """The offset of the header's last byte, ``Data.sealed`` (its last field, ``array_like``),
+    checked to say ``sealed``."""
+    at = PREFIX_SIZE + header_len - 1
+    if memoryview(frame)[at] != (_TRUE if sealed else _FALSE):
+        raise SealError("the header does not end with the sealed flag")
+    return at
 
 
 class Sealer:
-    """Seals and opens the ``Data`` frames of one job."""
+    """Seals and opens the ``Data`` frames of one job.
+
+    The associated data is the header's bytes but its last, the ``sealed`` flag: the envelope
+    exactly as the relay forwards it. Sealing copies the header with the flag set; opening a
+    frame the caller owns (a ``bytearray``) decrypts it in place."""
 
     __slots__ = ("_aead",)
 
     def __init__(self, key: bytes) -> None:
         self._aead = AESGCM(key)
 
-    def seal(self, msg: Data, frame: Buffer, header_len: int) -> tuple[Data, bytearray]:
-        """The sealed message and frame of the plaintext ``frame`` (whose header is ``msg``)."""
-        if msg.sealed:
-            raise ValueError("the frame is sealed already")
-        payload = memoryview(frame)[PREFIX_SIZE + header_len :]
-        sealed = msgspec.structs.replace(msg, sealed=True)
-        out, start = _framed(sealed, len(payload) + TAG_SIZE)
+    def seal(self, msg: Data, frame: Buffer, header_len: int) -> bytearray:
+        """The sealed frame of the plaintext ``frame`` (whose header is ``msg``)."""
+        at = _flag(frame, header_len, False)
+        view = memoryview(frame)
+        payload_len = len(view) - at - 1
+        out = bytearray(len(view) + TAG_SIZE)
+        PREFIX.pack_into(out, 0, header_len, payload_len + TAG_SIZE)
+        out[PREFIX_SIZE:at] = view[PREFIX_SIZE:at]
+        out[at] = _TRUE
         self._aead.encrypt_into(
-            nonce(msg.src, msg.dst, msg.seq), payload, _aad(msg), memoryview(out)[start:]
-        )
-        return sealed, out
+            nonce(msg.src, msg.dst, msg.seq), view[at + 1 :], view[PREFIX_SIZE:at],
+            memoryview(out)[at + 1 :],
+        )  # fmt: skip
+        return out
 
-    def open(self, msg: Data, frame: Buffer, header_len: int) -> tuple[Data, bytearray]:
-        """The plaintext message and frame of the sealed ``frame`` (whose header is ``msg``);
-        ``SealError`` if it does not open."""
-        payload = memoryview(frame)[PREFIX_SIZE + header_len :]
-        if not msg.sealed or len(payload) < TAG_SIZE:
+    def open(self, msg: Data, frame: Buffer, header_len: int) -> Buffer:
+        """The plaintext frame of the sealed ``frame`` (whose header is ``msg``); ``SealError``
+        if it does not open. A ``bytearray`` is opened in place (a view of it is returned)."""
+        at = _flag(frame, header_len, True)
+        payload_len = len(frame) - at - 1 - TAG_SIZE
+        if not msg.sealed or payload_len < 0:
             raise SealError(f"message {msg.seq} from rank {msg.src} is not sealed")
-        plain = msgspec.structs.replace(msg, sealed=False)
-        out, start = _framed(plain, len(payload) - TAG_SIZE)
+        if isinstance(frame, bytearray):
+            out = frame
+        else:
+            out = bytearray(frame[: at + 1 + payload_len])
+        view = memoryview(frame)
         try:
             self._aead.decrypt_into(
-                nonce(msg.src, msg.dst, msg.seq), payload, _aad(plain), memoryview(out)[start:]
-            )
+                nonce(msg.src, msg.dst, msg.seq), view[at + 1 :], bytes(view[PREFIX_SIZE:at]),
+                memoryview(out)[at + 1 : at + 1 + payload_len],
+            )  # fmt: skip
         except (InvalidTag, ValueError) as exc:
             raise SealError(
                 f"message {msg.seq} from rank {msg.src} to rank {msg.dst} of job {msg.job} "
                 "does not open with the job's key: it was changed on its way"
             ) from exc
-        return plain, out
+        PREFIX.pack_into(out, 0, header_len, payload_len)
+        out[at] = _FALSE
+        return memoryview(out)[: at + 1 + payload_len]

@@ -374,8 +374,7 @@ class RankProxy:
                     parts = frame.parts
                     if rank.seal:
                         assert rank.sealer is not None
-                        msg, sealed = rank.sealer.seal(msg, frame.frame, frame.header_len)
-                        parts = [sealed]
+                        parts = [rank.sealer.seal(msg, frame.frame, frame.header_len)]
                     try:
                         await link.send_data(msg, parts, notice)
                     except RelayLinkError:

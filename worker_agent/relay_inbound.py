@@ -122,7 +122,7 @@ class InboundRouting:
         try:
             if rank.sealer is None:
                 raise SealError(f"{rank.label} has no job key to open message {msg.seq} with")
-            _, plain = rank.sealer.open(msg, frame.frame, frame.header_len)
+            plain = rank.sealer.open(msg, frame.frame, frame.header_len)
         except SealError as exc:
             # Changed on its way: the rank cannot go on without it. A restart fetches it again.
             self._owner.on_problem(rank, f"{self.where}: {exc}", "")
