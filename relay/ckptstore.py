@@ -58,6 +58,7 @@ import base64
 import json
 import logging
 import os
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -212,6 +213,7 @@ class CheckpointStore:
         self.hub = hub
         self.images: dict[Key, dict[int, Image]] = {}
         self.nbytes = 0
+        self.job_nbytes: Counter[int] = Counter()  # per job: what its images take here
         self.uploading: set[Key] = set()
         # Without a coordinator, commits count as accepted at once.
         self.reporting = bool(hub.settings.coordinator_url)
@@ -267,6 +269,7 @@ class CheckpointStore:
     def _add(self, img: Image) -> None:
         self.images.setdefault((img.job, img.rank), {})[img.ckpt] = img
         self.nbytes += img.size
+        self.job_nbytes[img.job] += img.size
 
     def _remove(self, img: Image) -> bool:
         imgs = self.images.get((img.job, img.rank))
@@ -276,6 +279,7 @@ class CheckpointStore:
         if not imgs:
             del self.images[(img.job, img.rank)]
         self.nbytes -= img.size
+        self.job_nbytes[img.job] -= img.size
         return True
 
     def retained(self, key: Key) -> list[int]:
@@ -285,6 +289,7 @@ class CheckpointStore:
         """The job is over (its directory is being deleted with the logs)."""
         for key in [k for k in self.images if k[0] == job]:
             self.nbytes -= sum(img.size for img in self.images.pop(key).values())
+        self.job_nbytes.pop(job, None)
         for img in self.reports:
             if img.job == job:
                 report_settled(img)
@@ -422,6 +427,9 @@ class CheckpointStore:
                 job=job,
                 rank=rank,
             )
+        if job in self.hub.quotas.refused:
+            code, message = self.hub.quotas.refused[job]
+            return Refused(code, message, job=job, rank=rank)
         if imgs and ckpt <= max(imgs):
             return Refused(
                 ErrorCode.STALE_CHECKPOINT,
@@ -454,6 +462,13 @@ class CheckpointStore:
                 job=job,
                 rank=rank,
             )
+        keep = max(1, self.hub.settings.checkpoint_keep)
+        dropped = sorted(self.images.get(key, {}).values(), key=lambda i: -i.ckpt)[keep - 1 :]
+        why = self.hub.quotas.admit_image(
+            job, img.size - sum(i.size for i in dropped), self.job_nbytes[job]
+        )
+        if why is not None:
+            return Refused(why[0], why[1], job=job, rank=rank)
         await self.commit(img)
         return self.retained(key)
 

@@ -273,6 +273,7 @@ class Connection:
         batch = Batch()
         relay = self.core
         quotas = self.hub.quotas
+        images = self.hub.store.job_nbytes
         try:
             for header_len, frame in frames:
                 msg = self._decode(header_len, frame)
@@ -286,7 +287,7 @@ class Connection:
                     except RemoteProtocolError as exc:
                         raise rejection(exc, job=msg.job, rank=msg.src) from exc
                     if box is not None:
-                        if why := quotas.admit(msg.job, len(frame)):
+                        if why := quotas.admit(msg.job, len(frame), images[msg.job]):
                             self._refuse_job(msg.job, msg.src, why)
                         else:
                             self.hub.stage(batch, box, msg.src, msg.seq, frame)
@@ -310,7 +311,7 @@ class Connection:
                     except RemoteProtocolError as exc:
                         raise rejection(exc, job=msg.job, rank=msg.rank) from exc
                     if box is not None:
-                        if why := quotas.admit(msg.job, len(frame)):
+                        if why := quotas.admit(msg.job, len(frame), images[msg.job]):
                             self._refuse_job(msg.job, msg.rank, why)
                         else:
                             self.hub.stage_det(batch, box, msg, frame)

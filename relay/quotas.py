@@ -2,8 +2,9 @@
 
 Two limits guard the disk of ``data_dir``:
 
-- ``job_log_quota``: the bytes of message and determinant logs one job may hold here (what
-  its receivers' logs hold now: a checkpoint's trim gives room back);
+- ``job_log_quota``: the bytes of message and determinant logs and checkpoint images one job
+  may hold here (what its receivers' logs hold now: a checkpoint's trim gives room back; an
+  image counts once committed, less the older images its retention deletes);
 - ``disk_reserve``: the bytes kept free on the disk, whoever else fills it. The free space is
   read (``statvfs``) at most once a second, and in between estimated from what was written, so
   the check costs a subtraction per deposit.
@@ -47,18 +48,20 @@ class Quotas:
         self._free = 0
         self._free_at = -DISK_CHECK_EVERY  # monotonic time of the last statvfs
 
-    def admit(self, job: int, nbytes: int) -> tuple[ErrorCode, str] | None:
-        """Why ``job`` may not log ``nbytes`` more here (it is then refused for good), or
-        None: the bytes are counted as the job's."""
+    def admit(self, job: int, nbytes: int, images: int = 0) -> tuple[ErrorCode, str] | None:
+        """Why ``job`` may not log ``nbytes`` more here (its checkpoint images take
+        ``images``; it is then refused for good), or None: the bytes are counted as the
+        job's."""
         if job in self.refused:
             return self.refused[job]
         held = self.job_bytes[job] + nbytes
-        if held > self.job_log_quota:
+        if held + images > self.job_log_quota:
             return self._refuse(
                 job,
                 ErrorCode.QUOTA_EXCEEDED,
                 f"job {job} exceeded job_log_quota ({format_size(self.job_log_quota)}) at "
-                f"relay {self.name}: its message logs there would hold {format_size(held)}",
+                f"relay {self.name}: its logs and checkpoint images there would hold "
+                f"{format_size(held + images)}",
             )
         if self._free - nbytes < self.disk_reserve or self._stale():
             self._free = disk_free(self.data_dir)
@@ -73,6 +76,22 @@ class Quotas:
                 )
         self._free -= nbytes
         self.job_bytes[job] = held
+        return None
+
+    def admit_image(self, job: int, growth: int, images: int) -> tuple[ErrorCode, str] | None:
+        """Why the job may not commit an image that grows what it holds here by ``growth``
+        bytes (its images take ``images`` now; it is then refused for good), or None."""
+        if job in self.refused:
+            return self.refused[job]
+        held = self.job_bytes[job] + images + growth
+        if held > self.job_log_quota:
+            return self._refuse(
+                job,
+                ErrorCode.QUOTA_EXCEEDED,
+                f"job {job} exceeded job_log_quota ({format_size(self.job_log_quota)}) at "
+                f"relay {self.name}: its logs and checkpoint images there would hold "
+                f"{format_size(held)}",
+            )
         return None
 
     def freed(self, job: int, nbytes: int) -> None:

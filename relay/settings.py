@@ -82,8 +82,9 @@ class RelaySettings:
     segment_size: int = setting(64 * MiB, "Size at which a log segment file is closed.")
     job_log_quota: int = setting(
         16 * GiB,
-        "Bytes of message and determinant logs one job may hold here; a job that deposits "
-        "more fails, naming this quota, and its logs are deleted (nobody else notices).",
+        "Bytes of message and determinant logs and checkpoint images one job may hold here; "
+        "a job that stores more fails, naming this quota, and its files are deleted (nobody "
+        "else notices).",
     )
     disk_reserve: int = setting(
         512 * MiB,

@@ -13,6 +13,8 @@ import trio.lowlevel
 from relay_fakes import DEADLINE, FakeAgent, FakeCoordinator, Pool, start_relay
 
 from vpool.protocol.messages import Ack, Data, Stop
+from vpool.protocol.relay_core import Refused
+from vpool.relay.ckptstore import Image
 
 
 async def _relay(pool: Pool, nursery: trio.Nursery, tmp_path: Path, **kw: Any) -> tuple[Any, Any]:
@@ -114,3 +116,47 @@ async def test_heartbeats_name_the_jobs_held_and_the_over_ones_are_deleted(
     assert await a.expect(Stop) == Stop(job=5, rank=0, incarnation=1, reason="job finished")
     await a.send(Data(job=6, src=0, dst=1, seq=2, ctx=0, tag=0), b"still served")
     await a.acks_until(6, 0, 1, 2)
+
+
+def _image(job: int, ckpt: int, size: int, directory: Path) -> Image:
+    return Image(
+        job=job, rank=0, ckpt=ckpt, incarnation=1, size=size, digest=b"d" * 32, received={},
+        dets=0, fingerprint="", meta=b"", directory=directory,
+    )  # fmt: skip
+
+
+async def test_checkpoint_images_count_in_the_job_quota(
+    pool: Pool, nursery: trio.Nursery, tmp_path: Path, agents: object
+) -> None:
+    settings = pool.settings(tmp_path / "relay", job_log_quota=64 * 1024, checkpoint_keep=2)
+    relay = await start_relay(nursery, settings, signing_key=pool.key.public_key())
+    store = relay.hub.store
+    where = tmp_path / "images"
+    where.mkdir()
+    assert await store.commit_put(_image(9, 1, 40 * 1024, where)) == [1]
+    # A second image is kept beside the first (checkpoint_keep = 2): 80 KiB, past the quota.
+    refused = await store.commit_put(_image(9, 2, 40 * 1024, where))
+    assert isinstance(refused, Refused) and refused.code == "quota_exceeded"
+    assert "logs and checkpoint images there would hold 80 KiB" in refused.message
+    assert store.retained((9, 0)) == [1] and store.job_nbytes[9] == 40 * 1024
+    again = store.begin_put((9, 0), 1, 3)  # refused for good
+    assert isinstance(again, Refused) and again.code == "quota_exceeded"
+    # Logs count the images too: 40 KiB of images and 24 KiB of messages pass 64 KiB.
+    a = await FakeAgent.connect(pool, relay.addr, "agent-a")
+    await a.attach(pool, 10, 0, size=2)
+    assert await store.commit_put(_image(10, 1, 40 * 1024, where)) == [1]
+    await a.deposit(10, 0, 1, 1, b"z" * 24 * 1024)
+    err = await a.expect_rank_error("quota_exceeded")
+    assert err.job == 10 and "would hold 64.0" in err.message
+
+
+async def test_an_image_that_replaces_the_older_one_takes_no_more_room(
+    pool: Pool, nursery: trio.Nursery, tmp_path: Path, agents: object
+) -> None:
+    settings = pool.settings(tmp_path / "relay", job_log_quota=64 * 1024, checkpoint_keep=1)
+    relay = await start_relay(nursery, settings, signing_key=pool.key.public_key())
+    where = tmp_path / "images"
+    where.mkdir()
+    for ckpt in (1, 2, 3):
+        assert await relay.hub.store.commit_put(_image(9, ckpt, 40 * 1024, where)) == [ckpt]
+    assert relay.hub.store.job_nbytes[9] == 40 * 1024 and not relay.hub.quotas.refused
