@@ -1,5 +1,5 @@
-"""Request and response plumbing shared by the API routers: msgspec JSON in and out, bounded
-bodies, bearer credentials."""
+"""Request and response plumbing shared by the API routers and the portal: msgspec JSON in and
+out, bounded bodies and forms that time out when they stall, bearer credentials."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import msgspec
 import trio
 from fastapi import Request, Response
+from starlette.datastructures import FormData
+from starlette.formparsers import FormParser, MultiPartException, MultiPartParser
 
 from vpool.coordinator.errors import BadRequest, Stalled, TooLarge, Unauthorized
 
@@ -60,6 +62,25 @@ async def chunks(request: Request) -> AsyncGenerator[bytes, None]:
             except trio.TooSlowError:
                 raise Stalled(f"the request body stalled: nothing came for {idle:g} s") from None
             yield chunk
+
+
+async def form(request: Request, *, max_files: int, max_fields: int) -> FormData:
+    """The request's form (multipart or urlencoded), read through ``chunks``: a form upload
+    that stalls is refused like any other (408 upload_stalled). A malformed one is 400
+    bad_form. The caller closes it (``FormData.close``: the uploaded files' temporaries)."""
+    kind = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+    async with aclosing(chunks(request)) as stream:
+        try:
+            if kind == "multipart/form-data":
+                parser = MultiPartParser(
+                    request.headers, stream, max_files=max_files, max_fields=max_fields
+                )
+                return await parser.parse()
+            if kind == "application/x-www-form-urlencoded":
+                return await FormParser(request.headers, stream, max_fields=max_fields).parse()
+        except MultiPartException as exc:
+            raise BadRequest(f"the form cannot be read: {exc.message}", code="bad_form") from exc
+    return FormData()
 
 
 async def body(request: Request, limit: int) -> bytes:

@@ -25,6 +25,7 @@ from vpool.coordinator.api_jobs import results_file
 from vpool.coordinator.errors import CoordinatorError, Unauthorized
 from vpool.coordinator.service import Coordinator
 from vpool.coordinator.transport import coordinator
+from vpool.coordinator.transport import form as read_form
 from vpool.protocol import api
 from vpool.protocol.lines import LineAssembler
 from vpool.web import feed, session, timeline
@@ -104,7 +105,7 @@ def _login_page(request: Request, next_path: str, *, error: str, status: int) ->
 
 @router.post("/login", response_class=HTMLResponse)
 async def login(request: Request) -> Response:
-    form = await request.form(max_files=0, max_fields=10)
+    form = await read_form(request, max_files=0, max_fields=10)
     next_path = session.safe_next(_text(form.get("next")))
     session.check_post(request, form, request.cookies.get(session.LOGIN_COOKIE, "\0"))
     token = _text(form.get("token")).strip()
@@ -134,7 +135,7 @@ async def logout_form(request: Request) -> Response:
 @router.post("/logout")
 async def logout(request: Request) -> Response:
     v = await viewer(request)
-    session.check_post(request, await request.form(max_files=0, max_fields=10), v.csrf)
+    session.check_post(request, await read_form(request, max_files=0, max_fields=10), v.csrf)
     await coordinator(request).sign_out(request.cookies.get(session.SESSION_COOKIE, ""))
     response = RedirectResponse("/login", 303)
     session.clear_session(response)
@@ -285,7 +286,7 @@ def _sse(event: str, data: str, *, event_id: int | None = None, extra: str = "")
 @router.post("/jobs/{job_id}/cancel")
 async def cancel(request: Request, job_id: int) -> Response:
     v = await viewer(request)
-    session.check_post(request, await request.form(max_files=0, max_fields=10), v.csrf)
+    session.check_post(request, await read_form(request, max_files=0, max_fields=10), v.csrf)
     await coordinator(request).cancel(v.who, job_id)
     return RedirectResponse(f"/jobs/{job_id}", 303)
 
@@ -293,7 +294,7 @@ async def cancel(request: Request, job_id: int) -> Response:
 @router.post("/jobs/{job_id}/checkpoint")
 async def checkpoint(request: Request, job_id: int) -> Response:
     v = await viewer(request)
-    session.check_post(request, await request.form(max_files=0, max_fields=10), v.csrf)
+    session.check_post(request, await read_form(request, max_files=0, max_fields=10), v.csrf)
     asked = await coordinator(request).ask_checkpoint(v.who, job_id, api.CheckpointAsk())
     return RedirectResponse(f"/jobs/{job_id}?asked={len(asked.ranks)}", 303)
 
@@ -350,7 +351,7 @@ async def _account_page(
 @router.post("/account/tokens", response_class=HTMLResponse)
 async def create_token(request: Request) -> Response:
     v = await viewer(request)
-    form = await request.form(max_files=0, max_fields=10)
+    form = await read_form(request, max_files=0, max_fields=10)
     session.check_post(request, form, v.csrf)
     try:
         made = await coordinator(request).create_token(v.who, _text(form.get("label")))
@@ -371,7 +372,7 @@ async def create_token(request: Request) -> Response:
 @router.post("/account/tokens/{token_id}/revoke")
 async def revoke_token(request: Request, token_id: int) -> Response:
     v = await viewer(request)
-    session.check_post(request, await request.form(max_files=0, max_fields=10), v.csrf)
+    session.check_post(request, await read_form(request, max_files=0, max_fields=10), v.csrf)
     await coordinator(request).revoke_token(v.who, token_id)
     if token_id == v.who.token:  # the session was opened with it: it ended too
         response = RedirectResponse("/login", 303)

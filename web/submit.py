@@ -23,6 +23,7 @@ from vpool import bundle, requirements
 from vpool.coordinator.errors import BadRequest, CoordinatorError, TooLarge
 from vpool.coordinator.service import Coordinator
 from vpool.coordinator.transport import coordinator
+from vpool.coordinator.transport import form as read_form
 from vpool.protocol import api
 from vpool.sizes import parse_size
 from vpool.web import session
@@ -92,7 +93,7 @@ async def submit(request: Request) -> Response:
         raise BadRequest("a form upload must say its length", code="length_required")
     if int(length) > core.settings.max_blob_bytes:
         raise TooLarge(f"the upload is larger than {core.settings.max_blob_bytes} bytes")
-    form = await request.form(max_files=MAX_INPUTS + 2, max_fields=40)
+    form = await read_form(request, max_files=MAX_INPUTS + 2, max_fields=40)
     try:
         session.check_post(request, form, v.csrf)
         draft = _draft(form)

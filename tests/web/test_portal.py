@@ -6,8 +6,10 @@ from __future__ import annotations
 import io
 import re
 import zipfile
+from collections.abc import AsyncIterator
 from pathlib import Path
 
+import trio
 from ckpt_helpers import beat
 from coord_helpers import HELLO, make_zip
 from portal_helpers import BASE, Portal, csrf_of, field_errors, running_job
@@ -501,3 +503,37 @@ async def test_submit_with_requirements(portal: Portal) -> None:
         files=_files(("app.py", HELLO)),
     )
     assert "names a URL" in field_errors(r.text)["requirements"]
+
+
+async def test_a_stalled_form_upload_is_refused(portal: Portal, autojump_clock: object) -> None:
+    """The form is read like any upload: a body that stops coming is refused (408, the error
+    page) once ``upload_idle_timeout`` passes with nothing, and nothing is submitted."""
+    alice = await portal.sign_in("alice")
+    idle = portal.pool.core.settings.upload_idle_timeout
+    boundary = "b0undary"
+    part = f"--{boundary}\r\nContent-Disposition: form-data; name="
+    head = (
+        f'{part}"csrf"\r\n\r\n{alice.csrf}\r\n{part}"ranks"\r\n\r\n1\r\n'
+        f'{part}"program"; filename="app.py"\r\nContent-Type: text/x-python\r\n\r\n'
+    ).encode() + HELLO
+    tail = f"\r\n--{boundary}--\r\n".encode()
+    gave_up = []
+
+    async def stalls() -> AsyncIterator[bytes]:
+        yield head
+        await trio.sleep(idle * 10)
+        gave_up.append(True)  # never: the server ended the request first
+        yield tail
+
+    start = trio.current_time()
+    r = await alice.client.post(
+        "/jobs/new",
+        content=stalls(),
+        headers={
+            "content-type": f"multipart/form-data; boundary={boundary}",
+            "content-length": str(len(head) + len(tail)),
+        },
+    )
+    assert r.status_code == 408 and "nothing came for" in r.text, (r.status_code, r.text)
+    assert idle <= trio.current_time() - start < 2 * idle and gave_up == []
+    assert (await portal.pool.client.get("/api/v1/jobs", headers=portal.pool.user())).json() == []
