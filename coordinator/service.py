@@ -508,7 +508,7 @@ class Coordinator:
         if stored.ended:  # past max_job_output: its ranks stop, its slots are free
             self._states_changed()
             await self.schedule()
-        elif stored:
+        elif stored.changed:
             self.changes.fire()
 
     async def rank_exit(self, agent_id: str, ex: api.RankExit) -> None:

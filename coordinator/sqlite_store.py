@@ -281,7 +281,7 @@ class SqliteStore(AccountsMixin, JobsMixin, CredentialsMixin):
                         "UPDATE jobs SET output_bytes = output_bytes + ? WHERE id = ?",
                         [len(data), chunk.job],
                     )
-                    done.add(chunk.job)
+                    done.changed.add(chunk.job)
         return done
 
     def _output_room(

@@ -9,7 +9,7 @@ methods. Methods are synchronous: ``Database.call`` runs them on a worker thread
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ParamSpec, Protocol, TypeVar
 
 import trio
@@ -42,14 +42,14 @@ class Quotas:
         )
 
 
-class OutputStored(set[int]):
-    """What ``add_output`` did: the jobs that got new output (the set itself) and ``ended``,
-    those it failed because their output went past ``max_job_output`` (their ranks must stop
-    and their slots are free)."""
+@dataclass
+class OutputStored:
+    """What ``add_output`` did: the jobs that got new output (``changed``), and those it failed
+    because their output went past ``max_job_output`` (``ended``: their ranks must stop and
+    their slots are free)."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.ended: set[int] = set()
+    changed: set[int] = field(default_factory=set)
+    ended: set[int] = field(default_factory=set)
 
 
 class Store(Protocol):

@@ -133,14 +133,15 @@ def test_store_dedups_output_by_end_offset_and_incarnation(tmp_path: Path) -> No
             job=1, rank=0, incarnation=incarnation, stream="stdout", offset=offset, data=data
         )
 
-    assert store.add_output(agent, [chunk(1, 0, b"abc"), chunk(1, 3, b"def")]) == {1}
-    assert store.add_output(agent, [chunk(1, 0, b"abcdef")]) == set()
+    assert store.add_output(agent, [chunk(1, 0, b"abc"), chunk(1, 3, b"def")]).changed == {1}
+    assert store.add_output(agent, [chunk(1, 0, b"abcdef")]).changed == set()
     ex = api.RankExit(job=1, rank=0, incarnation=1, code=-9, lost=True)
     assert store.rank_exit(agent, ex, 101.0)
     store.schedule(101.0, 90.0, 90.0, lambda claims: "t")
     assert store.take_leases(agent, 101.0)[0].incarnation == 2
-    assert store.add_output(agent, [chunk(1, 6, b"late")]) == set()  # replaced incarnation
-    assert store.add_output(agent, [chunk(2, 0, b"abcdefgh")]) == {1}
+    late = store.add_output(agent, [chunk(1, 6, b"late")])  # a replaced incarnation's
+    assert late.changed == set()
+    assert store.add_output(agent, [chunk(2, 0, b"abcdefgh")]).changed == {1}
     rows = list(store.db.query("SELECT offset, data FROM output ORDER BY id"))
     assert [(r["offset"], r["data"]) for r in rows] == [(0, b"abc"), (3, b"def"), (6, b"gh")]
     assert store.output_streams(1) == {(0, "stdout"): b"abcdefgh"}
