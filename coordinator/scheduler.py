@@ -229,4 +229,5 @@ async def monitor(coordinator: Coordinator, *, period: float) -> None:
     while True:
         await coordinator.check_timeouts()
         await coordinator.schedule()
+        await coordinator.collect_blobs()
         await trio.sleep(period)

@@ -11,6 +11,8 @@ comes from the injected ``clock`` so tests can move it.
 from __future__ import annotations
 
 import hashlib
+import logging
+import math
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -43,6 +45,9 @@ from vpool.sizes import format_size
 OUTPUT_PAGE_RECORDS = 1000
 OUTPUT_PAGE_BYTES = 4 << 20
 FINISHED_JOBS_WINDOW = 3600.0
+BLOB_COLLECT_EVERY = 600.0  # s between looks for unused uploads
+
+log = logging.getLogger(__name__)
 MAX_AGENT_SLOTS = 4096
 MAX_CHECKPOINT_EVERY = 7 * 24 * 3600.0
 MAX_ISOLATION_REPORT = 16 << 10  # bytes of JSON kept per agent
@@ -99,6 +104,7 @@ class Coordinator:
         self.db = Database(self.store)
         self.blobs = BlobFiles(state / "blobs")
         self.work = Signal()
+        self._blobs_collected = -math.inf
         self.changes = Signal()
         self.ended = Signal()
 
@@ -247,6 +253,22 @@ class Coordinator:
         return name
 
     # -- blobs --------------------------------------------------------------------------------
+
+    async def collect_blobs(self) -> int:
+        """Delete the uploads no job or result has named for ``blob_keep`` seconds; how many.
+        At most once per ``BLOB_COLLECT_EVERY`` (the monitor calls it every period)."""
+        now = self.clock()
+        if now - self._blobs_collected < min(BLOB_COLLECT_EVERY, self.settings.blob_keep):
+            return 0
+        self._blobs_collected = now
+        gone = await self.db.call(self.store.unused_blobs, now - self.settings.blob_keep)
+        for sha in gone:
+            await trio.to_thread.run_sync(self.blobs.path(sha).unlink, True)
+        if gone:
+            log.info(
+                "deleted %d upload(s) no job named for %g s", len(gone), self.settings.blob_keep
+            )
+        return len(gone)
 
     async def put_blob(self, sha256: str, chunks: AsyncIterator[bytes]) -> api.BlobInfo:
         check_sha256(sha256)

@@ -77,6 +77,11 @@ class CoordinatorSettings:
         "Bytes of stdout and stderr (all ranks together) the coordinator stores per job; a "
         "job whose output goes past it fails, naming the quota, and the rest is not stored.",
     )
+    blob_keep: float = setting(
+        86400.0,
+        "Seconds an upload that no job or result names is kept (a bundle uploaded and never "
+        "submitted) before it is deleted; uploading it again keeps it anew.",
+    )
     upload_idle_timeout: float = setting(
         60.0,
         "Seconds a request body (an upload) may send nothing before the request is refused "

@@ -92,10 +92,31 @@ class SqliteStore(AccountsMixin, JobsMixin, CredentialsMixin):
     # -- blobs --------------------------------------------------------------------------------
 
     def add_blob(self, sha256: str, size: int, now: float) -> None:
+        """Record an upload; uploading a blob again makes it new (``unused_blobs``)."""
         self.db.execute(
-            "INSERT OR IGNORE INTO blobs (sha256, size, created) VALUES (?, ?, ?)",
+            "INSERT INTO blobs (sha256, size, created) VALUES (?, ?, ?) "
+            "ON CONFLICT(sha256) DO UPDATE SET created = excluded.created",
             [sha256, size, now],
         )
+
+    def unused_blobs(self, before: float) -> list[str]:
+        """Forget the blobs uploaded before ``before`` that no job (bundle, stdin) and no
+        result names, and return them: their files are to be deleted."""
+        with self.db.atomic():
+            rows = list(
+                self.db.query(
+                    "SELECT sha256 FROM blobs b WHERE created < ? "
+                    "AND NOT EXISTS (SELECT 1 FROM jobs j WHERE j.bundle = b.sha256 "
+                    "OR j.stdin = b.sha256) "
+                    "AND NOT EXISTS (SELECT 1 FROM results r WHERE r.blob = b.sha256) "
+                    "ORDER BY created LIMIT 10000",
+                    [before],
+                )
+            )
+            gone = [str(r["sha256"]) for r in rows]
+            for sha in gone:
+                self.db.execute("DELETE FROM blobs WHERE sha256 = ?", [sha])
+        return gone
 
     def blob_size(self, sha256: str) -> int | None:
         row = self._one("SELECT size FROM blobs WHERE sha256 = ?", [sha256])
