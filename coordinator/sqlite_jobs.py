@@ -16,7 +16,7 @@ import sqlite_utils
 
 from vpool import requirements
 from vpool.coordinator import migrations, scheduler
-from vpool.coordinator.errors import Conflict, Forbidden, NotFound
+from vpool.coordinator.errors import BadRequest, Conflict, Forbidden, NotFound
 from vpool.coordinator.sqlite_faults import FaultsMixin
 from vpool.coordinator.store import Quotas
 from vpool.protocol import api
@@ -123,6 +123,15 @@ class JobsMixin(FaultsMixin):
         """Queue the job; ``Conflict`` (quota_exceeded) if it would take ``user`` past a
         quota (``_check_quotas``)."""
         with self.db.atomic():
+            for blob, what in ((sub.bundle, "bundle"), (sub.stdin, "stdin")):
+                # Checked again here: unused uploads are collected (``unused_blobs``) in a
+                # transaction of their own, which this one either follows or precedes.
+                if blob is not None and not self._one(
+                    "SELECT 1 FROM blobs WHERE sha256 = ?", [blob]
+                ):
+                    raise BadRequest(
+                        f"the {what} blob {blob} was not uploaded", code="unknown_blob"
+                    )
             self._check_quotas(user, sub)
             cursor = self.db.execute(
                 "INSERT INTO jobs (user, name, state, ranks, bundle, entry, args, stdin, created, "

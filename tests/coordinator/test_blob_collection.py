@@ -6,7 +6,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from coord_helpers import FakeClock, open_pool
+
+from vpool.coordinator.errors import BadRequest
+from vpool.protocol import api
 
 KEEP = 3600.0
 
@@ -30,6 +34,9 @@ async def test_unused_uploads_go_after_blob_keep(tmp_path: Path) -> None:
         assert all([await core.has_blob(s) for s in [*used, again]])
         r = await pool.client.head(f"/api/v1/blobs/{orphan}", headers=pool.user())
         assert r.status_code == 404
+        # A submission that checked the blob before it went is refused in its transaction.
+        with pytest.raises(BadRequest, match="was not uploaded"):
+            core.store.create_job("alice", api.JobSubmit(1, orphan, "app.py"), clock())
         clock.advance(KEEP)
         late = await pool.upload(b"uploaded just now")
         assert await core.collect_blobs() == 1  # the re-uploaded one, unused in the end

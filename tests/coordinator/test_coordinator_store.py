@@ -118,6 +118,7 @@ def _store_with_running_job(tmp_path: Path) -> tuple[SqliteStore, str]:
     hb = api.AgentHeartbeat(ranks=[], free_slots=4, isolation=SANDBOX)
     store.agent_heartbeat(agent, hb, 100.0, 10.0)
     sub = api.JobSubmit(ranks=2, bundle="b" * 64, entry="app.py")
+    store.add_blob("b" * 64, 100, 100.0)
     store.create_job("alice", sub, 100.0)
     done = store.schedule(100.0, 90.0, 90.0, lambda claims: f"token-{claims.incarnation}")
     assert done.started == [1]
