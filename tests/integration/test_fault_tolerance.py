@@ -109,7 +109,7 @@ POLL = str(REPO / "examples" / "poll.py")
     [
         (HEAT, ["3000"], 3),  # Sendrecv halos
         (FARM, ["8000"], 0),  # the master: ANY_SOURCE receives, replayed from determinants
-        (POLL, ["1500"], 0),  # Waitany and Iprobe polling, replayed from determinants
+        (POLL, ["3000"], 0),  # Waitany and Iprobe polling, replayed from determinants
     ],
     ids=["heat-rank3", "farm-master", "poll-master"],
 )
