@@ -125,10 +125,13 @@ def test_killed_rank_is_replaced_and_output_is_identical(
         lambda d: ended(d) or d["ranks"][victim]["state"] == "running",
         f"rank {victim} running",
     )
-    # Let the victim receive messages first: its replacement must replay them.
-    wait_until(
-        pool4, job, lambda d: ended(d) or logged_bytes(pool4, job, victim) > 20_000, "progress"
-    )
+    # Let the victim receive messages first: its replacement must replay them. Watched on the
+    # relays' files alone, every 10 ms: a `vsdk status` per look would react too late for a
+    # job of a few seconds, which could end before the kill.
+    deadline = time.monotonic() + 120
+    while logged_bytes(pool4, job, victim) <= 20_000:
+        assert time.monotonic() < deadline, f"rank {victim} got no messages\n{pool4.logs()}"
+        time.sleep(0.01)
     os.kill(rank_pid(pool4, victim, job), signal.SIGKILL)
     killed = time.monotonic()
     d = wait_until(
