@@ -48,7 +48,8 @@ Every error is ``ErrorBody`` with a 4xx/5xx status. Endpoints::
     POST /api/v1/relays/lost      RelayLost   -> {}                  (relay key)
     POST /api/v1/relays/diverged  RelayDiverged -> {}                (relay key)
     POST /api/v1/relays/refused   RelayRefused -> {}                 (relay key)
-    POST /api/v1/relays/checkpoint RelayCheckpoint -> {}             (relay key)
+    POST /api/v1/relays/validated RelayValidated -> {}               (relay key)
+    POST /api/v1/relays/checkpoint RelayCheckpoint -> CheckpointAccepted (relay key)
 """
 
 from __future__ import annotations
@@ -185,6 +186,10 @@ class JobSubmit(msgspec.Struct, frozen=True):
     # Packages the program needs beyond what agents have (``vpool.requirements``: normalized,
     # from the index only); each agent builds that environment once and keeps it.
     requirements: list[str] = []
+    # Validation by replay: once every rank exited, ranks are re-executed from their logs on
+    # other, unrelated volunteers and compared (sent messages, stdout, exit code). The pool may
+    # validate every job whatever this says (``validate_jobs``).
+    validate: bool = False
 
 
 class JobInfo(msgspec.Struct, frozen=True):
@@ -208,6 +213,10 @@ class JobInfo(msgspec.Struct, frozen=True):
     never_fits: bool = False
     restarts: int = 0  # replacement incarnations started so far, all ranks together
     requirements: list[str] = []  # ``JobSubmit.requirements``
+    validate: bool = False  # validated by replay (asked, or the pool's policy)
+    # What validation did so far, in words ("" when not validated): which ranks were
+    # re-executed where, and what came of it.
+    validation: str = ""
 
 
 JobSort = Literal["id", "name", "state", "ranks", "created", "finished"]
@@ -247,6 +256,10 @@ class RankInfo(msgspec.Struct, frozen=True):
     restored_from: int = -1
     agent_name: str = ""  # the name of ``agent`` (as the job's events name it)
     last_checkpoint: float | None = None  # when its newest committed image was made
+    # Validation of this rank: "" (none), "sampled", "running", "agreed", "disagreed",
+    # "skipped" (its agents are trusted and it was not sampled), with who in ``validated_by``.
+    validation: str = ""
+    validated_by: str = ""
 
 
 class JobEvent(msgspec.Struct, frozen=True):
@@ -600,6 +613,29 @@ class RelayDiverged(msgspec.Struct, frozen=True):
     rank: int  # the sender whose re-sent message differs
     incarnation: int
     message: str
+
+
+class RelayValidated(msgspec.Struct, frozen=True):
+    """A relay's verdict on a validating incarnation (``RankClaims.validating``: a rank
+    re-executed from its log to check the original run). ``agreed``: every message it sent to
+    ranks whose log this relay holds had the logged digest, it sent none the original did not,
+    and it left none out (checked when it detached). Otherwise ``message`` says what differed;
+    the relay reports a disagreement at once and drops the incarnation's further deposits."""
+
+    name: str
+    job: int
+    rank: int
+    incarnation: int
+    agreed: bool
+    message: str = ""
+
+
+class CheckpointAccepted(msgspec.Struct, frozen=True):
+    """The coordinator's answer to ``RelayCheckpoint``. ``trim``: the relay may drop the rank's
+    log behind the image. False for a job that is validated by replay: a validating
+    re-execution starts from the beginning and needs the whole log."""
+
+    trim: bool = True
 
 
 class RelayCheckpoint(msgspec.Struct, frozen=True):

@@ -36,6 +36,9 @@ class RankClaims(_Claims, frozen=True, tag="rank"):
     size: int
     agent: str
     expires: float
+    # A re-execution that checks the original run (validation by replay): relays compare all
+    # it sends with the log and let nothing new through (``api.RelayValidated``).
+    validating: bool = False
 
 
 class AgentClaims(_Claims, frozen=True, tag="agent"):
