@@ -1,5 +1,5 @@
 """Relay endpoints: register, heartbeat (answers with finished jobs), lost ranks, divergence,
-committed checkpoint images."""
+verdicts on re-executions for validation, committed checkpoint images."""
 
 from __future__ import annotations
 
@@ -46,6 +46,14 @@ async def diverged(request: Request) -> Response:
     return empty()
 
 
+@router.post("/validated")
+async def validated(request: Request) -> Response:
+    relay = await _relay(request)
+    report = await decode(request, api.RelayValidated)
+    await coordinator(request).relay_validated(relay, report)
+    return empty()
+
+
 @router.post("/refused")
 async def refused(request: Request) -> Response:
     relay = await _relay(request)
@@ -58,5 +66,4 @@ async def refused(request: Request) -> Response:
 async def checkpoint(request: Request) -> Response:
     relay = await _relay(request)
     report = await decode(request, api.RelayCheckpoint)
-    await coordinator(request).relay_checkpoint(relay, report)
-    return empty()
+    return reply(await coordinator(request).relay_checkpoint(relay, report))

@@ -319,6 +319,46 @@ def _m12_quotas(db: sqlite_utils.Database) -> None:
         db.execute(sql)
 
 
+def _m13_validation(db: sqlite_utils.Database) -> None:
+    """Validation by replay (issue 20, ``coordinator.validation``). Per job: whether it is
+    validated and what came of it so far, in words. Per rank: the round of re-execution in
+    progress (0: none) and its outcome. Per incarnation: the round it re-executes (0: an
+    ordinary one). Per agent: agreements (in all, and in a row since it was last found wrong)
+    and times it was found wrong. ``validations``: each execution compared (round 0 is the
+    original: its agents, exit code and stdout digest; ``relays`` maps each relay's name to
+    its verdict, "" when it agreed). ``validation_output``: a re-execution's stdout."""
+    for sql in (
+        "ALTER TABLE jobs ADD COLUMN validate INTEGER NOT NULL DEFAULT 0",
+        "ALTER TABLE jobs ADD COLUMN validation TEXT NOT NULL DEFAULT ''",
+        "ALTER TABLE ranks ADD COLUMN validating INTEGER NOT NULL DEFAULT 0",
+        "ALTER TABLE ranks ADD COLUMN validation TEXT NOT NULL DEFAULT ''",
+        "ALTER TABLE ranks ADD COLUMN validated_by TEXT NOT NULL DEFAULT ''",
+        "ALTER TABLE incarnations ADD COLUMN validates INTEGER NOT NULL DEFAULT 0",
+        "ALTER TABLE agents ADD COLUMN agreed INTEGER NOT NULL DEFAULT 0",
+        "ALTER TABLE agents ADD COLUMN agreed_streak INTEGER NOT NULL DEFAULT 0",
+        "ALTER TABLE agents ADD COLUMN wrong INTEGER NOT NULL DEFAULT 0",
+        """CREATE TABLE validations (
+            job INTEGER NOT NULL,
+            rank INTEGER NOT NULL,
+            round INTEGER NOT NULL,
+            incarnation INTEGER,
+            agents TEXT NOT NULL DEFAULT '[]',
+            exit_code INTEGER,
+            stdout TEXT,
+            relays TEXT NOT NULL DEFAULT '{}',
+            exited REAL,
+            PRIMARY KEY (job, rank, round))""",
+        """CREATE TABLE validation_output (
+            job INTEGER NOT NULL,
+            rank INTEGER NOT NULL,
+            incarnation INTEGER NOT NULL,
+            offset INTEGER NOT NULL,
+            data BLOB NOT NULL,
+            PRIMARY KEY (job, rank, incarnation, offset))""",
+    ):
+        db.execute(sql)
+
+
 def new_job_uid() -> str:
     return secrets.token_hex(16)
 
@@ -341,6 +381,7 @@ MIGRATIONS: list[Callable[[sqlite_utils.Database], None]] = [
     _m10_credentials,
     _m11_relay_outages,
     _m12_quotas,
+    _m13_validation,
 ]
 
 

@@ -25,11 +25,12 @@ from vpool import __version__, requirements
 from vpool.coordinator import keys, scheduler
 from vpool.coordinator.access import Action, Principal, check_job, check_operator, jobs_owner
 from vpool.coordinator.blobs import BlobFiles, check_sha256
-from vpool.coordinator.errors import BadRequest, Forbidden, NotFound, Unauthorized
+from vpool.coordinator.errors import BadRequest, Conflict, Forbidden, NotFound, Unauthorized
 from vpool.coordinator.results import build_results_zip
 from vpool.coordinator.settings import CoordinatorSettings
 from vpool.coordinator.sqlite_store import SqliteStore
 from vpool.coordinator.store import Database, Quotas, Store
+from vpool.coordinator.validation import Policy
 from vpool.protocol import api
 from vpool.protocol.errors import TokenError
 from vpool.protocol.tokens import (
@@ -97,6 +98,11 @@ class Coordinator:
                 restore_wait_timeout=settings.restore_wait_timeout,
                 relay_down_timeout=settings.relay_down_timeout,
                 quotas=Quotas.of(settings),
+                validation=Policy(
+                    validate_jobs=settings.validate_jobs,
+                    trusted_after=settings.validation_trusted_after,
+                    min_rate=settings.validation_min_rate,
+                ),
             )
         )
         # Agents and relays count as seen now: nothing is lost because we were down.
@@ -302,6 +308,13 @@ class Coordinator:
             if blob is not None and not await self.has_blob(blob):
                 raise BadRequest(f"the {what} blob {blob} was not uploaded", code="unknown_blob")
         self._check_checkpoint_every(sub)
+        if (sub.validate or self.settings.validate_jobs) and not sub.fault_tolerance:
+            raise BadRequest(
+                "validation re-executes ranks from their message logs, which fault tolerance "
+                "keeps: a validated job needs fault_tolerance on"
+                + (" (this pool validates every job)" if self.settings.validate_jobs else ""),
+                code="bad_validate",
+            )
         _check_memory(sub)
         try:
             wanted = requirements.normalize(sub.requirements)
@@ -393,9 +406,15 @@ class Coordinator:
             # The state is read before the output: once terminal, every exited rank's output
             # is already stored, so the page below holds it.
             job = await self.job(who, job_id)
-            records, more = await self.db.call(
-                self.store.output_page, job_id, after, rank, OUTPUT_PAGE_RECORDS
-            )
+            if job.validate and job.state not in api.TERMINAL_STATES:
+                # A validated job's output is its result only once validated (a stranger's
+                # forged output is never shown): none until it ends.
+                records: list[api.OutputRecord] = []
+                more = False
+            else:
+                records, more = await self.db.call(
+                    self.store.output_page, job_id, after, rank, OUTPUT_PAGE_RECORDS
+                )
             records, trimmed = _trim(records, OUTPUT_PAGE_BYTES)
             terminal = job.state in api.TERMINAL_STATES
             settle = 0.0 if not terminal else await self.settle_time(job)
@@ -433,6 +452,11 @@ class Coordinator:
     async def results(self, who: Principal, job_id: int) -> Path:
         """A temporary zip of the job's results; the caller deletes it."""
         job = await self.job(who, job_id)
+        if job.validate and job.state not in api.TERMINAL_STATES:
+            raise Conflict(
+                f"job {job_id} is validated by replay: its results are given once it ended",
+                code="not_validated",
+            )
         blobs = await self.db.call(self.store.job_results, job_id)
         streams = await self.db.call(self.store.output_streams, job_id)
         zips = {rank: self.blobs.path(sha) for rank, sha in blobs.items()}
@@ -614,6 +638,13 @@ class Coordinator:
             self._states_changed()
             await self.schedule()
 
+    async def relay_validated(self, relay: str, report: api.RelayValidated) -> None:
+        """A relay's verdict on the messages of a re-execution for validation."""
+        _check_name(relay, report.name)
+        if await self.db.call(self.store.relay_validated, report, self.clock()):
+            self._states_changed()
+            await self.schedule()
+
     async def relay_refused(self, relay: str, report: api.RelayRefused) -> None:
         """The relay refuses the job's deposits for good (its quota, its disk): the job fails
         with the relay's reason."""
@@ -622,13 +653,18 @@ class Coordinator:
             self._states_changed()
             await self.schedule()
 
-    async def relay_checkpoint(self, relay: str, report: api.RelayCheckpoint) -> None:
+    async def relay_checkpoint(
+        self, relay: str, report: api.RelayCheckpoint
+    ) -> api.CheckpointAccepted:
         """Record a committed image; ``Conflict`` (409) tells the relay to delete it. A new
-        image may let a rank waiting for a restorer start."""
+        image may let a rank waiting for a restorer start. The log behind it is trimmed
+        unless the job is validated by replay (its re-executions start from the beginning)."""
         _check_name(relay, report.name)
         if await self.db.call(self.store.relay_checkpoint, report, self.clock()):
             self.changes.fire()
             await self.schedule()
+        job = await self.db.call(self.store.job_info, report.job)
+        return api.CheckpointAccepted(trim=not (job is not None and job.validate))
 
     # -- time-driven --------------------------------------------------------------------------
 

@@ -87,6 +87,23 @@ class CoordinatorSettings:
         "Seconds a request body (an upload) may send nothing before the request is refused "
         "(408 upload_stalled) and what it sent is dropped.",
     )
+    validate_jobs: bool = setting(
+        False,
+        "Validate every job by replay, whether its submission asked or not: once its ranks "
+        "exited, sampled ranks are re-executed from their logs on other, unrelated volunteers "
+        "and compared before the job succeeds.",
+    )
+    validation_trusted_after: int = setting(
+        10,
+        "Agreements in a row after which an agent's ranks are no longer always re-executed "
+        "by validation; beyond it a rank is re-executed with probability "
+        "validation_trusted_after / agreements.",
+    )
+    validation_min_rate: float = setting(
+        0.1,
+        "Least probability that a validated job's rank is re-executed, however long its "
+        "agents' record of agreeing.",
+    )
     max_ranks: int = setting(256, "Largest number of ranks a job may ask for.")
     public_url: str = setting(
         "", "URL clients use to reach this coordinator (shown on the web portal's pool page)."
@@ -118,6 +135,14 @@ class CoordinatorSettings:
         for quota in ("max_queued_jobs", "max_job_output", "max_user_blob_bytes"):
             if getattr(self, quota) < 1:
                 raise ValueError(f"{quota} must be at least 1, not {getattr(self, quota)}")
+        if self.validation_trusted_after < 0:
+            raise ValueError(
+                f"validation_trusted_after must be >= 0, not {self.validation_trusted_after}"
+            )
+        if not 0 <= self.validation_min_rate <= 1:
+            raise ValueError(
+                f"validation_min_rate is a probability (0 to 1), not {self.validation_min_rate:g}"
+            )
         if not self.min_checkpoint_every > 0:
             raise ValueError(
                 f"min_checkpoint_every must be more than 0 s, not {self.min_checkpoint_every:g}"

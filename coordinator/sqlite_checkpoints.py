@@ -72,6 +72,9 @@ class CheckpointsMixin:
     def _agent_name(self, agent_id: str) -> str:
         raise NotImplementedError
 
+    def _validating_round(self, job: int, rank: int, incarnation: int) -> int:
+        raise NotImplementedError  # ValidationMixin
+
     # -- relays: committed images -------------------------------------------------------------
 
     def relay_checkpoint(self, report: api.RelayCheckpoint, now: float) -> bool:
@@ -99,6 +102,12 @@ class CheckpointsMixin:
                 raise Forbidden(
                     f"relay {report.name} is not the home of job {report.job} rank {report.rank}",
                     code="not_your_rank",
+                )
+            if self._validating_round(report.job, report.rank, report.incarnation):
+                raise Conflict(
+                    f"job {report.job} rank {report.rank} incarnation {report.incarnation} "
+                    "re-executes the rank for validation: its images are not kept",
+                    code="validating_incarnation",
                 )
             # An older incarnation's image is as good a starting point as the current one's:
             # the log entries after it are still held.
@@ -141,10 +150,13 @@ class CheckpointsMixin:
                     "UPDATE checkpoints SET pos = ? WHERE job = ? AND rank = ? AND ckpt = ?",
                     [pos, report.job, report.rank, ckpt],
                 )
-            self.db.execute(
-                "UPDATE ranks SET from_start = 0 WHERE job = ? AND rank = ?",
-                [report.job, report.rank],
-            )
+            if not job["validate"]:
+                # The relay trims the log behind the image; a validated job's log is whole
+                # (``api.CheckpointAccepted.trim``): its re-executions start from the beginning.
+                self.db.execute(
+                    "UPDATE ranks SET from_start = 0 WHERE job = ? AND rank = ?",
+                    [report.job, report.rank],
+                )
             if old is None or old["digest"] != report.digest:
                 self._event(
                     report.job,

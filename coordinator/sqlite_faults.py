@@ -18,7 +18,8 @@ import sqlite_utils
 
 from vpool.coordinator import scheduler
 from vpool.coordinator.errors import BadRequest, Forbidden
-from vpool.coordinator.sqlite_checkpoints import CheckpointsMixin
+from vpool.coordinator.sqlite_checkpoints import CheckpointsMixin, Plan
+from vpool.coordinator.sqlite_validation import ValidationMixin
 from vpool.protocol import api
 from vpool.protocol.errors import divergence_message
 from vpool.protocol.tokens import RankClaims
@@ -38,7 +39,7 @@ def relay_backoff(losses: int) -> float:
     return float(min(RELAY_BACKOFF_MAX, RELAY_BACKOFF_FIRST * 2 ** min(max(losses - 1, 0), 16)))
 
 
-class FaultsMixin(CheckpointsMixin):
+class FaultsMixin(ValidationMixin, CheckpointsMixin):
     db: sqlite_utils.Database
     max_restarts: int
     relay_down_timeout: float
@@ -81,6 +82,9 @@ class FaultsMixin(CheckpointsMixin):
                 )
                 if row is None or row["incarnation"] != item.incarnation:
                     continue
+                if self._validator_unfinished(item.job, item.rank, item.incarnation, now):
+                    changed = True
+                    continue
                 # The relay knows agents by id only; people know them by name.
                 where = f" (on agent {self._agent_name(row['agent'])})" if row["agent"] else ""
                 reason = f"rank {item.rank}{where} lost: relay {relay} reported: {item.reason}"
@@ -98,6 +102,11 @@ class FaultsMixin(CheckpointsMixin):
             if row["state"] != "running":
                 return False
             message = report.message[:MAX_MESSAGE] or divergence_message(report.rank)
+            if self._validating_round(report.job, report.rank, report.incarnation):
+                # A re-execution for validation (a relay that reports it the old way).
+                return self._relay_verdict(
+                    report.name, report.job, report.rank, report.incarnation, False, message, now
+                )
             self._event(
                 report.job,
                 now,
@@ -305,7 +314,8 @@ class FaultsMixin(CheckpointsMixin):
         pending = list(
             self.db.query(
                 "SELECT r.job, r.rank, r.incarnation, r.relay, r.avoid, r.from_start, "
-                "j.ranks AS size, j.memory, j.unsandboxed FROM ranks r JOIN jobs j ON j.id = r.job "
+                "r.validating, j.ranks AS size, j.memory, j.unsandboxed "
+                "FROM ranks r JOIN jobs j ON j.id = r.job "
                 "WHERE r.state = 'pending' AND j.state = 'running' "
                 "AND (r.not_before IS NULL OR r.not_before <= ?) "
                 # A job with a relay down waits for it (its ranks could not attach), at most
@@ -321,14 +331,21 @@ class FaultsMixin(CheckpointsMixin):
             fit = scheduler.open_to(
                 free, offers, memory=p["memory"], unsandboxed=bool(p["unsandboxed"])
             )
-            plan = self._plan_replacement(p, fit, caps)
+            job, rank, incarnation = int(p["job"]), int(p["rank"]), int(p["incarnation"])
+            round_ = int(p["validating"])
+            if round_:
+                # A re-execution for validation: an unrelated agent, from the beginning.
+                plan = Plan(scheduler.pick_agent(self._unrelated(job, rank, round_, fit), None), [])
+                if plan.agent is None:
+                    self._validation_waits(job, rank, round_)
+            else:
+                plan = self._plan_replacement(p, fit, caps)
             agent = plan.agent
             if agent is None:
                 if plan.waiting:
                     self._wait_for_restorer(p, plan.waiting, now)
                 continue
             free[agent] -= 1
-            job, rank, incarnation = int(p["job"]), int(p["rank"]), int(p["incarnation"])
             claims = RankClaims(
                 job=job,
                 rank=rank,
@@ -336,6 +353,7 @@ class FaultsMixin(CheckpointsMixin):
                 size=int(p["size"]),
                 agent=agent,
                 expires=now + scheduler.RANK_TOKEN_LIFETIME,
+                validating=bool(round_),
             )
             self.db.execute(
                 "UPDATE ranks SET agent = ?, state = 'leased', avoid = NULL, "
@@ -343,10 +361,14 @@ class FaultsMixin(CheckpointsMixin):
                 [agent, job, rank],
             )
             self.db.execute(
-                "INSERT INTO incarnations (job, rank, incarnation, agent, relay, token, created) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?)",
-                [job, rank, incarnation, agent, p["relay"], sign(claims), now],
+                "INSERT INTO incarnations (job, rank, incarnation, agent, relay, token, created, "
+                "validates) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                [job, rank, incarnation, agent, p["relay"], sign(claims), now, round_],
             )
+            if round_:
+                self._validator_placed(job, rank, round_, incarnation, agent, now)
+                placed.append(job)
+                continue
             where = f"rank {rank} incarnation {incarnation} on agent {self._agent_name(agent)}"
             if plan.restore:
                 ckpts = ", ".join(str(c) for c in plan.restore)

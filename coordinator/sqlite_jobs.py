@@ -90,6 +90,8 @@ class JobsMixin(FaultsMixin):
                 restored_from=-1 if r["restored_from"] is None else r["restored_from"],
                 agent_name=r["agent_name"] or "",
                 last_checkpoint=r["last_checkpoint"],
+                validation=r["validation"],
+                validated_by=r["validated_by"],
             )
             for r in self.db.query(
                 "SELECT r.*, i.restored_from, a.name AS agent_name, "
@@ -122,6 +124,7 @@ class JobsMixin(FaultsMixin):
     def create_job(self, user: str, sub: api.JobSubmit, now: float) -> api.JobInfo:
         """Queue the job; ``Conflict`` (quota_exceeded) if it would take ``user`` past a
         quota (``_check_quotas``)."""
+        validate = sub.validate or self.validation.validate_jobs
         with self.db.atomic():
             for blob, what in ((sub.bundle, "bundle"), (sub.stdin, "stdin")):
                 # Checked again here: unused uploads are collected (``unused_blobs``) in a
@@ -136,7 +139,8 @@ class JobsMixin(FaultsMixin):
             cursor = self.db.execute(
                 "INSERT INTO jobs (user, name, state, ranks, bundle, entry, args, stdin, created, "
                 "fault_tolerance, job_uid, ckpt_key, checkpoint_every, memory, unsandboxed, "
-                "requirements) VALUES (?, ?, 'queued', ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                "requirements, validate) "
+                "VALUES (?, ?, 'queued', ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 [
                     user,
                     sub.name,
@@ -153,6 +157,7 @@ class JobsMixin(FaultsMixin):
                     sub.memory,
                     int(sub.unsandboxed),
                     json.dumps(sub.requirements),
+                    int(validate),
                 ],
             )
             job_id = int(cursor.lastrowid or 0)
@@ -170,6 +175,10 @@ class JobsMixin(FaultsMixin):
                 off += ", unsandboxed agents accepted"
             if sub.requirements:
                 off += f", needs {', '.join(sub.requirements)}"
+            if validate:
+                off += ", validated by replay" + (
+                    "" if sub.validate else " (the pool validates every job)"
+                )
             self._event(job_id, now, "queued", f"submitted by {user}: {sub.ranks} ranks{off}")
         info = self.job_info(job_id)
         assert info is not None
@@ -359,7 +368,7 @@ class JobsMixin(FaultsMixin):
         with self.db.atomic():
             rows = list(
                 self.db.query(
-                    "SELECT i.job, i.rank, i.incarnation, i.token, r.from_start "
+                    "SELECT i.job, i.rank, i.incarnation, i.token, i.validates, r.from_start "
                     "FROM incarnations i "
                     "JOIN ranks r ON r.job = i.job AND r.rank = i.rank "
                     "AND r.incarnation = i.incarnation JOIN jobs j ON j.id = i.job "
@@ -373,7 +382,14 @@ class JobsMixin(FaultsMixin):
                 job = jobs.get(row["job"])
                 if job is None:
                     job = jobs[row["job"]] = self._lease_context(row["job"])
-                restore = self._lease_restore(row["job"], row["rank"], agent_id, job["names"])
+                # A re-execution for validation never starts from an image: the original's
+                # agent made them. Nor does it make any.
+                validating = bool(row["validates"])
+                restore = (
+                    []
+                    if validating
+                    else self._lease_restore(row["job"], row["rank"], agent_id, job["names"])
+                )
                 leases.append(
                     api.Lease(
                         job=row["job"],
@@ -390,7 +406,7 @@ class JobsMixin(FaultsMixin):
                         env=job["env"],
                         job_uid=job["job_uid"],
                         ckpt_key=job["ckpt_key"],
-                        checkpoint_every=job["checkpoint_every"],
+                        checkpoint_every=0.0 if validating else job["checkpoint_every"],
                         restore=restore,
                         from_start=bool(row["from_start"]),
                         memory=job["memory"],
@@ -537,6 +553,13 @@ class JobsMixin(FaultsMixin):
         incarnation gets it replaced."""
         with self.db.atomic():
             row = self._current(agent_id, ex.job, ex.rank, ex.incarnation)
+            if (
+                row is not None
+                and row["validating"]
+                and row["state"] in scheduler.ACTIVE_RANK_STATES
+                and not ex.lost
+            ):
+                return self._validator_exited(agent_id, ex, int(row["validating"]), now)
             if row is None:
                 now_row = self._one(
                     "SELECT incarnation FROM ranks WHERE job = ? AND rank = ?", [ex.job, ex.rank]
@@ -584,7 +607,7 @@ class JobsMixin(FaultsMixin):
                 [ex.job],
             )
             if left is not None and left["n"] == 0:
-                self._end(ex.job, "succeeded", 0, "every rank exited with code 0", now)
+                self._all_exited(ex.job, now)
             return True
 
     # -- helpers ------------------------------------------------------------------------------
@@ -624,6 +647,8 @@ class JobsMixin(FaultsMixin):
             "('pending', 'leased', 'running')",
             [job],
         )
+        # A re-execution's stdout served its comparison (a corrected rank's is the job's now).
+        self.db.execute("DELETE FROM validation_output WHERE job = ?", [job])
         self._event(job, now, state, reason)
 
     def _event(
@@ -677,4 +702,6 @@ def _info(row: dict[str, Any]) -> api.JobInfo:
         never_fits=bool(row["never_fits"]),
         restarts=row["restarts"],
         requirements=json.loads(row["requirements"]),
+        validate=bool(row["validate"]),
+        validation=row["validation"],
     )

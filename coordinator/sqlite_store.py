@@ -26,6 +26,7 @@ from vpool.coordinator.sqlite_accounts import AccountsMixin
 from vpool.coordinator.sqlite_credentials import CredentialsMixin
 from vpool.coordinator.sqlite_jobs import JobsMixin
 from vpool.coordinator.store import OutputStored, Quotas
+from vpool.coordinator.validation import Policy
 from vpool.protocol import api
 from vpool.sizes import format_size
 
@@ -66,8 +67,10 @@ class SqliteStore(AccountsMixin, JobsMixin, CredentialsMixin):
         restore_wait_timeout: float = 600.0,
         relay_down_timeout: float = 300.0,
         quotas: Quotas | None = None,
+        validation: Policy | None = None,
     ) -> None:
         self.quotas = quotas or Quotas.of(CoordinatorSettings())
+        self.validation = validation or Policy()
         self.max_restarts = max_restarts
         self.restore_wait_timeout = restore_wait_timeout
         self.relay_down_timeout = relay_down_timeout
@@ -279,6 +282,9 @@ class SqliteStore(AccountsMixin, JobsMixin, CredentialsMixin):
                 self._check_runs(agent_id, chunk.job, chunk.rank, chunk.incarnation)
                 if not chunk.data or not self._is_current(chunk.job, chunk.rank, chunk.incarnation):
                     continue
+                if self._validating_round(chunk.job, chunk.rank, chunk.incarnation):
+                    self._add_validation_output(chunk, self.quotas.max_job_output)
+                    continue
                 last = self._one(
                     "SELECT offset, length(data) AS n FROM output WHERE job = ? AND rank = ? "
                     "AND stream = ? ORDER BY offset DESC LIMIT 1",
@@ -385,16 +391,19 @@ class SqliteStore(AccountsMixin, JobsMixin, CredentialsMixin):
             self._check_runs(agent_id, job, rank, incarnation)
             if not self._is_current(job, rank, incarnation):
                 return  # a replaced incarnation's results are not the job's
+            if self._validating_round(job, rank, incarnation):
+                return  # a re-execution for validation: its files are not compared nor kept
             self.db.execute(
                 "INSERT OR REPLACE INTO results (job, rank, incarnation, blob) VALUES (?, ?, ?, ?)",
                 [job, rank, incarnation, blob],
             )
 
     def job_results(self, job: int) -> dict[int, str]:
-        """Results blob of each rank's current incarnation."""
+        """Results blob of each rank: its newest incarnation's that uploaded some (only a
+        current incarnation's are kept, and never a re-execution's for validation)."""
         rows = self.db.query(
-            "SELECT r.rank, s.blob FROM ranks r JOIN results s ON s.job = r.job "
-            "AND s.rank = r.rank AND s.incarnation = r.incarnation WHERE r.job = ?",
+            "SELECT s.rank, s.blob FROM results s WHERE s.job = ? AND s.incarnation = "
+            "(SELECT MAX(t.incarnation) FROM results t WHERE t.job = s.job AND t.rank = s.rank)",
             [job],
         )
         return {int(r["rank"]): str(r["blob"]) for r in rows}

@@ -11,8 +11,9 @@ Connections are the shell's objects (any hashable); the core keeps, per connecti
 attached on it (``Link``). Instructions go to the shell through the ``Shell`` protocol it
 implements: queue an ``Ack`` (coalesced), send a control message, fence a rank out with a
 ``Stop``, wake a connection's pusher, record an incarnation on disk, report a lost or diverged
-rank. Errors that refuse what an agent asked are raised (``Refused``) with their
-``ErrorCode``; whether the connection survives is ``protocol.errors.ends_connection``.
+rank or the verdict on a validating one. Errors that refuse what an agent asked are raised
+(``Refused``) with their ``ErrorCode``; whether the connection survives is
+``protocol.errors.ends_connection``.
 
 **A rank at this relay** (``RankState``; ``RANK_TRANSITIONS`` is every rule, as data):
 
@@ -33,11 +34,26 @@ one takes over, and the previous one gets a ``Stop``. The same incarnation on a 
 logged one (a reconnecting agent resending, a restarted rank replaying) is dropped after its
 digest is compared with the logged one's: a difference means the program is not deterministic,
 which is reported (``Error(not_deterministic)`` to the rank, ``RelayDiverged`` to the
-coordinator) and the rank's further deposits are dropped. Acks are cumulative per channel, go to
-the sender's current attachment, and never claim more than that attachment deposited or re-sent
-itself (``Attachment.offered``): a replaying incarnation is not told about messages it has not
-re-sent yet. Determinants (``det``) are logged the same way, acknowledged by count (``DetAck``)
-the moment they are durable, and replayed to a home attachment before anything else.
+coordinator, once per incarnation) and the rank's further deposits are dropped. Acks are
+cumulative per channel, go to the sender's current attachment, and never claim more than that
+attachment deposited or re-sent itself (``Attachment.offered``): a replaying incarnation is not
+told about messages it has not re-sent yet. Determinants (``det``) are logged the same way,
+acknowledged by count (``DetAck``) the moment they are durable, and replayed to a home
+attachment before anything else.
+
+**Validating attachments** (``RankClaims.validating``): once every rank of a job exited, the
+coordinator may re-execute a rank from the beginning, as a new incarnation on another volunteer,
+to check the original run (validation by replay). Such an attachment may add nothing to the
+logs: each message it sends must be a copy of a logged one with the logged content, and a seq
+the log does not have (``Offer.NEW``: the original never sent it) is refused like a copy that
+differs, as is a determinant the original never made. The first difference is the
+incarnation's verdict: ``Error(not_deterministic)`` to the rank, its further deposits dropped,
+and ``RelayValidated(agreed=False)`` to the coordinator (instead of ``RelayDiverged``). When it
+detaches (its rank ended; a closed connection is the grace path as for any rank) it must have
+re-sent everything the original sent to the ranks whose logs are here, or that shortfall is
+the verdict; otherwise it is ``RelayValidated(agreed=True)``, given only once no copy of it
+still waits for a logged frame's digest (``digested``). One verdict per incarnation, kept
+across its reconnections (``Validation``).
 
 **Trimming** (``trim``): once a checkpoint of a rank is committed, its messages and determinants
 below the image's counters are dropped; a home attachment asking for them is refused
@@ -51,7 +67,7 @@ from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, TypeVar
 
-from vpool.protocol.api import RankLost, RelayDiverged
+from vpool.protocol.api import RankLost, RelayDiverged, RelayValidated
 from vpool.protocol.detlog import DetLog, DetOffer
 from vpool.protocol.errors import ErrorCode, LocalProtocolError, divergence_message
 from vpool.protocol.mailbox import Entry, Mailbox, Offer
@@ -166,14 +182,50 @@ class TrimPoint:
         return TrimPoint(out, max(self.dets, dets))
 
 
+class Validation:
+    """What a validating incarnation did at this relay, across its attachments (an agent that
+    reconnects attaches it again with nothing offered yet). ``sent[dst]``: the highest seq it
+    sent to ``dst``. ``waiting``: its copies whose logged frame's digest is still being
+    computed. ``detached``: its rank ended, so the verdict is due once ``waiting`` is 0.
+    ``verdict``: None until reported, then whether it agreed."""
+
+    __slots__ = ("detached", "sent", "verdict", "waiting")
+
+    def __init__(self) -> None:
+        self.sent: dict[int, int] = {}
+        self.waiting = 0
+        self.detached = False
+        self.verdict: bool | None = None
+
+
 class Attachment(Generic[C]):
     """A rank's incarnation attached on one connection. ``offered[dst]``: the highest seq it
     deposited (or re-sent) to ``dst``. ``diverged``: it re-sent a message that differs from
-    the logged one; its deposits are dropped."""
+    the logged one (or, validating, sent one the log does not have); its deposits are dropped.
+    ``validation``: the incarnation's record when it re-executes the rank for validation."""
 
-    __slots__ = ("conn", "diverged", "home", "incarnation", "job", "offered", "rank", "size")
+    __slots__ = (
+        "conn",
+        "diverged",
+        "home",
+        "incarnation",
+        "job",
+        "offered",
+        "rank",
+        "size",
+        "validation",
+    )
 
-    def __init__(self, job: int, rank: int, incarnation: int, size: int, home: bool, conn: C):
+    def __init__(
+        self,
+        job: int,
+        rank: int,
+        incarnation: int,
+        size: int,
+        home: bool,
+        conn: C,
+        validation: Validation | None = None,
+    ):
         self.job = job
         self.rank = rank
         self.incarnation = incarnation
@@ -182,6 +234,12 @@ class Attachment(Generic[C]):
         self.conn = conn
         self.offered: dict[int, int] = {}
         self.diverged = False
+        self.validation = validation
+
+    @property
+    def validating(self) -> bool:
+        """Its token says it re-executes the rank to check the original run."""
+        return self.validation is not None
 
 
 class Box(Generic[C, R]):
@@ -233,6 +291,29 @@ class Shell(Protocol[C]):
 
     def report_diverged(self, report: RelayDiverged) -> None: ...
 
+    def report_validated(self, report: RelayValidated) -> None: ...
+
+
+def validation_message_new(src: int, dst: int, seq: int) -> str:
+    return (
+        f"rank {src} re-executed for validation sent message seq {seq} to rank {dst}, which "
+        "the original run never sent"
+    )
+
+
+def validation_message_differs(src: int, dst: int, seq: int) -> str:
+    return (
+        f"rank {src} re-executed for validation sent message seq {seq} to rank {dst} with "
+        "content other than the original run's"
+    )
+
+
+def validation_message_short(src: int, dst: int, sent: int, original: int) -> str:
+    return (
+        f"rank {src} re-executed for validation sent {sent} messages to rank {dst}; the "
+        f"original sent {original}"
+    )
+
 
 def _in_job(att: Attachment[Any], peer: int, what: str) -> None:
     """``peer`` is a rank of ``att``'s job; else ``bad_dst`` (rank scope)."""
@@ -274,7 +355,11 @@ class RelayCore(Generic[C, R]):
         # (job, rank) -> (incarnation, deadline, reason) of ranks in GRACE.
         self.grace: dict[Key, tuple[int, float, str]] = {}
         self.lost: set[Key] = set()
-        self.diverged_reported: set[Key] = set()
+        # (job, rank, incarnation) reported diverged: each incarnation once, however often
+        # its agent reconnects and re-sends.
+        self.diverged_reported: set[tuple[int, int, int]] = set()
+        # (job, rank, incarnation) -> the record of a validating incarnation.
+        self.validations: dict[tuple[int, int, int], Validation] = {}
         # Re-sent copies waiting for their logged entry's digest (computed late for big frames).
         self.waiting: dict[Entry[R], list[tuple[Attachment[C], int, bytes]]] = {}
 
@@ -344,9 +429,11 @@ class RelayCore(Generic[C, R]):
         home: bool,
         received: Mapping[int, int],
         dets_from: int = 0,
+        validating: bool = False,
     ) -> Attachment[C] | None:
         """An ``Attach`` with a verified token. The attachment, or None when the job is over
-        (the rank got a ``Stop``). Raises ``Refused`` (fenced, trimmed): rank scope."""
+        (the rank got a ``Stop``). Raises ``Refused`` (fenced, trimmed): rank scope.
+        ``validating``: the token's ``validating`` claim (module docstring)."""
         key = (job, rank)
         top = self.fence.get(key, 0)
         if incarnation < top:
@@ -397,7 +484,10 @@ class RelayCore(Generic[C, R]):
         if Act.END_GRACE in acts:
             del self.grace[key]
         self.lost.discard(key)
-        att = Attachment(job, rank, incarnation, size, home, conn)
+        validation = None
+        if validating:
+            validation = self.validations.setdefault((job, rank, incarnation), Validation())
+        att = Attachment(job, rank, incarnation, size, home, conn, validation)
         self.attachments[key] = att
         link.attached[key] = att
         link.fenced.discard(key)
@@ -481,6 +571,7 @@ class RelayCore(Generic[C, R]):
                 link.home_boxes.remove(box)
 
     def detach(self, conn: C, job: int, rank: int) -> None:
+        """A ``Detach``: the rank ended. A validating one gets its verdict (``_validated``)."""
         key = (job, rank)
         link = self.links.get(conn)
         att = link.attached.get(key) if link is not None else None
@@ -489,6 +580,8 @@ class RelayCore(Generic[C, R]):
         if self.attachments.get(key) is att:
             self._step(key, RankEvent.DETACH)
         self._unbind(key, att)
+        if att.validation is not None:
+            self._validated(att, att.validation)
 
     def closed(self, conn: C, reason: str, now: float) -> None:
         """The connection ended: the ranks whose current attachment it held get
@@ -543,14 +636,26 @@ class RelayCore(Generic[C, R]):
         if att.diverged:
             return None
         _in_job(att, dst, "destination")
-        box = self.boxes.get((job, dst)) or self.box(job, dst)
+        validation = att.validation
+        box = self.boxes.get((job, dst))
+        if box is None:
+            if validation is not None:
+                # No log of ``dst`` here: the original sent it nothing through this relay.
+                self._disagree(att, validation_message_new(src, dst, seq))
+                return None
+            box = self.box(job, dst)
         mailbox = box.mailbox
         offer = mailbox.offer(src, seq)
         offered = att.offered
         if seq > offered.get(dst, 0):
             offered[dst] = seq
         if offer is Offer.NEW:
-            return box
+            if validation is None:
+                return box
+            self._disagree(att, validation_message_new(src, dst, seq))
+            return None
+        if validation is not None and seq > validation.sent.get(dst, 0):
+            validation.sent[dst] = seq
         # A copy of a logged message: dropped, if it has the logged content.
         entry = mailbox.entry(src, seq)
         if entry is not None and not self._same(att, entry, dst, frame):
@@ -576,31 +681,96 @@ class RelayCore(Generic[C, R]):
             return False
         # The logged frame's digest is still being computed (``digested``).
         self.waiting.setdefault(entry, []).append((att, dst, self.digest(frame)))
+        if att.validation is not None:
+            att.validation.waiting += 1
         return True
 
     def digested(self, entry: Entry[R]) -> None:
-        """``entry.digest`` is known now: settle the copies that waited for it."""
+        """``entry.digest`` is known now: settle the copies that waited for it (and give the
+        verdict of a validating incarnation that detached meanwhile, once none of its copies
+        waits any more)."""
         copies = self.waiting.pop(entry, None)
         if copies is None:
             return
         for att, dst, mine in copies:
             if mine != entry.digest and not att.diverged:
                 self._diverge(att, dst, entry.seq)
+            validation = att.validation
+            if validation is not None:
+                validation.waiting -= 1
+                if validation.detached:
+                    self._validated(att, validation)
 
     def _diverge(self, att: Attachment[C], dst: int, seq: int) -> None:
         job, src = att.job, att.rank
+        if att.validation is not None:
+            self._disagree(att, validation_message_differs(src, dst, seq))
+            return
         message = divergence_message(src, dst, seq)
         att.diverged = True
         self.shell.send(
             att.conn, Error(code=ErrorCode.NOT_DETERMINISTIC, message=message, job=job, rank=src)
         )
-        key = (job, src)
+        key = (job, src, att.incarnation)
         if key in self.diverged_reported:
             return
         self.diverged_reported.add(key)
         self.shell.report_diverged(
             RelayDiverged(
                 name=self.name, job=job, rank=src, incarnation=att.incarnation, message=message
+            )
+        )
+
+    # -- validation -------------------------------------------------------------------------
+
+    def _disagree(self, att: Attachment[C], message: str, *, tell: bool = True) -> None:
+        """A validating incarnation did something the original did not: its deposits are
+        dropped from now on, the rank is told (``tell``: it is still there) and the verdict
+        reported, unless the incarnation has one already."""
+        validation = att.validation
+        assert validation is not None
+        att.diverged = True
+        if tell:
+            self.shell.send(
+                att.conn,
+                Error(
+                    code=ErrorCode.NOT_DETERMINISTIC, message=message, job=att.job, rank=att.rank
+                ),
+            )
+        self._verdict(att, validation, False, message)
+
+    def _validated(self, att: Attachment[C], validation: Validation) -> None:
+        """A validating incarnation detached: what the original sent to the ranks whose logs
+        are here and it did not is a disagreement; else it agreed, once no copy of it waits
+        for a digest (a late one may still differ)."""
+        validation.detached = True
+        if validation.verdict is not None:
+            return
+        short: list[str] = []
+        for dst, box in sorted(self.jobs.get(att.job, {}).items()):
+            original = box.mailbox.stored(att.rank)
+            sent = validation.sent.get(dst, 0)
+            if original > sent:
+                short.append(validation_message_short(att.rank, dst, sent, original))
+        if short:
+            self._disagree(att, "; ".join(short), tell=False)
+        elif validation.waiting == 0:
+            self._verdict(att, validation, True, "")
+
+    def _verdict(
+        self, att: Attachment[C], validation: Validation, agreed: bool, message: str
+    ) -> None:
+        if validation.verdict is not None:
+            return
+        validation.verdict = agreed
+        self.shell.report_validated(
+            RelayValidated(
+                name=self.name,
+                job=att.job,
+                rank=att.rank,
+                incarnation=att.incarnation,
+                agreed=agreed,
+                message=message,
             )
         )
 
@@ -658,7 +828,15 @@ class RelayCore(Generic[C, R]):
             )
         box = self.boxes.get(key) or self.box(job, rank)
         if box.dets.offer(index) is DetOffer.NEW:
-            return box
+            if att.validation is None:
+                return box
+            # Logging it would change what a later execution of the rank obeys.
+            self._disagree(
+                att,
+                f"rank {rank} re-executed for validation made determinant {index}, which the "
+                "original run never made",
+            )
+            return None
         if box.dets.durable:
             # Already logged: say again what is durable (if it is not yet, its DetAck follows).
             self.shell.send(conn, DetAck(job=job, rank=rank, count=box.dets.durable))
@@ -738,6 +916,9 @@ class RelayCore(Generic[C, R]):
             self.finished.add(job)
             for entry in [e for e, c in self.waiting.items() if c[0][0].job == job]:
                 del self.waiting[entry]
+            # A verdict still due no longer matters: the coordinator ended the job.
+            for vkey in [k for k in self.validations if k[0] == job]:
+                del self.validations[vkey]
             for box in self.jobs.pop(job, {}).values():
                 del self.boxes[(job, box.dst)]
                 box.dead = True
