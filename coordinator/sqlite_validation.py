@@ -211,9 +211,13 @@ class ValidationMixin:
             "AND round = ?",
             [incarnation, json.dumps([agent]), job, rank, round_],
         )
+        # A lost re-execution of this round printed for nothing; earlier rounds' output may
+        # still become the rank's (``_replace_stdout``).
         self.db.execute(
-            "DELETE FROM validation_output WHERE job = ? AND rank = ? AND incarnation < ?",
-            [job, rank, incarnation],
+            "DELETE FROM validation_output WHERE job = ? AND rank = ? AND incarnation < ? "
+            "AND incarnation NOT IN (SELECT incarnation FROM validations WHERE job = ? "
+            "AND rank = ? AND round < ? AND incarnation IS NOT NULL)",
+            [job, rank, incarnation, job, rank, round_],
         )
         what = "re-executed to validate it" if round_ == FIRST else "re-executed a third time"
         name = self._agent_name(agent)

@@ -114,6 +114,8 @@ class Pool:
         args: list[str] | None = None,
         memory: int = 0,
         unsandboxed: bool = False,
+        validate: bool = False,
+        checkpoint_every: float = 0.0,
     ) -> api.JobInfo:
         bundle = await self.upload(make_zip({"app.py": program, "input.txt": b"42\n"}), user)
         stdin_sha = await self.upload(stdin, user) if stdin is not None else None
@@ -126,6 +128,8 @@ class Pool:
             name=f"job-of-{user}",
             memory=memory,
             unsandboxed=unsandboxed,
+            validate=validate,
+            checkpoint_every=checkpoint_every,
         )
         r = await self.post("/api/v1/jobs", sub, self.user(user))
         assert r.status_code == 201, r.text

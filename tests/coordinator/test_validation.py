@@ -1,0 +1,335 @@
+"""Validation by replay on the coordinator's side (issue 20): fake agents and relays speak
+the real HTTP API; the rules alone are tested at the end."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from coord_helpers import HELLO, Agent, Pool, decode, make_zip, open_pool, relay_headers
+
+from vpool.coordinator import keys, validation
+from vpool.coordinator.validation import Policy, Run, Verdict
+from vpool.protocol import api
+from vpool.protocol.tokens import RankClaims, verify_token
+
+TRUE, FORGED = b"pi = 3.14159\n", b"pi = 3.0\n"
+
+
+async def original_run(
+    pool: Pool, stdout: bytes = TRUE, others: str = "bc", ranks: int = 1
+) -> tuple[int, Agent, list[Agent]]:
+    """A validated job run by agent-a, whose ranks exited 0 having printed ``stdout``, and
+    agents named by ``others`` enrolled since (each with one slot)."""
+    await pool.register_relay("relay-0")
+    a = await pool.enroll("agent-a", slots=ranks)
+    job = await pool.submit(ranks, validate=True)
+    leases = await pool.lease(a)
+    assert len(leases) == ranks
+    await pool.heartbeat(a, leases)
+    more = [await pool.enroll(f"agent-{c}", slots=1) for c in others]
+    for lease in leases:
+        await pool.output(a, lease, "stdout", 0, stdout)
+        r = await pool.exit(a, lease)
+        assert r.status_code == 200, r.text
+    return job.id, a, more
+
+
+async def reexecution(pool: Pool, agents: list[Agent]) -> tuple[Agent, api.Lease]:
+    """The one agent of ``agents`` given a re-execution, and its lease, checked."""
+    got = [(agent, lease) for agent in agents for lease in await pool.lease(agent)]
+    assert len(got) == 1, got
+    agent, lease = got[0]
+    claims = verify_token(
+        lease.token, pool.core.key.public_key(), now=pool.clock(), kind=RankClaims
+    )
+    assert claims.validating and claims.agent == agent.id
+    assert lease.from_start and lease.restore == [] and lease.checkpoint_every == 0
+    await pool.heartbeat(agent, [lease])
+    return agent, lease
+
+
+async def replay(
+    pool: Pool, agent: Agent, lease: api.Lease, stdout: bytes, *, agreed: bool = True, code: int = 0
+) -> None:
+    """The re-execution prints ``stdout`` and exits with ``code``; the relay says whether
+    its messages had the logged content."""
+    await pool.output(agent, lease, "stdout", 0, stdout)
+    await pool.output(agent, lease, "stderr", 0, b"a path of this machine\n")
+    r = await pool.exit(agent, lease, code=code)
+    assert r.status_code == 200, r.text
+    await verdict(pool, lease, agreed)
+
+
+async def verdict(pool: Pool, lease: api.Lease, agreed: bool) -> None:
+    report = api.RelayValidated(
+        name="relay-0",
+        job=lease.job,
+        rank=lease.rank,
+        incarnation=lease.incarnation,
+        agreed=agreed,
+        message="" if agreed else f"rank {lease.rank} sent message seq 3 to rank 1 differing",
+    )
+    r = await pool.post("/api/v1/relays/validated", report, relay_headers("relay-0"))
+    assert r.status_code == 200, r.text
+
+
+async def stdout_of(pool: Pool, job: int) -> bytes:
+    r = await pool.client.get(f"/api/v1/jobs/{job}/output?after=0", headers=pool.user())
+    page = decode(r, api.OutputPage)
+    return b"".join(rec.data for rec in page.records if rec.stream == "stdout")
+
+
+def trust(pool: Pool, agent: Agent) -> tuple[int, int, int]:
+    row = pool.core.store._one(  # type: ignore[attr-defined]
+        "SELECT agreed, agreed_streak, wrong FROM agents WHERE id = ?", [agent.id]
+    )
+    assert row is not None
+    return int(row["agreed"]), int(row["agreed_streak"]), int(row["wrong"])
+
+
+async def test_an_agreeing_reexecution_on_another_agent_validates_the_job(pool: Pool) -> None:
+    job, a, others = await original_run(pool)
+    detail = await pool.job(job)
+    assert detail.job.state == "running" and detail.job.validate
+    assert detail.job.validation.startswith("validating")
+    assert await stdout_of(pool, job) == b""  # not shown before it is validated
+    r = await pool.client.get(f"/api/v1/jobs/{job}/results", headers=pool.user())
+    assert r.status_code == 409 and r.json()["error"]["code"] == "not_validated"
+    assert await pool.lease(a) == []  # never the agent that ran it
+    v, lease = await reexecution(pool, others)
+    assert lease.incarnation == 2
+    await replay(pool, v, lease, TRUE)
+    detail = await pool.job(job)
+    assert detail.job.state == "succeeded", detail.job.reason
+    assert "validated: rank(s) 0 re-executed and confirmed" in detail.job.validation
+    [rank] = detail.ranks
+    assert (rank.validation, rank.exit_code) == ("agreed", 0)
+    assert rank.validated_by == f"agent agent-{'bc'[others.index(v)]}"
+    assert await stdout_of(pool, job) == TRUE
+    assert trust(pool, a) == (1, 1, 0) and trust(pool, v) == (1, 1, 0)
+    kinds = [e.kind for e in detail.events]
+    assert kinds.index("validating") < kinds.index("rank_validating") < kinds.index("succeeded")
+
+
+async def test_the_verdict_may_come_before_the_exit(pool: Pool) -> None:
+    job, _, others = await original_run(pool)
+    v, lease = await reexecution(pool, others)
+    await verdict(pool, lease, True)
+    assert (await pool.job(job)).job.state == "running"  # its exit is still to come
+    await pool.output(v, lease, "stdout", 0, TRUE)
+    await pool.exit(v, lease)
+    assert (await pool.job(job)).job.state == "succeeded"
+
+
+async def test_forged_output_is_outvoted_and_replaced(pool: Pool) -> None:
+    job, a, others = await original_run(pool, stdout=FORGED)
+    v, lease = await reexecution(pool, others)
+    await replay(pool, v, lease, TRUE)
+    detail = await pool.job(job)
+    assert detail.job.state == "running"
+    assert "third time" in detail.job.validation
+    assert any(
+        e.kind == "validation_mismatch" and "in its stdout; a third execution decides" in e.message
+        for e in detail.events
+    )
+    third = [o for o in others if o is not v]
+    t, lease3 = await reexecution(pool, third)
+    assert lease3.incarnation == 3
+    await replay(pool, t, lease3, TRUE)
+    detail = await pool.job(job)
+    assert detail.job.state == "succeeded", detail.job.reason
+    assert await stdout_of(pool, job) == TRUE  # the agreed output, never the forged one
+    assert detail.ranks[0].validation == "corrected"
+    assert "corrected" in detail.job.validation
+    assert trust(pool, a) == (0, 0, 1)
+    assert trust(pool, v)[:2] == (1, 1) and trust(pool, t)[:2] == (1, 1)
+    assert any(e.kind == "agent_distrusted" and "agent-a" in e.message for e in detail.events)
+
+
+async def test_forged_messages_fail_the_job_naming_the_rank_and_agents(pool: Pool) -> None:
+    job, a, others = await original_run(pool, stdout=TRUE)
+    v, lease = await reexecution(pool, others)
+    await verdict(pool, lease, False)  # the relay stops it at its first differing message
+    third = [o for o in others if o is not v]
+    t, lease3 = await reexecution(pool, third)
+    await verdict(pool, lease3, False)
+    detail = await pool.job(job)
+    assert detail.job.state == "failed"
+    reason = detail.job.reason
+    assert "rank 0's run on agent agent-a sent other messages" in reason
+    assert "agent-b" in reason and "agent-c" in reason
+    assert await stdout_of(pool, job) == TRUE  # shown, as a failed job's output is
+    assert trust(pool, a) == (0, 0, 1)
+    # The re-executions still running are told to stop.
+    hb = await pool.heartbeat(t, [lease3])
+    assert [s.rank for s in hb.stop] == [0]
+
+
+async def test_a_lying_validator_is_outvoted_and_loses_trust(pool: Pool) -> None:
+    job, a, others = await original_run(pool, stdout=TRUE)
+    v, lease = await reexecution(pool, others)
+    await replay(pool, v, lease, FORGED, code=3)
+    t, lease3 = await reexecution(pool, [o for o in others if o is not v])
+    await replay(pool, t, lease3, TRUE)
+    detail = await pool.job(job)
+    assert detail.job.state == "succeeded", detail.job.reason
+    assert await stdout_of(pool, job) == TRUE
+    assert detail.ranks[0].validation == "agreed" and "was wrong" in detail.ranks[0].validated_by
+    assert trust(pool, v) == (0, 0, 1) and trust(pool, a) == (1, 1, 0)
+
+
+async def test_three_different_runs_fail_the_job(pool: Pool) -> None:
+    job, _, others = await original_run(pool, stdout=b"1\n")
+    v, lease = await reexecution(pool, others)
+    await replay(pool, v, lease, b"2\n")
+    t, lease3 = await reexecution(pool, [o for o in others if o is not v])
+    await replay(pool, t, lease3, b"3\n")
+    detail = await pool.job(job)
+    assert detail.job.state == "failed"
+    assert "no two of three executions of rank 0 agree" in detail.job.reason
+
+
+async def test_no_unrelated_agent_means_the_job_waits_and_says_why(pool: Pool) -> None:
+    job, a, _ = await original_run(pool, others="")
+    assert await pool.lease(a) == []
+    detail = await pool.job(job)
+    assert detail.job.state == "running"
+    assert "waits for a free agent unrelated to agent-a" in detail.job.validation
+    b = await pool.enroll("agent-b", slots=1)
+    v, lease = await reexecution(pool, [b])
+    await replay(pool, v, lease, TRUE)
+    assert (await pool.job(job)).job.state == "succeeded"
+
+
+async def test_agents_of_the_same_join_token_are_related(tmp_path: Path) -> None:
+    async with open_pool(tmp_path, open_enrollment=False) as pool:
+        store, now = pool.core.store, pool.clock()
+        tokens = []
+        for label in ("alice's machines", "bob's machine"):
+            token, token_hash = keys.new_api_token(keys.JOIN_PREFIX)
+            store.create_join_token(token_hash, label, now, uses=5, expires=None)
+            tokens.append(token)
+        await pool.register_relay("relay-0")
+        a = await pool.enroll("agent-a", slots=1, join_token=tokens[0])
+        job = await pool.submit(1, validate=True)
+        [lease] = await pool.lease(a)
+        await pool.heartbeat(a, [lease])
+        sibling = await pool.enroll("agent-a2", slots=4, join_token=tokens[0])
+        stranger = await pool.enroll("agent-b", slots=1, join_token=tokens[1])
+        await pool.output(a, lease, "stdout", 0, TRUE)
+        await pool.exit(a, lease)
+        # agent-a2 has the most free slots, but alice's machines are one vote.
+        v, lease2 = await reexecution(pool, [sibling, stranger])
+        assert v is stranger
+        await replay(pool, v, lease2, TRUE)
+        assert (await pool.job(job.id)).job.state == "succeeded"
+
+
+async def test_a_lost_reexecution_goes_to_another_unrelated_agent(pool: Pool) -> None:
+    job, _, others = await original_run(pool)
+    v, lease = await reexecution(pool, others)
+    ex = api.RankExit(job=job, rank=0, incarnation=lease.incarnation, code=-9, lost=True)
+    r = await pool.post("/api/v1/agents/exit", ex, v.headers)
+    assert r.status_code == 200
+    t, lease3 = await reexecution(pool, [o for o in others if o is not v])
+    await pool.output(t, lease3, "stdout", 0, TRUE)
+    # The lost one's late output and verdict change nothing.
+    await pool.output(v, lease, "stdout", 0, FORGED)
+    await verdict(pool, lease, False)
+    await replay(pool, t, lease3, TRUE)
+    detail = await pool.job(job)
+    assert detail.job.state == "succeeded" and detail.job.restarts == 1
+
+
+async def test_trusted_agents_are_sampled_less(tmp_path: Path) -> None:
+    async with open_pool(tmp_path, validation_trusted_after=2, validation_min_rate=0.0) as pool:
+        await pool.register_relay("relay-0")
+        a = await pool.enroll("agent-a", slots=1)
+        pool.core.store.db.execute(  # type: ignore[attr-defined]
+            "UPDATE agents SET agreed = 2000000000, agreed_streak = 2000000000 WHERE id = ?",
+            [a.id],
+        )
+        job = await pool.submit(1, validate=True)
+        [lease] = await pool.lease(a)
+        await pool.output(a, lease, "stdout", 0, TRUE)
+        await pool.exit(a, lease)
+        detail = await pool.job(job.id)
+        # Sampled with probability 1e-9: not re-executed, and the job says so.
+        assert detail.job.state == "succeeded"
+        assert detail.ranks[0].validation == "skipped"
+        assert "no rank sampled" in detail.job.validation
+
+
+async def test_the_pool_policy_validates_every_job(tmp_path: Path) -> None:
+    async with open_pool(tmp_path, validate_jobs=True) as pool:
+        job = await pool.submit(1)
+        assert job.validate
+        bundle = await pool.upload(make_zip({"app.py": HELLO}))
+        body = api.JobSubmit(ranks=1, bundle=bundle, entry="app.py", fault_tolerance=False)
+        r = await pool.post("/api/v1/jobs", body, pool.user())
+        assert r.status_code == 422 and "this pool validates every job" in r.text
+
+
+async def test_validation_needs_fault_tolerance(pool: Pool) -> None:
+    bundle = await pool.upload(make_zip({"app.py": HELLO}))
+    body = api.JobSubmit(
+        ranks=1, bundle=bundle, entry="app.py", fault_tolerance=False, validate=True
+    )
+    r = await pool.post("/api/v1/jobs", body, pool.user())
+    assert r.status_code == 422 and r.json()["error"]["code"] == "bad_validate"
+
+
+async def test_a_validated_jobs_images_keep_its_log_whole(pool: Pool) -> None:
+    await pool.register_relay("relay-0")
+    a = await pool.enroll("agent-a", slots=1)
+    job = await pool.submit(1, validate=True)
+    [lease] = await pool.lease(a)
+    await pool.heartbeat(a, [lease])
+    report = api.RelayCheckpoint(
+        name="relay-0", job=job.id, rank=0, incarnation=1, ckpt=5, size=10,
+        digest="ab" * 32, fingerprint="fp", received={}, dets=0, meta=b"", retained=[5],
+    )  # fmt: skip
+    r = await pool.post("/api/v1/relays/checkpoint", report, relay_headers("relay-0"))
+    assert decode(r, api.CheckpointAccepted) == api.CheckpointAccepted(trim=False)
+
+
+async def test_a_relay_judges_only_jobs_it_serves(pool: Pool) -> None:
+    job, _, others = await original_run(pool)
+    _, lease = await reexecution(pool, others)
+    await pool.register_relay("relay-1", port=7001)
+    forged = api.RelayValidated(
+        name="relay-1", job=job, rank=0, incarnation=lease.incarnation, agreed=False
+    )
+    r = await pool.post("/api/v1/relays/validated", forged, relay_headers("relay-1"))
+    assert r.status_code == 403 and r.json()["error"]["code"] == "not_your_job"
+    assert (await pool.job(job)).job.state == "running"
+
+
+# -- the rules ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("streak", "expected"), [(0, 1.0), (9, 1.0), (10, 1.0), (20, 0.5), (100, 0.1), (10**6, 0.1)]
+)
+def test_sampling_falls_with_the_record_of_agreeing(streak: int, expected: float) -> None:
+    assert validation.chance(streak, Policy(trusted_after=10, min_rate=0.1)) == expected
+
+
+def test_decisions() -> None:
+    good, bad = Run(0, "aa"), Run(0, "bb")
+    lied = Run(0, "aa", messages="relay r: seq 3 differs")
+    assert validation.decide(good, good) is Verdict.AGREED
+    assert validation.decide(good, bad) is Verdict.THIRD
+    assert validation.decide(good, bad, good) is Verdict.VALIDATOR_WRONG
+    assert validation.decide(bad, good, good) is Verdict.ORIGINAL_OUTPUT_WRONG
+    assert validation.decide(good, lied, Run(-1, "", messages="x")) is (
+        Verdict.ORIGINAL_MESSAGES_WRONG
+    )
+    assert validation.decide(good, Run(1, "aa"), Run(2, "aa")) is Verdict.UNDECIDED
+    assert validation.differences(good, Run(3, "bb")) == "its exit code (3, not 0), its stdout"
+
+
+def test_groups() -> None:
+    assert validation.group("a1", 4) == validation.group("a2", 4) == "token 4"
+    assert validation.group("a1", None) != validation.group("a2", None)
