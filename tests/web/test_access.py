@@ -85,7 +85,15 @@ CLASSES: dict[tuple[str, str], str] = {
     },
     **{
         ("POST", "/api/v1/relays" + p): RELAY
-        for p in ["/register", "/heartbeat", "/lost", "/diverged", "/validated", "/refused", "/checkpoint"]
+        for p in [
+            "/register",
+            "/heartbeat",
+            "/lost",
+            "/diverged",
+            "/validated",
+            "/refused",
+            "/checkpoint",
+        ]
     },
 }
 SECRET = "secret-job-of-alice"
