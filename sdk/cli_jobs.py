@@ -204,6 +204,13 @@ def stream_output(
     "that): there ranks run unconfined, as the volunteer's own user.",
 )
 @click.option(
+    "--validate",
+    is_flag=True,
+    help="Validate the result by replay: once every rank exited, ranks are re-executed from "
+    "their logged messages on other, unrelated volunteers and compared (messages sent, "
+    "stdout, exit code); the output is shown once validated.",
+)
+@click.option(
     "-w", "--wait", is_flag=True, help="Stream the output and exit with the job's exit code."
 )
 @LABEL
@@ -223,6 +230,7 @@ def submit(
     checkpoint_every: float,
     memory: int,
     allow_unsandboxed: bool,
+    validate: bool,
     wait: bool,
     label: bool,
     as_json: bool,
@@ -236,6 +244,7 @@ def submit(
       vsdk submit myproject/ --entry main.py -n 8 --input data/ --wait
       vsdk submit sim.py -n 16 --memory 2G --wait
       vsdk submit trusted.py -n 4 --allow-unsandboxed
+      vsdk submit pi.py -n 8 --validate --wait
 
     A .py program brings the modules next to it that it imports (vsdk says which); a project
     directory brings every file under it (not caches, .git or virtual environments), and
@@ -259,7 +268,19 @@ def submit(
     use 2 GiB, and holds each to 2 GiB there. --allow-unsandboxed also accepts agents that
     cannot sandbox ranks: use it only for programs you would let run as the volunteer's own
     user.
+
+    Volunteers are strangers: --validate re-executes the job's ranks (each alone, from its
+    logged messages) on other volunteers, not admitted by the same join token, once they all
+    exited, and compares what each sent, printed and returned; a disagreement is decided by a
+    third execution. The job ends once validated, and its output is shown only then. Agents
+    with a long record of agreeing are sampled less (`vsdk status JOB` says which ranks were
+    re-executed, where, and what came of it). The program must be deterministic given its
+    messages (no clock or unseeded random numbers in what it prints or sends).
     """
+    if validate and not fault_tolerance:
+        raise click.UsageError(
+            "--validate replays the logs fault tolerance keeps (drop --no-fault-tolerance)"
+        )
     if checkpoint_every > 0 and not fault_tolerance:
         raise click.UsageError(
             "--checkpoint-every needs fault tolerance (drop --no-fault-tolerance)"
@@ -290,6 +311,7 @@ def submit(
             checkpoint_every=checkpoint_every,
             memory=memory,
             unsandboxed=allow_unsandboxed,
+            validate=validate,
         )
         what = f"{ranks} rank{'s' if ranks != 1 else ''}"
         if not fault_tolerance:
@@ -300,6 +322,8 @@ def submit(
             what += f", {format_size(memory)} per rank"
         if allow_unsandboxed:
             what += ", unsandboxed agents allowed"
+        if job.validate:
+            what += ", validated by replay (output shown once validated)"
         if not wait:
             if as_json:
                 print_json(job)
@@ -358,19 +382,24 @@ def _say_waiting(settings: Settings, job_id: int, waiting: str, never: bool) -> 
 
 
 def _rank_table(detail: JobDetail) -> str:
+    validated = detail.job.validate
     rows = [("RANK", "INC", "STATE", "EXIT", "AGENT", "RELAY", "RESTORED FROM")]
+    if validated:
+        rows[0] += ("VALIDATION",)
     for r in detail.ranks:
-        rows.append(
-            (
-                str(r.rank),
-                str(r.incarnation),
-                r.state,
-                "-" if r.exit_code is None else str(r.exit_code),
-                r.agent_name or r.agent or "-",  # by name, as the events name agents
-                r.relay or "-",
-                _image_name(r.restored_from),
-            )
+        row: tuple[str, ...] = (
+            str(r.rank),
+            str(r.incarnation),
+            r.state,
+            "-" if r.exit_code is None else str(r.exit_code),
+            r.agent_name or r.agent or "-",  # by name, as the events name agents
+            r.relay or "-",
+            _image_name(r.restored_from),
         )
+        if validated:
+            by = f" by {r.validated_by}" if r.validated_by else ""
+            row += (f"{r.validation}{by}" if r.validation else "-",)
+        rows.append(row)
     return _table(rows)
 
 
@@ -493,6 +522,8 @@ def status(settings: Settings, job: int | None, as_json: bool) -> None:
         off += f"  ({format_size(j.memory)} per rank)"
     if j.unsandboxed:
         off += "  (unsandboxed agents allowed)"
+    if j.validate:
+        off += "  (validated by replay)"
     click.echo(f"job {j.id}  {j.name!r}  user {j.user}  {j.ranks} ranks{off}")
     line = f"state: {j.state}"
     if j.exit_code is not None:
@@ -505,6 +536,8 @@ def status(settings: Settings, job: int | None, as_json: bool) -> None:
         click.echo(f"waiting: {j.waiting}{never}")
     if j.restarts:
         click.echo(f"restarts: {j.restarts}")
+    if j.validation:
+        click.echo(f"validation: {j.validation}")
     if j.requirements:
         click.echo(f"packages: {', '.join(j.requirements)}")
     click.echo(

@@ -198,6 +198,7 @@ class Client:
         checkpoint_every: float = 0.0,
         memory: int = 0,
         unsandboxed: bool = False,
+        validate: bool = False,
         built: bundle_mod.Bundle | None = None,
         requirements: Sequence[str] = (),
     ) -> JobInfo:
@@ -209,7 +210,9 @@ class Client:
         that often (seconds), so a lost rank restarts from its last image instead of from the
         beginning. ``memory`` > 0: bytes each rank needs (agents that let a rank use less get
         none; the others hold each rank to it). ``unsandboxed=True`` lets ranks run on agents
-        whose volunteers allowed ranks without a sandbox."""
+        whose volunteers allowed ranks without a sandbox. ``validate=True``: once every rank
+        exited, ranks are re-executed from their logs on other volunteers and compared before
+        the job ends (``JobSubmit.validate``)."""
         if ranks < 1:
             raise VsdkError("a job needs at least one rank")
         program = Path(program_path)
@@ -238,6 +241,7 @@ class Client:
             memory=memory,
             unsandboxed=unsandboxed,
             requirements=list(requirements),
+            validate=validate,
         )
         return _decode(self._request("POST", "/jobs", json_body=body), JobInfo)
 
