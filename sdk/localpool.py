@@ -423,7 +423,7 @@ def up(
     now = dt.datetime.now(dt.UTC)
     relay_names = [f"relay-{i}" for i in range(relays)]
     agent_names = [f"agent-{i}" for i in range(agents)]
-    sec = issue_secrets(lay, relay_names, agents)
+    sec = issue_secrets(lay, relay_names, agent_names)
     make_ca(lay, now=now)
     make_server_cert(lay, "coordinator", now=now)
     write_config(lay, "coordinator", coordinator_settings(lay, sec))

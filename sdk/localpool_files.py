@@ -72,14 +72,16 @@ def layout() -> Layout:
 
 @dataclass(frozen=True)
 class Secrets:
-    """What the local pool's relays and agents present: a key per relay, one join token."""
+    """What the local pool's relays and agents present: a key per relay, a join token per
+    agent (each agent stands for a volunteer of its own: validation by replay re-executes a
+    rank only on an agent admitted by another token than the one that ran it)."""
 
     relay_keys: dict[str, str] = field(default_factory=dict)
-    join_token: str = ""
+    join_tokens: dict[str, str] = field(default_factory=dict)
 
 
-def issue_secrets(lay: Layout, relays: Sequence[str], agents: int) -> Secrets:
-    """Register ``relays`` and make a join token for ``agents`` agents in the coordinator's
+def issue_secrets(lay: Layout, relays: Sequence[str], agents: Sequence[str]) -> Secrets:
+    """Register ``relays`` and make a join token for each of ``agents`` in the coordinator's
     database (created if new), as `vpool-coordinator relay add` and `join-token create`
     would; the coordinator need not run."""
     from vpool.coordinator import keys
@@ -95,11 +97,15 @@ def issue_secrets(lay: Layout, relays: Sequence[str], agents: int) -> Secrets:
             key, key_hash = keys.new_api_token(keys.RELAY_PREFIX)
             store.add_relay_key(name, key_hash, now, replace=True)
             relay_keys[name] = key
-        token, token_hash = keys.new_api_token(keys.JOIN_PREFIX)
-        store.create_join_token(token_hash, "vsdk local up", now, uses=agents, expires=None)
+        tokens = {}
+        for name in agents:
+            token, token_hash = keys.new_api_token(keys.JOIN_PREFIX)
+            label = f"vsdk local up: {name}"
+            store.create_join_token(token_hash, label, now, uses=1, expires=None)
+            tokens[name] = token
     finally:
         store.close()
-    return Secrets(relay_keys=relay_keys, join_token=token)
+    return Secrets(relay_keys=relay_keys, join_tokens=tokens)
 
 
 def _write_private(path: Path, data: bytes) -> None:
@@ -176,7 +182,7 @@ def agent_settings(
         "name": name,
         "coordinator_url": coordinator_url,
         "coordinator_ca": str(lay.ca_cert),
-        "join_token": sec.join_token,
+        "join_token": sec.join_tokens.get(name, ""),
         "identity_dir": str(d / "identity"),
         "work_dir": str(d / "work"),
         "slots": slots,

@@ -83,7 +83,7 @@ def _settings_class(module: str, name: str) -> Any:
 def test_configs_load_as_the_components_settings(
     lay: localpool.Layout, component: str, module: str, cls: str, prefix: str
 ) -> None:
-    sec = localpool.issue_secrets(lay, ["relay-1"], 1)
+    sec = localpool.issue_secrets(lay, ["relay-1"], ["agent-0"])
     if component == "coordinator":
         data = localpool.coordinator_settings(lay, sec)
     elif component.startswith("relay"):
@@ -103,12 +103,15 @@ def test_configs_load_as_the_components_settings(
 
 
 def test_configs_carry_credentials_the_coordinator_knows(lay: localpool.Layout) -> None:
-    """Each relay gets its own key and the agents one join token, registered in the
-    coordinator's database before it starts; nothing is shared between relays."""
-    sec = localpool.issue_secrets(lay, ["relay-0", "relay-1"], 2)
+    """Each relay gets its own key and each agent a join token of its own (it stands for a
+    volunteer), registered in the coordinator's database before it starts; nothing is shared
+    between relays or agents."""
+    sec = localpool.issue_secrets(lay, ["relay-0", "relay-1"], ["agent-0", "agent-1"])
     coord = localpool.coordinator_settings(lay, sec)
     relays = [localpool.relay_settings(lay, f"relay-{i}", sec, URL) for i in range(2)]
     agent = localpool.agent_settings(lay, "agent-0", sec, URL, 8)
+    other = localpool.agent_settings(lay, "agent-1", sec, URL, 8)
+    assert agent["join_token"] != other["join_token"]
     assert coord["host"] == relays[0]["host"] == relays[0]["advertise_host"] == "127.0.0.1"
     assert coord["port"] == relays[0]["port"] == 0
     assert "open_enrollment" not in coord  # closed, as every pool is by default
@@ -121,8 +124,8 @@ def test_configs_carry_credentials_the_coordinator_knows(lay: localpool.Layout) 
     try:
         for i, relay in enumerate(relays):
             assert store.relay_by_key_hash(keys.hash_token(relay["relay_key"])) == f"relay-{i}"
-        [token] = store.list_join_tokens(0.0)
-        assert (token.uses_left, token.usable) == (2, True)
+        tokens = store.list_join_tokens(0.0)
+        assert [(t.uses_left, t.usable) for t in tokens] == [(1, True), (1, True)]
     finally:
         store.close()
 
