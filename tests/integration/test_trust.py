@@ -86,7 +86,7 @@ def test_a_stranger_agent_cannot_enroll_without_a_join_token(pool: Pool) -> None
 
     r = enroll("")
     assert r.status_code == 403 and r.json()["error"]["code"] == "join_token_required"
-    # The pool's own token admitted its three agents and no more.
+    # agent-0's token admitted agent-0 and no more.
     r = enroll(_config(pool, "agent-0")["join_token"])
     assert r.status_code == 403 and r.json()["error"]["code"] == "bad_join_token"
     assert "used up" in r.json()["error"]["message"]
