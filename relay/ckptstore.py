@@ -49,7 +49,10 @@ After a commit the store keeps the newest ``checkpoint_keep`` images of the rank
 the image to the coordinator (``RelayCheckpoint``; ``registry`` posts the reports, retrying
 while the coordinator is unreachable). Once accepted (``accepted`` in the manifest) the rank's
 log is trimmed (``relay.trim``) to what the retained accepted images all have; a 409 answer
-deletes the image. A relay without a coordinator (tests) counts every commit as accepted.
+deletes the image. The coordinator may accept an image and forbid the trim
+(``CheckpointAccepted.trim`` False, ``trim`` in the manifest): a job validated by replay
+re-executes ranks from the beginning, so their logs stay whole while such an image is retained.
+A relay without a coordinator (tests) counts every commit as accepted.
 """
 
 from __future__ import annotations
@@ -109,6 +112,8 @@ class Image:
     fingerprint: str
     meta: bytes
     accepted: bool = False
+    # The coordinator let the rank's log be trimmed behind it (``CheckpointAccepted.trim``).
+    trim: bool = True
     directory: Path = field(default=Path("."), repr=False)
     # Set once the coordinator's answer to its report is in (or the report was dropped).
     reported: trio.Event | None = field(default=None, repr=False, compare=False)
@@ -134,6 +139,7 @@ class Image:
             "fingerprint": self.fingerprint,
             "meta": base64.b64encode(self.meta).decode(),
             "accepted": self.accepted,
+            "trim": self.trim,
         }
         return json.dumps(body).encode()
 
@@ -156,6 +162,7 @@ class Image:
             fingerprint=str(raw["fingerprint"]),
             meta=base64.b64decode(raw["meta"]),
             accepted=bool(raw["accepted"]),
+            trim=bool(raw.get("trim", True)),  # manifests from before it: trimmed as accepted
             directory=directory,
         )
 
@@ -197,9 +204,10 @@ def delete_image(img: Image) -> None:
 
 def trim_target(images: list[Image]) -> tuple[dict[int, int], int] | None:
     """What every accepted image of a rank has: per source the lowest ``received``, and the
-    lowest ``dets`` (images of different incarnations need not be ordered like their ids)."""
+    lowest ``dets`` (images of different incarnations need not be ordered like their ids).
+    None while one of them was accepted without a trim: the log stays whole."""
     done = [img for img in images if img.accepted]
-    if not done:
+    if not done or not all(img.trim for img in done):
         return None
     sources = {src for img in done for src in img.received}
     received = {src: min(img.received.get(src, 0) for img in done) for src in sources}
@@ -346,11 +354,13 @@ class CheckpointStore:
         self.reports_ready = trio.Event()
         return out
 
-    async def accepted(self, img: Image) -> None:
-        """The coordinator accepted the report of ``img``: trim the rank's log."""
+    async def accepted(self, img: Image, *, trim: bool = True) -> None:
+        """The coordinator accepted the report of ``img``: trim the rank's log, unless its
+        answer says not to (``trim`` False)."""
         if self.images.get((img.job, img.rank), {}).get(img.ckpt) is not img:
             return
         img.accepted = True
+        img.trim = trim
         report_settled(img)  # before the trim: the put's CkptStored need not wait for it
         await self._io(lambda: write_manifest(img))
         await self._trim((img.job, img.rank))

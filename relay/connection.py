@@ -9,8 +9,10 @@ queued control messages (``Welcome``, ``Attached`` and the replayed ``Det``s, ``
 of this connection's ranks, round robin, within their windows.
 
 Re-sent messages (a reconnecting agent, a restarted rank replaying) are dropped, after their
-content was compared with the logged copy. What each message does is decided by the relay's
-core (``protocol.relay_core``); this is its shell for one connection.
+content was compared with the logged copy; a rank whose token says it is ``validating`` (a
+re-execution that checks the original run) may only re-send, and its ``Detach`` settles its
+verdict. What each message does is decided by the relay's core (``protocol.relay_core``); this
+is its shell for one connection.
 
 Write-through: when a small batch is written inline and its receivers' writers are idle, the
 depositing reader pushes the new frames itself (``push_now``), saving the writer's task switch,
@@ -381,6 +383,7 @@ class Connection:
                 home=msg.home,
                 received=msg.received,
                 dets_from=msg.dets_from,
+                validating=claims.validating,
             )
         except Refused as rej:
             if ends_connection(rej.code, rank):

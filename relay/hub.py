@@ -2,10 +2,10 @@
 
 One ``Hub`` per relay process, used by every agent connection (``connection``) and by the
 coordinator client (``registry``). The rules (attachments, fencing by incarnation, acks,
-determinism, lost ranks, trimming, finished jobs) are the core's; the hub gives it what it
-asks for (``Shell``: acks and messages on connections, incarnations on disk, reports to the
-coordinator) and keeps the files: a ``Box`` is one destination rank's ``Mailbox`` and
-determinant log (the core's) plus its ``ChannelLog`` on disk (``box.io``).
+determinism and validation by replay, lost ranks, trimming, finished jobs) are the core's; the
+hub gives it what it asks for (``Shell``: acks and messages on connections, incarnations on
+disk, reports to the coordinator) and keeps the files: a ``Box`` is one destination rank's
+``Mailbox`` and determinant log (the core's) plus its ``ChannelLog`` on disk (``box.io``).
 
 The write path is a group commit: a connection hands the hub every Data frame that arrived in
 one read (``stage``), the hub writes them with one ``pwritev`` per contiguous run, then
@@ -28,7 +28,7 @@ import trio
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from vpool.protocol import relay_core as core
-from vpool.protocol.api import MAX_HELD_JOBS, RankLost, RelayDiverged, RelayLoad
+from vpool.protocol.api import MAX_HELD_JOBS, RankLost, RelayDiverged, RelayLoad, RelayValidated
 from vpool.protocol.detlog import DetLog
 from vpool.protocol.mailbox import Entry
 from vpool.protocol.messages import Det, DetAck, Error, Stop
@@ -252,6 +252,18 @@ class Hub:
 
     def report_diverged(self, report: RelayDiverged) -> None:
         logger.warning("job %d: %s", report.job, report.message)
+        self.determinism.add(report)
+
+    def report_validated(self, report: RelayValidated) -> None:
+        if report.agreed:
+            logger.info(
+                "job %d rank %d incarnation %d re-executed for validation: agreed",
+                report.job,
+                report.rank,
+                report.incarnation,
+            )
+        else:
+            logger.warning("job %d: %s", report.job, report.message)
         self.determinism.add(report)
 
     # -- connections and time -----------------------------------------------------------------

@@ -4,9 +4,11 @@
 place. ``run_registry`` keeps the relay registered: it retries registration with backoff until
 the coordinator answers (it may start after the relay), hands the coordinator's signing key to
 the hub, heartbeats with the relay's load, deletes the logs of jobs the coordinator says are
-finished, and posts lost ranks, divergences (``determinism``) and committed checkpoint images
-(``ckptstore``; the rank's log is trimmed only once the coordinator accepted the image). A
-coordinator that is briefly unreachable only delays these; the relay keeps serving agents meanwhile.
+finished, and posts lost ranks, divergences and the verdicts on validating incarnations
+(``determinism``) and committed checkpoint images (``ckptstore``; the rank's log is trimmed
+only once the coordinator accepted the image, and only if its ``CheckpointAccepted`` allows
+it). A coordinator that is briefly unreachable only delays these; the relay keeps serving agents
+meanwhile.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import trio
 
 from vpool import __version__, tls
 from vpool.protocol.api import (
+    CheckpointAccepted,
     ErrorBody,
     RelayCheckpoint,
     RelayDiverged,
@@ -30,6 +33,7 @@ from vpool.protocol.api import (
     RelayRefused,
     RelayRegister,
     RelayRegistered,
+    RelayValidated,
 )
 from vpool.protocol.errors import TokenError
 from vpool.protocol.tokens import public_key_from_text
@@ -104,8 +108,12 @@ class CoordinatorClient:
     async def report_refused(self, req: RelayRefused) -> None:
         await self._post("/relays/refused", req, dict)
 
-    async def report_checkpoint(self, req: RelayCheckpoint) -> None:
-        await self._post("/relays/checkpoint", req, dict)
+    async def report_validated(self, req: RelayValidated) -> None:
+        await self._post("/relays/validated", req, dict)
+
+    async def report_checkpoint(self, req: RelayCheckpoint) -> CheckpointAccepted:
+        # An older coordinator answers {}: accepted, trim (the defaults).
+        return await self._post("/relays/checkpoint", req, CheckpointAccepted)
 
 
 async def _register(hub: Hub, client: CoordinatorClient, req: RelayRegister) -> float:
@@ -141,18 +149,34 @@ async def _report_lost(hub: Hub, client: CoordinatorClient) -> None:
                 delay = min(delay * 2, BACKOFF_MAX)
 
 
-async def _report_diverged(hub: Hub, client: CoordinatorClient) -> None:
+async def _report_determinism(hub: Hub, client: CoordinatorClient) -> None:
+    """Divergences and validation verdicts (``determinism``), in order. A 4xx but 401 is final
+    (the job is over, a coordinator that predates the endpoint): the report is dropped rather
+    than holding back the ones behind it."""
     determinism = hub.determinism
     while True:
         await determinism.ready.wait()
         for report in determinism.take():
+            what = "a divergence" if isinstance(report, RelayDiverged) else "a validation verdict"
             delay = BACKOFF_FIRST
             while True:
                 try:
-                    await client.report_diverged(report)
+                    if isinstance(report, RelayDiverged):
+                        await client.report_diverged(report)
+                    else:
+                        await client.report_validated(report)
                     break
                 except CoordinatorError as exc:
-                    logger.warning("cannot report a divergence, retrying: %s", exc.message)
+                    if exc.status is not None and 400 <= exc.status < 500 and exc.status != 401:
+                        logger.warning(
+                            "%s of job %d rank %d not taken: %s",
+                            what,
+                            report.job,
+                            report.rank,
+                            exc.message,
+                        )
+                        break
+                    logger.warning("cannot report %s, retrying: %s", what, exc.message)
                     await trio.sleep(delay)
                     delay = min(delay * 2, BACKOFF_MAX)
 
@@ -180,7 +204,8 @@ async def _report_refused(hub: Hub, client: CoordinatorClient) -> None:
 
 async def _report_checkpoints(hub: Hub, client: CoordinatorClient) -> None:
     """Post committed images in commit order; an accepted one lets the store trim the rank's
-    log, a refused one (409) is deleted. Unreachable or failing: retried with backoff."""
+    log (unless the answer's ``trim`` is False: a job validated by replay needs all of it), a
+    refused one (409) is deleted. Unreachable or failing: retried with backoff."""
     store = hub.store
     while True:
         if not store.reports:
@@ -199,7 +224,7 @@ async def _report_one(
     delay = BACKOFF_FIRST
     while True:
         try:
-            await client.report_checkpoint(report)
+            answer = await client.report_checkpoint(report)
         except CoordinatorError as exc:
             if exc.status == 409:
                 await store.refused(img)
@@ -218,7 +243,7 @@ async def _report_one(
             if report.job in hub.finished:
                 return
             continue
-        await store.accepted(img)
+        await store.accepted(img, trim=answer.trim)
         return
 
 
@@ -228,7 +253,7 @@ async def run_registry(hub: Hub, client: CoordinatorClient, req: RelayRegister) 
         interval = await _register(hub, client, req)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(_report_lost, hub, client)
-            nursery.start_soon(_report_diverged, hub, client)
+            nursery.start_soon(_report_determinism, hub, client)
             nursery.start_soon(_report_refused, hub, client)
             nursery.start_soon(_report_checkpoints, hub, client)
             while True:

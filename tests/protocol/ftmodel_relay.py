@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from vpool.protocol import messages as m
-from vpool.protocol.api import RankLost, RelayDiverged
+from vpool.protocol.api import RankLost, RelayDiverged, RelayValidated
 from vpool.protocol.detlog import DetLog
 from vpool.protocol.relay_core import Attachment, Box, RelayCore
 
@@ -110,6 +110,9 @@ class SimRelay:
 
     def report_diverged(self, report: RelayDiverged) -> None:
         raise Divergence(report.message)
+
+    def report_validated(self, report: RelayValidated) -> None:
+        raise ModelError(f"relay {self.index} judged a validation the model never runs: {report}")
 
     # -- the model's events -------------------------------------------------------------------
 

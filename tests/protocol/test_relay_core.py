@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from vpool.protocol.api import RankLost, RelayDiverged
+from vpool.protocol.api import RankLost, RelayDiverged, RelayValidated
 from vpool.protocol.errors import ErrorCode, LocalProtocolError, RemoteProtocolError
 from vpool.protocol.messages import Det, DetAck, Error, Stop
 from vpool.protocol.relay_core import (
@@ -34,6 +34,7 @@ class Shell:
         self.incarnations: list[tuple[int, int, int]] = []
         self.lost: list[RankLost] = []
         self.diverged: list[RelayDiverged] = []
+        self.validated: list[RelayValidated] = []
 
     def open_box(self, box: Any) -> None:
         box.io = "files"
@@ -58,6 +59,9 @@ class Shell:
 
     def report_diverged(self, report: RelayDiverged) -> None:
         self.diverged.append(report)
+
+    def report_validated(self, report: RelayValidated) -> None:
+        self.validated.append(report)
 
     def take(self, kind: str) -> list[tuple[Any, ...]]:
         out = [e for e in self.log if e[0] == kind]

@@ -91,10 +91,17 @@ class Pool:
         incarnation: int = 1,
         expires: float | None = None,
         key: Ed25519PrivateKey | None = None,
+        validating: bool = False,
     ) -> str:
         exp = time.time() + 3600 if expires is None else expires
         claims = RankClaims(
-            job=job, rank=rank, incarnation=incarnation, size=size, agent=agent, expires=exp
+            job=job,
+            rank=rank,
+            incarnation=incarnation,
+            size=size,
+            agent=agent,
+            expires=exp,
+            validating=validating,
         )
         return sign_token(claims, key or self.key)
 
@@ -216,8 +223,11 @@ class FakeAgent:
         received: dict[int, int] | None = None,
         incarnation: int = 1,
         dets_from: int = 0,
+        validating: bool = False,
     ) -> Attached:
-        token = pool.rank_token(job, rank, agent=self.agent, size=size, incarnation=incarnation)
+        token = pool.rank_token(
+            job, rank, agent=self.agent, size=size, incarnation=incarnation, validating=validating
+        )
         await self.send(
             Attach(token=token, home=home, received=received or {}, dets_from=dets_from)
         )
@@ -319,6 +329,10 @@ class FakeCoordinator:
         self.heartbeats: list[api.RelayHeartbeat] = []
         self.lost: list[api.RankLost] = []
         self.diverged: list[api.RelayDiverged] = []
+        self.validated: list[api.RelayValidated] = []
+        # What /relays/validated answers; ``validated_seen`` counts the posts, answered or not.
+        self.validated_status = 200
+        self.validated_seen = 0
         self.refused: list[api.RelayRefused] = []
         self.finished_jobs: list[int] = []
         self.changed = trio.Event()
@@ -352,6 +366,14 @@ class FakeCoordinator:
                 return self._json(api.RelayHeartbeatResponse(finished_jobs=self.finished_jobs))
             if path == "/api/v1/relays/diverged":
                 self.diverged.append(msgspec.json.decode(request.content, type=api.RelayDiverged))
+                return self._json({})
+            if path == "/api/v1/relays/validated":
+                report = msgspec.json.decode(request.content, type=api.RelayValidated)
+                self.validated_seen += 1
+                if self.validated_status != 200:
+                    detail = api.ErrorDetail("not_found", f"no job {report.job}")
+                    return self._json(api.ErrorBody(detail), self.validated_status)
+                self.validated.append(report)
                 return self._json({})
             if path == "/api/v1/relays/refused":
                 self.refused.append(msgspec.json.decode(request.content, type=api.RelayRefused))

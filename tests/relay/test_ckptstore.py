@@ -25,6 +25,7 @@ from vpool.protocol.messages import (
     CkptStored,
     Error,
 )
+from vpool.relay.ckptstore import Image, trim_target
 
 
 async def test_put_get_round_trip(pool: Pool, relay: Any, tmp_path: Path, agents: object) -> None:
@@ -180,12 +181,14 @@ async def test_keep_n_and_restart_sweeps(
 
 
 class CkptCoordinator(FakeCoordinator):
-    """The fake coordinator plus ``/relays/checkpoint``: answers ``status`` (503 = down)."""
+    """The fake coordinator plus ``/relays/checkpoint``: answers ``status`` (503 = down), with
+    ``answer`` when it is 200 (``{}``, as a coordinator from before ``CheckpointAccepted``)."""
 
     def __init__(self, pool: Pool) -> None:
         super().__init__(pool)
         self.checkpoints: list[api.RelayCheckpoint] = []
         self.status = 503
+        self.answer: object = {}
         self.seen = 0  # reports received, answered or not
         self.gate: trio.Event | None = None  # when set up, answers wait for it
         self.transport = httpx.MockTransport(self.handle_ckpt)
@@ -203,7 +206,7 @@ class CkptCoordinator(FakeCoordinator):
             if self.status != 200:
                 return self._json(api.ErrorBody(api.ErrorDetail("no", "not now")), self.status)
             self.checkpoints.append(report)
-            return self._json({})
+            return self._json(self.answer)
         finally:
             self.changed.set()
             self.changed = trio.Event()
@@ -292,3 +295,62 @@ async def test_reports_trim_only_once_accepted_and_409_deletes(
     coord.finished_jobs.append(6)
     await until(lambda: not (tmp_path / "relay" / "jobs" / "6").exists())
     assert relay.hub.store.nbytes == 0 and not relay.hub.store.images
+
+
+async def test_an_image_accepted_without_trim_leaves_the_log_whole(
+    pool: Pool, nursery: trio.Nursery, tmp_path: Path, agents: object
+) -> None:
+    """A job validated by replay: its ranks are re-executed from the beginning, so the
+    coordinator accepts images with ``trim=False`` and the log stays whole, across a restart
+    too (the manifest says so)."""
+    coord = CkptCoordinator(pool)
+    coord.status = 200
+    coord.answer = api.CheckpointAccepted(trim=False)
+    settings = pool.settings(tmp_path / "relay", coordinator_url="http://coord", relay_key="s3cret")
+    relay = await start_relay(nursery, settings, coordinator_transport=coord.transport)
+    a = await FakeAgent.connect(pool, relay.addr, "agent-1")
+    await a.attach(pool, 6, 0, size=2)
+    for seq in range(1, 11):
+        await a.deposit(6, 0, 1, seq, b"m%d" % seq)
+    await a.acks_until(6, 0, 1, 10)
+    conn = await store_conn(pool, relay.addr)
+    assert await put(conn, pool, 6, 1, 1, b"img-1", received={0: 6}) == CkptStored(1, [1])
+    manifest = tmp_path / "relay" / "jobs" / "6" / "1" / "ckpt" / "1.json"
+    await until(lambda: json.loads(manifest.read_bytes())["accepted"])
+    assert json.loads(manifest.read_bytes())["trim"] is False
+    box = relay.hub.boxes[(6, 1)]
+    assert len(box.mailbox) == 10 and not box.trim
+    await conn.aclose()
+    await a.aclose()
+    await relay.stop()
+    relay = await start_relay(nursery, settings, coordinator_transport=coord.transport)
+    box = relay.hub.boxes[(6, 1)]
+    assert len(box.mailbox) == 10 and not box.trim
+    assert [r.ckpt for r in coord.checkpoints] == [1]  # accepted: not reported again
+
+
+def test_an_image_accepted_without_trim_holds_the_trim_back() -> None:
+    def img(ckpt: int, received: int, *, accepted: bool = True, trim: bool = True) -> Image:
+        return Image(
+            job=1,
+            rank=0,
+            ckpt=ckpt,
+            incarnation=1,
+            size=1,
+            digest=b"",
+            received={1: received},
+            dets=ckpt,
+            fingerprint="",
+            meta=b"",
+            accepted=accepted,
+            trim=trim,
+        )
+
+    assert trim_target([img(1, 4), img(2, 9)]) == ({1: 4}, 1)
+    assert trim_target([img(1, 4, accepted=False), img(2, 9)]) == ({1: 9}, 2)
+    assert trim_target([img(1, 4, trim=False), img(2, 9)]) is None
+    assert trim_target([img(1, 4), img(2, 9, accepted=False, trim=False)]) == ({1: 4}, 1)
+    # Manifests written before the flag: trimmed as before.
+    old = json.loads(img(3, 5).to_json())
+    del old["trim"]
+    assert Image.from_json(json.dumps(old).encode(), Path(".")).trim is True
