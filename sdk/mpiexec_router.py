@@ -26,7 +26,7 @@ from typing import Any
 
 import trio
 
-from vpool.protocol.api import RankLost, RelayDiverged
+from vpool.protocol.api import RankLost, RelayDiverged, RelayValidated
 from vpool.protocol.errors import ErrorCode, RemoteProtocolError
 from vpool.protocol.framing import Large, Small, decode_head
 from vpool.protocol.messages import (
@@ -150,6 +150,9 @@ class _Router:
 
     def report_diverged(self, report: RelayDiverged) -> None:
         self.fail(1, report.message)
+
+    def report_validated(self, report: RelayValidated) -> None:
+        pass  # its ranks are never re-executed for validation (no token says validating)
 
     def say(self, text: str) -> None:
         if self.held is not None:
