@@ -694,7 +694,8 @@ class Coordinator:
             now,
         )
         waits = await self.db.call(self.store.expire_restore_waits, now)
-        if agents or relays or waits:
+        slow = await self.db.call(self.store.expire_validations, now)
+        if agents or relays or waits or slow:
             self._states_changed()
             await self.schedule()
 

@@ -31,6 +31,8 @@ from vpool.protocol import api
 
 _random = secrets.SystemRandom()
 NOT_FINISHED = -1  # a re-execution's exit code when a relay's verdict ended it first
+VALIDATION_SLACK = 4.0  # a re-execution may take this many times the original's wall time
+VALIDATION_MIN_WAIT = 300.0  # s: and at least this long
 
 
 class ValidationMixin:
@@ -394,6 +396,49 @@ class ValidationMixin:
         self._reexecute(job, rank, int(row["validating"]))
         return True
 
+    def expire_validations(self, now: float) -> bool:
+        """Re-executions that ran past their deadline are lost (a volunteer's machine that
+        never finishes, or never says so), and run again on another agent: a deadline of
+        ``VALIDATION_SLACK`` times the original run's wall time, at least
+        ``VALIDATION_MIN_WAIT`` s, from when the re-execution was placed."""
+        changed = False
+        with self.db.atomic():
+            rows = list(
+                self.db.query(
+                    "SELECT r.job, r.rank, r.incarnation, a.name, i.created, "
+                    "v.exited - j.started AS took FROM ranks r JOIN jobs j ON j.id = r.job "
+                    "JOIN incarnations i ON i.job = r.job AND i.rank = r.rank "
+                    "AND i.incarnation = r.incarnation "
+                    "JOIN validations v ON v.job = r.job AND v.rank = r.rank AND v.round = 0 "
+                    "LEFT JOIN agents a ON a.id = r.agent "
+                    "WHERE r.validating > 0 AND r.state IN ('leased', 'running') "
+                    "AND j.state = 'running'"
+                )
+            )
+            for r in rows:
+                limit = max(VALIDATION_MIN_WAIT, VALIDATION_SLACK * float(r["took"] or 0.0))
+                if now - float(r["created"]) < limit:
+                    continue
+                reason = (
+                    f"rank {r['rank']}'s re-execution on agent {r['name']} did not finish "
+                    f"within {limit:.0f} s ({VALIDATION_SLACK:g} times the original run)"
+                )
+                changed = self._lose(r["job"], r["rank"], reason, now, suspect=True) or changed
+        return changed
+
+    def _lose(
+        self,
+        job: int,
+        rank: int,
+        reason: str,
+        now: float,
+        *,
+        suspect: bool,
+        exit_code: int | None = None,
+        outage: str = "",
+    ) -> bool:
+        raise NotImplementedError  # FaultsMixin
+
     # -- deciding -----------------------------------------------------------------------------
 
     def _settle(self, job: int, rank: int, now: float) -> None:
@@ -417,8 +462,8 @@ class ValidationMixin:
         if not disagreed and (current["exited"] is None or any(n not in verdicts for n in relays)):
             return
         original = _run(runs[ORIGINAL])
-        first = _run(runs[FIRST])
-        second = _run(runs[SECOND]) if round_ == SECOND else None
+        first = _run(runs[FIRST], original)
+        second = _run(runs[SECOND], original) if round_ == SECOND else None
         verdict = validation.decide(original, first, second)
         names = {k: self._names(json.loads(v["agents"])) for k, v in runs.items()}
         o_agents = json.loads(runs[ORIGINAL]["agents"])
@@ -603,12 +648,14 @@ class ValidationMixin:
             )
 
 
-def _run(row: dict[str, Any]) -> Run:
+def _run(row: dict[str, Any], original: Run | None = None) -> Run:
+    """The execution a ``validations`` row records. A re-execution that exited with another
+    code than the original ran differently (it crashed, say): what the relays found of its
+    messages (too few, most likely) is no evidence against the original's, so only its exit
+    code and stdout count."""
     verdicts: dict[str, str] = json.loads(row["relays"])
     disagreed = "; ".join(f"relay {n}: {m}" for n, m in sorted(verdicts.items()) if m)
-    code = row["exit_code"]
-    return Run(
-        exit_code=NOT_FINISHED if code is None else int(code),
-        stdout=row["stdout"] or "",
-        messages=disagreed,
-    )
+    code = NOT_FINISHED if row["exit_code"] is None else int(row["exit_code"])
+    if original is not None and code not in (NOT_FINISHED, original.exit_code):
+        disagreed = ""
+    return Run(exit_code=code, stdout=row["stdout"] or "", messages=disagreed)

@@ -333,3 +333,39 @@ def test_decisions() -> None:
 def test_groups() -> None:
     assert validation.group("a1", 4) == validation.group("a2", 4) == "token 4"
     assert validation.group("a1", None) != validation.group("a2", None)
+
+
+async def test_a_crashed_reexecution_is_no_evidence_against_the_messages(pool: Pool) -> None:
+    """A re-execution that exits 1 sent fewer messages than the original (its relays say so):
+    only its exit code counts, and a third execution clears the original."""
+    job, a, others = await original_run(pool)
+    v, lease = await reexecution(pool, others)
+    await replay(pool, v, lease, b"Traceback ...\n", agreed=False, code=1)
+    t, lease3 = await reexecution(pool, [o for o in others if o is not v])
+    await replay(pool, t, lease3, TRUE)
+    detail = await pool.job(job)
+    assert detail.job.state == "succeeded", detail.job.reason
+    assert trust(pool, v) == (0, 0, 1) and trust(pool, a) == (1, 1, 0)
+
+
+async def test_a_reexecution_that_never_ends_is_replaced(pool: Pool) -> None:
+    job, _, others = await original_run(pool)
+    v, lease = await reexecution(pool, others)
+    pool.clock.advance(299.0)
+    await pool.heartbeat(v, [lease])
+    await pool.relay_heartbeat("relay-0")
+    await pool.core.check_timeouts()
+    assert (await pool.job(job)).ranks[0].incarnation == lease.incarnation
+    pool.clock.advance(2.0)
+    await pool.heartbeat(v, [lease])
+    await pool.heartbeat(others[1] if v is others[0] else others[0], [])
+    await pool.relay_heartbeat("relay-0")
+    await pool.core.check_timeouts()
+    detail = await pool.job(job)
+    assert any("did not finish within 300 s" in e.message for e in detail.events), "\n".join(
+        f"{e.kind}: {e.message}" for e in detail.events
+    )
+    t, lease3 = await reexecution(pool, [o for o in others if o is not v])
+    assert lease3.incarnation == lease.incarnation + 1
+    await replay(pool, t, lease3, TRUE)
+    assert (await pool.job(job)).job.state == "succeeded"
