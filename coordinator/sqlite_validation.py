@@ -483,11 +483,10 @@ class ValidationMixin:
             self._reexecute(job, rank, SECOND)
             return
         if verdict is Verdict.AGREED:
-            self._trust(o_agents + v_agents)
+            self._judged(o_agents + v_agents, [], job, rank, now)
             self._rank_validated(job, rank, original, "agreed", f"agent {names[FIRST]}")
         elif verdict is Verdict.VALIDATOR_WRONG:
-            self._trust(o_agents + t_agents)
-            self._distrust(v_agents, job, rank, now)
+            self._judged(o_agents + t_agents, v_agents, job, rank, now)
             self._rank_validated(
                 job,
                 rank,
@@ -496,8 +495,7 @@ class ValidationMixin:
                 f"agent {names[SECOND]} (agent {names[FIRST]} disagreed, and was wrong)",
             )
         elif verdict is Verdict.ORIGINAL_OUTPUT_WRONG:
-            self._trust(v_agents + t_agents)
-            self._distrust(o_agents, job, rank, now)
+            self._judged(v_agents + t_agents, o_agents, job, rank, now)
             self._replace_stdout(job, rank, int(runs[FIRST]["incarnation"]))
             self._event(
                 job,
@@ -524,8 +522,7 @@ class ValidationMixin:
                 )
                 return
         elif verdict is Verdict.ORIGINAL_MESSAGES_WRONG:
-            self._trust(v_agents + t_agents)
-            self._distrust(o_agents, job, rank, now)
+            self._judged(v_agents + t_agents, o_agents, job, rank, now)
             self._failed_validation(
                 job,
                 rank,
@@ -623,6 +620,11 @@ class ValidationMixin:
         return digest.hexdigest()
 
     # -- trust --------------------------------------------------------------------------------
+
+    def _judged(self, right: list[str], wrong: list[str], job: int, rank: int, now: float) -> None:
+        """The agents on the agreeing side gain an agreement; those found wrong lose trust."""
+        self._trust(right)
+        self._distrust(wrong, job, rank, now)
 
     def _trust(self, agents: list[str]) -> None:
         for agent in dict.fromkeys(agents):
