@@ -50,7 +50,7 @@ def make_feeds(core: Coordinator) -> feed.Feeds:
         return await core.db.call(core.store.job_detail, job)
 
     async def output(job: int, after: int, limit: int) -> tuple[list[api.OutputRecord], bool]:
-        return await core.db.call(core.store.output_page, job, after, None, limit)
+        return await visible_output(core, job, after, None, limit)
 
     async def settled(job: api.JobInfo) -> bool:
         return await core.settle_time(job) <= 0
@@ -69,7 +69,35 @@ def make_feeds(core: Coordinator) -> feed.Feeds:
 def live_panel(detail: api.JobDetail, now: float) -> str:
     """The part of the job page that changes: state, ranks, timeline and events."""
     tl = timeline.build(detail.job, detail.events, now)
-    return render("_live.html", job=detail.job, detail=detail, svg=timeline.render_svg(tl), now=now)
+    return render(
+        "_live.html",
+        job=detail.job,
+        detail=detail,
+        svg=timeline.render_svg(tl),
+        now=now,
+        mark_kind=timeline.mark_kind,
+    )
+
+
+def withheld(job: api.JobInfo) -> bool:
+    """A job validated by replay shows no output until it ended, as ``Coordinator.output``
+    gives none: until then it may be a stranger's forged output, replaced once outvoted."""
+    return job.validate and job.state not in api.TERMINAL_STATES
+
+
+async def visible_output(
+    core: Coordinator, job: int, after: int, rank: int | None, limit: int
+) -> tuple[list[api.OutputRecord], bool]:
+    """The output page the portal may show: the job's state is read in the same database
+    call, before its output, so a job that is withheld at the read shows nothing."""
+
+    def read() -> tuple[list[api.OutputRecord], bool]:
+        info = core.store.job_info(job)
+        if info is None or withheld(info):
+            return [], False
+        return core.store.output_page(job, after, rank, limit)
+
+    return await core.db.call(read)
 
 
 # -- signing in ---------------------------------------------------------------------------------
@@ -210,9 +238,7 @@ async def job_page(
     detail = await core.job_detail(v.who, job_id)
     if rank is not None and not 0 <= rank < detail.job.ranks:
         rank = None
-    records, more = await core.db.call(
-        core.store.output_page, job_id, 0, rank, FIRST_OUTPUT_RECORDS
-    )
+    records, more = await visible_output(core, job_id, 0, rank, FIRST_OUTPUT_RECORDS)
     cursor = records[-1].id if records else 0
     # Ended, and every stopped rank has reported: no more output can come.
     terminal = detail.job.state in api.TERMINAL_STATES and await core.settle_time(detail.job) <= 0
@@ -236,6 +262,7 @@ async def job_page(
         rank=rank,
         terminal=terminal,
         asked=asked,
+        withheld=withheld(detail.job),
     )
 
 
@@ -248,11 +275,13 @@ async def live(request: Request, job_id: int, after: int = 0, rank: int | None =
         v = await viewer(request)
     except session.SignInRequired:
         raise Unauthorized("not signed in, or the session ended", code="no_session") from None
-    await core.job(v.who, job_id)
+    info = await core.job(v.who, job_id)
     last = request.headers.get("last-event-id", "")
     if last.isascii() and last.isdigit() and len(last) < 19:  # isdigit() alone takes '²' too
         after = max(after, int(last))
-    after = max(0, min(after, 2**62))
+    # Nobody has seen output of a job that withholds it: a feed started while it does starts
+    # at 0, so no subscriber is ever behind its floor with nothing readable to catch up from.
+    after = 0 if withheld(info) else max(0, min(after, 2**62))
 
     async def events() -> AsyncIterator[bytes]:
         async with feeds(request).watch(job_id, after) as f:

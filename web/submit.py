@@ -43,6 +43,7 @@ FIELD_OF_CODE = {
     "not_python": "program",
     "too_large": "program",
     "bad_requirements": "requirements",
+    "bad_validate": "validate",
 }
 
 
@@ -58,6 +59,7 @@ class Draft:
     memory: str = ""
     fault_tolerance: bool = True
     unsandboxed: bool = False
+    validate: bool = False
     requirements: str = ""
     errors: dict[str, str] = field(default_factory=dict)
 
@@ -81,6 +83,7 @@ def _form(request: Request, v: Viewer, draft: Draft, status: int = 200) -> Respo
         draft=draft,
         max_ranks=core.settings.max_ranks,
         min_checkpoint=core.settings.min_checkpoint_every,
+        validate_jobs=core.settings.validate_jobs,
     )
 
 
@@ -121,17 +124,32 @@ def _files(form: FormData, name: str) -> list[UploadFile]:
 
 
 def _draft(form: FormData) -> Draft:
-    return Draft(
+    draft = Draft(
         name=_text(form, "name"),
         ranks=_text(form, "ranks"),
         args=_text(form, "args", MAX_ARGS_TEXT),
         entry=_text(form, "entry"),
         checkpoint_every=_text(form, "checkpoint_every"),
         memory=_text(form, "memory"),
-        fault_tolerance=form.get("fault_tolerance") == "on",
-        unsandboxed=form.get("unsandboxed") == "on",
         requirements=_text(form, "requirements", MAX_ARGS_TEXT),
     )
+    draft.fault_tolerance = _checkbox(form, draft, "fault_tolerance")
+    draft.unsandboxed = _checkbox(form, draft, "unsandboxed")
+    draft.validate = _checkbox(form, draft, "validate")
+    return draft
+
+
+def _checkbox(form: FormData, draft: Draft, name: str) -> bool:
+    """A checkbox sends "on" when ticked and nothing otherwise (an empty value counts as
+    nothing); any other value, or a file, did not come from the form and is an error of the
+    field rather than a guess."""
+    values = form.getlist(name)
+    if all(v == "" for v in values):
+        return False
+    if all(v == "on" for v in values):
+        return True
+    draft.error(name, "not a value this checkbox sends: tick it or leave it out")
+    return False
 
 
 async def _submission(core: Coordinator, form: FormData, draft: Draft) -> api.JobSubmit | None:
@@ -208,6 +226,7 @@ async def _submission(core: Coordinator, form: FormData, draft: Draft) -> api.Jo
         memory=memory,
         unsandboxed=draft.unsandboxed,
         requirements=needs,
+        validate=draft.validate,
     )
 
 

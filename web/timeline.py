@@ -22,16 +22,25 @@ Segment states (``STATES``) and the events that start them:
 - ``lost``: from ``rank_lost`` until the replacement incarnation is placed
   (``rank_restarted``), or until the job ends;
 - ``waiting``: the replacement can only start from a checkpoint image and no agent can restore
-  it (``rank_waiting_restore``), until it is placed or the job ends.
+  it (``rank_waiting_restore``), until it is placed or the job ends;
+- ``validating``: a re-execution of the rank for validation by replay, from its placement
+  (``rank_validating``, ``starting`` until it says it runs) until it exited
+  (``rank_reexecuted``), was lost, or the next re-execution of the rank is placed. It replays
+  its log, but the row says what it is for.
 
 A rank's row ends at ``rank_exited`` or ``rank_failed`` (no segment after; ``rank_failed`` is
 also a fault mark), and every row ends at the job's end event (``succeeded``, ``failed``,
-``cancelled``). The current segment of an unfinished job ends at ``now``.
+``cancelled``). ``rank_validating`` starts an ended row again: validation begins once every
+rank exited. The current segment of an unfinished job ends at ``now``.
 
 Mark kinds (``MARK_KINDS``): ``checkpoint`` (a committed image), ``fault`` (``rank_lost``,
 ``rank_failed``, ``checkpoint_failed``, ``restore_failed``, ``relay_down``, ``job_failed``, the
-job's ``failed`` end), ``fence`` (``rank_fenced``: a replaced incarnation's late exit) and
-``recovery`` (``relay_up``). Marks without a rank are job-wide and drawn on the ``job`` row.
+job's ``failed`` end), ``fence`` (``rank_fenced``: a replaced incarnation's late exit),
+``recovery`` (``relay_up``), ``warning`` (``validation_mismatch``: a re-execution differs from
+the original; ``agent_distrusted``: an agent was found wrong) and ``corrected``
+(``validation_corrected``: a rank's output was replaced by its re-executions'). Marks without a
+rank are job-wide and drawn on the ``job`` row; ``mark_kind`` gives an event kind's mark kind,
+for the events table to use the same classes.
 
 The events come from the database, so ``build`` never raises on odd data: events of unknown
 kinds, of ranks out of range or at non-finite times are skipped, a rank event without a rank
@@ -58,8 +67,9 @@ STATES: tuple[str, ...] = (
     "restored",
     "lost",
     "waiting",
+    "validating",
 )
-MARK_KINDS: tuple[str, ...] = ("checkpoint", "fault", "fence", "recovery")
+MARK_KINDS: tuple[str, ...] = ("checkpoint", "fault", "fence", "recovery", "warning", "corrected")
 
 # Event kind -> mark kind. A mark is made whatever the event does to the rank's row.
 _MARKS: dict[str, str] = {
@@ -73,8 +83,18 @@ _MARKS: dict[str, str] = {
     "failed": "fault",
     "rank_fenced": "fence",
     "relay_up": "recovery",
+    "validation_mismatch": "warning",
+    "agent_distrusted": "warning",
+    "validation_corrected": "corrected",
 }
 _JOB_ENDS = frozenset(api.TERMINAL_STATES)
+# Rank events that apply to a row that ended: a rank is re-executed after it exited.
+_REOPENS = frozenset({"rank_validating"})
+
+
+def mark_kind(kind: str) -> str | None:
+    """The mark kind (``MARK_KINDS``) of an event kind, None if it makes no mark."""
+    return _MARKS.get(kind)
 
 
 class Segment(msgspec.Struct, frozen=True):
@@ -138,6 +158,8 @@ class _Builder:
             "rank_restarted": self._rank_restarted,
             "rank_exited": self._rank_ended,
             "rank_failed": self._rank_ended,
+            "rank_validating": self._rank_validating,
+            "rank_reexecuted": self._rank_ended,
         }
 
     def event(self, e: api.JobEvent) -> None:
@@ -163,8 +185,9 @@ class _Builder:
             self.over = True
         elif rank is not None:
             handler = self.handlers.get(e.kind)
-            if handler is not None and self.rows[rank].state is not None:
-                handler(self.rows[rank], e.message, t)
+            row = self.rows[rank]
+            if handler is not None and (row.state is not None or e.kind in _REOPENS):
+                handler(row, e.message, t)
 
     def finish(self, t: float, *, live: bool) -> None:
         """Close the open segments at ``t``: the current states of a live job (shown even at
@@ -178,6 +201,8 @@ class _Builder:
         self._to(row, row.runs_as, t, row.runs_label or message, row.incarnation)
 
     def _rank_replaying(self, row: _Row, message: str, t: float) -> None:
+        if row.runs_as == "validating":
+            return  # a re-execution replays its log too: validating is what the row shows
         row.runs_as, row.runs_label = "replaying", message
         if row.state in ("running", "restored"):
             self._to(row, "replaying", t, message, row.incarnation)
@@ -195,6 +220,10 @@ class _Builder:
 
     def _rank_restarted(self, row: _Row, message: str, t: float) -> None:
         row.runs_as, row.runs_label = "running", ""
+        self._to(row, "starting", t, message, (row.incarnation or 1) + 1)
+
+    def _rank_validating(self, row: _Row, message: str, t: float) -> None:
+        row.runs_as, row.runs_label = "validating", message
         self._to(row, "starting", t, message, (row.incarnation or 1) + 1)
 
     def _rank_ended(self, row: _Row, message: str, t: float) -> None:
@@ -379,8 +408,15 @@ def _shape(kind: str, attrs: str, at: float, mid: float, half: float, tip: str) 
             f'height="{2 * half:.1f}">{title}</rect>'
         )
     h = half * 0.9
+    if kind == "corrected":  # a square
+        return (
+            f'<rect {attrs} x="{at - h * 0.8:.1f}" y="{mid - h * 0.8:.1f}" '
+            f'width="{h * 1.6:.1f}" height="{h * 1.6:.1f}">{title}</rect>'
+        )
     if kind == "recovery":  # a triangle pointing up
         points = [(at, mid - h), (at + h, mid + h), (at - h, mid + h)]
+    elif kind == "warning":  # a triangle pointing down
+        points = [(at - h, mid - h), (at + h, mid - h), (at, mid + h)]
     else:  # a fault, or a kind this renderer does not know: a diamond
         points = [(at, mid - h), (at + h, mid), (at, mid + h), (at - h, mid)]
     coords = " ".join(f"{px:.1f},{py:.1f}" for px, py in points)

@@ -13,7 +13,16 @@ import msgspec
 import pytest
 
 from vpool.protocol import api
-from vpool.web.timeline import MARK_KINDS, STATES, Mark, Segment, Timeline, build, render_svg
+from vpool.web.timeline import (
+    MARK_KINDS,
+    STATES,
+    Mark,
+    Segment,
+    Timeline,
+    build,
+    mark_kind,
+    render_svg,
+)
 
 SVG = "{http://www.w3.org/2000/svg}"
 T0 = 1000.0
@@ -224,6 +233,77 @@ def _check(tl: Timeline) -> None:
     ET.fromstring(str(render_svg(tl)))
 
 
+def test_validation_by_replay_reopens_the_row_of_an_exited_rank() -> None:
+    """Rank 0 exits; its re-execution is lost, placed again, disagrees (a warning), a third
+    execution corrects it. Its replay of the log is not a ``replaying`` segment: the row says
+    what the incarnation is for."""
+    events = [
+        *STARTED,
+        ev(10, "rank_exited", 0),
+        ev(11, "rank_exited", 1),
+        ev(11, "validating", message="every rank exited with code 0; validating: rank(s) 0"),
+        ev(12, "rank_validating", 0, "rank 0 incarnation 2 re-executed to validate it"),
+        ev(13, "rank_running", 0),
+        ev(13, "rank_replaying", 0),
+        ev(15, "rank_lost", 0),
+        ev(16, "rank_validating", 0, "rank 0 incarnation 3 re-executed to validate it"),
+        ev(17, "rank_running", 0),
+        ev(20, "rank_reexecuted", 0),
+        ev(20, "validation_mismatch", 0),
+        ev(21, "rank_validating", 0, "rank 0 incarnation 4 re-executed a third time"),
+        ev(22, "rank_running", 0),
+        ev(23, "rank_replaying", 0),
+        ev(25, "rank_reexecuted", 0),
+        ev(25, "validation_corrected", 0),
+        ev(25, "agent_distrusted", 0),
+        ev(26, "succeeded"),
+    ]
+    tl = build(job("succeeded", finished=T0 + 26), events, now=T0 + 30)
+    assert rows(tl, 0)[2:] == [
+        ("running", 2, 10, 1),
+        ("starting", 12, 13, 2),
+        ("validating", 13, 15, 2),
+        ("lost", 15, 16, 2),
+        ("starting", 16, 17, 3),
+        ("validating", 17, 20, 3),
+        ("starting", 21, 22, 4),
+        ("validating", 22, 25, 4),
+    ]
+    validating = [s for s in tl.segments if s.state == "validating"]
+    assert validating[-1].label == "rank 0 incarnation 4 re-executed a third time"
+    assert rows(tl, 1)[-1] == ("running", 2, 11, 1)  # not sampled: its row stays ended
+    assert [(m.rank, m.time - T0, m.kind) for m in tl.marks] == [
+        (0, 15, "fault"),
+        (0, 20, "warning"),
+        (0, 25, "corrected"),
+        (0, 25, "warning"),
+    ]
+    # Still validating: the re-execution's segment runs until now.
+    live = build(job(), events[:9], now=T0 + 14)
+    assert rows(live, 0)[-1] == ("validating", 13, 14, 2)
+    _check(live)
+    _, root = _svg(tl)
+    shapes = {_classes(el)[1]: el.tag for el in root.iter() if "mark" in _classes(el)}
+    assert shapes == {
+        "mark-fault": f"{SVG}polygon",
+        "mark-warning": f"{SVG}polygon",
+        "mark-corrected": f"{SVG}rect",
+    }
+
+
+def test_mark_kinds_of_event_kinds() -> None:
+    assert mark_kind("validation_mismatch") == mark_kind("agent_distrusted") == "warning"
+    assert mark_kind("validation_corrected") == "corrected"
+    assert mark_kind("rank_lost") == "fault" and mark_kind("checkpoint") == "checkpoint"
+    for kind in ("validating", "rank_validating", "rank_reexecuted", "rank_running", "x"):
+        assert mark_kind(kind) is None, kind
+    css = (Path(__file__).parents[2] / "web" / "static" / "timeline.css").read_text()
+    for state in STATES:
+        assert f".timeline .seg-{state} " in css, state
+    for kind in MARK_KINDS:
+        assert f".timeline .mark-{kind} " in css and f".mark-rule-{kind} " in css, kind
+
+
 def test_garbage_events_do_not_raise() -> None:
     garbage = [
         ev(3, "rank_running", 999),
@@ -240,7 +320,11 @@ def test_garbage_events_do_not_raise() -> None:
         ev(6, "running"),  # twice
         ev(7, "rank_replaying", 1),
         ev(7, "rank_restored", 1),
+        ev(7, "rank_validating", 0),  # a re-execution of a rank that never exited
+        ev(7, "rank_reexecuted", 5),
+        ev(7, "validation_mismatch", None),
         ev(8, "succeeded"),
+        ev(8, "rank_validating", 1),  # after the end
         ev(9, "rank_running", 1),  # after the end
         ev(9, "failed"),
     ]
