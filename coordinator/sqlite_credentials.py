@@ -121,14 +121,17 @@ class CredentialsMixin:
 
     def ban_agent(self, who: str, reason: str, now: float) -> dict[str, Any]:
         """Ban the agent with id or name ``who``; return its row (``affected``: the jobs it ran
-        ranks of). Its active ranks are lost and restarted on other agents."""
+        ranks of). Its active ranks are lost and restarted on other agents, and its record of
+        agreeing (validation by replay) starts again: unbanned, its ranks of validated jobs
+        are always re-executed until it has agreed often enough again."""
         reason = reason.strip()[:MAX_REASON] or "banned by an operator"
         with self.db.atomic():
             agent = self._find_agent(who)
             if agent["state"] == "banned":
                 raise Conflict(f"agent {agent['id']} is banned already", code="agent_banned")
             self.db.execute(
-                "UPDATE agents SET state = 'banned', banned = ?, free_slots = 0 WHERE id = ?",
+                "UPDATE agents SET state = 'banned', banned = ?, free_slots = 0, "
+                "agreed_streak = 0 WHERE id = ?",
                 [reason, agent["id"]],
             )
             name = agent["name"]

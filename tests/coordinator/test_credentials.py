@@ -78,9 +78,14 @@ async def test_a_banned_agent_loses_its_ranks_and_cannot_come_back(pool: Pool) -
     await pool.heartbeat(bad, leases)
     await pool.exit(bad, leases[1], code=0)  # rank 1 already ended there
     good = await pool.enroll("good", slots=2)
+    store = pool.core.store
+    store.db.execute("UPDATE agents SET agreed = 50, agreed_streak = 50")  # type: ignore[attr-defined]
 
-    row = pool.core.store.ban_agent("bad", "forged output", pool.clock())
+    row = store.ban_agent("bad", "forged output", pool.clock())
     assert (row["lost"], row["affected"]) == (1, [job.id])
+    # Its record of agreeing is gone: validation re-executes its ranks always from now on.
+    streaks = store.db.query("SELECT name, agreed, agreed_streak FROM agents ORDER BY name")  # type: ignore[attr-defined]
+    assert [tuple(r.values()) for r in streaks] == [("bad", 50, 0), ("good", 50, 50)]
 
     # Its credentials are dead: heartbeats are refused and its key cannot enroll again.
     hb = api.AgentHeartbeat(ranks=[], free_slots=2, isolation=SANDBOX)
