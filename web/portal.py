@@ -1,4 +1,5 @@
-"""The web portal's pages: sign-in, jobs, one job (live), submit, pool and account.
+"""The web portal's pages: sign-in, jobs, one job (live), submit, pool, account, and the
+operators' credentials (``web/credentials.py``, included in this router).
 
 Every page calls the same ``Coordinator`` methods as the JSON API (``coordinator/api_jobs.py``),
 so both enforce the same rules (``coordinator/access.py``). Pages need a session
@@ -28,11 +29,14 @@ from vpool.coordinator.transport import coordinator
 from vpool.coordinator.transport import form as read_form
 from vpool.protocol import api
 from vpool.protocol.lines import LineAssembler
-from vpool.web import feed, session, timeline
+from vpool.web import credentials, feed, session, timeline
 from vpool.web.render import page, render
 from vpool.web.session import Viewer, viewer
 
 router = APIRouter()
+# The operators' credentials page, a concern of its own, served with the portal's pages (the
+# coordinator's app includes this router).
+router.include_router(credentials.router)
 
 JOBS_PER_PAGE = 25
 FIRST_OUTPUT_RECORDS = 20_000  # rendered into the job page; the rest comes live

@@ -18,6 +18,7 @@ from vpool.protocol import api
 PUBLIC = "public"  # anyone: pool info, the sign-in page, static files
 USER_API = "user_api"  # a user's bearer token
 PAGE = "page"  # a portal session
+OPERATOR_PAGE = "operator_page"  # a portal session of an operator (others: 403)
 AGENT = "agent"  # an enrolled agent's token (or the enrollment itself)
 RELAY = "relay"  # a relay key
 
@@ -68,6 +69,9 @@ CLASSES: dict[tuple[str, str], str] = {
             ("POST", "/account/tokens/{token_id}/revoke"),
         ]
     },
+    ("GET", "/pool/credentials"): OPERATOR_PAGE,
+    ("POST", "/pool/join-tokens"): OPERATOR_PAGE,
+    ("POST", "/pool/join-tokens/{token_id}/revoke"): OPERATOR_PAGE,
     **{
         (m, "/api/v1/agents" + p): AGENT
         for m, p in [
@@ -161,7 +165,7 @@ async def test_signed_out_sees_only_the_sign_in_page(portal: Portal) -> None:
             r = await anonymous.request(method, url)
             text = r.text
             assert SECRET not in text and "private output" not in text, (method, path)
-            if kind == PAGE and not path.endswith("/live"):
+            if kind in (PAGE, OPERATOR_PAGE) and not path.endswith("/live"):
                 assert r.status_code == 303, (method, path, r.status_code)
                 assert r.headers["location"].startswith("/login?next="), (method, path)
             elif kind in (USER_API, PAGE):  # the API and the event stream: 401, JSON
@@ -183,7 +187,7 @@ async def test_another_user_sees_none_of_the_job(portal: Portal) -> None:
     bob_api = portal.pool.user("bob")
     alice_api = portal.pool.user("alice")
     for (method, path), kind in sorted(CLASSES.items()):
-        if kind not in (USER_API, PAGE):
+        if kind not in (USER_API, PAGE, OPERATOR_PAGE):
             continue
         url = fill(path, job.id)
         if kind == USER_API:
@@ -232,3 +236,14 @@ async def test_operators_see_every_job_and_users_only_totals(portal: Portal) -> 
     assert r.status_code == 403 and r.json()["error"]["code"] == "operators_only"
     r = await portal.pool.client.get("/api/v1/pool/relays", headers=bob_api)
     assert r.status_code == 403
+    # The credentials pages are the operators' alone, and only they are shown the way there.
+    assert 'href="/pool/credentials"' in (await ops.get("/jobs")).text
+    assert 'href="/pool/credentials"' not in (await bob.get("/jobs")).text
+    for (method, path), kind in sorted(CLASSES.items()):
+        if kind == OPERATOR_PAGE:
+            url = fill(path, job.id)
+            r = await (bob.post_form(url) if method == "POST" else bob.get(url))
+            assert r.status_code == 403 and "operators_only" in r.text, (method, path)
+            assert "relay-0" not in r.text and "vpj_" not in r.text
+            r = await (ops.post_form(url) if method == "POST" else ops.get(url))
+            assert r.status_code < 500 and r.status_code != 403, (method, path)
