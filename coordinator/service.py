@@ -434,6 +434,7 @@ class Coordinator:
                     running=running,
                     ranks=job.ranks,
                     mark=mark,
+                    validation=job.validation,
                 )
             with trio.move_on_at(
                 min(deadline, trio.current_time() + settle) if terminal else deadline
@@ -706,9 +707,11 @@ class Coordinator:
 
 
 def progress_mark(job: api.JobInfo, running: int) -> str:
-    """A short digest of what a follower of the job reports: state, reason, restarts and
-    ranks running."""
-    text = f"{job.state}\0{job.waiting}\0{job.never_fits}\0{job.restarts}\0{running}"
+    """A short digest of what a follower of the job reports: state, reason, restarts, ranks
+    running and what validation did."""
+    text = (
+        f"{job.state}\0{job.waiting}\0{job.never_fits}\0{job.restarts}\0{running}\0{job.validation}"
+    )
     return hashlib.blake2s(text.encode(), digest_size=6).hexdigest()
 
 

@@ -286,8 +286,9 @@ class OutputRecord(msgspec.Struct, frozen=True):
 class OutputPage(msgspec.Struct, frozen=True):
     """Output records with id > ``after``, in arrival order. ``next`` is the cursor for the
     next call; ``complete`` is true once the job is terminal and every record was returned.
-    ``waiting`` and ``restarts`` are the job's (``JobInfo``); ``mark`` sums up its state,
-    reason and restarts: a long-poll given ``seen=MARK`` also returns when they change."""
+    ``waiting``, ``restarts`` and ``validation`` are the job's (``JobInfo``); ``mark`` sums up
+    its state, reason, restarts and validation: a long-poll given ``seen=MARK`` also returns
+    when they change."""
 
     records: list[OutputRecord]
     next: int
@@ -299,6 +300,7 @@ class OutputPage(msgspec.Struct, frozen=True):
     running: int = 0  # ranks whose current incarnation runs now
     ranks: int = 0  # the job's ranks
     mark: str = ""
+    validation: str = ""  # ``JobInfo.validation``
 
 
 class CheckpointAsk(msgspec.Struct, frozen=True):

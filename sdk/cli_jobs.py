@@ -83,12 +83,14 @@ def finish(settings: Settings, job: JobInfo, *, as_json: bool = False) -> None:
     exit_with(job_exit_code(job))
 
 
-Progress = tuple[str, str, int, int]  # state, queue reason, restarts, ranks running
+# state, queue reason, restarts, ranks running, what validation did
+Progress = tuple[str, str, int, int, str]
 
 
 def _progress(settings: Settings, job_id: int, page: OutputPage, last: Progress) -> Progress:
-    """Say on stderr what changed since ``last`` (state, queue reason, restarts, ranks)."""
-    state, waiting, restarts, running = last
+    """Say on stderr what changed since ``last`` (state, queue reason, restarts, ranks,
+    validation)."""
+    state, waiting, restarts, running, validation = last
     if page.state != state and page.state in ("queued", "running"):
         note(settings, f"job {job_id} {page.state}")
     if page.state == "running" and page.running != running and page.running:
@@ -102,7 +104,15 @@ def _progress(settings: Settings, job_id: int, page: OutputPage, last: Progress)
             settings,
             f"job {job_id}: a lost rank was restarted ({n} restart{'s' * (n != 1)} so far)",
         )
-    return page.state, page.waiting, max(restarts, page.restarts), page.running
+    if page.validation != validation and page.validation and page.state == "running":
+        note(settings, f"job {job_id}: {page.validation}")
+    return (
+        page.state,
+        page.waiting,
+        max(restarts, page.restarts),
+        page.running,
+        page.validation,
+    )
 
 
 def stream_output(
@@ -118,7 +128,7 @@ def stream_output(
     until the job ended and all its output arrived."""
     assembler = LineAssembler(label=label)
     writer = LineWriter(sys.stdout.buffer, sys.stderr.buffer)
-    last: Progress = ("", "", 0, 0)
+    last: Progress = ("", "", 0, 0, "")
     try:
         for page in client.follow_pages(job_id, rank):
             if progress:

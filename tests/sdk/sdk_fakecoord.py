@@ -48,6 +48,8 @@ class Script:
     # records,
     # as the coordinator's long-poll returns them when the job's progress changes
     progress: list[tuple[str, str, bool, int, int]] = field(default_factory=list)
+    # ``OutputPage.validation`` of each of those pages ("" when shorter)
+    validation: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -146,6 +148,7 @@ class FakeCoordinator:
             checkpoint_every=body.checkpoint_every,
             memory=body.memory,
             unsandboxed=body.unsandboxed,
+            validate=body.validate,
         )
         job = Job(info, body, self.next_script)
         for rank, stream, data in job.script.chunks:
@@ -197,6 +200,7 @@ class FakeCoordinator:
         after = int(request.url.params.get("after", "0"))
         if job.script.progress:
             state, waiting, never, restarts, running = job.script.progress.pop(0)
+            validation = job.script.validation.pop(0) if job.script.validation else ""
             job.info = msgspec.structs.replace(
                 job.info, state=state, waiting=waiting, never_fits=never, restarts=restarts
             )
@@ -211,7 +215,8 @@ class FakeCoordinator:
                     restarts=restarts,
                     running=running,
                     ranks=job.info.ranks,
-                    mark=f"{state}/{waiting}/{restarts}/{running}",
+                    mark=f"{state}/{waiting}/{restarts}/{running}/{validation}",
+                    validation=validation,
                 )
             )
         rank = request.url.params.get("rank")

@@ -305,6 +305,26 @@ def test_submit_wait_says_why_the_job_waits_and_when_ranks_restart(coord: Any, a
     assert lines.index(waits[0]) < lines.index("vsdk: job 1 running")
 
 
+def test_submit_validate_asks_for_it_and_says_what_validation_does(coord: Any, app: Path) -> None:
+    coord.script(
+        chunks=[(0, "stdout", b"pi\n")],
+        progress=[("running", "", False, 0, 2)] + [("running", "", False, 0, 1)] * 3,
+        validation=["", "validating rank(s) 0, 1", "validating rank(s) 0, 1", "validating: x"],
+    )
+    res = run("submit", str(app), "-n", "2", "--validate", "--wait")
+    assert res.exit_code == 0, res.stderr
+    assert res.stdout == "pi\n"
+    assert [job.submit.validate for job in coord.jobs.values()] == [True]
+    said = [line for line in res.stderr.splitlines() if "validat" in line]
+    assert said == [
+        "vsdk: job 1 submitted (2 ranks, validated by replay (output shown once validated))",
+        "vsdk: job 1: validating rank(s) 0, 1",
+        "vsdk: job 1: validating: x",
+    ]
+    res = run("submit", str(app), "-n", "2", "--validate", "--no-fault-tolerance")
+    assert res.exit_code == 2 and "--validate replays the logs" in res.stderr
+
+
 def test_a_job_the_pool_can_never_run_is_said_even_quietly(coord: Any, app: Path) -> None:
     coord.script(
         progress=[
