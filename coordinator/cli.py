@@ -13,6 +13,7 @@ from pathlib import Path
 import click
 import trio
 
+from vpool import sizes
 from vpool.config import SettingsError
 from vpool.coordinator import keys
 from vpool.coordinator.errors import CoordinatorError
@@ -156,16 +157,13 @@ def user_list(config: Path | None) -> None:
 
 # -- join tokens ------------------------------------------------------------------------------
 
-DURATION = re.compile(r"(\d+(?:\.\d+)?)\s*([smhdw]?)")
-UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
-
 
 def parse_duration(text: str) -> float:
-    """Seconds in "90", "30m", "12h", "7d" or "2w"."""
-    m = DURATION.fullmatch(text.strip().lower())
-    if m is None or float(m[1]) <= 0:
-        raise click.BadParameter(f"{text!r} is not a duration such as 30m, 12h, 7d or 2w")
-    return float(m[1]) * UNITS[m[2]]
+    """Seconds in "90", "30m", "12h", "7d" or "2w" (``sizes.parse_duration``)."""
+    try:
+        return sizes.parse_duration(text)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from exc
 
 
 def _when(t: float | None, never: str = "never") -> str:

@@ -406,9 +406,7 @@ class Coordinator:
             # The state is read before the output: once terminal, every exited rank's output
             # is already stored, so the page below holds it.
             job = await self.job(who, job_id)
-            if job.validate and job.state not in api.TERMINAL_STATES:
-                # A validated job's output is its result only once validated (a stranger's
-                # forged output is never shown): none until it ends.
+            if job.output_withheld():
                 records: list[api.OutputRecord] = []
                 more = False
             else:
@@ -453,7 +451,7 @@ class Coordinator:
     async def results(self, who: Principal, job_id: int) -> Path:
         """A temporary zip of the job's results; the caller deletes it."""
         job = await self.job(who, job_id)
-        if job.validate and job.state not in api.TERMINAL_STATES:
+        if job.output_withheld():
             raise Conflict(
                 f"job {job_id} is validated by replay: its results are given once it ended",
                 code="not_validated",

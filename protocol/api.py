@@ -218,6 +218,12 @@ class JobInfo(msgspec.Struct, frozen=True):
     # re-executed where, and what came of it.
     validation: str = ""
 
+    def output_withheld(self) -> bool:
+        """A job validated by replay shows no output (nor results) until it ended: until then
+        it may be a stranger's forged output, replaced once outvoted. Every reader of output
+        (the API, the portal) asks this."""
+        return self.validate and self.state not in TERMINAL_STATES
+
 
 JobSort = Literal["id", "name", "state", "ranks", "created", "finished"]
 JOB_SORTS: tuple[JobSort, ...] = ("id", "name", "state", "ranks", "created", "finished")

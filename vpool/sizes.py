@@ -1,8 +1,10 @@
-"""Memory sizes as people write and read them: ``vsdk submit --memory 1.5G``, the pool view,
-the limits an agent names when a rank goes past one.
+"""Memory sizes and durations as people write and read them: ``vsdk submit --memory 1.5G``,
+the pool view, the limits an agent names when a rank goes past one, a join token's lifetime
+(``--expires 7d``).
 
 Units are powers of 1024 however they are spelt (``2G``, ``2GB``, ``2GiB``, ``2 g``), as Slurm's
-``--mem`` and Docker's ``--memory`` read them; a bare number is bytes.
+``--mem`` and Docker's ``--memory`` read them; a bare number is bytes. Durations are a number
+and one of s, m, h, d, w (a bare number is seconds).
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ import re
 from fractions import Fraction
 
 _UNITS = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4, "p": 5}
+_DURATION = re.compile(r"(\d{1,9}(?:\.\d{1,6})?)\s*([smhdw]?)", re.ASCII)
+_SECONDS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 _SIZE = re.compile(r"(\d+(?:\.\d*)?|\.\d+)\s*(?:([kmgtp])(?:i?b)?|b)?", re.IGNORECASE | re.ASCII)
 
 
@@ -34,3 +38,12 @@ def format_size(n: int) -> str:
         if n >= scale:
             return f"{n / scale:.2f}".rstrip("0").rstrip(".") + f" {unit}"
     return f"{n} bytes"
+
+
+def parse_duration(text: str) -> float:
+    """Seconds in "90", "30m", "12h", "7d" or "2w" (more than 0). Raises ``ValueError`` with a
+    message for people."""
+    match = _DURATION.fullmatch(text.strip().lower())
+    if match is None or float(match[1]) <= 0:
+        raise ValueError(f"{text[:40]!r} is not a duration such as 30m, 12h, 7d or 2w")
+    return float(match[1]) * _SECONDS[match[2]]

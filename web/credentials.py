@@ -11,13 +11,13 @@ routes for credentials, so this page calls the store's methods itself, as the CL
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import HTMLResponse, RedirectResponse
 
+from vpool import sizes
 from vpool.coordinator import keys
 from vpool.coordinator.access import check_operator
 from vpool.coordinator.transport import coordinator
@@ -32,10 +32,6 @@ router = APIRouter()
 MAX_LABEL = 100  # as for API tokens
 MAX_USES = 1_000_000
 MAX_EXPIRY = 10 * 365 * 86400.0
-# A lifetime as ``vpool-coordinator join-token create --expires`` takes it: 90 (seconds), 30m,
-# 12h, 7d, 2w.
-DURATION = re.compile(r"(\d{1,9}(?:\.\d{1,6})?)\s*([smhdw]?)")
-UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 
 
 @dataclass
@@ -136,8 +132,11 @@ def _lifetime(draft: JoinDraft) -> float | None:
     text = draft.expires.strip().lower()
     if not text:
         return None
-    m = DURATION.fullmatch(text)
-    seconds = float(m[1]) * UNITS[m[2]] if m else 0.0
+    # As ``vpool-coordinator join-token create --expires`` takes it: 90 (seconds), 30m, 7d.
+    try:
+        seconds = sizes.parse_duration(text)
+    except ValueError:
+        seconds = 0.0
     if not (0 < seconds <= MAX_EXPIRY and math.isfinite(seconds)):
         draft.errors["expires"] = "a duration such as 30m, 12h, 7d or 2w (at most 10 years)"
         return None

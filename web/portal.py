@@ -83,12 +83,6 @@ def live_panel(detail: api.JobDetail, now: float) -> str:
     )
 
 
-def withheld(job: api.JobInfo) -> bool:
-    """A job validated by replay shows no output until it ended, as ``Coordinator.output``
-    gives none: until then it may be a stranger's forged output, replaced once outvoted."""
-    return job.validate and job.state not in api.TERMINAL_STATES
-
-
 async def visible_output(
     core: Coordinator, job: int, after: int, rank: int | None, limit: int
 ) -> tuple[list[api.OutputRecord], bool]:
@@ -97,7 +91,7 @@ async def visible_output(
 
     def read() -> tuple[list[api.OutputRecord], bool]:
         info = core.store.job_info(job)
-        if info is None or withheld(info):
+        if info is None or info.output_withheld():
             return [], False
         return core.store.output_page(job, after, rank, limit)
 
@@ -266,7 +260,7 @@ async def job_page(
         rank=rank,
         terminal=terminal,
         asked=asked,
-        withheld=withheld(detail.job),
+        withheld=detail.job.output_withheld(),
     )
 
 
@@ -285,7 +279,7 @@ async def live(request: Request, job_id: int, after: int = 0, rank: int | None =
         after = max(after, int(last))
     # Nobody has seen output of a job that withholds it: a feed started while it does starts
     # at 0, so no subscriber is ever behind its floor with nothing readable to catch up from.
-    after = 0 if withheld(info) else max(0, min(after, 2**62))
+    after = 0 if info.output_withheld() else max(0, min(after, 2**62))
 
     async def events() -> AsyncIterator[bytes]:
         async with feeds(request).watch(job_id, after) as f:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from vpool import sizes
 from vpool.sizes import format_size, parse_size
 
 KiB, MiB, GiB, TiB = 1024, 1024**2, 1024**3, 1024**4
@@ -89,3 +90,16 @@ def test_format_size(n: int, text: str) -> None:
 def test_a_formatted_size_parses_back() -> None:
     for n in (KiB, 256 * MiB, 3 * GiB // 2, 2 * TiB):
         assert parse_size(format_size(n).replace(" ", "")) == n
+
+
+@pytest.mark.parametrize(
+    ("text", "seconds"), [("90", 90.0), ("30m", 1800.0), (" 12H ", 43200.0), ("1.5d", 129600.0)]
+)
+def test_durations_as_people_write_them(text: str, seconds: float) -> None:
+    assert sizes.parse_duration(text) == seconds
+
+
+@pytest.mark.parametrize("text", ["", "0", "7 days", "-1h", "1e9", "²h", "9" * 12])
+def test_what_is_not_a_duration_says_so(text: str) -> None:
+    with pytest.raises(ValueError, match="is not a duration such as 30m, 12h, 7d or 2w"):
+        sizes.parse_duration(text)
