@@ -91,6 +91,7 @@ class Connection:
         self.peer = peer
         self.session = Session("relay", "server")
         self.agent = ""
+        self.cached = 0  # bytes of frames it deposited that the hub keeps in memory (``stage``)
         # The core's view of this connection: its attachments, fenced ranks, home boxes.
         self.link = hub.core.link(self)
         self._control: list[bytes] = []
@@ -292,7 +293,7 @@ class Connection:
                         if why := quotas.admit(msg.job, len(frame), images[msg.job]):
                             self._refuse_job(msg.job, msg.src, why)
                         else:
-                            self.hub.stage(batch, box, msg.src, msg.seq, frame)
+                            self.hub.stage(batch, box, msg.src, msg.seq, frame, self)
                 elif type(msg) is Credit:
                     try:
                         relay.credit(self, msg.job, msg.rank, msg.nbytes, trio.current_time())

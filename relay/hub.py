@@ -22,7 +22,7 @@ import time
 from collections import Counter
 from collections.abc import Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import trio
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
@@ -67,6 +67,12 @@ class BoxIO:
 
 Box = core.Box["Connection", Location]
 Attachment = core.Attachment["Connection"]
+
+
+class Cached(Protocol):
+    """Who deposited frames kept in memory (a connection): ``cached`` bytes of them."""
+
+    cached: int
 
 
 class Batch:
@@ -290,13 +296,24 @@ class Hub:
 
     # -- deposits ---------------------------------------------------------------------------
 
-    def stage(self, batch: Batch, box: Box, src: int, seq: int, frame: Buffer) -> None:
-        """Append a NEW frame to its mailbox and reserve its place in the log."""
+    def stage(
+        self, batch: Batch, box: Box, src: int, seq: int, frame: Buffer, owner: Cached
+    ) -> None:
+        """Append a NEW frame to its mailbox and reserve its place in the log. Its bytes stay
+        in memory until pushed while the relay's ``memory_budget`` and the depositing
+        connection's share of it (``connection_memory``) allow; else its push reads them back
+        from the log. One agent sending what nobody receives fills only its own share."""
         size = len(frame)
-        keep = self.memory_used + size <= self.settings.memory_budget
+        keep = (
+            self.memory_used + size <= self.settings.memory_budget
+            and owner.cached + size <= self.settings.connection_memory
+        )
         if keep:
             self.memory_used += size
+            owner.cached += size
         loc = box.io.log.reserve(size, frame if keep else None)
+        if keep:
+            loc.owner = owner
         if size <= DIGEST_INLINE_MAX:
             entry = box.mailbox.append(src, seq, size, loc, digest(frame))
         else:
@@ -407,6 +424,9 @@ class Hub:
         if loc.frame is not None:
             loc.frame = None
             self.memory_used -= entry.size
+            if loc.owner is not None:
+                loc.owner.cached -= entry.size
+                loc.owner = None
 
     async def read_frame(self, box: Box, entry: Entry[Location]) -> Buffer | None:
         """The bytes of a logged frame (from memory, else from disk); None if the job's log

@@ -31,6 +31,7 @@ import shutil
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from vpool.protocol.errors import RemoteProtocolError
 from vpool.protocol.framing import PREFIX_SIZE, frames_in
@@ -57,14 +58,16 @@ class Segment:
 
 
 class Location:
-    """Where a frame lives: its segment and offset, plus the bytes while kept in memory."""
+    """Where a frame lives: its segment and offset, plus the bytes while kept in memory and
+    the connection they count against (``Hub.stage``)."""
 
-    __slots__ = ("frame", "offset", "segment")
+    __slots__ = ("frame", "offset", "owner", "segment")
 
     def __init__(self, segment: Segment, offset: int, frame: Buffer | None) -> None:
         self.segment = segment
         self.offset = offset
         self.frame = frame
+        self.owner: Any = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -76,6 +76,12 @@ class RelaySettings:
         "Bytes of not-yet-pushed frames kept in memory; the rest is read back "
         "from the log files when pushed.",
     )
+    connection_memory: int = setting(
+        64 * MiB,
+        "Bytes of memory_budget the frames deposited by one connection (one agent) may hold; "
+        "beyond it they are read back from the log files too, so an agent sending what nobody "
+        "receives does not take the memory others' messages need.",
+    )
     fsync: bool = setting(
         False, "fdatasync the log before acknowledging (survives a machine crash, slower)."
     )

@@ -234,3 +234,33 @@ async def test_a_log_that_cannot_be_written_stops_the_relay(
             await a.deposit(1, 0, 1, 1, b"nowhere to go")
             await trio.sleep_forever()
     assert info.group_contains(StorageError, depth=None)
+
+
+async def test_one_connection_holds_only_its_share_of_the_memory_cache(
+    pool: Pool, nursery: trio.Nursery, tmp_path: Path, agents: object
+) -> None:
+    """A flood nobody receives keeps at most connection_memory in memory; another agent's
+    frames are still kept in memory, and everything comes back (from disk or memory)."""
+    settings = pool.settings(tmp_path / "relay", memory_budget=1 << 20, connection_memory=40_000)
+    relay = await start_relay(nursery, settings, signing_key=pool.key.public_key())
+    hub = relay.hub
+    flood = await FakeAgent.connect(pool, relay.addr, "agent-flood")
+    await flood.attach(pool, 1, 0, size=2)
+    for seq in range(1, 101):
+        await flood.deposit(1, 0, 1, seq, b"f" * 1000)
+    await flood.acks_until(1, 0, 1, 100)
+    assert 30_000 < hub.memory_used <= 40_000
+    other = await FakeAgent.connect(pool, relay.addr, "agent-other")
+    await other.attach(pool, 2, 0, size=2)
+    for seq in range(1, 11):
+        await other.deposit(2, 0, 1, seq, b"o" * 1000)
+    await other.acks_until(2, 0, 1, 10)
+    assert hub.memory_used > 40_000  # the other connection's frames stayed in memory
+    r = await FakeAgent.connect(pool, relay.addr, "agent-r")
+    await r.attach(pool, 1, 1, size=2, home=True)
+    got = [await r.next_data() for _ in range(100)]
+    assert all(p == b"f" * 1000 for _, p in got)
+    await r.attach(pool, 2, 1, size=2, home=True)
+    got = [await r.next_data() for _ in range(10)]
+    assert all(p == b"o" * 1000 for _, p in got)
+    assert hub.memory_used == 0
