@@ -74,10 +74,10 @@ async def revoke_token(request: Request, token_id: int) -> Response:
 @router.put("/blobs/{sha256}")
 async def put_blob(request: Request, sha256: str) -> Response:
     c = coordinator(request)
-    await principal(request)
+    who = await principal(request)
     declared_length(request, c.settings.max_blob_bytes)
     async with aclosing(chunks(request)) as body:  # read to its end only if it fits
-        return reply(await c.put_blob(sha256, body))
+        return reply(await c.put_blob(who, sha256, body))
 
 
 @router.head("/blobs/{sha256}")

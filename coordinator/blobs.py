@@ -12,7 +12,7 @@ import re
 import tempfile
 import warnings
 import zipfile
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from functools import partial
 from pathlib import Path, PurePosixPath
 from typing import IO
@@ -46,9 +46,15 @@ class BlobFiles:
         return await trio.to_thread.run_sync(self.path(sha256).is_file, limiter=self._limiter)
 
     async def write(
-        self, chunks: AsyncIterator[bytes], *, expected: str | None, max_bytes: int
+        self,
+        chunks: AsyncIterator[bytes],
+        *,
+        expected: str | None,
+        max_bytes: int,
+        admit: Callable[[str, int], Awaitable[None]] | None = None,
     ) -> tuple[str, int]:
-        """Store a streamed body; return ``(sha256, size)``."""
+        """Store a streamed body; return ``(sha256, size)``. ``admit(sha256, size)``, when
+        given, may refuse it (by raising) once it is read and before it is stored."""
         fd, tmp_name = await trio.to_thread.run_sync(
             lambda: tempfile.mkstemp(dir=self.tmp), limiter=self._limiter
         )
@@ -58,6 +64,8 @@ class BlobFiles:
                 digest, size = await self._copy(chunks, out, max_bytes)
             if expected is not None and digest != expected:
                 raise HashMismatch(f"the body's sha256 is {digest}, not the {expected} of the URL")
+            if admit is not None:
+                await admit(digest, size)
             await trio.to_thread.run_sync(self._install, tmp, digest, limiter=self._limiter)
         finally:
             # Gone already when it was installed; otherwise a failed upload's leftovers.

@@ -359,6 +359,14 @@ def _m13_validation(db: sqlite_utils.Database) -> None:
         db.execute(sql)
 
 
+def _m14_uploaders(db: sqlite_utils.Database) -> None:
+    """Who uploaded each blob last (issue 20): a user's uploads that no job or result names
+    yet are held to ``max_user_blob_bytes`` too. NULL: a rank's results, or an upload from
+    before."""
+    db.execute("ALTER TABLE blobs ADD COLUMN uploader TEXT")
+    db.execute("CREATE INDEX blobs_uploader ON blobs(uploader)")
+
+
 def new_job_uid() -> str:
     return secrets.token_hex(16)
 
@@ -382,6 +390,7 @@ MIGRATIONS: list[Callable[[sqlite_utils.Database], None]] = [
     _m11_relay_outages,
     _m12_quotas,
     _m13_validation,
+    _m14_uploaders,
 ]
 
 

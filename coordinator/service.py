@@ -276,12 +276,20 @@ class Coordinator:
             )
         return len(gone)
 
-    async def put_blob(self, sha256: str, chunks: AsyncIterator[bytes]) -> api.BlobInfo:
+    async def put_blob(
+        self, who: Principal, sha256: str, chunks: AsyncIterator[bytes]
+    ) -> api.BlobInfo:
+        """Store ``who``'s upload. Refused (409 quota_exceeded) when ``who``'s uploads that no
+        job names yet would hold more than ``max_user_blob_bytes``."""
         check_sha256(sha256)
+
+        async def admit(digest: str, size: int) -> None:
+            await self.db.call(self.store.check_upload, who.name, digest, size)
+
         digest, size = await self.blobs.write(
-            chunks, expected=sha256, max_bytes=self.settings.max_blob_bytes
+            chunks, expected=sha256, max_bytes=self.settings.max_blob_bytes, admit=admit
         )
-        await self.db.call(self.store.add_blob, digest, size, self.clock())
+        await self.db.call(self.store.add_blob, digest, size, self.clock(), who.name)
         return api.BlobInfo(sha256=digest, size=size)
 
     async def has_blob(self, sha256: str) -> bool:

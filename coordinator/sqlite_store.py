@@ -20,7 +20,7 @@ import msgspec
 import sqlite_utils
 
 from vpool.coordinator import migrations
-from vpool.coordinator.errors import Forbidden
+from vpool.coordinator.errors import Conflict, Forbidden
 from vpool.coordinator.settings import CoordinatorSettings
 from vpool.coordinator.sqlite_accounts import AccountsMixin
 from vpool.coordinator.sqlite_credentials import CredentialsMixin
@@ -94,13 +94,41 @@ class SqliteStore(AccountsMixin, JobsMixin, CredentialsMixin):
 
     # -- blobs --------------------------------------------------------------------------------
 
-    def add_blob(self, sha256: str, size: int, now: float) -> None:
-        """Record an upload; uploading a blob again makes it new (``unused_blobs``)."""
+    def add_blob(self, sha256: str, size: int, now: float, uploader: str | None = None) -> None:
+        """Record an upload (by user ``uploader``; None: a rank's results); uploading a blob
+        again makes it new (``unused_blobs``) and its uploader's."""
         self.db.execute(
-            "INSERT INTO blobs (sha256, size, created) VALUES (?, ?, ?) "
-            "ON CONFLICT(sha256) DO UPDATE SET created = excluded.created",
-            [sha256, size, now],
+            "INSERT INTO blobs (sha256, size, created, uploader) VALUES (?, ?, ?, ?) "
+            "ON CONFLICT(sha256) DO UPDATE SET created = excluded.created, "
+            "uploader = COALESCE(excluded.uploader, uploader)",
+            [sha256, size, now, uploader],
         )
+
+    def check_upload(self, user: str, sha256: str, size: int) -> None:
+        """Refuse (``Conflict`` quota_exceeded) an upload that would take ``user``'s uploads
+        that no job or result names yet past ``max_user_blob_bytes`` (a blob some job names
+        already is always taken: it adds nothing)."""
+        if self._one(
+            "SELECT 1 FROM jobs WHERE bundle = ? OR stdin = ? LIMIT 1", [sha256, sha256]
+        ):
+            return
+        row = self._one(
+            "SELECT COALESCE(SUM(size), 0) AS n FROM blobs b WHERE uploader = ? "
+            "AND sha256 != ? AND NOT EXISTS (SELECT 1 FROM jobs j WHERE j.bundle = b.sha256 "
+            "OR j.stdin = b.sha256) "
+            "AND NOT EXISTS (SELECT 1 FROM results r WHERE r.blob = b.sha256)",
+            [user, sha256],
+        )
+        idle = int(row["n"]) if row else 0
+        limit = self.quotas.max_user_blob_bytes
+        if idle + size > limit:
+            raise Conflict(
+                f"with this upload ({format_size(size)}), your uploads that no job uses yet "
+                f"would hold {format_size(idle + size)}, more than max_user_blob_bytes "
+                f"({format_size(limit)}); submit jobs with the ones you uploaded (unused "
+                "uploads are deleted a while after they were made)",
+                code="quota_exceeded",
+            )
 
     def unused_blobs(self, before: float) -> list[str]:
         """Forget the blobs uploaded before ``before`` that no job (bundle, stdin) and no

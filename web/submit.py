@@ -20,6 +20,7 @@ from fastapi.responses import HTMLResponse, RedirectResponse
 from starlette.datastructures import FormData, UploadFile
 
 from vpool import bundle, requirements
+from vpool.coordinator.access import Principal
 from vpool.coordinator.errors import BadRequest, CoordinatorError, TooLarge
 from vpool.coordinator.service import Coordinator
 from vpool.coordinator.transport import coordinator
@@ -100,10 +101,11 @@ async def submit(request: Request) -> Response:
     try:
         session.check_post(request, form, v.csrf)
         draft = _draft(form)
-        sub = await _submission(core, form, draft)
-        if sub is None:
-            return _form(request, v, draft, status=422)
         try:
+            # Its uploads count against the user's quota (409 quota_exceeded) like vsdk's.
+            sub = await _submission(core, v.who, form, draft)
+            if sub is None:
+                return _form(request, v, draft, status=422)
             job = await core.submit(v.who, sub)
         except CoordinatorError as exc:
             draft.error(_field(exc), exc.message)
@@ -152,7 +154,9 @@ def _checkbox(form: FormData, draft: Draft, name: str) -> bool:
     return False
 
 
-async def _submission(core: Coordinator, form: FormData, draft: Draft) -> api.JobSubmit | None:
+async def _submission(
+    core: Coordinator, who: Principal, form: FormData, draft: Draft
+) -> api.JobSubmit | None:
     """The job the form asks for, its blobs stored; None (and ``draft.errors``) if wrong."""
     ranks = _number(draft, "ranks", draft.ranks, int, "a whole number of ranks")
     every = 0.0
@@ -212,8 +216,8 @@ async def _submission(core: Coordinator, form: FormData, draft: Draft) -> api.Jo
     except requirements.RequirementsError as exc:
         draft.error("requirements", str(exc))
         return None
-    bundle_sha = await _store(core, packed.data)
-    stdin_sha = await _store(core, await stdins[0].read()) if stdins else None
+    bundle_sha = await _store(core, who, packed.data)
+    stdin_sha = await _store(core, who, await stdins[0].read()) if stdins else None
     return api.JobSubmit(
         ranks=ranks,
         bundle=bundle_sha,
@@ -261,11 +265,11 @@ def _number(draft: Draft, name: str, text: str, kind: type[N], what: str) -> N:
         return kind(0)
 
 
-async def _store(core: Coordinator, data: bytes) -> str:
+async def _store(core: Coordinator, who: Principal, data: bytes) -> str:
     async def chunks() -> AsyncIterator[bytes]:
         yield data
 
-    info = await core.put_blob(hashlib.sha256(data).hexdigest(), chunks())
+    info = await core.put_blob(who, hashlib.sha256(data).hexdigest(), chunks())
     return info.sha256
 
 

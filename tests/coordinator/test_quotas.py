@@ -18,7 +18,7 @@ import pytest
 import sqlite_utils
 import trio
 import trio.testing
-from coord_helpers import HELLO, Agent, Pool, decode, make_zip, open_pool, test_settings
+from coord_helpers import HELLO, Agent, Pool, decode, make_zip, open_pool, sha, test_settings
 
 from vpool.coordinator import migrations
 from vpool.coordinator.sqlite_store import SqliteStore
@@ -188,13 +188,12 @@ async def test_submissions_past_max_user_blob_bytes_are_refused(tmp_path: Path) 
     limit = len(app) + 600 + 300
     async with open_pool(tmp_path, max_user_blob_bytes=limit) as pool:
         bundle = await pool.upload(app)
-        big, small, one = [
-            await pool.upload(bytes([n]) * size) for n, size in enumerate((600, 300, 1))
-        ]
+        big, small = [await pool.upload(bytes([n]) * size) for n, size in enumerate((600, 300))]
 
         first = decode(await _submit(pool, bundle, big), api.JobInfo)
         # The bundle the first job holds already is counted once: this fits exactly.
         assert (await _submit(pool, bundle, small)).status_code == 201
+        one = await pool.upload(b"\x02")
         message = _quota_error(await _submit(pool, bundle, one), "max_user_blob_bytes")
         assert "queued and running jobs would hold" in message
         # A blob her jobs hold already adds nothing.
@@ -202,9 +201,15 @@ async def test_submissions_past_max_user_blob_bytes_are_refused(tmp_path: Path) 
         # Another user's uploads are his own.
         assert (await _submit(pool, bundle, big, user="bob")).status_code == 201
 
-        # A job that could never fit says so.
-        huge = await pool.upload(b"h" * (limit + 1), user="bob")
-        message = _quota_error(await _submit(pool, bundle, huge, user="bob"), "max_user_blob_bytes")
+        # A job that could never fit says so. (Its two blobs could not even wait for a job
+        # together: one is named by a job already.)
+        half = b"h" * (limit // 2 + 1)
+        stdin = await pool.upload(half, user="carol")
+        assert (await _submit(pool, bundle, stdin, user="carol")).status_code == 201
+        bundle2 = await pool.upload(make_zip({"app.py": HELLO, "pad": half}), user="carol")
+        message = _quota_error(
+            await _submit(pool, bundle2, stdin, user="carol"), "max_user_blob_bytes"
+        )
         assert "this job's bundle and stdin hold" in message
 
         # Ended jobs hold nothing.
@@ -212,6 +217,34 @@ async def test_submissions_past_max_user_blob_bytes_are_refused(tmp_path: Path) 
             r = await pool.client.post(f"/api/v1/jobs/{job.id}/cancel", headers=pool.user())
             assert r.status_code == 200, r.text
         assert (await _submit(pool, bundle, one)).status_code == 201
+
+
+async def test_uploads_no_job_uses_are_held_to_max_user_blob_bytes(tmp_path: Path) -> None:
+    """Uploads are counted before any job names them (else a user could fill the disk with
+    uploads never submitted until they are collected): past the quota an upload is refused,
+    and stored nowhere."""
+    async with open_pool(tmp_path, max_user_blob_bytes=1000) as pool:
+        first = await pool.upload(b"a" * 600)
+        data = b"b" * 500
+        r = await pool.client.put(f"/api/v1/blobs/{sha(data)}", content=data, headers=pool.user())
+        assert r.status_code == 409, r.text
+        error = r.json()["error"]
+        assert error["code"] == "quota_exceeded" and "max_user_blob_bytes" in error["message"]
+        assert not pool.core.blobs.path(sha(data)).exists()
+        r = await pool.client.head(f"/api/v1/blobs/{sha(data)}", headers=pool.user())
+        assert r.status_code == 404
+        # The same blob again adds nothing; another user's uploads are his own.
+        assert await pool.upload(b"a" * 600) == first
+        assert await pool.upload(data, user="bob") == sha(data)
+        # A blob a job names is used: it no longer counts, and anything it names is taken.
+        app = await pool.upload(make_zip({"app.py": HELLO}), user="bob")
+        r = await pool.post(
+            "/api/v1/jobs",
+            api.JobSubmit(ranks=1, bundle=app, entry="app.py", stdin=sha(data)),
+            pool.user("bob"),
+        )
+        assert r.status_code == 201, r.text
+        assert await pool.upload(data) == sha(data)  # alice: named by bob's job
 
 
 def test_quotas_are_at_least_one(tmp_path: Path) -> None:
