@@ -297,16 +297,18 @@ def agent() -> None:
 @agent.command("list")
 @config_option
 def agent_list(config: Path | None) -> None:
-    """List the agents: id, name, state, slots, ranks running, last seen, join token."""
+    """List the agents: id, name, state, slots, ranks running, last seen, join token, and
+    its record in validation by replay (agreed in all, in a row, found wrong)."""
     with _store(config) as store:
         rows = store.list_agents()
-    click.echo("id\tname\tstate\tslots\tranks\tlast seen\tjoin token")
+    click.echo("id\tname\tstate\tslots\tranks\tlast seen\tjoin token\tagreed\tin a row\twrong")
     for r in rows:
         state = f"banned ({r['banned']})" if r["state"] == "banned" else r["state"]
         token = "-" if r["join_token"] is None else str(r["join_token"])
         click.echo(
             f"{r['id']}\t{r['name']}\t{state}\t{r['slots']}\t{r['active']}\t"
-            f"{_when(r['last_seen'])}\t{token}"
+            f"{_when(r['last_seen'])}\t{token}\t{r['agreed']}\t{r['agreed_streak']}\t"
+            f"{r['wrong']}"
         )
 
 

@@ -108,9 +108,7 @@ class SqliteStore(AccountsMixin, JobsMixin, CredentialsMixin):
         """Refuse (``Conflict`` quota_exceeded) an upload that would take ``user``'s uploads
         that no job or result names yet past ``max_user_blob_bytes`` (a blob some job names
         already is always taken: it adds nothing)."""
-        if self._one(
-            "SELECT 1 FROM jobs WHERE bundle = ? OR stdin = ? LIMIT 1", [sha256, sha256]
-        ):
+        if self._one("SELECT 1 FROM jobs WHERE bundle = ? OR stdin = ? LIMIT 1", [sha256, sha256]):
             return
         row = self._one(
             "SELECT COALESCE(SUM(size), 0) AS n FROM blobs b WHERE uploader = ? "
@@ -213,7 +211,7 @@ class SqliteStore(AccountsMixin, JobsMixin, CredentialsMixin):
             self.db.query(
                 "SELECT a.id, a.name, a.slots, a.free_slots, a.last_seen, a.state, a.software, "
                 "a.criu, a.fingerprint, a.isolation, a.rank_memory, a.isolation_report, a.banned, "
-                "a.enrolled, a.join_token, "
+                "a.enrolled, a.join_token, a.agreed, a.agreed_streak, a.wrong, "
                 "(SELECT COUNT(*) FROM ranks r WHERE r.agent = a.id "
                 "AND r.state IN ('leased', 'running')) AS active FROM agents a ORDER BY a.name"
             )
