@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime as dt
 import logging
 import re
 import sys
@@ -13,9 +14,9 @@ from pathlib import Path
 import click
 import trio
 
-from vpool import sizes
+from vpool import paths, sizes
 from vpool.config import SettingsError
-from vpool.coordinator import keys
+from vpool.coordinator import keys, pooldir
 from vpool.coordinator.errors import CoordinatorError
 from vpool.coordinator.settings import CoordinatorSettings, load
 from vpool.coordinator.sqlite_store import SqliteStore
@@ -26,11 +27,21 @@ USER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.@-]{0,63}")
 config_option = click.option(
     "--config",
     type=click.Path(dir_okay=False, path_type=Path),
-    help="TOML settings file (see docs/configuration.md).",
+    help="TOML settings file (see docs/configuration.md); default: the one `init "
+    "--public-url` wrote when given no --dir, if any.",
 )
 
 
+def _config_file(config: Path | None) -> Path | None:
+    """``--config``, else the settings of the pool ``init`` made in the default directory."""
+    if config is not None:
+        return config
+    default = pooldir.PoolDir(pooldir.default_dir()).settings
+    return default if default.exists() else None
+
+
 def _settings(config: Path | None, **overrides: object) -> CoordinatorSettings:
+    config = _config_file(config)
     if config is not None and not config.exists():
         raise click.ClickException(f"{config}: no such settings file")
     try:
@@ -45,11 +56,14 @@ def main() -> None:
 
     \b
     Example:
-      vpool-coordinator init --config pool.toml
-      vpool-coordinator user add alice --config pool.toml
-      vpool-coordinator relay add relay-1 --config pool.toml
-      vpool-coordinator join-token create --uses 10 --config pool.toml
-      vpool-coordinator serve --config pool.toml
+      vpool-coordinator init --public-url https://pool.example.org:8443 --dir /srv/pool
+      vpool-coordinator relay add relay-1 --address relay1.example.org:7700 \\
+          --config /srv/pool/coordinator.toml
+      vpool-coordinator join-token create --uses 10 --config /srv/pool/coordinator.toml
+      vpool-coordinator user add alice --config /srv/pool/coordinator.toml
+      vpool-coordinator serve --config /srv/pool/coordinator.toml
+
+    docs/operating.md walks through a pool of several machines.
     """
 
 
@@ -240,25 +254,115 @@ def relay() -> None:
 @relay.command("add")
 @click.argument("name")
 @click.option("--rotate", is_flag=True, help="Replace the key of a relay that has one.")
+@click.option(
+    "--address",
+    metavar="HOST:PORT",
+    help="Where agents reach the relay: also write its bundle (a certificate for HOST from "
+    "the pool CA, the CA, settings with the key) instead of printing the key.",
+)
+@click.option(
+    "--bundle",
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Directory of the bundle (default: relays/NAME next to the settings file).",
+)
+@click.option(
+    "--install-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Where the bundle goes on the relay machine; its settings name their files there "
+    f"(default: {pooldir.RELAY_INSTALL_DIR}, as packaging/vpool-relay.service expects).",
+)
 @config_option
-def relay_add(name: str, rotate: bool, config: Path | None) -> None:
-    """Print a new key for relay NAME (shown only once).
+def relay_add(
+    name: str,
+    rotate: bool,
+    address: str | None,
+    bundle: Path | None,
+    install_dir: Path | None,
+    config: Path | None,
+) -> None:
+    """Make a key for relay NAME: print it (shown only once), or with --address write the
+    relay's whole bundle.
 
-    The relay presents it to the coordinator and may then speak for relay NAME only: register
-    as NAME and report lost ranks, divergence and checkpoint images of the jobs it serves.
+    The relay presents the key to the coordinator and may then speak for relay NAME only:
+    register as NAME and report lost ranks, divergence and checkpoint images of the jobs it
+    serves. --address needs the pool made by `init --public-url`.
 
     \b
     Example:
       vpool-coordinator relay add relay-eu-1 --config pool.toml
+      vpool-coordinator relay add relay-eu-1 --address relay1.example.org:7700 \\
+          --config /srv/pool/coordinator.toml
     """
     if not RELAY_NAME.fullmatch(name):
         raise click.ClickException(
             f"{name!r} is not a relay name (letters, digits, _ . -; at most 64)"
         )
+    if address is None:
+        if bundle is not None or install_dir is not None:
+            raise click.UsageError("--bundle and --install-dir go with --address")
+        key, key_hash = keys.new_api_token(keys.RELAY_PREFIX)
+        with _store(config) as store:
+            store.add_relay_key(name, key_hash, time.time(), replace=rotate)
+        click.echo(key)
+        return
+    _relay_bundle(name, address, rotate, bundle, install_dir, config)
+
+
+def _relay_bundle(
+    name: str,
+    address: str,
+    rotate: bool,
+    bundle: Path | None,
+    install_dir: Path | None,
+    config: Path | None,
+) -> None:
+    config = _config_file(config)
+    if config is None:
+        raise click.ClickException(
+            "--address needs the pool made by `vpool-coordinator init --public-url "
+            f"https://HOST:PORT`, and there is none in {pooldir.default_dir()}: give that "
+            f"pool's {pooldir.SETTINGS_FILE} as --config"
+        )
+    install = install_dir or pooldir.RELAY_INSTALL_DIR
+    if not install.is_absolute():
+        raise click.BadParameter("must be an absolute path", param_hint="--install-dir")
+    settings = _settings(config)
+    pool = pooldir.PoolDir(config.absolute().parent)
+    target = (bundle or pool.relay_bundle(name)).absolute()
+    with _click_errors():
+        host, port = pooldir.split_host_port(address)
+        pooldir.check_relay_bundle(pool, config, settings.public_url, target, replace=rotate)
     key, key_hash = keys.new_api_token(keys.RELAY_PREFIX)
     with _store(config) as store:
         store.add_relay_key(name, key_hash, time.time(), replace=rotate)
-    click.echo(key)
+    try:
+        made = pooldir.make_relay_bundle(
+            pool,
+            name=name,
+            address=(host, port),
+            relay_key=key,
+            coordinator_url=settings.public_url,
+            bundle=target,
+            install_dir=install,
+            now=dt.datetime.now(dt.UTC),
+        )
+    except OSError as exc:
+        raise click.ClickException(
+            f"relay {name}'s key is made, but its bundle could not be written ({exc}): "
+            "run again with --rotate"
+        ) from exc
+    _echo_lines(
+        f"relay {name}: bundle written to {made.dir}",
+        "  relay.toml          its settings, with its key (keep it private)",
+        f"  cert.pem, key.pem   its certificate for {host}, from the pool CA",
+        "  ca.pem              the pool CA (the relay checks the coordinator with it)",
+        f"Next, on {host}:",
+        f"  1. copy the directory to {made.install_dir} (the settings name their files "
+        "there), owned by the user the relay runs as",
+        "  2. start it: systemctl enable --now vpool-relay (packaging/vpool-relay.service), "
+        f"or vpool-relay --config {made.install_dir / pooldir.RELAY_SETTINGS_FILE}",
+        f"  3. let volunteers' machines reach TCP port {port} there",
+    )
 
 
 @relay.command("list")
@@ -347,34 +451,128 @@ def agent_unban(agent_: str, config: Path | None) -> None:
 
 
 @contextmanager
-def _store(config: Path | None) -> Iterator[SqliteStore]:
-    """The store, with store errors (unknown user, ...) as click errors."""
-    store = _open(_settings(config))
+def _click_errors() -> Iterator[None]:
+    """Coordinator errors (unknown user, a pool there already, ...) as click errors."""
     try:
-        yield store
+        yield
     except CoordinatorError as exc:
         raise click.ClickException(exc.message) from exc
+
+
+@contextmanager
+def _store(config: Path | None) -> Iterator[SqliteStore]:
+    """The store, with store errors as click errors."""
+    store = _open(_settings(config))
+    try:
+        with _click_errors():
+            yield store
     finally:
         store.close()
 
 
+def _echo_lines(*lines: str) -> None:
+    click.echo("\n".join(lines))
+
+
 @main.command()
+@click.option(
+    "--public-url",
+    metavar="https://HOST[:PORT]",
+    help="Make a new pool whose coordinator clients reach at this URL (HOST: a DNS name or "
+    "an IP address, which its certificate names).",
+)
+@click.option(
+    "--dir",
+    "dir_",
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Directory of the new pool's files, its state in DIR/state (default: "
+    "coordinator/ in vpool's config directory, the state in vpool's state directory).",
+)
+@click.option("--pool-name", help="Name of the new pool, shown to users and volunteers.")
+@click.option("--host", help="Address the new pool's coordinator listens on (0.0.0.0).")
+@click.option("--force", is_flag=True, help="Replace the CA, certificates and settings of a pool.")
 @config_option
-def init(config: Path | None) -> None:
-    """Create the state directory, the database and the signing key.
+def init(
+    public_url: str | None,
+    dir_: Path | None,
+    pool_name: str | None,
+    host: str | None,
+    force: bool,
+    config: Path | None,
+) -> None:
+    """Make a new pool (--public-url), or the state of the pool a settings file describes.
+
+    With --public-url: the pool's CA (its key stays here, readable by you only), the
+    coordinator's certificate for the URL's host, the settings, the database and the signing
+    key, in DIR; then says what to do next. An existing pool is replaced only with --force
+    (which keeps its database: users, join tokens, relay keys).
+
+    With --config alone: the state directory, the database and the signing key.
 
     \b
     Example:
+      vpool-coordinator init --public-url https://pool.example.org:8443 --dir /srv/pool
+      vpool-coordinator init --public-url https://192.0.2.10:8443 --pool-name physics
       vpool-coordinator init --config pool.toml
     """
-    settings = _settings(config)
+    if public_url is None:
+        if dir_ is not None or pool_name is not None or host is not None or force:
+            raise click.UsageError("--dir, --pool-name, --host and --force go with --public-url")
+        settings = _settings(config)
+        _echo_lines(*_init_state(settings))
+        return
+    if config is not None:
+        raise click.UsageError(
+            "--config names the settings of a pool that exists; a new pool's go in --dir"
+        )
+    pool = pooldir.PoolDir((dir_ or pooldir.default_dir()).absolute())
+    state = pool.root / "state" if dir_ else paths.state_dir() / "coordinator"
+    with _click_errors():
+        written = pooldir.make_pool(
+            pool,
+            public_url=public_url,
+            host=host or "0.0.0.0",
+            pool_name=pool_name or "vpool",
+            state_dir=state,
+            now=dt.datetime.now(dt.UTC),
+            force=force,
+        )
+    settings = _settings(pool.settings)
+    conf = f"--config {pool.settings}"
+    url_host, _ = pooldir.parse_public_url(public_url)
+    _echo_lines(
+        f"pool {settings.pool_name} made in {pool.root}:",
+        f"  {pool.settings.name}    settings: listens on {written['host']}:{written['port']}, "
+        f"public_url {written['public_url']}",
+        "  ca.pem              the pool CA: relays, volunteers and users need it",
+        "  ca.key              the CA's key (mode 0600): signs the servers' certificates, "
+        "never copy it",
+        f"  cert.pem, key.pem   the coordinator's certificate for {url_host}",
+        *_init_state(settings),
+        "Next:",
+        f"  vpool-coordinator relay add relay-1 --address RELAY-HOST:7700 {conf}",
+        "      (a bundle to copy to the relay machine; one per relay)",
+        f"  vpool-coordinator join-token create --uses 10 --expires 7d {conf}",
+        "      (for volunteers: their agent.toml sets it as join_token, with coordinator_url "
+        "and coordinator_ca = ca.pem)",
+        f"  vpool-coordinator user add alice --operator {conf}",
+        "  start the coordinator: systemctl enable --now vpool-coordinator "
+        f"(packaging/vpool-coordinator.service), or vpool-coordinator serve {conf}",
+        f"  let relays, volunteers and users reach TCP port {written['port']} here",
+    )
+
+
+def _init_state(settings: CoordinatorSettings) -> list[str]:
+    """Create the state directory, the database and the signing key; say what they are."""
     store = _open(settings)
     version = store.schema_version
     store.close()
     key = keys.load_or_create_signing_key(settings.state_path() / "signing.key")
-    click.echo(f"state directory: {settings.state_path()}")
-    click.echo(f"schema version:  {version}")
-    click.echo(f"signing key:     {public_key_text(key.public_key())}")
+    return [
+        f"state directory: {settings.state_path()}",
+        f"schema version:  {version}",
+        f"signing key:     {public_key_text(key.public_key())}",
+    ]
 
 
 def _open(settings: CoordinatorSettings) -> SqliteStore:

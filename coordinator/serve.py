@@ -13,6 +13,7 @@ import socket
 import ssl
 from functools import partial
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import trio
 from hypercorn.config import Config
@@ -22,6 +23,7 @@ from vpool import tls
 from vpool.coordinator.app import create_app
 from vpool.coordinator.service import Coordinator
 from vpool.coordinator.settings import CoordinatorSettings
+from vpool.protocol import pki
 from vpool.readyfile import write_ready_file
 
 log = logging.getLogger("vpool.coordinator")
@@ -49,6 +51,8 @@ def check_tls(settings: CoordinatorSettings) -> bool:
         for name in (settings.tls_cert, settings.tls_key):
             if not Path(name).is_file():
                 raise ServeError(f"TLS file {name} does not exist")
+        if settings.public_url:
+            _check_public_url(settings.public_url, Path(settings.tls_cert))
         return True
     if settings.insecure_http:
         return False
@@ -56,6 +60,26 @@ def check_tls(settings: CoordinatorSettings) -> bool:
         "tls_cert and tls_key are not set: refusing to serve plain HTTP "
         "(set insecure_http = true for a throw-away test pool)"
     )
+
+
+def _check_public_url(url: str, cert: Path) -> None:
+    """Clients check the certificate against the host of public_url: refuse to serve one
+    they would all refuse."""
+    host = urlsplit(url).hostname
+    if not host:
+        raise ServeError(f"public_url {url!r} names no host (https://HOST:PORT)")
+    try:
+        pem = cert.read_bytes()
+        names = pki.cert_names(pem)
+    except (OSError, ValueError) as exc:
+        raise ServeError(f"cannot read the certificate {cert}: {exc}") from exc
+    if not pki.covers(pem, host):
+        raise ServeError(
+            f"public_url {url} names {host}, which the certificate {cert} does not (it "
+            f"names {', '.join(names) or 'nothing'}): clients would refuse the connection. "
+            "Give the coordinator a certificate for that host, or set public_url to a name "
+            "it has"
+        )
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -106,7 +130,7 @@ async def serve(settings: CoordinatorSettings, ready_file: Path | None) -> None:
                 )
             )
             scheme = "https" if secure else "http"
-            url = f"{scheme}://{_url_host(settings.host)}:{port}"
+            url = settings.public_url or f"{scheme}://{_url_host(settings.host)}:{port}"
             log.info("coordinator %s listening on %s:%s (%s)", settings.pool_name, host, port, url)
             if ready_file is not None:
                 write_ready_file(

@@ -88,3 +88,57 @@ def issue_server_cert(
         .sign(ca_key, hashes.SHA256())
     )
     return cert.public_bytes(serialization.Encoding.PEM), _key_pem(key)
+
+
+def split_names(hosts: list[str]) -> tuple[list[str], list[str]]:
+    """``hosts`` as the two kinds of name a certificate has: ``(dns_names, ip_addresses)``."""
+    dns: list[str] = []
+    ips: list[str] = []
+    for host in hosts:
+        ip = _ip(host)
+        if ip is None:
+            dns.append(host.rstrip(".").lower())
+        else:
+            ips.append(str(ip))
+    return dns, ips
+
+
+def cert_names(cert_pem: bytes) -> list[str]:
+    """The names a certificate is valid for: its DNS names, then its IP addresses (the first
+    certificate of a chain; the subject's common name does not count, as for TLS clients)."""
+    cert = x509.load_pem_x509_certificate(cert_pem)
+    try:
+        sans = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    except x509.ExtensionNotFound:
+        return []
+    dns = sans.get_values_for_type(x509.DNSName)
+    return dns + [str(a) for a in sans.get_values_for_type(x509.IPAddress)]
+
+
+def covers(cert_pem: bytes, host: str) -> bool:
+    """Whether a client connecting to ``host`` accepts the certificate (names only: the CA
+    and the dates are the handshake's business). ``host`` is a DNS name or an IP address,
+    IPv6 with or without brackets; a wildcard DNS name covers one label."""
+    ip = _ip(host)
+    for name in cert_names(cert_pem):
+        if ip is not None:
+            if _ip(name) == ip:
+                return True
+        elif _ip(name) is None and _dns_match(name, host):
+            return True
+    return False
+
+
+def _ip(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    try:
+        return ipaddress.ip_address(host.removeprefix("[").removesuffix("]"))
+    except ValueError:
+        return None
+
+
+def _dns_match(pattern: str, host: str) -> bool:
+    pattern, host = pattern.rstrip(".").lower(), host.rstrip(".").lower()
+    if pattern.startswith("*."):
+        first, _, rest = host.partition(".")
+        return bool(first) and rest == pattern[2:]
+    return pattern == host

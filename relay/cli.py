@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import ipaddress
 import logging
 import os
 import resource
@@ -14,6 +16,7 @@ import click
 import trio
 
 from vpool.config import SettingsError
+from vpool.protocol import pki
 from vpool.readyfile import write_ready_file
 from vpool.relay.errors import RelayError
 from vpool.relay.server import serve_relay
@@ -39,6 +42,51 @@ def _raise_fd_limit() -> None:
             resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
         except (ValueError, OSError):
             pass
+
+
+def _is_wildcard(host: str) -> bool:
+    try:
+        return not host or ipaddress.ip_address(host).is_unspecified
+    except ValueError:
+        return False
+
+
+def checked_advertise(settings: RelaySettings) -> RelaySettings:
+    """``settings`` with the host the coordinator will tell agents to connect to, refused
+    unless the relay's certificate names it: every agent would refuse the connection.
+
+    Listening on every address with no advertise_host, the relay takes its certificate's
+    name if it has exactly one, and guesses nothing otherwise."""
+    if not settings.coordinator_url or not (settings.tls_cert and settings.tls_key):
+        return settings  # advertises nothing, or has no certificate to check against
+    try:
+        pem = Path(settings.tls_cert).read_bytes()
+        names = pki.cert_names(pem)
+    except (OSError, ValueError) as exc:
+        raise RelayError(
+            f"cannot read the certificate tls_cert {settings.tls_cert}: {exc}"
+        ) from exc
+    named = ", ".join(names) or "nothing"
+    if settings.advertise_host:
+        setting, host = "advertise_host", settings.advertise_host
+    elif _is_wildcard(settings.host):
+        if len(names) == 1:
+            return dataclasses.replace(settings, advertise_host=names[0])
+        raise RelayError(
+            f"host is {settings.host or 'empty'} (every address) and advertise_host is not "
+            "set: set advertise_host to the name agents reach this relay by, one that its "
+            f"certificate {settings.tls_cert} names ({named})"
+        )
+    else:
+        setting, host = "host", settings.host
+    if not pki.covers(pem, host):
+        raise RelayError(
+            f"{setting} {host} is not a name of the certificate tls_cert "
+            f"{settings.tls_cert} (it names {named}): agents told to connect to {host} would "
+            "refuse the connection. Set advertise_host to one of its names, or issue a "
+            "certificate for this one (vpool-coordinator relay add NAME --address HOST:PORT)"
+        )
+    return settings
 
 
 async def _run(settings: RelaySettings, ready_file: Path | None) -> None:
@@ -99,6 +147,7 @@ def main(
         raise click.ClickException(str(exc)) from exc
     _raise_fd_limit()
     try:
+        settings = checked_advertise(settings)
         trio.run(_run, settings, ready_file)
     except (RelayError, OSError) as exc:
         click.echo(f"vpool-relay: {exc}", err=True)

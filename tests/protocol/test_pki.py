@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from vpool.protocol.pki import issue_server_cert, make_ca
+from vpool.protocol.pki import cert_names, covers, issue_server_cert, make_ca, split_names
 from vpool.tls import client_context, server_context
 
 NOW = dt.datetime.now(dt.UTC)
@@ -66,3 +66,44 @@ def test_another_ca_is_refused(tmp_path: Path) -> None:
     srv = server_context(*_files(tmp_path, "relay", cert, key))
     with pytest.raises(ssl.SSLCertVerificationError):
         _handshake(srv, client_context(tmp_path / "other.pem"), "127.0.0.1")
+
+
+def _names(dns: list[str], ips: list[str]) -> bytes:
+    ca_cert, ca_key = make_ca("test", now=NOW)
+    cert, _ = issue_server_cert(
+        ca_cert, ca_key, common_name="server", dns_names=dns, ip_addresses=ips, now=NOW
+    )
+    return cert
+
+
+def test_covers_dns_names() -> None:
+    cert = _names(["relay.example.org", "*.pool.example.org"], [])
+    assert covers(cert, "relay.example.org")
+    assert covers(cert, "Relay.Example.Org.")  # DNS names match as DNS does
+    assert covers(cert, "eu.pool.example.org")
+    assert not covers(cert, "example.org")
+    assert not covers(cert, "a.eu.pool.example.org")  # a wildcard is one label
+    assert not covers(cert, "pool.example.org")
+    assert not covers(cert, "192.0.2.1")
+    assert cert_names(cert) == ["relay.example.org", "*.pool.example.org"]
+
+
+def test_covers_ip_addresses() -> None:
+    cert = _names(["localhost"], ["192.0.2.10", "2001:db8::1"])
+    assert covers(cert, "192.0.2.10")
+    assert covers(cert, "2001:db8:0::1") and covers(cert, "[2001:db8::1]")
+    assert not covers(cert, "192.0.2.11")
+    assert not covers(cert, "127.0.0.1")  # localhost the name is not 127.0.0.1 the address
+    assert cert_names(cert) == ["localhost", "192.0.2.10", "2001:db8::1"]
+
+
+def test_a_certificate_without_names_covers_nothing() -> None:
+    ca_cert, _ = make_ca("test", now=NOW)  # a CA names only its subject
+    assert cert_names(ca_cert) == [] and not covers(ca_cert, "test vpool CA")
+
+
+def test_split_names() -> None:
+    assert split_names(["Relay.Example.org.", "192.0.2.1", "[::1]"]) == (
+        ["relay.example.org"],
+        ["192.0.2.1", "::1"],
+    )
