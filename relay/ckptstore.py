@@ -72,6 +72,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from vpool.protocol.api import RelayCheckpoint
 from vpool.protocol.errors import ErrorCode
 from vpool.protocol.relay_core import Refused, TrimPoint
+from vpool.reasons import describe
 from vpool.relay import log as logfiles
 from vpool.relay import trim
 
@@ -254,7 +255,9 @@ class CheckpointStore:
                     img = Image.from_json(path.read_bytes(), directory)
                 except (OSError, ValueError, KeyError) as exc:
                     logger.warning(
-                        "deleting unreadable checkpoint manifest %s and its image: %s", path, exc
+                        "deleting unreadable checkpoint manifest %s and its image: %s",
+                        path,
+                        describe(exc),
                     )
                     path.unlink()
                     (directory / f"{stem}{IMAGE}").unlink(missing_ok=True)

@@ -16,6 +16,7 @@ import click
 import trio
 
 from vpool.config import SettingsError
+from vpool.logsetup import quiet_routine_requests
 from vpool.protocol import pki
 from vpool.readyfile import write_ready_file
 from vpool.relay.errors import RelayError
@@ -141,6 +142,7 @@ def main(
 ) -> None:
     """Run a relay: store every rank's incoming messages in a log and push them to it."""
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    quiet_routine_requests(verbose=log_level == "DEBUG")
     try:
         settings = load(config, host=host, port=port, name=name, data_dir=data_dir)
     except SettingsError as exc:

@@ -91,7 +91,7 @@ class CoordinatorClient:
         try:
             return msgspec.json.decode(resp.content, type=answer)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            raise CoordinatorError(f"unexpected answer to {path}: {exc}") from exc
+            raise CoordinatorError(f"unexpected answer to {path}: {describe(exc)}") from exc
 
     async def register(self, req: RelayRegister) -> RelayRegistered:
         return await self._post("/relays/register", req, RelayRegistered)

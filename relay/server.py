@@ -26,6 +26,7 @@ from vpool import tls
 from vpool.protocol.errors import TokenError
 from vpool.protocol.local import local_socket_name
 from vpool.protocol.tokens import public_key_from_text
+from vpool.reasons import describe
 from vpool.relay.ckptstore import STORE_PREAMBLE
 from vpool.relay.connection import Connection
 from vpool.relay.errors import RelayError, StorageError
@@ -54,7 +55,9 @@ async def _local_listener(port: int) -> trio.SocketListener | None:
         sock.listen(128)
     except OSError as exc:
         sock.close()
-        logger.warning("no same-host socket for port %d (%s): agents here use TCP", port, exc)
+        logger.warning(
+            "no same-host socket for port %d (%s): agents here use TCP", port, describe(exc)
+        )
         return None
     return trio.SocketListener(sock)
 
@@ -123,7 +126,9 @@ async def serve_relay(
     try:
         hub.data_dir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        raise StorageError(f"cannot create the data directory {hub.data_dir}: {exc}") from exc
+        raise StorageError(
+            f"cannot create the data directory {hub.data_dir}: {describe(exc)}"
+        ) from exc
     await trio.to_thread.run_sync(hub.load)
 
     async def handle(tcp: trio.SocketStream) -> None:

@@ -33,6 +33,7 @@ import msgspec
 import trio
 
 from vpool.protocol.relay_core import Refused
+from vpool.reasons import describe
 from vpool.relay.ckptstore import PART, Image, Key, ckpt_dir
 from vpool.relay.storelink import (
     MAX_PACKET,
@@ -136,7 +137,7 @@ class StoreSupervisor:
             try:
                 p = await self._process()
             except OSError as exc:
-                logger.error("cannot start the store process: %s", exc)
+                logger.error("cannot start the store process: %s", describe(exc))
                 await trio.aclose_forcefully(tcp)
                 return
             sock = socket.socket(fileno=tcp.socket.detach())
@@ -146,7 +147,7 @@ class StoreSupervisor:
                 await p.send(Conn(cid=session.cid, peer=peer), sock.fileno())
                 await session.ended.wait()
             except OSError as exc:
-                session.end(f"the store process is gone: {exc}")
+                session.end(f"the store process is gone: {describe(exc)}")
             finally:
                 if not session.ended.is_set():
                     _shutdown(sock)
@@ -226,7 +227,9 @@ class StoreSupervisor:
                     try:
                         msg = from_worker.decode(data)
                     except msgspec.DecodeError as exc:
-                        logger.error("store process: bad link packet (%s); stopping it", exc)
+                        logger.error(
+                            "store process: bad link packet (%s); stopping it", describe(exc)
+                        )
                         break
                     if isinstance(msg, Ended):
                         session = p.sessions.get(msg.cid)

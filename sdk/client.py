@@ -145,13 +145,15 @@ class Client:
                 timeout=httpx.Timeout(timeout) if timeout is not None else httpx.USE_CLIENT_DEFAULT,
             )
         except httpx.TimeoutException as exc:
-            raise ConnectionError(f"the coordinator at {self.url} did not answer in time") from exc
+            raise ConnectionError(
+                f"the coordinator at {self.url} did not answer in time: {describe(exc)}"
+            ) from exc
         except httpx.TransportError as exc:
             raise ConnectionError(
                 f"cannot reach the coordinator at {self.url}: {_why(exc)}"
             ) from exc
         except httpx.HTTPError as exc:  # e.g. a bad URL
-            raise VsdkError(f"bad request to {self.url}: {exc}") from exc
+            raise VsdkError(f"bad request to {self.url}: {describe(exc)}") from exc
         if resp.status_code in ok:
             return resp
         raise _error_from(resp)

@@ -28,6 +28,7 @@ from vpool.protocol.api import (
     RankProblem,
 )
 from vpool.protocol.rank_link import replaces
+from vpool.reasons import describe
 from vpool.worker_agent import identity, sandbox, sandboxed, selftest
 from vpool.worker_agent.bundle import BlobCache
 from vpool.worker_agent.checkpoints import Capability, Checkpointer, find_capability
@@ -230,14 +231,14 @@ class Agent:
         except Exception as exc:
             # Checkpoints need both: without them this agent simply takes none.
             self.capability.criu = ""
-            log.warning("checkpoints disabled: %s", exc)
+            log.warning("checkpoints disabled: %s", describe(exc))
         await self._selftest()
         self._beat_now()
         if self.capability.criu:
             try:
                 await self.services.checkpoint_workers().prewarm()
             except OSError as exc:
-                log.warning("cannot start a checkpoint worker: %s", exc)
+                log.warning("cannot start a checkpoint worker: %s", describe(exc))
 
     async def _selftest(self) -> None:
         """Probe the sandbox (``selftest``) before any rank runs in it; what it found is the
@@ -248,7 +249,7 @@ class Agent:
                 settings, svc.isolation, svc.limits, criu_ok=bool(self.capability.criu)
             )
         except Exception as exc:
-            found = selftest.SelfTest(level="none", detail=f"the selftest failed: {exc}")
+            found = selftest.SelfTest(level="none", detail=f"the selftest failed: {describe(exc)}")
         if found.level == "none" and svc.isolation.on:
             svc.isolation = sandboxed.Isolation(reason=found.detail)
         self.isolation = found.report(svc.limits)

@@ -42,6 +42,7 @@ from vpool.protocol.api import CheckpointFailed, Lease, RelayInfo
 from vpool.protocol.framing import encode_frame
 from vpool.protocol.messages import CheckpointRequest, CkptForked, CkptPut
 from vpool.protocol.rank_link import RankLink
+from vpool.reasons import describe
 from vpool.worker_agent import ckpt_worker, criu, sandbox
 from vpool.worker_agent.errors import AgentError, CoordinatorRejected
 from vpool.worker_agent.local_ranks import LocalRank
@@ -324,7 +325,7 @@ class Checkpointer:
             stored = True
             return True
         except Exception as exc:
-            message = _describe(exc)
+            message = describe(exc)
             if isinstance(exc, criu.CriuError):
                 message = f"criu dump failed: {message}"
             _kill(taking.clone)
@@ -568,12 +569,6 @@ def _kill(pid: int | None) -> None:
             os.kill(pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
-
-
-def _describe(exc: BaseException) -> str:
-    if isinstance(exc, BaseExceptionGroup):
-        return "; ".join(_describe(e) for e in exc.exceptions)
-    return str(exc) or type(exc).__name__
 
 
 async def _remove(path: Path) -> None:

@@ -18,6 +18,7 @@ import click
 import trio
 
 from vpool.config import SettingsError
+from vpool.logsetup import quiet_routine_requests
 from vpool.readyfile import write_ready_file
 from vpool.worker_agent.agent import AgentStarted, run_agent
 from vpool.worker_agent.criu import criu_check
@@ -145,6 +146,7 @@ def main(
         level=logging.DEBUG if verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    quiet_routine_requests(verbose=verbose)
     if config is not None and not config.exists():
         raise click.UsageError(f"config file {config} does not exist")
     try:

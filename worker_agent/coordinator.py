@@ -139,7 +139,9 @@ class CoordinatorClient:
         try:
             return msgspec.json.decode(resp.content, type=type_)
         except msgspec.DecodeError as exc:
-            raise CoordinatorUnreachable(f"POST {path}: unreadable answer: {exc}") from exc
+            raise CoordinatorUnreachable(
+                f"POST {path}: unreadable answer: {describe(exc)}"
+            ) from exc
 
     # -- the agent API ----------------------------------------------------------------------
 

@@ -54,6 +54,7 @@ from vpool.protocol.api import (
 from vpool.protocol.framing import encode_frame
 from vpool.protocol.messages import Stop
 from vpool.protocol.rank_link import restarted
+from vpool.reasons import describe
 from vpool.sizes import format_size
 from vpool.worker_agent import bundle, restore, sandbox, sandboxed
 from vpool.worker_agent.checkpoints import Capability, Checkpointer, checkpoint_signal
@@ -332,7 +333,7 @@ async def run_rank(svc: RankServices, rank: LocalRank) -> None:
         if not rank.problem_reported and not rank.ended:
             rank.problem_reported = True
             name = svc.settings.agent_name
-            why = "is shutting down" if _only_cancelled(exc) else f"failed: {exc!r}"
+            why = "is shutting down" if _only_cancelled(exc) else f"failed: {describe(exc)}"
             with trio.move_on_after(2, shield=True):
                 await svc.client.post_problem(_problem(rank, f"agent {name} {why}"))
         raise
@@ -584,7 +585,7 @@ async def _spawn(
             process_group=0,
         )
     except OSError as exc:
-        return 127, f"cannot start {python}: {exc}", False
+        return 127, f"cannot start {python}: {describe(exc)}", False
     finally:
         stdin.close()
     return _Launched(process, process.pid, process.stdout, process.stderr)

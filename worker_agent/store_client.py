@@ -57,6 +57,7 @@ from vpool.protocol.messages import (
     Message,
     Welcome,
 )
+from vpool.reasons import describe
 from vpool.worker_agent.errors import AgentError
 
 # Sent in plaintext before TLS: the relay serves such a connection as a store (relay/ckptstore.py
@@ -191,7 +192,7 @@ class StoreConnection:
             for part in frame_parts(msg, payload):
                 self._sock.sendall(part)
         except (OSError, ValueError) as exc:
-            raise StoreError(f"connection to {self.where} broke: {_why(exc)}") from exc
+            raise StoreError(f"connection to {self.where} broke: {describe(exc)}") from exc
 
     def receive(self, timeout: float = IDLE_TIMEOUT) -> tuple[Message, bytes]:
         """The next frame (message, payload); an ``Error`` frame raises ``StoreError``."""
@@ -201,7 +202,7 @@ class StoreConnection:
         except TimeoutError as exc:
             raise StoreError(f"{self.where} sent nothing for {timeout:g} s") from exc
         except (OSError, ValueError) as exc:
-            raise StoreError(f"connection to {self.where} broke: {_why(exc)}") from exc
+            raise StoreError(f"connection to {self.where} broke: {describe(exc)}") from exc
         except ProtocolError as exc:
             raise StoreError(f"{self.where} sent a bad frame: {exc}", exc.code) from exc
         finally:
@@ -279,7 +280,7 @@ class StoreConnection:
             self._sock.sendall(head)
             raw.sendall(payload)
         except (OSError, ValueError) as exc:
-            raise StoreError(f"connection to {self.where} broke: {_why(exc)}") from exc
+            raise StoreError(f"connection to {self.where} broke: {describe(exc)}") from exc
 
     def put_end(
         self, ckpt: int, size: int, digest: bytes, timeout: float = IDLE_TIMEOUT
@@ -359,7 +360,7 @@ def open_store(
             raw = socket.create_connection((info.host, info.port), timeout=seconds)
             raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         except OSError as exc:
-            raise StoreError(f"cannot connect to {where}: {_why(exc)}") from exc
+            raise StoreError(f"cannot connect to {where}: {describe(exc)}") from exc
     else:
         where += " on this host"
     sock: socket.socket = raw
@@ -395,7 +396,7 @@ def open_store(
         raise StoreError(f"{where} did not answer within {seconds:g} s") from exc
     except (OSError, ValueError) as exc:
         sock.close()
-        raise StoreError(f"cannot connect to {where}: {_why(exc)}") from exc
+        raise StoreError(f"cannot connect to {where}: {describe(exc)}") from exc
     except BaseException:
         sock.close()
         raise
@@ -414,10 +415,6 @@ def _connect_local(info: RelayInfo, seconds: float) -> socket.socket | None:
         sock.connect(local_socket_name(info.port))
     except OSError as exc:
         sock.close()
-        logger.debug("no same-host socket for %s:%d (%s): TCP", info.host, info.port, exc)
+        logger.debug("no same-host socket for %s:%d (%s): TCP", info.host, info.port, describe(exc))
         return None
     return sock
-
-
-def _why(exc: BaseException) -> str:
-    return str(exc) or type(exc).__name__
