@@ -12,8 +12,8 @@ Hops and who sends what::
 
     rank -> agent:   RankHello, Data, Det, Abort, Finalize
     agent -> rank:   RankWelcome, Data, Det, Ack, DetAck, Error, Stop, CheckpointRequest
-    agent -> relay:  Hello, Attach, Data, Det, Credit, Delivered, Detach
-    relay -> agent:  Welcome, Attached, Data, Det, Ack, DetAck, Error, Stop
+    agent -> relay:  Hello, Attach, Data, Det, Credit, Delivered, Detach, Ping, Pong
+    relay -> agent:  Welcome, Attached, Data, Det, Ack, DetAck, Error, Stop, Ping, Pong
 
 Checkpoints (docs/internals.md, "Checkpoints"): a rank's second unix connection, opened with
 ``RankHello(control=True)``, carries ``CkptForked`` (rank -> agent). A relay's checkpoint
@@ -53,12 +53,14 @@ class _Msg(msgspec.Struct, array_like=True, frozen=True, tag_field="type"):
 
 class Hello(_Msg, frozen=True, tag="hello"):
     """Opens every agent -> relay connection. ``token`` is the agent token signed by the
-    coordinator."""
+    coordinator. ``pings``: this agent sends ``Ping`` on a quiet connection, so the relay may
+    close one that stays silent (an older agent says nothing and is never closed for it)."""
 
     version: int
     role: str
     token: str = ""
     software: str = ""
+    pings: bool = False
 
 
 class Welcome(_Msg, frozen=True, tag="welcome"):
@@ -73,6 +75,8 @@ class Welcome(_Msg, frozen=True, tag="welcome"):
     # Store connections: the store reads the payloads of a put with ``CkptPut.bulk`` from the
     # TCP stream beneath TLS (``relay.ckptstore``, "Bulk payloads").
     bulk: bool = False
+    # The relay answers ``Ping`` (an older one would take it for a malformed frame).
+    pings: bool = False
 
 
 class Error(_Msg, frozen=True, tag="error"):
@@ -208,6 +212,21 @@ class Stop(_Msg, frozen=True, tag="stop"):
     rank: int
     incarnation: int
     reason: str
+
+
+class Ping(_Msg, frozen=True, tag="ping"):
+    """Either way on an open agent <-> relay connection: are you there? The receiver answers
+    ``Pong`` with the same ``nonce`` at once. Sent by a side that has received nothing for a
+    while (``protocol.liveness``); any frame that arrives shows the peer alive, the ``Pong``
+    only guarantees one does."""
+
+    nonce: int
+
+
+class Pong(_Msg, frozen=True, tag="pong"):
+    """The answer to ``Ping``, echoing its ``nonce``."""
+
+    nonce: int
 
 
 class RankHello(_Msg, frozen=True, tag="rank_hello"):
@@ -363,6 +382,8 @@ Message = (
     | Credit
     | Delivered
     | Stop
+    | Ping
+    | Pong
     | RankHello
     | RankWelcome
     | Abort

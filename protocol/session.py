@@ -32,6 +32,8 @@ from vpool.protocol.messages import (
     Finalize,
     Hello,
     Message,
+    Ping,
+    Pong,
     RankHello,
     RankWelcome,
     Stop,
@@ -57,6 +59,9 @@ TRANSITIONS: dict[tuple[Kind, Side, State, type], State] = {
     ("relay", "server", State.HELLO_SENT, Welcome): _O,
     **{("relay", "client", _O, t): _O for t in (Attach, Data, Det, Credit, Delivered, Detach)},
     **{("relay", "server", _O, t): _O for t in (Attached, Data, Det, Ack, DetAck, Stop)},
+    # Liveness (``protocol.liveness``): either side may ping once the session is open.
+    **{("relay", "client", _O, t): _O for t in (Ping, Pong)},
+    **{("relay", "server", _O, t): _O for t in (Ping, Pong)},
     ("rank", "client", _S, RankHello): State.HELLO_SENT,
     ("rank", "server", State.HELLO_SENT, RankWelcome): _O,
     **{("rank", "client", _O, t): _O for t in (Data, Det, Abort, Finalize)},

@@ -25,6 +25,12 @@ Checkpoint store connections open with a preamble and never get here (``server``
 Anything the agent gets wrong ends in ``Refused``: the writer sends the ``Error``, the relay
 ends its side and drains what the agent still sends for a moment (so the error is not lost to a
 TCP reset), and only this connection closes.
+
+Liveness (``protocol.liveness``): a ``Ping`` is answered ``Pong`` at once. An agent that pings
+(``Hello.pings``) sends something at least every few seconds while it is alive, so a connection
+that brings nothing at all for ``agent_idle_timeout`` is dead (a middlebox dropped it without a
+reset): a third task closes it, and its ranks get ``lost_grace`` to reattach, as after any drop.
+The socket also has TCP keepalive (``vpool.sockopts``).
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ import trio
 from vpool.framestream import FrameStream, RawFrame, send_frames
 from vpool.protocol.errors import ErrorCode, RemoteProtocolError, TokenError, ends_connection
 from vpool.protocol.framing import DEFAULT_MAX_HEADER, PREFIX_SIZE, encode_frame
+from vpool.protocol.liveness import Liveness, Silent
 from vpool.protocol.messages import (
     PROTOCOL_VERSION,
     Ack,
@@ -49,6 +56,8 @@ from vpool.protocol.messages import (
     Error,
     Hello,
     Message,
+    Ping,
+    Pong,
     Welcome,
     decode,
 )
@@ -56,6 +65,7 @@ from vpool.protocol.relay_core import Refused
 from vpool.protocol.session import Session, State
 from vpool.protocol.tokens import AgentClaims, RankClaims, verify_token
 from vpool.relay.hub import Batch, Hub, now
+from vpool.sockopts import set_keepalive
 
 logger = logging.getLogger(__name__)
 
@@ -152,6 +162,10 @@ class Connection:
     async def run(self) -> None:
         hub = self.hub
         hub.connections.add(self)
+        stream = self.stream
+        raw = stream.transport_stream if isinstance(stream, trio.SSLStream) else stream
+        if isinstance(raw, trio.SocketStream):
+            set_keepalive(raw.socket)
         # No payloads before the agent is authenticated: a stranger must not make the relay
         # allocate a max_payload buffer by sending one frame prefix.
         reader = FrameStream(self.stream, max_header=PRE_AUTH_MAX_HEADER, max_payload=0)
@@ -246,10 +260,32 @@ class Connection:
                 relay=self.hub.name,
                 max_payload=settings.max_payload,
                 push_window=settings.push_window,
+                pings=True,
             )
         )
+        if msg.pings and settings.agent_idle_timeout > 0:
+            assert self._nursery is not None
+            self._nursery.start_soon(self._watch, reader, self._nursery.cancel_scope)
         if len(frames) > 1:
             await self._handle(frames[1:])
+
+    async def _watch(self, reader: FrameStream, scope: trio.CancelScope) -> None:
+        """Close the connection (cancel ``scope``) once the agent sent nothing for
+        ``agent_idle_timeout``."""
+        live = Liveness(
+            ping_interval=0,
+            dead_after=self.hub.settings.agent_idle_timeout,
+            now=trio.current_time(),
+        )
+        while True:
+            await trio.sleep_until(live.next_timer())
+            live.heard(reader.last_read)
+            out = live.handle_timer(trio.current_time())
+            if isinstance(out, Silent):
+                self.reason = f"nothing from the agent for {out.seconds:.1f} s: taken for dead"
+                logger.info("%r: %s", self, self.reason)
+                scope.cancel()
+                return
 
     def _receive(self, msg: Message) -> None:
         """``msg`` checked against the session table. An agent sends a relay no ``Error``: the
@@ -331,6 +367,8 @@ class Connection:
                     self._attach(msg, claims)
                 elif type(msg) is Detach:
                     relay.detach(self, msg.job, msg.rank)
+                elif type(msg) is Ping:
+                    self.send(Pong(nonce=msg.nonce))
         finally:
             # Frames staged before a bad one still have their place reserved in the log: they
             # must be written, or the log would keep a hole.

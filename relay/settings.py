@@ -100,6 +100,13 @@ class RelaySettings:
     handshake_timeout: float = setting(
         10.0, "Seconds an agent has to complete TLS and Hello after connecting."
     )
+    agent_idle_timeout: float = setting(
+        30.0,
+        "Seconds an agent connection may bring nothing at all before the relay closes it as "
+        "dead (its ranks then get lost_grace to reattach); agents ping a quiet relay every "
+        "few seconds, so only a dead one stays silent this long. Agents too old to ping are "
+        "never closed for it (0: never).",
+    )
     write_threads: int = setting(4, "Threads doing large log writes and reads at once.")
     store_nice: int = setting(
         19,

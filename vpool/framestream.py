@@ -13,6 +13,7 @@ payloads on their own.
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Sequence
 from typing import NamedTuple
@@ -72,6 +73,9 @@ class FrameStream:
         sock = getattr(stream, "socket", None)
         self._recv_into = getattr(sock, "recv_into", None)
         self._ready: deque[RawFrame] = deque()
+        # trio's clock at the latest read that brought bytes (-inf before any): what a
+        # liveness watch (``protocol.liveness``) counts as hearing from the peer.
+        self.last_read = -math.inf
 
     async def receive_frames(self) -> list[RawFrame]:
         """At least one whole frame, or ``[]`` at a clean end of stream between frames."""
@@ -102,6 +106,7 @@ class FrameStream:
             if not n:
                 scanner.eof()
                 return []
+            self.last_read = trio.current_time()
             scanner.buffer_updated(n)
 
     async def receive_raw(self) -> RawFrame | None:

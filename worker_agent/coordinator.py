@@ -5,6 +5,12 @@ must eventually land (output, exit reports, problems) are retried with exponenti
 most ``retry_max_delay`` apart, while the coordinator is unreachable (refused, reset, timed out:
 typically restarting) or answers 5xx; a 4xx answer is final (``CoordinatorRejected``).
 The agent token is replaced whenever a heartbeat hands out a fresh one.
+
+A coordinator that vanishes without a reset (a middlebox dropped the connection) is noticed:
+every request has a connect timeout and a read timeout (a held heartbeat or lease long-poll:
+``HOLD_MARGIN`` above its hold), a request that failed closes its connection (httpx never
+reuses one that errored), idle pooled connections are not reused past ``KEEPALIVE_EXPIRY``, and
+the sockets have TCP keepalive (``vpool.sockopts``).
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import trio
 from vpool import tls
 from vpool.protocol import api
 from vpool.reasons import describe, untrusted
+from vpool.sockopts import keepalive_options
 from vpool.worker_agent.errors import (
     CoordinatorRejected,
     CoordinatorUnreachable,
@@ -36,6 +43,18 @@ T = TypeVar("T")
 PREFIX = "/api/v1/agents"
 _json = msgspec.json.Encoder()
 _error_body = msgspec.json.Decoder(api.ErrorBody)
+
+CONNECT_TIMEOUT = 10.0
+# Read (and write) timeout of a request that is answered at once.
+TIMEOUT = 15.0
+# How much longer than its hold a long-poll's answer may take to come (a busy coordinator).
+HOLD_MARGIN = 5.0
+# An idle pooled connection is not reused after this (a middlebox may have forgotten it).
+KEEPALIVE_EXPIRY = 5.0
+# A blob download may pause this long between chunks (the coordinator streams a file).
+BLOB_TIMEOUT = 60.0
+# The answer to a results upload may take this long (the coordinator stores the zip first).
+RESULTS_TIMEOUT = 600.0
 
 
 class CoordinatorClient:
@@ -53,13 +72,21 @@ class CoordinatorClient:
         self.token = ""
         self.retry_max_delay = retry_max_delay
         verify: Any = tls.client_context(ca) if url.startswith("https:") else True
+        if transport is None:
+            transport = httpx.AsyncHTTPTransport(
+                verify=verify,
+                # Long-polls and uploads run side by side with heartbeats.
+                limits=httpx.Limits(
+                    max_connections=32,
+                    max_keepalive_connections=8,
+                    keepalive_expiry=KEEPALIVE_EXPIRY,
+                ),
+                socket_options=keepalive_options(),
+            )
         self._http = httpx.AsyncClient(
             base_url=self.url,
-            verify=verify,
             transport=transport,
-            timeout=httpx.Timeout(30.0, connect=10.0),
-            # Long-polls and uploads run side by side with heartbeats.
-            limits=httpx.Limits(max_connections=32, max_keepalive_connections=8),
+            timeout=_timeout(TIMEOUT),
         )
 
     async def __aenter__(self) -> CoordinatorClient:
@@ -91,13 +118,10 @@ class CoordinatorClient:
             headers["Content-Type"] = "application/json"
         elif content is not None:
             headers["Content-Type"] = "application/octet-stream"
+        timeout = httpx.USE_CLIENT_DEFAULT if http_timeout is None else _timeout(http_timeout)
         try:
             resp = await self._http.request(
-                method,
-                path,
-                content=content,
-                headers=headers,
-                timeout=httpx.USE_CLIENT_DEFAULT if http_timeout is None else http_timeout,
+                method, path, content=content, headers=headers, timeout=timeout
             )
         except (httpx.HTTPError, OSError) as exc:
             # OSError: whatever the transport let through of a connection that broke.
@@ -162,13 +186,16 @@ class CoordinatorClient:
             f"{PREFIX}/lease",
             api.LeaseRequest(free_slots=free_slots, wait=wait),
             api.LeaseResponse,
-            http_timeout=wait + 30.0,
+            http_timeout=wait + HOLD_MARGIN,
         )
         return resp.leases
 
     async def heartbeat(self, hb: api.AgentHeartbeat) -> api.AgentHeartbeatResponse:
         resp = await self._json_call(
-            f"{PREFIX}/heartbeat", hb, api.AgentHeartbeatResponse, http_timeout=hb.wait + 30.0
+            f"{PREFIX}/heartbeat",
+            hb,
+            api.AgentHeartbeatResponse,
+            http_timeout=max(hb.wait, 0.0) + HOLD_MARGIN,
         )
         if resp.agent_token:
             self.token = resp.agent_token
@@ -210,7 +237,7 @@ class CoordinatorClient:
                 "PUT",
                 f"{PREFIX}/results/{job}/{rank}/{incarnation}",
                 content=data,
-                http_timeout=600,
+                http_timeout=RESULTS_TIMEOUT,
             ),
         )
 
@@ -223,7 +250,9 @@ class CoordinatorClient:
         headers = {"Authorization": f"Bearer {self.token}"}
         digest = hashlib.sha256()
         try:
-            async with self._http.stream("GET", path, headers=headers, timeout=600) as resp:
+            async with self._http.stream(
+                "GET", path, headers=headers, timeout=_timeout(BLOB_TIMEOUT)
+            ) as resp:
                 if resp.status_code >= 400:
                     await resp.aread()
                     _check(resp, "GET", path)
@@ -234,6 +263,11 @@ class CoordinatorClient:
         except (httpx.HTTPError, OSError) as exc:
             raise CoordinatorUnreachable(f"GET {self.url}{path} failed: {describe(exc)}") from exc
         return digest.hexdigest()
+
+
+def _timeout(seconds: float) -> httpx.Timeout:
+    """``seconds`` to read (and write), the connection made within ``CONNECT_TIMEOUT``."""
+    return httpx.Timeout(seconds, connect=CONNECT_TIMEOUT)
 
 
 def _check(resp: httpx.Response, method: str, path: str) -> None:

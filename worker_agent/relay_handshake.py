@@ -15,6 +15,7 @@ from vpool.protocol.framing import encode_frame
 from vpool.protocol.messages import PROTOCOL_VERSION, Error, Hello, Welcome
 from vpool.protocol.session import Session
 from vpool.reasons import describe
+from vpool.sockopts import set_keepalive
 from vpool.worker_agent.errors import RelayLinkError
 
 
@@ -26,14 +27,17 @@ async def handshake(
     token: str,
     max_payload: int,
     seconds: float,
+    pings: bool = False,
 ) -> tuple[trio.SSLStream[trio.SocketStream], FrameStream, Session, Welcome]:
     """Connect to the relay ``info`` (``where`` names it in errors) within ``seconds``; the
-    open stream, its frame reader, the session (open) and the relay's ``Welcome``. Raises
+    open stream, its frame reader, the session (open) and the relay's ``Welcome``. ``pings``:
+    tell the relay this agent pings a quiet connection (``Hello.pings``). Raises
     ``RelayLinkError`` saying why not."""
     session = Session("relay", "client")
     try:
         with trio.fail_after(seconds):
             tcp = await trio.open_tcp_stream(info.host, info.port)
+            set_keepalive(tcp.socket)
             stream = trio.SSLStream(tcp, ssl_context, server_hostname=info.host)
             try:
                 await stream.do_handshake()
@@ -43,6 +47,7 @@ async def handshake(
                     role="agent",
                     token=token,
                     software=f"vpool-agent {__version__}",
+                    pings=pings,
                 )
                 session.send(hello)
                 await stream.send_all(encode_frame(hello))

@@ -4,7 +4,9 @@
 connection: pushed ``Data`` and ``Det`` go into the destination rank's outbox, ``Ack``/``DetAck``
 to the depositing rank (and its ``RankLink``), ``Attached``/``Error`` to whoever waits for
 an attach, ``Stop`` to the rank's runner. An ``Error`` about one rank (``fenced``,
-``not_deterministic``) leaves the connection up; any other ends it.
+``not_deterministic``) leaves the connection up; any other ends it. A ``Ping`` is answered
+``Pong`` at once; a ``Pong`` does nothing more than any frame does (the connection's liveness
+watch counts every byte read, ``FrameStream.last_read``).
 """
 
 from __future__ import annotations
@@ -16,12 +18,14 @@ import trio
 
 from vpool.framestream import FrameStream, WireFrame
 from vpool.protocol.errors import ErrorCode, ends_connection
-from vpool.protocol.messages import Ack, Attached, Data, Det, DetAck, Error, Stop
+from vpool.protocol.framing import encode_frame
+from vpool.protocol.messages import Ack, Attached, Data, Det, DetAck, Error, Ping, Pong, Stop
 from vpool.protocol.rank_link import RankLink, is_current
 from vpool.protocol.sealing import SealError
 from vpool.protocol.session import Session
 from vpool.worker_agent.errors import RelayLinkError
 from vpool.worker_agent.local_ranks import LocalRank, RankKey
+from vpool.worker_agent.relay_writer import FrameWriter
 
 if TYPE_CHECKING:
     from vpool.worker_agent.relay_link import Connection
@@ -47,6 +51,7 @@ class InboundRouting:
     attached: dict[RankKey, bool]
     _owner: RelayLinks
     _session: Session
+    _writer: FrameWriter | None
     _unacked: dict[RankKey, RankLink]
     _pending: dict[RankKey, _PendingAttach]
 
@@ -102,6 +107,15 @@ class InboundRouting:
                 self._resolve((msg.job, msg.rank), msg)
             elif isinstance(msg, Stop):
                 self._stop(msg)
+            elif isinstance(msg, Ping):
+                writer = self._writer
+                if writer is not None and not writer.closed:
+                    pong = Pong(nonce=msg.nonce)
+                    session.send(pong)
+                    # Past the queue's bound, never waiting: the reader must not stall on it.
+                    writer.put_nowait([encode_frame(pong)])
+            elif isinstance(msg, Pong):
+                pass
             elif isinstance(msg, Error):
                 key = (msg.job, msg.rank)
                 text = f"{self.where} refused {_label(key)}: {msg.code}: {msg.message}"

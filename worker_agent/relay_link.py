@@ -15,6 +15,12 @@ resends every frame the relay has not acknowledged, before any new frame: sender
 meanwhile (back-pressure, the ranks keep running). Only when the window passes is every rank
 still attached reported through ``on_problem``, and the coordinator decides what becomes of the
 job.
+
+Liveness (``protocol.liveness``): a connection whose relay answers pings (``Welcome.pings``) is
+watched by a third task. After ``ping_interval`` s without a byte from the relay it sends a
+``Ping``; after ``dead_after`` s the connection is declared dead (a middlebox that forgot it
+drops everything without a reset): its writer is closed at once, so nothing more is written
+to it, the socket is closed, and the link reconnects as after any drop.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from vpool.framestream import FrameStream
 from vpool.protocol.api import RelayInfo
 from vpool.protocol.errors import ErrorCode, ProtocolError
 from vpool.protocol.framing import Buffer, encode_frame
+from vpool.protocol.liveness import Liveness, Silent
 from vpool.protocol.messages import (
     Attach,
     Attached,
@@ -40,6 +47,7 @@ from vpool.protocol.messages import (
     Detach,
     DetAck,
     Message,
+    Ping,
     Welcome,
 )
 from vpool.protocol.rank_link import RankLink
@@ -153,6 +161,7 @@ class RelayLink(InboundRouting):
             token=owner.token(),
             max_payload=owner.max_payload,
             seconds=seconds,
+            pings=owner.ping_interval > 0,
         )
 
     def _adopt(
@@ -258,8 +267,17 @@ class RelayLink(InboundRouting):
                     log.info("reconnected to %s", self.where)
                     self._set_ready()
 
+                async def watch() -> None:
+                    nonlocal reason
+                    silent = await self._watch(reader, writer)
+                    reason = f"nothing from the relay for {silent.seconds:.1f} s: dead"
+                    nursery.cancel_scope.cancel()
+
                 nursery.start_soon(read)
                 nursery.start_soon(write)
+                assert self.welcome is not None
+                if self.welcome.pings and self._owner.ping_interval > 0:
+                    nursery.start_soon(watch)
                 if resync:
                     nursery.start_soon(resync_ranks)
                 else:
@@ -269,6 +287,27 @@ class RelayLink(InboundRouting):
             # make a graceful close raise or hang.
             await trio.aclose_forcefully(stream)
         return reason
+
+    async def _watch(self, reader: FrameStream, writer: FrameWriter) -> Silent:
+        """Ping the relay when it is quiet; return once it was silent for ``dead_after``,
+        with the writer closed (``protocol.liveness``)."""
+        owner = self._owner
+        live = Liveness(
+            ping_interval=owner.ping_interval,
+            dead_after=owner.dead_after,
+            now=trio.current_time(),
+        )
+        while True:
+            await trio.sleep_until(live.next_timer())
+            live.heard(reader.last_read)
+            out = live.handle_timer(trio.current_time())
+            if isinstance(out, Ping) and self._session.is_open and not writer.closed:
+                # Never waits: a writer stuck on a full socket must not hold the watch up.
+                self._session.send(out)
+                writer.put_nowait([encode_frame(out)])
+            elif isinstance(out, Silent):
+                writer.close()
+                return out
 
     async def _reconnect(
         self, deadline: float

@@ -24,6 +24,8 @@ class RelayLinks:
         on_problem: ProblemCallback,
         max_payload: int,
         reconnect: float = 30.0,
+        ping_interval: float = 5.0,
+        dead_after: float = 12.0,
     ) -> None:
         self.nursery = nursery
         self.ssl_context = ssl_context
@@ -31,6 +33,11 @@ class RelayLinks:
         self.on_problem = on_problem
         self.max_payload = max_payload
         self.reconnect = reconnect
+        # Liveness of each connection (``protocol.liveness``; the agent's relay_ping_interval
+        # and relay_dead_after): a Ping after ping_interval s of silence, given up for dead
+        # after dead_after s. 0: no pings, and TCP keepalive alone notices a dead peer.
+        self.ping_interval = ping_interval
+        self.dead_after = dead_after if ping_interval > 0 else 0.0
         self._links: dict[tuple[str, int], RelayLink] = {}
 
     async def get(self, info: RelayInfo) -> RelayLink:

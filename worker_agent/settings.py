@@ -63,6 +63,18 @@ class AgentSettings:
         "Seconds a dropped relay connection is retried (ranks keep running, their messages "
         "wait) before its ranks are reported lost.",
     )
+    relay_ping_interval: float = setting(
+        5.0,
+        "Seconds without a byte from a relay after which the agent pings it, and again every "
+        "as many seconds while it stays silent (0: no pings, no relay_dead_after either: only "
+        "TCP keepalive notices a dead connection).",
+    )
+    relay_dead_after: float = setting(
+        12.0,
+        "Seconds without a byte from a relay (pings unanswered) after which its connection is "
+        "taken for dead (a middlebox dropped it silently): it is closed and reconnected, as "
+        "after any drop. More than relay_ping_interval.",
+    )
     stop_grace: float = setting(
         3.0, "Seconds a rank told to stop gets after SIGTERM before SIGKILL."
     )
@@ -174,6 +186,13 @@ class AgentSettings:
         "their replacements restore from that moment; a second signal stops at once; 0: stop "
         "at once (a local pool's agents: `vsdk local down` stops the whole pool).",
     )
+
+    def __post_init__(self) -> None:
+        if self.relay_ping_interval > 0 and not self.relay_dead_after > self.relay_ping_interval:
+            raise ValueError(
+                f"relay_dead_after ({self.relay_dead_after:g} s) must be more than "
+                f"relay_ping_interval ({self.relay_ping_interval:g} s)"
+            )
 
     # Resolved values: the empty defaults above mean "the platform's choice".
 
