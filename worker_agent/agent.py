@@ -136,6 +136,8 @@ class Agent:
             on_problem=self._problem_soon,
             max_payload=settings.max_payload,
             reconnect=settings.relay_reconnect,
+            ping_interval=settings.relay_ping_interval,
+            dead_after=settings.relay_dead_after,
         )
         self.environments = Environments(settings)
         self.services = RankServices(

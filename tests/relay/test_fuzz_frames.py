@@ -51,6 +51,8 @@ from vpool.protocol.messages import (
     Error,
     Hello,
     Message,
+    Ping,
+    Pong,
     Welcome,
 )
 from vpool.relay.ckptstore import STORE_PREAMBLE
@@ -59,7 +61,7 @@ SEED = 20  # issue 20
 CONCURRENT = 8  # fuzzed connections open at once
 MESSAGE_TYPES: list[type[Any]] = list(get_args(Message))
 # What an agent may send on each kind of connection once it said Hello.
-AGENT_SENDS = {Attach, Data, Det, Credit, Delivered, Detach}
+AGENT_SENDS = {Attach, Data, Det, Credit, Delivered, Detach, Ping, Pong}
 STORE_SENDS = {CkptPut, CkptChunk, CkptEnd, CkptGet}
 STATES = ["fresh", "welcomed", "attached", "detached", "store-fresh", "store-welcomed"]
 INTS = [-1, 0, 2**31, -(2**31) - 1, 2**63 - 1, -(2**63), 2**64 - 1, 10**18]
