@@ -52,6 +52,7 @@ from vpool.protocol.messages import (
 )
 from vpool.protocol.rank_link import RankLink
 from vpool.protocol.session import Session
+from vpool.reasons import describe
 from vpool.worker_agent.errors import RelayLinkError
 from vpool.worker_agent.local_ranks import LocalRank, RankKey
 from vpool.worker_agent.relay_handshake import handshake
@@ -243,7 +244,7 @@ class RelayLink(InboundRouting):
                         RelayLinkError,
                         OSError,
                     ) as exc:
-                        reason = f"{type(exc).__name__}: {exc}"
+                        reason = describe(exc)
                     nursery.cancel_scope.cancel()
 
                 async def write() -> None:
@@ -251,7 +252,7 @@ class RelayLink(InboundRouting):
                     try:
                         await writer.run()
                     except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
-                        reason = f"{type(exc).__name__}: {exc}"
+                        reason = describe(exc)
                     if writer.error:
                         reason = writer.error
                     nursery.cancel_scope.cancel()
@@ -324,7 +325,7 @@ class RelayLink(InboundRouting):
             try:
                 return await self._connect(min(CONNECT_TIMEOUT, left))
             except RelayLinkError as exc:
-                log.info("reconnecting to %s: %s", self.where, exc)
+                log.info("reconnecting to %s: %s", self.where, describe(exc))
             delay = min(delay * 2, _RECONNECT_MAX)
 
     async def _resync(self) -> None:

@@ -31,6 +31,7 @@ import trio
 
 from vpool.framestream import send_frames
 from vpool.protocol.framing import Buffer
+from vpool.reasons import describe
 from vpool.worker_agent.errors import RelayLinkError
 
 # Frames queued for one relay before senders wait: back-pressure from a slow relay.
@@ -160,7 +161,7 @@ class FrameWriter:
                 await send_frames(self._stream, parts)
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
             if not self.error:
-                self.error = f"{type(exc).__name__}: {exc}"
+                self.error = describe(exc)
             if self.scope is not None:
                 self.scope.cancel()
             raise Dropped(f"connection to {self.where} dropped") from exc
