@@ -8,6 +8,7 @@ are gone.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import random
@@ -487,6 +488,16 @@ async def _leave_when(agent: Agent, leaving: trio.Event, scope: trio.CancelScope
 READY_WAIT = 120.0  # s an agent waits at start to have told the coordinator its isolation
 
 
+def drop_scratch(settings: AgentSettings) -> None:
+    """Remove the agent's own checkpoint scratch directory (in /dev/shm, made at its first
+    checkpoint or restore) if it is empty, so agents that come and go leave nothing behind.
+    A directory the volunteer named (``checkpoint_scratch``) is theirs: left alone."""
+    if settings.checkpoint_scratch:
+        return
+    with contextlib.suppress(OSError):  # not there, or not empty
+        settings.scratch_path.rmdir()
+
+
 async def run_agent(
     settings: AgentSettings,
     *,
@@ -532,3 +543,4 @@ async def run_agent(
             # Every task is done: no checkpoint worker can start after this.
             if agent is not None:
                 await agent.services.aclose()
+            drop_scratch(settings)

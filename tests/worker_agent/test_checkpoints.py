@@ -47,6 +47,7 @@ from vpool.protocol.messages import (
     encode,
 )
 from vpool.tls import client_context, server_context
+from vpool.worker_agent.agent import drop_scratch
 from vpool.worker_agent.checkpoints import (
     Capability,
     Checkpointer,
@@ -106,6 +107,24 @@ def test_checkpoint_settings(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) ->
     else:
         assert s.scratch_path == tmp_path / "ckpt"
     assert AgentSettings(checkpoint_scratch=str(tmp_path / "x")).scratch_path == tmp_path / "x"
+
+
+def test_an_agent_leaves_no_empty_scratch_directory(tmp_path: Path) -> None:
+    """Its own scratch directory goes when the agent ends, if empty (checkpoints being taken
+    keep it); one the volunteer named stays."""
+    s = load_agent_settings(overrides={"work_dir": str(tmp_path)})
+    s.scratch_path.mkdir(mode=0o700)
+    (s.scratch_path / "7-0-1-abc").mkdir()
+    drop_scratch(s)
+    assert s.scratch_path.is_dir()
+    (s.scratch_path / "7-0-1-abc").rmdir()
+    drop_scratch(s)
+    assert not s.scratch_path.exists()
+    drop_scratch(s)  # gone already: nothing to do
+    named = AgentSettings(work_dir=str(tmp_path), checkpoint_scratch=str(tmp_path / "x"))
+    named.scratch_path.mkdir()
+    drop_scratch(named)
+    assert named.scratch_path.is_dir()
 
 
 def test_periodic_checkpoints_keep_their_period() -> None:
