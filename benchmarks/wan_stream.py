@@ -32,12 +32,14 @@ plain. Target (issue 19, 5c): at 20 ms, vpool warm >= 0.5 x plain TCP.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -98,22 +100,23 @@ def _last_json(text: str) -> dict:
     return json.loads([line for line in text.splitlines() if line.startswith("{")][-1])
 
 
-def run_pool(
-    delay: float | None, window: str, size: int, nbytes: int, work: Path, rate: float | None
-) -> dict:
-    """Start a pool (its relay behind a line of ``delay`` s and ``rate`` bytes/s, or none),
-    stream, stop it."""
+@contextlib.contextmanager
+def line_pool(
+    delay: float | None,
+    work: Path,
+    *,
+    rate: float | None = None,
+    relay_options: dict[str, object] | None = None,
+) -> Iterator[tuple[dict[str, str], delayline.DelayLine | None]]:
+    """A local pool (2 agents of one slot, 1 relay) in a new VPOOL_HOME under ``work``, its
+    relay behind a line of ``delay`` s and ``rate`` bytes/s (no line if ``delay`` is None).
+    Yields the environment for ``vsdk`` and the line; stops both whatever happens."""
     home = Path(tempfile.mkdtemp(prefix="vpool-wan-", dir=work))
     old_home = os.environ.get("VPOOL_HOME")
     os.environ["VPOOL_HOME"] = str(home)
-    env = {**os.environ}
-    options: dict[str, object] = {}
-    if window == "fixed":
-        options["push_window_max"] = 0  # at most push_window: the window stays fixed
+    options = dict(relay_options or {})
     if delay is not None:
         options["host"] = RELAY_HOST
-    program = work / "wan_stream_ranks.py"
-    program.write_text(PROGRAM)
     line: delayline.DelayLine | None = None
     try:
         localpool.up(agents=2, relays=1, slots=1, fresh=True, relay_options=options)
@@ -122,21 +125,7 @@ def run_pool(
                 ready = json.loads(localpool.layout().ready_file("relay-0").read_text())
                 port = int(ready["port"])
                 line = delayline.DelayLine((RELAY_HOST, port), delay, port=port, rate=rate)
-            cmd = [str(BIN / "vsdk"), "submit", str(program), "--ranks", "2", "--wait", "--"]
-            out = subprocess.run(
-                [*cmd, str(size), str(nbytes)],
-                env=env,
-                capture_output=True,
-                text=True,
-                timeout=TIMEOUT,
-                check=False,
-            )
-            if out.returncode != 0:
-                raise RuntimeError(f"the job failed ({out.returncode}):\n{out.stderr[-3000:]}")
-            res = _last_json(out.stdout)
-            if line is not None:
-                res["line_bytes"] = line.forwarded
-            return res
+            yield {**os.environ}, line
         finally:
             if line is not None:
                 line.close()
@@ -146,6 +135,39 @@ def run_pool(
             os.environ.pop("VPOOL_HOME", None)
         else:
             os.environ["VPOOL_HOME"] = old_home
+
+
+def stream_job(env: dict[str, str], work: Path, size: int, nbytes: int) -> dict:
+    """Submit PROGRAM to the pool of ``env`` at 2 ranks; its cold and warm MiB/s."""
+    program = work / "wan_stream_ranks.py"
+    program.write_text(PROGRAM)
+    cmd = [str(BIN / "vsdk"), "submit", str(program), "--ranks", "2", "--wait", "--"]
+    out = subprocess.run(
+        [*cmd, str(size), str(nbytes)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+        check=False,
+    )
+    if out.returncode != 0:
+        raise RuntimeError(f"the job failed ({out.returncode}):\n{out.stderr[-3000:]}")
+    return _last_json(out.stdout)
+
+
+def run_pool(
+    delay: float | None, window: str, size: int, nbytes: int, work: Path, rate: float | None
+) -> dict:
+    """Start a pool (its relay behind a line of ``delay`` s and ``rate`` bytes/s, or none),
+    stream, stop it."""
+    options: dict[str, object] = {}
+    if window == "fixed":
+        options["push_window_max"] = 0  # at most push_window: the window stays fixed
+    with line_pool(delay, work, rate=rate, relay_options=options) as (env, line):
+        res = stream_job(env, work, size, nbytes)
+        if line is not None:
+            res["line_bytes"] = line.forwarded
+        return res
 
 
 def _size(text: str) -> int:
