@@ -171,7 +171,7 @@ def _descendants(root: int, limit: int = 10_000) -> list[tuple[int, int]]:
     todo = [root]
     while todo and len(out) < limit:
         parent = todo.pop()
-        for child in _children(parent):
+        for child in children(parent):
             out.append((child, parent))
             todo.append(child)
     return out
@@ -192,7 +192,7 @@ def _stdout(pid: int) -> str:
         return ""
 
 
-def _children(pid: int) -> list[int]:
+def children(pid: int) -> list[int]:
     out: list[int] = []
     try:
         for task in os.listdir(f"/proc/{pid}/task"):

@@ -80,7 +80,7 @@ from typing import Any
 import httpx
 import msgspec
 import trio
-from chaos import Pool, stop_cleanly_on_sigterm
+from chaos import Pool, children, stop_cleanly_on_sigterm
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from vpool.coordinator import keys
@@ -111,17 +111,6 @@ def _stat(pid: int) -> tuple[int, list[float]] | None:
     return int(fields[19]), [int(x) / TICK for x in fields[11:15]]
 
 
-def _children(pid: int) -> list[int]:
-    out: list[int] = []
-    try:
-        for task in os.listdir(f"/proc/{pid}/task"):
-            with open(f"/proc/{pid}/task/{task}/children") as f:
-                out += [int(c) for c in f.read().split()]
-    except OSError:
-        pass
-    return out
-
-
 def _subtree_cpu(pid: int) -> float:
     """utime + stime + cutime + cstime of ``pid`` and every process below it: all the CPU the
     subtree used, as long as each process that ended was reaped inside it."""
@@ -131,7 +120,7 @@ def _subtree_cpu(pid: int) -> float:
         st = _stat(p)
         if st is not None:
             total += sum(st[1])
-            todo += _children(p)
+            todo += children(p)
     return total
 
 
@@ -174,7 +163,7 @@ class CpuMeter:
         for name, pid in self.pids.items():
             if not name.startswith("agent-"):
                 continue
-            for child in _children(pid):
+            for child in children(pid):
                 st = _stat(child)
                 if st is None:
                     continue
@@ -229,7 +218,7 @@ def _settle(meter: CpuMeter, limit: float = 10.0) -> None:
             c
             for name, pid in meter.pids.items()
             if name.startswith("agent-")
-            for c in _children(pid)
+            for c in children(pid)
             if _cmdline(c)[:1] and Path(_cmdline(c)[0]).name == "bwrap"
         ]
         if not left:

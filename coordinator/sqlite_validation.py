@@ -276,17 +276,15 @@ class ValidationMixin:
             "UPDATE ranks SET state = 'exited', exit_code = ? WHERE job = ? AND rank = ?",
             [ex.code, ex.job, ex.rank],
         )
-        digest = hashlib.sha256()
-        for row in self.db.query(
+        stdout = self._digest(
             "SELECT data FROM validation_output WHERE job = ? AND rank = ? AND incarnation = ? "
             "ORDER BY offset",
             [ex.job, ex.rank, ex.incarnation],
-        ):
-            digest.update(row["data"])
+        )
         self.db.execute(
             "UPDATE validations SET exit_code = ?, stdout = ?, exited = ? WHERE job = ? "
             "AND rank = ? AND round = ?",
-            [ex.code, digest.hexdigest(), now, ex.job, ex.rank, round_],
+            [ex.code, stdout, now, ex.job, ex.rank, round_],
         )
         self._event(
             ex.job,
@@ -610,12 +608,16 @@ class ValidationMixin:
         )
 
     def _stdout_digest(self, job: int, rank: int) -> str:
-        digest = hashlib.sha256()
-        for row in self.db.query(
+        return self._digest(
             "SELECT data FROM output WHERE job = ? AND rank = ? AND stream = 'stdout' "
             "ORDER BY offset",
             [job, rank],
-        ):
+        )
+
+    def _digest(self, sql: str, params: list[Any]) -> str:
+        """SHA-256 (hex) of the ``data`` of the rows ``sql`` selects, in order."""
+        digest = hashlib.sha256()
+        for row in self.db.query(sql, params):
             digest.update(row["data"])
         return digest.hexdigest()
 
