@@ -221,6 +221,9 @@ def make_relay_bundle(
             "tls_cert": str(install_dir / "cert.pem"),
             "tls_key": str(install_dir / "key.pem"),
             "data_dir": str(install_dir / "data"),
+            # A relay machine that loses power must not lose a message it acknowledged:
+            # the log reaches the disk before the acknowledgement (docs/operating.md).
+            "fsync": True,
         },
     )
     return RelayBundle(dir=bundle, install_dir=install_dir, host=host, port=port)

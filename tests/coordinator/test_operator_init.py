@@ -185,6 +185,7 @@ def test_relay_add_writes_a_bundle(tmp_path: Path, address: str, host: str) -> N
     assert relay.coordinator_ca == str(install / "ca.pem")
     assert (relay.tls_cert, relay.tls_key) == (str(install / "cert.pem"), str(install / "key.pem"))
     assert relay.data_dir == str(install / "data")
+    assert relay.fsync  # an acknowledged message survives the relay machine losing power
     store = SqliteStore(pool / "state" / "vpool.db")
     try:
         assert store.relay_by_key_hash(keys.hash_token(relay.relay_key)) == "relay-1"
