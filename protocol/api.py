@@ -404,6 +404,8 @@ class Lease(msgspec.Struct, frozen=True):
     memory: int = 0
     # What the rank needs installed (``JobSubmit.requirements``): the agent builds it first.
     requirements: list[str] = []
+    # Who submitted the job (the volunteer's ``vpool-agent status`` shows it).
+    user: str = ""
 
 
 class LeaseRequest(msgspec.Struct, frozen=True):
@@ -419,9 +421,10 @@ class RankState(msgspec.Struct, frozen=True):
     job: int
     rank: int
     incarnation: int
-    state: str  # starting | running
+    state: str  # starting | running | suspended (frozen: its volunteer's machine is in use)
     replay_dets: int = 0  # determinants this incarnation was given to replay (0: fresh start)
     restored_from: int = -1  # the checkpoint this incarnation was restored from (-1: none)
+    suspended_for: float = 0.0  # seconds it has been frozen (state "suspended")
 
 
 class IsolationReport(msgspec.Struct, frozen=True):
@@ -463,6 +466,13 @@ class AgentHeartbeat(msgspec.Struct, frozen=True):
     # fingerprint with the environment's contents), so it may restore them.
     environments: list[str] = []
     env_fingerprints: list[str] = []
+    # What the volunteer's preferences make of the agent now (``worker_agent.manners``):
+    # "available" (takes work), "suspended" (its owner uses the machine, it runs on battery,
+    # it is outside its hours or paused: its ranks are frozen and it asks for no work) or
+    # "leaving" (stopping cleanly: what it still runs is being checkpointed and handed back).
+    # ``activity_reason`` says why, for people ("the owner is using the machine").
+    activity: str = "available"
+    activity_reason: str = ""
 
 
 class StopOrder(msgspec.Struct, frozen=True):
@@ -483,6 +493,9 @@ class AgentHeartbeatResponse(msgspec.Struct, frozen=True):
     stop: list[StopOrder]
     agent_token: str = ""
     checkpoint: list[CheckpointOrder] = []  # ranks to checkpoint now (``vsdk checkpoint``)
+    # Seconds a rank may stay suspended before the agent checkpoints it and hands it back to
+    # be moved elsewhere (the pool's ``suspend_limit``; 0: the agent's own default).
+    suspend_limit: float = 0.0
 
 
 class OutputChunk(msgspec.Struct, frozen=True):
