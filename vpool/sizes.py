@@ -47,3 +47,18 @@ def parse_duration(text: str) -> float:
     if match is None or float(match[1]) <= 0:
         raise ValueError(f"{text[:40]!r} is not a duration such as 30m, 12h, 7d or 2w")
     return float(match[1]) * _SECONDS[match[2]]
+
+
+def format_duration(seconds: float) -> str:
+    """Seconds as people say them: "45 s", "5 min", "1 h 30 min", "2 d 3 h"."""
+    s = max(0, round(seconds))
+    if s < 60:
+        return f"{s} s"
+    minutes, s = divmod(s, 60)
+    if minutes < 60:
+        return f"{minutes} min" + (f" {s} s" if s and minutes < 10 else "")
+    hours, minutes = divmod(minutes, 60)
+    if hours < 24:
+        return f"{hours} h" + (f" {minutes} min" if minutes else "")
+    days, hours = divmod(hours, 24)
+    return f"{days} d" + (f" {hours} h" if hours else "")

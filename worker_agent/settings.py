@@ -11,6 +11,7 @@ from pathlib import Path
 
 from vpool import paths
 from vpool.config import load_settings, setting
+from vpool.worker_agent import manners
 
 ENV_PREFIX = "VPOOL_AGENT"
 
@@ -118,8 +119,8 @@ class AgentSettings:
     bwrap: str = setting("bwrap", "Path of bubblewrap's bwrap, which makes the sandboxes.")
     rank_memory: int = setting(
         0,
-        "Memory (bytes) a rank may use, its checkpoint clone's copies included; 0 = three "
-        "quarters of this machine's memory divided among the slots.",
+        "Memory (bytes) a rank may use, its checkpoint clone's copies included; 0 = memory "
+        "divided among the slots.",
     )
     rank_processes: int = setting(
         64, "Processes and threads a rank may have at once (its cgroup's pids.max)."
@@ -187,12 +188,89 @@ class AgentSettings:
         "at once (a local pool's agents: `vsdk local down` stops the whole pool).",
     )
 
+    # -- the owner's preferences (worker_agent/manners.py) -----------------------------------
+
+    run_when: str = setting(
+        "always",
+        "'always': ranks run whenever the other preferences allow (at the idle CPU priority); "
+        "'idle': only once the owner has been away for idle_after, and they are suspended "
+        "(frozen, not killed) the moment the owner is back.",
+    )
+    idle_after: float = setting(
+        300.0, "Seconds the machine must have been idle before ranks run (run_when 'idle')."
+    )
+    idle_source: str = setting(
+        "auto",
+        "How the agent tells that the owner is away: 'logind' (the desktop session's idle "
+        "hint, over D-Bus), 'terminals' (time since anyone typed at a console or SSH "
+        "terminal), 'auto' (logind, else terminals).",
+    )
+    pause_on_battery: bool = setting(True, "Suspend the ranks while the machine runs on battery.")
+    evacuate_battery_below: float = setting(
+        10.0,
+        "Charge (percent) of a discharging battery below which every rank is checkpointed and "
+        "handed back to run elsewhere.",
+    )
+    pause_while: list[str] = setting(  # noqa: RUF009 (a default_factory: setting copies it)
+        [],
+        "Programs (process names, e.g. 'steam', 'blender') during which the ranks are suspended.",
+    )
+    run_hours: str = setting(
+        "",
+        "Hours of the day the ranks may run, e.g. '22:00-07:00, 12:00-13:30' (local time); "
+        "empty: any time. Outside them they are suspended.",
+    )
+    memory: int = setting(
+        0,
+        "Memory (bytes) offered to ranks in all; 0 = three quarters of this machine's. Each "
+        "rank may use its share (memory / slots) unless rank_memory says otherwise.",
+    )
+    manners_interval: float = setting(
+        2.0, "Seconds between two looks at the machine (idle, battery, programs, hours)."
+    )
+    suspend_limit: float = setting(
+        0.0,
+        "Seconds a rank may stay suspended before it is checkpointed and moved to another "
+        "machine; 0 = the pool's suspend_limit (the coordinator's, else 600 s).",
+    )
+    power_supply_dir: str = setting(
+        "/sys/class/power_supply", "Where the battery and the mains supply are read."
+    )
+    logind_bus: str = setting(
+        "",
+        "D-Bus address of logind's bus; empty = the system bus. (Tests point it at a bus of "
+        "their own.)",
+    )
+    control_socket: str = setting(
+        "",
+        "Unix socket on which `vpool-agent status`, `pause` and `resume` reach the agent; "
+        "empty = <work_dir>/control.sock when work_dir is set, else "
+        "$XDG_RUNTIME_DIR/vpool-agent.sock, or /run/vpool-agent/control.sock for an agent run "
+        "as root.",
+    )
+    control_users: list[str] = setting(  # noqa: RUF009
+        [],
+        "Users besides the agent's own (and root) who may pause and resume it; anyone on the "
+        "machine may read its status.",
+    )
+
     def __post_init__(self) -> None:
+        self.preferences()  # a preference that cannot be understood fails here, at load
         if self.relay_ping_interval > 0 and not self.relay_dead_after > self.relay_ping_interval:
             raise ValueError(
                 f"relay_dead_after ({self.relay_dead_after:g} s) must be more than "
                 f"relay_ping_interval ({self.relay_ping_interval:g} s)"
             )
+
+    def preferences(self) -> manners.Preferences:
+        return manners.Preferences(
+            run_when=self.run_when,
+            idle_after=self.idle_after,
+            pause_on_battery=self.pause_on_battery,
+            evacuate_battery_below=self.evacuate_battery_below,
+            pause_while=frozenset(n.strip() for n in self.pause_while if n.strip()),
+            hours=manners.parse_hours(self.run_hours),
+        )
 
     # Resolved values: the empty defaults above mean "the platform's choice".
 
@@ -236,8 +314,26 @@ class AgentSettings:
     def rank_memory_bytes(self) -> int:
         if self.rank_memory > 0:
             return self.rank_memory
-        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        return max(256 * 1024**2, total * 3 // 4 // self.slot_count)
+        return max(256 * 1024**2, self.memory_offered // self.slot_count)
+
+    @property
+    def memory_offered(self) -> int:
+        if self.memory > 0:
+            return self.memory
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * 3 // 4
+
+    @property
+    def control_path(self) -> Path:
+        if self.control_socket:
+            return Path(self.control_socket)
+        if self.work_dir:  # one of several agents on this machine (a local pool)
+            return self.work_path / "control.sock"
+        if os.getuid() == 0:
+            return Path("/run/vpool-agent/control.sock")
+        runtime = os.environ.get("XDG_RUNTIME_DIR")
+        if runtime:
+            return Path(runtime) / "vpool-agent.sock"
+        return self.work_path / "control.sock"
 
     @property
     def ca_path(self) -> Path | None:
