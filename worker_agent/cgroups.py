@@ -628,30 +628,58 @@ class RankCgroup:
         with self._frozen():
             self._signal_members(signal.SIGKILL)
 
-    @contextlib.contextmanager
-    def _frozen(self) -> Iterator[None]:
+    @property
+    def can_freeze(self) -> bool:
+        """The group has a freezer (v2 always; v1 when the freezer hierarchy is ours)."""
+        return self._freezer() is not None
+
+    def freeze(self, frozen: bool, timeout: float = _FREEZE_TIMEOUT) -> bool:
+        """Freeze every process of the group (``frozen``) or thaw them; whether the kernel
+        says the group reached that state within ``timeout`` s. The rank's suspension
+        (``suspend.py``): a frozen process takes no CPU, and does not know it was frozen."""
+        freezer = self._freezer()
+        if freezer is None:
+            raise CgroupError(f"{self} has no freezer")
+        state, on, off, is_frozen = freezer
+        try:
+            _write(state, on if frozen else off)
+        except OSError as exc:
+            verb = "freeze" if frozen else "thaw"
+            raise CgroupError(f"cannot {verb} {self}: {_describe(exc)}") from exc
+        return _wait_for(lambda: is_frozen() == frozen, timeout)
+
+    def _freezer(self) -> tuple[Path, str, str, Callable[[], bool]] | None:
+        """(state file, value to freeze, value to thaw, whether it is frozen) or None."""
         if self.version == 2:
             group = next(iter(self._dirs))
-            state, on, off = group / "cgroup.freeze", "1", "0"
 
-            def frozen() -> bool:
+            def frozen_v2() -> bool:
                 try:
                     return parse_keyed(_read(group / "cgroup.events")).get("frozen") == 1
                 except OSError:
                     return True  # gone, or unreadable: no use waiting for it
-        else:
-            freezer = self._dir_of("freezer")
-            if freezer is None:
-                yield
-                return
-            state, on, off = freezer / "freezer.state", "FROZEN", "THAWED"
 
-            def frozen() -> bool:
-                try:
-                    return _read(state).strip() == "FROZEN"
-                except OSError:
-                    return True  # gone, or unreadable: no use waiting for it
+            return group / "cgroup.freeze", "1", "0", frozen_v2
+        freezer = self._dir_of("freezer")
+        if freezer is None:
+            return None
+        state = freezer / "freezer.state"
 
+        def frozen_v1() -> bool:
+            try:
+                return _read(state).strip() == "FROZEN"
+            except OSError:
+                return True  # gone, or unreadable: no use waiting for it
+
+        return state, "FROZEN", "THAWED", frozen_v1
+
+    @contextlib.contextmanager
+    def _frozen(self) -> Iterator[None]:
+        freezer = self._freezer()
+        if freezer is None:
+            yield
+            return
+        state, on, off, frozen = freezer
         try:
             _write(state, on)
         except OSError as exc:

@@ -16,6 +16,7 @@ import select
 import signal
 import subprocess
 import sys
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -468,6 +469,48 @@ def test_killing_by_freezing_when_there_is_no_cgroup_kill(
     # Thawed again: the group takes new processes and they run.
     after = spawn("print('runs', flush=True)", join=group)
     assert _finish(after) == (0, "runs\n")
+
+
+COUNTER = """
+n = 0
+print("up", flush=True)
+while True:
+    n += 1
+    if n % 200000 == 0:
+        print(n, flush=True)
+"""
+
+
+def _cpu_ticks(pid: int) -> int:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])  # utime + stime
+
+
+def test_a_frozen_group_takes_no_cpu_and_runs_on_when_thawed(
+    version: int,
+    make_group: Callable[[Limits], RankCgroup],
+    spawn: Callable[..., subprocess.Popen[str]],
+) -> None:
+    group = make_group(Limits(pids=16))
+    if not group.can_freeze:
+        pytest.skip(f"{group} has no freezer here")
+    proc = spawn(COUNTER, join=group)
+    assert _read_line(proc).strip() == "up"
+    assert group.freeze(True)
+    ticks = _cpu_ticks(proc.pid)
+    # Frozen: what it printed before is all there is, and its CPU time stands still (the
+    # kernel's own clock ticks 100 times a second: a running loop would gain ~25 in 0.25 s).
+    deadline = time.monotonic() + 0.25
+    while time.monotonic() < deadline:
+        assert _cpu_ticks(proc.pid) == ticks
+    assert group.pids() == [proc.pid]
+    assert group.freeze(False)
+    deadline = time.monotonic() + TIMEOUT
+    while _cpu_ticks(proc.pid) == ticks:  # it counts on
+        assert time.monotonic() < deadline, "still frozen after the thaw"
+        time.sleep(0.01)
+    group.kill_all()
+    assert proc.wait(timeout=TIMEOUT) == -signal.SIGKILL
 
 
 def test_a_name_in_use_is_refused_and_the_first_group_is_kept(
