@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import click
 
+from vpool import serverstack
 from vpool.sdk import localpool
 from vpool.sdk.cli_common import (
     Settings,
@@ -14,6 +15,7 @@ from vpool.sdk.cli_common import (
     pass_settings,
     print_json,
 )
+from vpool.sdk.errors import LocalPoolError
 
 
 @click.group(cls=VsdkGroup)
@@ -94,6 +96,10 @@ def up(
     Example:
       vsdk local up --agents 3 --relays 2
     """
+    try:
+        serverstack.require("vsdk local up")
+    except serverstack.MissingServerStack as exc:
+        raise LocalPoolError(str(exc)) from exc
     started = localpool.up(
         agents=agents,
         relays=relays,
