@@ -7,11 +7,13 @@ from contextlib import aclosing
 from pathlib import Path
 from typing import Literal
 
+import trio
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import FileResponse
 from starlette.background import BackgroundTask
 
 from vpool.coordinator.access import Action
+from vpool.coordinator.errors import NotFound
 from vpool.coordinator.transport import (
     chunks,
     coordinator,
@@ -29,6 +31,21 @@ router = APIRouter(prefix="/api/v1")
 @router.get("/pool")
 async def pool(request: Request) -> Response:
     return reply(await coordinator(request).live_pool_info())
+
+
+@router.get("/pool/ca")
+async def pool_ca(request: Request) -> Response:
+    """The pool CA's certificate (the ``tls_ca`` setting), to anyone: it is no secret, and a
+    volunteer's ``vpool-agent join --ca-sha256`` trusts what it got only if its digest is the
+    one the operator gave."""
+    path = coordinator(request).settings.tls_ca
+    if not path:
+        raise NotFound("this coordinator does not serve its CA (tls_ca is not set)", code="no_ca")
+    try:
+        pem = await trio.Path(path).read_bytes()
+    except OSError as exc:
+        raise NotFound(f"the pool CA cannot be read: {exc.strerror}", code="no_ca") from exc
+    return Response(pem, media_type="application/x-pem-file")
 
 
 @router.get("/pool/totals")

@@ -20,7 +20,7 @@ from vpool.coordinator import keys, pooldir
 from vpool.coordinator.errors import CoordinatorError
 from vpool.coordinator.settings import CoordinatorSettings, load
 from vpool.coordinator.sqlite_store import SqliteStore
-from vpool.protocol import api
+from vpool.protocol import api, pki
 from vpool.protocol.tokens import public_key_text
 
 USER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.@-]{0,63}")
@@ -211,11 +211,37 @@ def join_token_create(
     now = time.time()
     until = now + parse_duration(expires) if expires else None
     token, token_hash = keys.new_api_token(keys.JOIN_PREFIX)
+    settings = _settings(config)
     with _store(config) as store:
         info = store.create_join_token(token_hash, label, now, uses=uses, expires=until)
     click.echo(token)
     admits = "any number of agents" if uses is None else f"{uses} agent(s)"
     click.echo(f"join token {info.id}: admits {admits}, expires {_when(until)}", err=True)
+    click.echo("\n".join(_join_command(settings, token)), err=True)
+
+
+def _join_command(settings: CoordinatorSettings, token: str) -> list[str]:
+    """What a volunteer runs to join with ``token``, and what to fill in if the settings do not
+    say it (no public_url; no tls_ca, or one that cannot be read)."""
+    url = settings.public_url or "https://HOST:PORT"
+    notes = []
+    if not settings.public_url:
+        notes.append("  (no public_url is set: HOST:PORT is where volunteers reach this pool)")
+    ca = ""
+    if url.startswith("https:"):
+        try:
+            ca = f" --ca-sha256 {pki.fingerprint(Path(settings.tls_ca).read_bytes())}"
+        except (OSError, ValueError):
+            ca = " --ca ca.pem"
+            notes.append(
+                "  (tls_ca does not name the pool CA: give volunteers its ca.pem; with tls_ca "
+                "set, --ca-sha256 lets them fetch it from the coordinator)"
+            )
+    return [
+        'On a volunteer\'s machine (pip install "vpool[agent]", bubblewrap), it joins with:',
+        f"  vpool-agent join {url} {token}{ca}",
+        *notes,
+    ]
 
 
 @join_token.command("list")
@@ -553,8 +579,7 @@ def init(
         f"  vpool-coordinator relay add relay-1 --address RELAY-HOST:7700 {conf}",
         "      (a bundle to copy to the relay machine; one per relay)",
         f"  vpool-coordinator join-token create --uses 10 --expires 7d {conf}",
-        "      (for volunteers: their agent.toml sets it as join_token, with coordinator_url "
-        "and coordinator_ca = ca.pem)",
+        "      (for volunteers: it prints the `vpool-agent join` command their machines run)",
         f"  vpool-coordinator user add alice --operator {conf}",
         "  start the coordinator: systemctl enable --now vpool-coordinator "
         f"(packaging/vpool-coordinator.service), or vpool-coordinator serve {conf}",

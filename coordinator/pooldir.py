@@ -152,6 +152,7 @@ def make_pool(
         "port": port,
         "tls_cert": str(pool.cert),
         "tls_key": str(pool.key),
+        "tls_ca": str(pool.ca_cert),
         "state_dir": str(state_dir),
     }
     _write_toml(pool.settings, settings)

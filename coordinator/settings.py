@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,6 +24,12 @@ class CoordinatorSettings:
     )
     tls_cert: str = setting("", "PEM certificate (chain) of the HTTPS server.")
     tls_key: str = setting("", "PEM private key of tls_cert.")
+    tls_ca: str = setting(
+        "",
+        "PEM certificate of the pool CA (which signed tls_cert), served to anyone at GET "
+        "/api/v1/pool/ca: `vpool-agent join --ca-sha256` fetches it there and trusts it if its "
+        "digest is the one the operator gave (join-token create prints it); empty: not served.",
+    )
     insecure_http: bool = setting(
         False, "Serve plain HTTP when tls_cert/tls_key are empty (tests and demos only)."
     )
@@ -53,6 +60,15 @@ class CoordinatorSettings:
         "Seconds a lost rank that can only restart from a checkpoint image (its home relay "
         "dropped the log before it) waits for a free agent with CRIU and the image's "
         "environment fingerprint before its job fails.",
+    )
+    suspend_limit: float = setting(
+        600.0,
+        "Seconds a rank may stay suspended on its volunteer's machine (the owner uses it, it "
+        "runs on battery, it is outside its hours or paused) before its agent checkpoints it "
+        "and hands it back, to be restarted elsewhere from that image; told to agents in every "
+        "heartbeat answer. A rank still suspended 2 heartbeat intervals + 60 s past it (its "
+        "agent could not move it) is replaced by the coordinator from its newest checkpoint. "
+        "0 = never move a suspended rank: it waits for the owner.",
     )
     min_checkpoint_every: float = setting(
         1.0, "Shortest checkpoint period (JobSubmit.checkpoint_every, seconds) a job may ask for."
@@ -142,6 +158,11 @@ class CoordinatorSettings:
         if not 0 <= self.validation_min_rate <= 1:
             raise ValueError(
                 f"validation_min_rate is a probability (0 to 1), not {self.validation_min_rate:g}"
+            )
+        if not 0 <= self.suspend_limit < math.inf:
+            raise ValueError(
+                f"suspend_limit must be 0 (never move a suspended rank) or more seconds, "
+                f"not {self.suspend_limit:g}"
             )
         if not self.min_checkpoint_every > 0:
             raise ValueError(

@@ -115,6 +115,24 @@ def cert_names(cert_pem: bytes) -> list[str]:
     return dns + [str(a) for a in sans.get_values_for_type(x509.IPAddress)]
 
 
+def fingerprint(cert_pem: bytes) -> str:
+    """The SHA-256 digest of a certificate (of its DER form, the first of a chain), in hex:
+    what ``openssl x509 -noout -fingerprint -sha256`` shows, without the colons. A volunteer
+    given it by the operator trusts a pool CA fetched over an unchecked connection only if its
+    digest is this (``vpool-agent join --ca-sha256``). ``ValueError`` if it is no PEM
+    certificate."""
+    return x509.load_pem_x509_certificate(cert_pem).fingerprint(hashes.SHA256()).hex()
+
+
+def is_ca(cert_pem: bytes) -> bool:
+    """Whether the certificate may sign others (basic constraints: CA)."""
+    cert = x509.load_pem_x509_certificate(cert_pem)
+    try:
+        return bool(cert.extensions.get_extension_for_class(x509.BasicConstraints).value.ca)
+    except x509.ExtensionNotFound:
+        return False
+
+
 def covers(cert_pem: bytes, host: str) -> bool:
     """Whether a client connecting to ``host`` accepts the certificate (names only: the CA
     and the dates are the handshake's business). ``host`` is a DNS name or an IP address,
