@@ -367,6 +367,22 @@ def _m14_uploaders(db: sqlite_utils.Database) -> None:
     db.execute("CREATE INDEX blobs_uploader ON blobs(uploader)")
 
 
+def _m15_activity(db: sqlite_utils.Database) -> None:
+    """What each agent's volunteer lets it do now (issue 22), as its last heartbeat said:
+    ``activity`` "available", "suspended" or "leaving", ``activity_reason`` why (for people)
+    and ``activity_since`` since when (enrollment, for agents from before). An incarnation
+    frozen on its agent has ``suspended_since`` (NULL: it is not). An agent that said it was
+    leaving and went silent is in state 'gone' (not 'lost')."""
+    for sql in (
+        "ALTER TABLE agents ADD COLUMN activity TEXT NOT NULL DEFAULT 'available'",
+        "ALTER TABLE agents ADD COLUMN activity_reason TEXT NOT NULL DEFAULT ''",
+        "ALTER TABLE agents ADD COLUMN activity_since REAL NOT NULL DEFAULT 0",
+        "UPDATE agents SET activity_since = enrolled",
+        "ALTER TABLE incarnations ADD COLUMN suspended_since REAL",
+    ):
+        db.execute(sql)
+
+
 def new_job_uid() -> str:
     return secrets.token_hex(16)
 
@@ -391,6 +407,7 @@ MIGRATIONS: list[Callable[[sqlite_utils.Database], None]] = [
     _m12_quotas,
     _m13_validation,
     _m14_uploaders,
+    _m15_activity,
 ]
 
 

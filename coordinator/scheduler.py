@@ -6,10 +6,18 @@ free of I/O lets them be read, and tested, on their own.
 - Eligibility (``can_run``): a job's ranks (first incarnations and replacements alike) go only
   to agents that have reported how they isolate ranks, with a sandbox unless the job accepts
   unsandboxed agents, and that let a rank use the memory the job asks for (or set no limit).
+- Activity: only agents whose last heartbeat said "available" get ranks, whatever free slots
+  they reported; one that is "suspended" (its volunteer uses the machine, it runs on battery,
+  it is outside its hours or paused) or "leaving" gets none (``AgentHeartbeat.activity``).
+  Listings show an available agent with no free slot as "busy" (``shown_activity``).
 - Gang placement: a job starts only when all its ranks fit in the free slots of eligible live
-  agents at once. Ranks go round-robin over agents, the agent with most free slots first.
+  agents at once. Ranks go round-robin over agents, the agent with most free slots first, then
+  the one available longest (the callers list agents in that order).
 - Home relays: up to ``ranks`` live relays, rotated by job id so jobs spread over relays;
   ``homes[r] = r % len(relays)``.
+- Suspended ranks: a rank its agent reports suspended for longer than the pool's
+  ``suspend_limit`` plus a grace (``suspend_backstop``) is lost, and replaced like any lost
+  rank: its agent should have checkpointed it and handed it back by then, and did not.
 - Replacements: a lost rank's next incarnation goes to the live agent with most free slots,
   another one than the lost incarnation's when that agent itself is suspect (if there is one).
   Replacements are placed before any queued job. A rank with checkpoint images prefers an
@@ -26,13 +34,14 @@ free of I/O lets them be read, and tested, on their own.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import trio
 
-from vpool.sizes import format_size
+from vpool.sizes import format_duration, format_size
 
 if TYPE_CHECKING:
     from vpool.coordinator.service import Coordinator
@@ -46,6 +55,57 @@ EXIT_CANNOT_START = 126
 # ``IsolationReport.level``s that sandbox ranks; any other level (e.g. "none") is acceptable
 # only to a job that accepts unsandboxed agents.
 SANDBOXED = frozenset({"sandbox", "sandbox-rlimits"})
+# ``AgentHeartbeat.activity``: what the volunteer's preferences let the agent do. Any other word
+# (an agent newer than this coordinator) counts as "available", as an agent from before
+# activities does.
+ACTIVITIES = ("available", "suspended", "leaving")
+# A rank reported suspended for ``suspend_limit`` + SUSPEND_GRACE_BEATS heartbeat intervals +
+# SUSPEND_GRACE seconds is replaced by the coordinator: by then its agent should have thawed
+# it, checkpointed it (CRIU and the upload of a large image take tens of seconds) and handed it
+# back (``RankProblem``), and the report of that should have arrived.
+SUSPEND_GRACE = 60.0
+SUSPEND_GRACE_BEATS = 2
+# What a pool that never moves suspended ranks (``suspend_limit`` 0) tells its agents:
+# ``AgentHeartbeatResponse.suspend_limit`` 0 means "the agent's own default" on the wire.
+SUSPEND_NEVER = 10 * 365 * 86400.0
+
+
+def suspend_backstop(limit: float, heartbeat_interval: float) -> float | None:
+    """Seconds a rank may be reported suspended before the coordinator replaces it itself;
+    None when the pool's ``limit`` is 0 (never move a rank: it waits for the owner)."""
+    if limit <= 0:
+        return None
+    return limit + SUSPEND_GRACE_BEATS * heartbeat_interval + SUSPEND_GRACE
+
+
+def told_suspend_limit(limit: float) -> float:
+    """``AgentHeartbeatResponse.suspend_limit`` for the pool's ``suspend_limit``."""
+    return limit if limit > 0 else SUSPEND_NEVER
+
+
+def suspended_since(now: float, suspended_for: float, started: float) -> float:
+    """When a rank that its agent says has been frozen for ``suspended_for`` seconds was
+    frozen: not before ``started`` (when it was handed to the agent) nor after ``now``; an
+    odd duration (negative, not a number) counts as 0."""
+    frozen = suspended_for if math.isfinite(suspended_for) and suspended_for > 0 else 0.0
+    return min(now, max(now - frozen, started))
+
+
+def suspended_reason(rank: int, agent: str, frozen: float, limit: float) -> str:
+    """The loss reason of a rank the coordinator replaces because it stayed suspended."""
+    return (
+        f"rank {rank} lost: suspended on agent {agent} for {format_duration(frozen)}, longer "
+        f"than the pool's suspend_limit ({format_duration(limit)}), and its agent did not "
+        "move it"
+    )
+
+
+def shown_activity(activity: str, slots: int, reported_free: int, active: int) -> str:
+    """What listings show of an agent's ``activity``: "busy" for an available agent with no
+    free slot (``free_slots``), the activity otherwise."""
+    if activity == "available" and free_slots(slots, reported_free, active) == 0:
+        return "busy"
+    return activity
 
 
 @dataclass(frozen=True)
@@ -81,11 +141,14 @@ def open_to(
 
 @dataclass(frozen=True)
 class AgentView:
-    """A live agent as the queue sees it: its slots, how many are free now, its offer."""
+    """A live agent as the queue sees it: its slots, how many are free now, its offer, and
+    whether it takes work now (``available``: its activity; one that does not has no free
+    slot)."""
 
     slots: int
     free: int
     offer: Offer
+    available: bool = True
 
 
 @dataclass(frozen=True)
@@ -131,9 +194,11 @@ def queue_reason(
             f"needs {ranks} slots; the agents that may run it have {total} in all{why}",
             never=True,
         )
-    busy = total - free
+    away = sum(a.slots for a in fit if not a.available)
+    busy = total - free - away
+    held = f", {away} are on agents whose volunteers need their machines now" if away else ""
     return Waiting(
-        f"needs {ranks} slots; {free} are free now ({busy} run other ranks)"
+        f"needs {ranks} slots; {free} are free now ({busy} run other ranks{held})"
         if free < ranks
         else f"needs {ranks} slots; the free ones went to earlier jobs"
     )
@@ -160,9 +225,10 @@ def plan_gang(
     """Agent id for each rank, or None if the ranks do not all fit at once.
 
     ``agents`` holds ``(agent_id, free_slots)`` of live agents; those in ``prefer`` (that
-    have the job's environment built already) are filled first.
+    have the job's environment built already) are filled first, then those with most free
+    slots; ties keep the order of ``agents`` (the agent available longest first).
     """
-    order = sorted((a for a in agents if a[1] > 0), key=lambda a: (a[0] not in prefer, -a[1], a[0]))
+    order = sorted((a for a in agents if a[1] > 0), key=lambda a: (a[0] not in prefer, -a[1]))
     if prefer and any(a[0] in prefer for a in order):
         # Only as many agents as needed, the preferred first, so the others stay clear.
         needed, kept = 0, []
@@ -189,11 +255,12 @@ def plan_gang(
 def pick_agent(free: dict[str, int], avoid: str | None, prefer: Collection[str] = ()) -> str | None:
     """The agent for one replacement incarnation: one of ``prefer`` (those that can restore
     the rank's checkpoint images) if any has a free slot, then most free slots first,
-    ``avoid`` only if no other agent has a free slot."""
+    ``avoid`` only if no other agent has a free slot; ties go to the first in ``free``'s order
+    (the agent available longest)."""
     candidates = [(agent, n) for agent, n in free.items() if n > 0]
     if not candidates:
         return None
-    return min(candidates, key=lambda a: (a[0] not in prefer, a[0] == avoid, -a[1], a[0]))[0]
+    return min(candidates, key=lambda a: (a[0] not in prefer, a[0] == avoid, -a[1]))[0]
 
 
 def pick_relays(live: Sequence[str], ranks: int, job_id: int) -> list[str]:
@@ -214,6 +281,12 @@ def exit_reason(rank: int, code: int, aborted: bool) -> str:
     if aborted:
         return f"rank {rank} called MPI.Abort({code})"
     return f"rank {rank} exited with code {code}"
+
+
+def left_reason(rank: int, agent: str) -> str:
+    """The loss reason of a rank whose agent left the pool cleanly: it said it was leaving
+    (``AgentHeartbeat.activity``), then handed the rank back or went silent."""
+    return f"rank {rank} stopped: its agent {agent} left the pool"
 
 
 def stop_reason(state: str, reason: str) -> str:

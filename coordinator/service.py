@@ -58,6 +58,8 @@ MAX_JOB_ID = 2**63 - 1
 MAX_ENVIRONMENTS = 1000  # environment keys an agent may report
 MAX_PAGE = 1000  # jobs in one listing
 MAX_OFFSET = 2**31  # a limit of an isolation report (SQLite integers are 64-bit)
+MAX_ACTIVITY_REASON = 200  # characters of an agent's activity reason kept
+MAX_ODD_AGENTS = 1000  # agents remembered for logging an unknown activity once
 
 
 class Signal:
@@ -113,6 +115,7 @@ class Coordinator:
         self._blobs_collected = -math.inf
         self.changes = Signal()
         self.ended = Signal()
+        self._odd_activity: set[str] = set()  # agents whose unknown activity was logged
 
     def close(self) -> None:
         self.store.close()
@@ -132,8 +135,9 @@ class Coordinator:
         agents = [_agent_info(row) for row in await self.db.call(self.store.list_agents)]
         if who.operator:
             return agents
+        # Nor why a volunteer's machine is suspended (it may name the programs they run).
         return [
-            msgspec.structs.replace(a, id="", name=f"volunteer {n}")
+            msgspec.structs.replace(a, id="", name=f"volunteer {n}", activity_reason="")
             for n, a in enumerate(agents, start=1)
         ]
 
@@ -528,6 +532,7 @@ class Coordinator:
                 f"a heartbeat names at most {MAX_ENVIRONMENTS} environments of 64 characters",
                 code="bad_environments",
             )
+        hb = self._activity(agent_id, hb)
         hold = min(max(hb.wait, 0.0), self.settings.heartbeat_interval, self.settings.max_wait)
         deadline = trio.current_time() + hold
         ended = self.ended.current()
@@ -550,8 +555,34 @@ class Coordinator:
             stops = await self.db.call(self.store.stop_orders, agent_id, hb.ranks)
             orders = await self.db.call(self.store.take_checkpoint_orders, agent_id, [])
         return api.AgentHeartbeatResponse(
-            stop=stops, agent_token=self.agent_token(agent_id), checkpoint=orders
+            stop=stops,
+            agent_token=self.agent_token(agent_id),
+            checkpoint=orders,
+            suspend_limit=scheduler.told_suspend_limit(self.settings.suspend_limit),
         )
+
+    def _activity(self, agent_id: str, hb: api.AgentHeartbeat) -> api.AgentHeartbeat:
+        """``hb`` with its activity as the store keeps it: a word this coordinator does not
+        know counts as "available" (logged once per agent), and the reason is one line of
+        printable text, at most ``MAX_ACTIVITY_REASON`` characters ("" when available)."""
+        activity = hb.activity
+        if activity not in scheduler.ACTIVITIES:
+            if agent_id not in self._odd_activity and len(self._odd_activity) < MAX_ODD_AGENTS:
+                self._odd_activity.add(agent_id)
+                log.warning(
+                    "agent %s reports the activity %r, which this coordinator does not know: "
+                    "it counts as available",
+                    agent_id,
+                    activity[:40],
+                )
+            activity = "available"
+        reason = ""
+        if activity != "available":
+            text = "".join(c if c.isprintable() else " " for c in hb.activity_reason)
+            reason = " ".join(text.split())[:MAX_ACTIVITY_REASON]
+        if (activity, reason) == (hb.activity, hb.activity_reason):
+            return hb
+        return msgspec.structs.replace(hb, activity=activity, activity_reason=reason)
 
     async def post_output(self, agent_id: str, batch: api.OutputBatch) -> None:
         for chunk in batch.chunks:
@@ -702,7 +733,14 @@ class Coordinator:
         )
         waits = await self.db.call(self.store.expire_restore_waits, now)
         slow = await self.db.call(self.store.expire_validations, now)
-        if agents or relays or waits or slow:
+        limit = self.settings.suspend_limit
+        frozen = await self.db.call(
+            self.store.expire_suspended,
+            limit,
+            scheduler.suspend_backstop(limit, self.settings.heartbeat_interval),
+            now,
+        )
+        if agents or relays or waits or slow or frozen:
             self._states_changed()
             await self.schedule()
 
@@ -772,6 +810,11 @@ def _agent_info(row: dict[str, Any]) -> api.AgentInfo:
         isolation_detail=detail,
         rank_memory=row["rank_memory"],
         checkpoints=bool(row["criu"]),
+        activity=scheduler.shown_activity(
+            row["activity"], row["slots"], row["free_slots"], row["active"]
+        ),
+        activity_reason=row["activity_reason"],
+        activity_since=row["activity_since"],
     )
 
 

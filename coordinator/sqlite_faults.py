@@ -60,6 +60,10 @@ class FaultsMixin(ValidationMixin, CheckpointsMixin):
             if self._current(agent_id, pr.job, pr.rank, pr.incarnation) is None:
                 return False
             name = self._agent_name(agent_id)
+            if self._leaving(agent_id):
+                # Handed back by an agent that stops cleanly: not a fault of it.
+                reason = f"{scheduler.left_reason(pr.rank, name)} ({pr.message})"
+                return self._lose(pr.job, pr.rank, reason, now, suspect=False)
             reason = f"rank {pr.rank} lost: agent {name} reported: {pr.message}"
             job = self.job_row(pr.job)
             if pr.relay and job is not None and pr.relay in json.loads(job["relays"]):
@@ -139,16 +143,23 @@ class FaultsMixin(ValidationMixin, CheckpointsMixin):
     # -- failure detection --------------------------------------------------------------------
 
     def expire_agents(self, deadline: float, now: float) -> bool:
+        """Agents silent since ``deadline`` are lost, and their ranks with them; one whose
+        last heartbeat said it was leaving is gone instead (it stopped cleanly), and its ranks'
+        events say so."""
         changed = False
         with self.db.atomic():
             silent = list(
                 self.db.query(
-                    "SELECT id, name FROM agents WHERE state = 'alive' AND last_seen < ?",
+                    "SELECT id, name, activity FROM agents WHERE state = 'alive' AND last_seen < ?",
                     [deadline],
                 )
             )
             for agent in silent:
-                self.db.execute("UPDATE agents SET state = 'lost' WHERE id = ?", [agent["id"]])
+                left = agent["activity"] == "leaving"
+                self.db.execute(
+                    "UPDATE agents SET state = ? WHERE id = ?",
+                    ["gone" if left else "lost", agent["id"]],
+                )
                 for r in list(
                     self.db.query(
                         "SELECT job, rank FROM ranks WHERE agent = ? AND state IN "
@@ -156,9 +167,47 @@ class FaultsMixin(ValidationMixin, CheckpointsMixin):
                         [agent["id"]],
                     )
                 ):
-                    reason = f"rank {r['rank']} lost: agent {agent['name']} stopped heartbeating"
-                    changed = self._lose(r["job"], r["rank"], reason, now, suspect=True) or changed
+                    if left:
+                        reason = scheduler.left_reason(r["rank"], agent["name"])
+                    else:
+                        reason = (
+                            f"rank {r['rank']} lost: agent {agent['name']} stopped heartbeating"
+                        )
+                    lost = self._lose(r["job"], r["rank"], reason, now, suspect=not left)
+                    changed = lost or changed
         return changed
+
+    def expire_suspended(self, limit: float, backstop: float | None, now: float) -> bool:
+        """Ranks reported suspended for longer than ``backstop`` seconds (None: never) are
+        lost and replaced elsewhere, from their newest checkpoint: their agent should have
+        moved them once they were suspended for the pool's ``limit``, and did not (its
+        checkpoint failed, or it is an agent from before suspensions)."""
+        if backstop is None:
+            return False
+        changed = False
+        with self.db.atomic():
+            rows = list(
+                self.db.query(
+                    "SELECT r.job, r.rank, r.agent, i.suspended_since FROM ranks r "
+                    "JOIN incarnations i ON i.job = r.job AND i.rank = r.rank "
+                    "AND i.incarnation = r.incarnation JOIN jobs j ON j.id = r.job "
+                    "WHERE r.state IN ('leased', 'running') AND j.state = 'running' "
+                    "AND i.suspended_since < ? ORDER BY r.job, r.rank",
+                    [now - backstop],
+                )
+            )
+            for r in rows:
+                frozen = now - float(r["suspended_since"])
+                reason = scheduler.suspended_reason(
+                    r["rank"], self._agent_name(r["agent"]), frozen, limit
+                )
+                changed = self._lose(r["job"], r["rank"], reason, now, suspect=True) or changed
+        return changed
+
+    def _leaving(self, agent_id: str) -> bool:
+        """The agent's last heartbeat said it is leaving (stopping cleanly)."""
+        row = self._one("SELECT activity FROM agents WHERE id = ?", [agent_id])
+        return row is not None and row["activity"] == "leaving"
 
     def expire_relays(self, deadline: float, down_deadline: float, now: float) -> bool:
         """Relays silent since ``deadline`` are down: no new jobs go to them, and their running
@@ -226,13 +275,15 @@ class FaultsMixin(ValidationMixin, CheckpointsMixin):
         suspect: bool,
         exit_code: int | None = None,
         outage: str = "",
+        counted: bool = True,
     ) -> bool:
         """End the rank's current incarnation as lost. In a running job, the rank gets a new
         incarnation waiting for a slot (avoiding the old agent if it is ``suspect``), unless
         the job has had ``max_restarts`` restarts already or runs with fault tolerance off: then
         the job fails. A loss caused by relay ``outage`` (its agent could not reach it) does
         not count as a restart: the replacement waits a backoff instead, and the job fails
-        only once the relay has been unreachable for ``relay_down_timeout``."""
+        only once the relay has been unreachable for ``relay_down_timeout``. Nor does one
+        that is not ``counted`` (a lease given back before it ran)."""
         with self.db.atomic():
             row = self._one(
                 "SELECT r.state, r.incarnation, r.agent, r.relay_losses, r.relay_since, "
@@ -265,7 +316,7 @@ class FaultsMixin(ValidationMixin, CheckpointsMixin):
                     f" (relay {outage} unreachable; restarting in {delay:g} s, "
                     "not counted as a restart)"
                 )
-            elif row["restarts"] >= self.max_restarts:
+            elif counted and row["restarts"] >= self.max_restarts:
                 why = (
                     f"{reason} (not restarted: the job had {row['restarts']} restarts, "
                     f"max_restarts is {self.max_restarts})"
@@ -279,7 +330,7 @@ class FaultsMixin(ValidationMixin, CheckpointsMixin):
                 )
                 self._end(job, "failed", None, why or reason, now)
                 return True
-            if not outage:
+            if not outage and counted:
                 self.db.execute("UPDATE jobs SET restarts = restarts + 1 WHERE id = ?", [job])
             self.db.execute(
                 "UPDATE ranks SET incarnation = ?, state = 'pending', agent = NULL, "

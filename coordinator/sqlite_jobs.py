@@ -21,7 +21,7 @@ from vpool.coordinator.sqlite_faults import FaultsMixin
 from vpool.coordinator.store import Quotas
 from vpool.protocol import api
 from vpool.protocol.tokens import RankClaims
-from vpool.sizes import format_size
+from vpool.sizes import format_duration, format_size
 
 Signer = Callable[[RankClaims], str]
 TERMINAL_SQL = "('succeeded', 'failed', 'cancelled')"
@@ -92,9 +92,12 @@ class JobsMixin(FaultsMixin):
                 last_checkpoint=r["last_checkpoint"],
                 validation=r["validation"],
                 validated_by=r["validated_by"],
+                suspended_since=(
+                    r["suspended_since"] if r["state"] in scheduler.ACTIVE_RANK_STATES else None
+                ),
             )
             for r in self.db.query(
-                "SELECT r.*, i.restored_from, a.name AS agent_name, "
+                "SELECT r.*, i.restored_from, i.suspended_since, a.name AS agent_name, "
                 "(SELECT MAX(c.created) FROM checkpoints c WHERE c.job = r.job AND c.rank = r.rank)"
                 " AS last_checkpoint FROM ranks r LEFT JOIN incarnations i "
                 "ON i.job = r.job AND i.rank = r.rank AND i.incarnation = r.incarnation "
@@ -249,20 +252,26 @@ class JobsMixin(FaultsMixin):
     ) -> scheduler.Scheduled:
         """Place pending replacement incarnations, then start every queued job whose ranks all
         fit now on agents that may run them (``scheduler.can_run``), oldest first; the others
-        get the reason they wait (``scheduler.queue_reason``)."""
+        get the reason they wait (``scheduler.queue_reason``). Only agents whose activity is
+        "available" have free slots, the one available longest first among equals."""
         with self.db.atomic():
             live = list(
                 self.db.query(
                     "SELECT a.id, a.slots, a.free_slots, a.isolation, a.rank_memory, "
-                    "a.environments, "
+                    "a.environments, a.activity, "
                     "(SELECT COUNT(*) FROM ranks r WHERE r.agent = a.id "
                     "AND r.state IN ('leased', 'running')) AS active "
-                    "FROM agents a WHERE a.state = 'alive' AND a.last_seen >= ?",
+                    "FROM agents a WHERE a.state = 'alive' AND a.last_seen >= ? "
+                    "ORDER BY a.activity_since, a.id",
                     [agent_deadline],
                 )
             )
             free = {
-                str(a["id"]): scheduler.free_slots(a["slots"], a["free_slots"], a["active"])
+                str(a["id"]): (
+                    scheduler.free_slots(a["slots"], a["free_slots"], a["active"])
+                    if a["activity"] == "available"
+                    else 0
+                )
                 for a in live
             }
             offers = {
@@ -294,7 +303,10 @@ class JobsMixin(FaultsMixin):
                 if placement is None:
                     views = [
                         scheduler.AgentView(
-                            int(a["slots"]), free[str(a["id"])], offers[str(a["id"])]
+                            int(a["slots"]),
+                            free[str(a["id"])],
+                            offers[str(a["id"])],
+                            available=a["activity"] == "available",
                         )
                         for a in live
                     ]
@@ -411,6 +423,7 @@ class JobsMixin(FaultsMixin):
                         from_start=bool(row["from_start"]),
                         memory=job["memory"],
                         requirements=job["requirements"],
+                        user=job["user"],
                     )
                 )
                 self.db.execute(
@@ -456,6 +469,8 @@ class JobsMixin(FaultsMixin):
             # The agent lowers its own limit per rank to it (never raises it).
             "memory": job["memory"],
             "requirements": json.loads(job["requirements"]),
+            # Who submitted it (the volunteer's ``vpool-agent status`` shows it).
+            "user": job["user"] or "",
         }
 
     # -- agent reports ------------------------------------------------------------------------
@@ -463,12 +478,16 @@ class JobsMixin(FaultsMixin):
     def agent_heartbeat(
         self, agent_id: str, hb: api.AgentHeartbeat, now: float, grace: float
     ) -> tuple[list[api.StopOrder], bool]:
-        """Record rank states. Return stop orders for every rank the agent should not run, and
-        whether a job changed. A rank handed to the agent more than ``grace`` seconds ago that
-        the agent no longer reports is lost (e.g. the agent restarted)."""
+        """Record the agent's activity and its ranks' states. Return stop orders for every rank
+        the agent should not run, and whether a job changed. A rank handed to the agent more
+        than ``grace`` seconds ago that the agent no longer reports is lost (e.g. the agent
+        restarted). A rank reported suspended (or no longer) gets an event when that changes.
+        An agent that is not available gives back the leases it has not taken yet."""
         stops: list[api.StopOrder] = []
         changed = False
+        activity = hb.activity if hb.activity in scheduler.ACTIVITIES else "available"
         with self.db.atomic():
+            self._agent_activity(agent_id, activity, hb.activity_reason, now)
             self._agent_caps(agent_id, hb.criu, hb.fingerprint)
             self._agent_isolation(agent_id, hb.isolation)
             self._agent_environments(agent_id, hb.environments, hb.env_fingerprints)
@@ -488,8 +507,11 @@ class JobsMixin(FaultsMixin):
                     )
                     self._event(rs.job, now, "rank_running", f"rank {rs.rank} is running", rs.rank)
                     changed = True
+                changed = self._suspension(rs, row, agent_id, hb.activity_reason, now) or changed
                 self._restored_from(rs)
                 changed = self._replaying(rs, now) or changed
+            if activity != "available":
+                changed = self._give_back(agent_id, activity, hb.activity_reason, now) or changed
             reported = {(rs.job, rs.rank, rs.incarnation) for rs in hb.ranks}
             missing = [
                 r
@@ -505,10 +527,79 @@ class JobsMixin(FaultsMixin):
             if missing:
                 name = self._agent_name(agent_id)
                 for r in missing:
-                    reason = f"rank {r['rank']} lost: agent {name} no longer runs it"
+                    reason = (
+                        scheduler.left_reason(r["rank"], name)
+                        if activity == "leaving"
+                        else f"rank {r['rank']} lost: agent {name} no longer runs it"
+                    )
                     lost = self._lose(r["job"], r["rank"], reason, now, suspect=False)
                     changed = lost or changed
         return stops, changed
+
+    def _agent_activity(self, agent_id: str, activity: str, reason: str, now: float) -> None:
+        """Remember what the agent's volunteer lets it do (inside its heartbeat's
+        transaction), and since when: ``activity_since`` changes with the activity only."""
+        self.db.execute(
+            "UPDATE agents SET activity_since = CASE WHEN activity = ? THEN activity_since "
+            "ELSE ? END, activity = ?, activity_reason = ? WHERE id = ? "
+            "AND (activity != ? OR activity_reason != ?)",
+            [activity, now, activity, reason, agent_id, activity, reason],
+        )
+
+    def _suspension(
+        self, rs: api.RankState, row: dict[str, Any], agent_id: str, why: str, now: float
+    ) -> bool:
+        """A rank's first report as suspended (``rank_suspended``, with the agent's reason),
+        or its first as not suspended after that (``rank_resumed``); True if either."""
+        key = [rs.job, rs.rank, rs.incarnation]
+        if rs.state == "suspended":
+            if row["suspended_since"] is not None:
+                return False
+            since = scheduler.suspended_since(now, rs.suspended_for, row["handed"])
+            self.db.execute(
+                "UPDATE incarnations SET suspended_since = ? WHERE job = ? AND rank = ? "
+                "AND incarnation = ?",
+                [since, *key],
+            )
+            message = f"rank {rs.rank} suspended on agent {self._agent_name(agent_id)}"
+            self._event(
+                rs.job, now, "rank_suspended", f"{message}: {why}" if why else message, rs.rank
+            )
+            return True
+        if row["suspended_since"] is None:
+            return False
+        self.db.execute(
+            "UPDATE incarnations SET suspended_since = NULL WHERE job = ? AND rank = ? "
+            "AND incarnation = ?",
+            key,
+        )
+        frozen = format_duration(now - float(row["suspended_since"]))
+        self._event(rs.job, now, "rank_resumed", f"rank {rs.rank} resumed after {frozen}", rs.rank)
+        return True
+
+    def _give_back(self, agent_id: str, activity: str, why: str, now: float) -> bool:
+        """An agent that is suspended or leaving takes no new work: the leases placed on it
+        that it has not taken yet go elsewhere (not counted as restarts: they never ran). Not
+        those of a job without fault tolerance, whose ranks are never replaced: they wait."""
+        rows = list(
+            self.db.query(
+                "SELECT r.job, r.rank FROM ranks r JOIN incarnations i ON i.job = r.job "
+                "AND i.rank = r.rank AND i.incarnation = r.incarnation JOIN jobs j "
+                "ON j.id = r.job WHERE r.agent = ? AND r.state = 'leased' "
+                "AND i.delivered IS NULL AND j.state = 'running' AND j.fault_tolerance "
+                "ORDER BY r.job, r.rank",
+                [agent_id],
+            )
+        )
+        changed = False
+        for r in rows:
+            reason = (
+                f"rank {r['rank']} moved before it started: agent "
+                f"{self._agent_name(agent_id)} is {activity}" + (f" ({why})" if why else "")
+            )
+            lost = self._lose(r["job"], r["rank"], reason, now, suspect=True, counted=False)
+            changed = lost or changed
+        return changed
 
     def _agent_environments(self, agent_id: str, keys: list[str], fps: list[str]) -> None:
         envs, prints = json.dumps(sorted(set(keys))), json.dumps(sorted(set(fps)))
@@ -541,9 +632,14 @@ class JobsMixin(FaultsMixin):
         return stops
 
     def _rank_row(self, rs: api.RankState) -> dict[str, Any] | None:
+        """The rank of a reported incarnation, with its current incarnation's suspension and
+        when it was handed to its agent."""
         return self._one(
-            "SELECT r.incarnation, r.agent, r.state, j.state AS job_state, j.reason "
-            "FROM ranks r JOIN jobs j ON j.id = r.job WHERE r.job = ? AND r.rank = ?",
+            "SELECT r.incarnation, r.agent, r.state, j.state AS job_state, j.reason, "
+            "i.suspended_since, COALESCE(i.delivered, i.created) AS handed "
+            "FROM ranks r JOIN jobs j ON j.id = r.job LEFT JOIN incarnations i "
+            "ON i.job = r.job AND i.rank = r.rank AND i.incarnation = r.incarnation "
+            "WHERE r.job = ? AND r.rank = ?",
             [rs.job, rs.rank],
         )
 
@@ -573,7 +669,11 @@ class JobsMixin(FaultsMixin):
                     f"killed by signal {-ex.code}" if ex.code < 0 else f"exit code {ex.code}"
                 )
                 name = self._agent_name(agent_id)
-                reason = f"rank {ex.rank} lost: its process on agent {name} died ({why})"
+                reason = (
+                    f"{scheduler.left_reason(ex.rank, name)} ({why})"
+                    if self._leaving(agent_id)
+                    else f"rank {ex.rank} lost: its process on agent {name} died ({why})"
+                )
                 return self._lose(ex.job, ex.rank, reason, now, suspect=False, exit_code=ex.code)
             self.db.execute(
                 "UPDATE incarnations SET ended = ?, exit_code = ? WHERE job = ? AND rank = ? "

@@ -175,35 +175,45 @@ class SqliteStore(AccountsMixin, JobsMixin, CredentialsMixin):
                     # until it says.
                     "UPDATE agents SET name = ?, slots = ?, free_slots = ?, software = ?, "
                     "last_seen = ?, state = 'alive', criu = '', fingerprint = '', "
-                    "isolation = '', rank_memory = 0, isolation_report = '' WHERE id = ?",
-                    [name, slots, slots, software, now, agent_id],
+                    "isolation = '', rank_memory = 0, isolation_report = '', "
+                    "activity = 'available', activity_reason = '', activity_since = ? "
+                    "WHERE id = ?",
+                    [name, slots, slots, software, now, now, agent_id],
                 )
             else:
                 self.db.execute(
                     "INSERT INTO agents (id, public_key, name, slots, free_slots, software, "
-                    "enrolled, last_seen, state, join_token) "
-                    "VALUES (?, ?, ?, ?, ?, ?, ?, ?, 'alive', ?)",
-                    [agent_id, public_key, name, slots, slots, software, now, now, admitted_by],
+                    "enrolled, last_seen, state, join_token, activity_since) "
+                    "VALUES (?, ?, ?, ?, ?, ?, ?, ?, 'alive', ?, ?)",
+                    [
+                        agent_id,
+                        public_key,
+                        name,
+                        slots,
+                        slots,
+                        software,
+                        now,
+                        now,
+                        admitted_by,
+                        now,
+                    ],
                 )
         return agent_id
 
     def touch_agent(self, agent_id: str, now: float, free_slots: int | None) -> bool:
-        """Record a sign of life; False if the agent is unknown or banned."""
+        """Record a sign of life; False if the agent is unknown or banned. An agent lost or
+        gone that is heard from again is alive, and its activity counts from now."""
         with self.db.atomic():
             if not self._one(
                 "SELECT id FROM agents WHERE id = ? AND state != 'banned'", [agent_id]
             ):
                 return False
-            if free_slots is None:
-                self.db.execute(
-                    "UPDATE agents SET last_seen = ?, state = 'alive' WHERE id = ?",
-                    [now, agent_id],
-                )
-            else:
-                self.db.execute(
-                    "UPDATE agents SET last_seen = ?, state = 'alive', free_slots = ? WHERE id = ?",
-                    [now, max(0, free_slots), agent_id],
-                )
+            self.db.execute(
+                "UPDATE agents SET last_seen = ?, state = 'alive', "
+                "activity_since = CASE WHEN state = 'alive' THEN activity_since ELSE ? END, "
+                "free_slots = COALESCE(?, free_slots) WHERE id = ?",
+                [now, now, None if free_slots is None else max(0, free_slots), agent_id],
+            )
         return True
 
     def list_agents(self) -> list[dict[str, Any]]:
@@ -212,6 +222,7 @@ class SqliteStore(AccountsMixin, JobsMixin, CredentialsMixin):
                 "SELECT a.id, a.name, a.slots, a.free_slots, a.last_seen, a.state, a.software, "
                 "a.criu, a.fingerprint, a.isolation, a.rank_memory, a.isolation_report, a.banned, "
                 "a.enrolled, a.join_token, a.agreed, a.agreed_streak, a.wrong, "
+                "a.activity, a.activity_reason, a.activity_since, "
                 "(SELECT COUNT(*) FROM ranks r WHERE r.agent = a.id "
                 "AND r.state IN ('leased', 'running')) AS active FROM agents a ORDER BY a.name"
             )

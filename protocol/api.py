@@ -86,11 +86,18 @@ class PoolInfo(msgspec.Struct, frozen=True):
 class AgentInfo(msgspec.Struct, frozen=True):
     """An agent of the pool as users see it (``vsdk status`` without a job, the dashboard).
     ``isolation`` is the level of its last ``IsolationReport`` ("": none yet, so it gets no
-    ranks); ``rank_memory`` the bytes one rank may use there (0: no limit)."""
+    ranks); ``rank_memory`` the bytes one rank may use there (0: no limit).
+
+    ``state``: "alive" (heartbeating), "lost" (silent: its ranks were restarted elsewhere),
+    "gone" (it said it was leaving, then went silent: it stopped cleanly) or "banned".
+    ``activity``: what its volunteer's preferences let it do, as its last heartbeat said
+    (``AgentHeartbeat.activity``): "available" (takes ranks), "busy" (available, no free
+    slot), "suspended" (its ranks are frozen, it takes none) or "leaving"; why in
+    ``activity_reason`` (operators only), since ``activity_since``."""
 
     id: str
     name: str
-    state: str  # alive | lost | banned
+    state: str  # alive | lost | gone | banned
     slots: int
     ranks: int  # ranks placed there now
     last_seen: float
@@ -98,6 +105,18 @@ class AgentInfo(msgspec.Struct, frozen=True):
     isolation_detail: str = ""  # why the level is not stronger
     rank_memory: int = 0
     checkpoints: bool = False  # it can checkpoint and restore ranks (CRIU)
+    activity: str = "available"
+    activity_reason: str = ""
+    activity_since: float = 0.0
+
+    def doing(self) -> str:
+        """What listings show of its activity: "-" when it is not alive (``state`` says why),
+        else the activity, with the reason of a suspension or a departure."""
+        if self.state != "alive":
+            return "-"
+        if self.activity_reason and self.activity in ("suspended", "leaving"):
+            return f"{self.activity}: {self.activity_reason}"
+        return self.activity
 
 
 Role = Literal["user", "operator"]
@@ -266,6 +285,9 @@ class RankInfo(msgspec.Struct, frozen=True):
     # "skipped" (its agents are trusted and it was not sampled), with who in ``validated_by``.
     validation: str = ""
     validated_by: str = ""
+    # When this incarnation was frozen on its agent (its volunteer's machine is in use); None
+    # while it is not.
+    suspended_since: float | None = None
 
 
 class JobEvent(msgspec.Struct, frozen=True):

@@ -202,6 +202,7 @@ async def test_isolation_reports_are_stored_and_shown(pool: Pool) -> None:
         isolation_detail="no cgroup: systemd has no delegated subtree",
         rank_memory=3 * GiB // 2,
         checkpoints=False,  # its heartbeats said no CRIU
+        activity_since=pool.clock(),  # available since it enrolled
     )
     assert (agents["old-agent"].isolation, agents["old-agent"].rank_memory) == ("", 0)
     # Users see what each agent offers, not who the volunteers are.
