@@ -18,6 +18,7 @@ from vpool import paths, sizes
 from vpool.config import SettingsError
 from vpool.coordinator import keys, pooldir
 from vpool.coordinator.errors import CoordinatorError
+from vpool.coordinator.service import agent_info
 from vpool.coordinator.settings import CoordinatorSettings, load
 from vpool.coordinator.sqlite_store import SqliteStore
 from vpool.protocol import api, pki
@@ -427,16 +428,21 @@ def agent() -> None:
 @agent.command("list")
 @config_option
 def agent_list(config: Path | None) -> None:
-    """List the agents: id, name, state, slots, ranks running, last seen, join token, and
-    its record in validation by replay (agreed in all, in a row, found wrong)."""
+    """List the agents: id, name, state (alive, lost, gone: it left cleanly, banned), what its
+    volunteer lets it do now (available, busy, suspended: why, leaving), slots, ranks running,
+    last seen, join token, and its record in validation by replay (agreed in all, in a row,
+    found wrong)."""
     with _store(config) as store:
         rows = store.list_agents()
-    click.echo("id\tname\tstate\tslots\tranks\tlast seen\tjoin token\tagreed\tin a row\twrong")
+    click.echo(
+        "id\tname\tstate\tactivity\tslots\tranks\tlast seen\tjoin token\tagreed\tin a row\twrong"
+    )
     for r in rows:
         state = f"banned ({r['banned']})" if r["state"] == "banned" else r["state"]
         token = "-" if r["join_token"] is None else str(r["join_token"])
+        doing = agent_info(r).doing()
         click.echo(
-            f"{r['id']}\t{r['name']}\t{state}\t{r['slots']}\t{r['active']}\t"
+            f"{r['id']}\t{r['name']}\t{state}\t{doing}\t{r['slots']}\t{r['active']}\t"
             f"{_when(r['last_seen'])}\t{token}\t{r['agreed']}\t{r['agreed_streak']}\t"
             f"{r['wrong']}"
         )

@@ -132,7 +132,7 @@ class Coordinator:
     async def list_agents(self, who: Principal) -> list[api.AgentInfo]:
         """The pool's agents. Operators see who they are; users see what each offers (to choose
         ``--memory``), not the volunteers' names or ids."""
-        agents = [_agent_info(row) for row in await self.db.call(self.store.list_agents)]
+        agents = [agent_info(row) for row in await self.db.call(self.store.list_agents)]
         if who.operator:
             return agents
         # Nor why a volunteer's machine is suspended (it may name the programs they run).
@@ -795,7 +795,8 @@ def _check_isolation(report: api.IsolationReport) -> None:
         )
 
 
-def _agent_info(row: dict[str, Any]) -> api.AgentInfo:
+def agent_info(row: dict[str, Any]) -> api.AgentInfo:
+    """An agent as ``list_agents`` shows it, from its row of ``Store.list_agents``."""
     detail = ""
     if row["isolation_report"]:
         detail = msgspec.json.decode(row["isolation_report"], type=api.IsolationReport).detail

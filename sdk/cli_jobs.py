@@ -400,7 +400,8 @@ def _rank_table(detail: JobDetail) -> str:
         row: tuple[str, ...] = (
             str(r.rank),
             str(r.incarnation),
-            r.state,
+            # Frozen on its volunteer's machine, which is in use (its events say why).
+            r.state if r.suspended_since is None else f"{r.state} (suspended)",
             "-" if r.exit_code is None else str(r.exit_code),
             r.agent_name or r.agent or "-",  # by name, as the events name agents
             r.relay or "-",
@@ -445,9 +446,21 @@ def _table(rows: list[tuple[str, ...]]) -> str:
 
 
 def _agent_table(agents: list[AgentInfo]) -> str:
-    """One agent a row; why its isolation is not stronger is the last column."""
+    """One agent a row: its state (alive, lost, gone: it left cleanly, banned), what its
+    volunteer lets it do now (available, busy, suspended: why, leaving); why its isolation is
+    not stronger is the last column."""
     rows: list[tuple[str, ...]] = [
-        ("AGENT", "STATE", "RANKS", "SLOTS", "ISOLATION", "RANK MEMORY", "LAST SEEN", "DETAIL")
+        (
+            "AGENT",
+            "STATE",
+            "RANKS",
+            "SLOTS",
+            "ACTIVITY",
+            "ISOLATION",
+            "RANK MEMORY",
+            "LAST SEEN",
+            "DETAIL",
+        )
     ]
     for a in agents:
         if not a.isolation:
@@ -460,6 +473,7 @@ def _agent_table(agents: list[AgentInfo]) -> str:
                 a.state,
                 str(a.ranks),
                 str(a.slots),
+                " ".join(a.doing().split()),
                 a.isolation or "not reported",
                 memory,
                 _when(a.last_seen),
@@ -496,6 +510,11 @@ def _pool_status(settings: Settings, as_json: bool) -> None:
         notes.append(
             "agents that do not sandbox get only the ranks of jobs submitted with "
             "--allow-unsandboxed"
+        )
+    if any(a.state == "alive" and a.activity in ("suspended", "leaving") for a in agents):
+        notes.append(
+            "suspended and leaving agents get no new ranks: their volunteers use their "
+            "machines now, or they are stopping"
         )
     if notes:
         click.echo("\n" + "\n".join(notes))

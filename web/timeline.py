@@ -19,6 +19,9 @@ Segment states (``STATES``) and the events that start them:
   is a replacement, which is what the row should show;
 - ``restored``: a replacement restored from a checkpoint image (``rank_restored``): its whole
   run, or from the report on if the incarnation said it runs before it reported the restore;
+- ``suspended``: the incarnation is frozen on its volunteer's machine, which is in use
+  (``rank_suspended``), until it resumes (``rank_resumed``: the row goes back to what it
+  showed before), is lost or ends;
 - ``lost``: from ``rank_lost`` until the replacement incarnation is placed
   (``rank_restarted``), or until the job ends;
 - ``waiting``: the replacement can only start from a checkpoint image and no agent can restore
@@ -65,6 +68,7 @@ STATES: tuple[str, ...] = (
     "running",
     "replaying",
     "restored",
+    "suspended",
     "lost",
     "waiting",
     "validating",
@@ -138,6 +142,8 @@ class _Row:
     # What the current incarnation shows once it runs, and the message that said so.
     runs_as: str = "running"
     runs_label: str = ""
+    # What a suspended row showed before (state, label), to show again once it resumes.
+    before: tuple[str, str] | None = None
 
 
 class _Builder:
@@ -160,6 +166,8 @@ class _Builder:
             "rank_failed": self._rank_ended,
             "rank_validating": self._rank_validating,
             "rank_reexecuted": self._rank_ended,
+            "rank_suspended": self._rank_suspended,
+            "rank_resumed": self._rank_resumed,
         }
 
     def event(self, e: api.JobEvent) -> None:
@@ -211,6 +219,17 @@ class _Builder:
         row.runs_as, row.runs_label = "restored", message
         if row.state in ("running", "replaying"):
             self._to(row, "restored", t, message, row.incarnation)
+
+    def _rank_suspended(self, row: _Row, message: str, t: float) -> None:
+        if row.state in ("starting", "running", "replaying", "restored", "validating"):
+            row.before = (row.state, row.label)
+            self._to(row, "suspended", t, message, row.incarnation)
+
+    def _rank_resumed(self, row: _Row, message: str, t: float) -> None:
+        if row.state == "suspended" and row.before is not None:
+            state, label = row.before
+            self._to(row, state, t, label, row.incarnation)
+        row.before = None
 
     def _rank_lost(self, row: _Row, message: str, t: float) -> None:
         self._to(row, "lost", t, message, row.incarnation)

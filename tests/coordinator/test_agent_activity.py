@@ -12,9 +12,10 @@ from pathlib import Path
 
 import pytest
 from ckpt_helpers import FP_Z, commit, image
+from click.testing import CliRunner
 from coord_helpers import SANDBOX, Agent, Pool, decode, open_pool
 
-from vpool.coordinator import scheduler
+from vpool.coordinator import cli, scheduler
 from vpool.protocol import api
 
 Frozen = tuple[api.Lease, float]  # a rank reported suspended for so many seconds
@@ -398,3 +399,32 @@ async def test_a_reason_is_one_short_line_of_text(pool: Pool) -> None:
     assert shown.startswith("owner [31m is back xxx") and len(shown) == 200
     [message] = events(await pool.job(job.id), "rank_suspended")
     assert message == f"rank 0 suspended on agent agent-1: {shown}"
+
+
+async def test_the_operators_agent_list_shows_activities(pool: Pool, tmp_path: Path) -> None:
+    await pool.register_relay("relay-0")
+    away = await pool.enroll("away", slots=1)
+    await beat(pool, away, activity="suspended", reason="on battery", free=0)
+    full = await pool.enroll("full", slots=1)
+    await pool.submit(1)
+    leases = await pool.lease(full)
+    assert len(leases) == 1
+    bye = await pool.enroll("bye", slots=1)
+    await beat(pool, bye, activity="leaving", free=0)
+    await pool.enroll("silent", slots=1)
+    pool.clock.advance(11)
+    await beat(pool, away, activity="suspended", reason="on battery", free=0)
+    await beat(pool, full, leases, free=0)
+    await pool.core.check_timeouts()
+    config = tmp_path / "pool.toml"
+    config.write_text(f'state_dir = "{tmp_path / "state"}"\ninsecure_http = true\n')
+    res = CliRunner().invoke(cli.main, ["agent", "list", "--config", str(config)])
+    assert res.exit_code == 0, res.output
+    lines = [line.split("\t") for line in res.stdout.splitlines()]
+    assert lines[0][2:4] == ["state", "activity"]
+    assert {row[1]: tuple(row[2:4]) for row in lines[1:]} == {
+        "away": ("alive", "suspended: on battery"),
+        "bye": ("gone", "-"),
+        "full": ("alive", "busy"),
+        "silent": ("lost", "-"),
+    }

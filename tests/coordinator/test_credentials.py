@@ -186,7 +186,9 @@ def test_operator_cli_manages_join_tokens_relays_and_agents(tmp_path: Path) -> N
 
     listed = _run("agent", "list", "--config", config)
     assert "\tagreed\tin a row\twrong\n" in listed
-    assert f"{agent}\tdesk\talive\t2\t0\t" in listed and listed.endswith("\t1\t0\t0\t0\n")
+    assert f"{agent}\tdesk\talive\tavailable\t2\t0\t" in listed and listed.endswith(
+        "\t1\t0\t0\t0\n"
+    )
     out = _run("agent", "ban", "desk", "--reason", "cheated", "--config", config)
     assert out.startswith(f"agent {agent} (desk) banned; 0 rank(s) moved")
     assert "banned (cheated)" in _run("agent", "list", "--config", config)

@@ -44,6 +44,7 @@ class Script:
     chunks: list[tuple[int, str, bytes]] = field(default_factory=list)
     events: list[JobEvent] = field(default_factory=list)  # between "submitted" and the end
     restored_from: dict[int, int] = field(default_factory=dict)  # rank -> checkpoint id
+    suspended: dict[int, float] = field(default_factory=dict)  # rank -> frozen since (running)
     # (state, waiting, never_fits, restarts, running) of empty output pages served before the
     # records,
     # as the coordinator's long-poll returns them when the job's progress changes
@@ -180,9 +181,10 @@ class FakeCoordinator:
                 agent=f"a-{r % 2}",
                 agent_name=f"laptop-{r % 2}",
                 relay="relay-0",
-                state="exited",
-                exit_code=0,
+                state="running" if r in job.script.suspended else "exited",
+                exit_code=None if r in job.script.suspended else 0,
                 restored_from=job.script.restored_from.get(r, -1),
+                suspended_since=job.script.suspended.get(r),
             )
             for r in range(job.info.ranks)
         ]

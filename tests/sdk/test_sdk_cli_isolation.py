@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 from click.testing import CliRunner
 
@@ -163,6 +164,54 @@ def test_status_without_a_job_lists_the_agents(coord: Any) -> None:
         ("old-box", "none", 512 * MiB),
         ("new", "", 0),
     ]
+
+
+def test_status_without_a_job_shows_what_each_volunteer_lets_its_agent_do(coord: Any) -> None:
+    base = AgentInfo(id="", name="", state="alive", slots=2, ranks=0, last_seen=1000.0)
+    coord.agents = [
+        msgspec.structs.replace(base, name="idle"),
+        msgspec.structs.replace(base, name="full", ranks=2, activity="busy"),
+        msgspec.structs.replace(
+            base,
+            name="away",
+            activity="suspended",
+            activity_reason="the owner is\nusing the machine",
+        ),
+        msgspec.structs.replace(base, name="bye", activity="leaving"),
+        msgspec.structs.replace(base, name="left", state="gone", activity="leaving"),
+        msgspec.structs.replace(base, name="dead", state="lost"),
+    ]
+    res = run("status")
+    assert res.exit_code == 0, res.output
+    lines = res.stdout.splitlines()
+    col, end = lines[2].index("ACTIVITY"), lines[2].index("ISOLATION")
+    rows = {line.split()[0]: line for line in lines[3:9]}
+    assert {n: (r.split()[1], r[col:end].strip()) for n, r in rows.items()} == {
+        "idle": ("alive", "available"),
+        "full": ("alive", "busy"),
+        "away": ("alive", "suspended: the owner is using the machine"),
+        "bye": ("alive", "leaving"),
+        "left": ("gone", "-"),
+        "dead": ("lost", "-"),
+    }
+    assert "suspended and leaving agents get no new ranks" in res.stdout
+    data = json.loads(run("status", "--json").stdout)
+    assert [(a["activity"], a["activity_reason"]) for a in data["agents"]][2] == (
+        "suspended",
+        "the owner is\nusing the machine",
+    )
+
+
+def test_status_of_a_job_marks_suspended_ranks(coord: Any, app: Path) -> None:
+    coord.script(state="running", exit_code=None, suspended={1: 1002.0})
+    run("submit", str(app), "-n", "2")
+    res = run("status", "1")
+    assert res.exit_code == 0, res.output
+    lines = res.stdout.splitlines()
+    head = next(i for i, line in enumerate(lines) if line.startswith("RANK"))
+    col = lines[head].index("STATE")
+    assert lines[head + 1][col:].split("  ")[0] == "exited"
+    assert lines[head + 2][col:].split("  ")[0] == "running (suspended)"
 
 
 def test_status_of_a_pool_without_agents(coord: Any) -> None:

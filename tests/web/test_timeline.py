@@ -163,6 +163,38 @@ def test_restore_reported_after_the_rank_runs() -> None:
     assert rows(tl, 1)[-2:] == [("running", 7, 8, 2), ("restored", 8, 10, 2)]
 
 
+def test_suspended_ranks_resume_to_what_they_showed() -> None:
+    events = [
+        *STARTED,
+        ev(4, "rank_suspended", 0, "rank 0 suspended on agent a: the owner is using the machine"),
+        ev(6, "rank_resumed", 0, "rank 0 resumed after 2 s"),
+        ev(7, "rank_lost", 1),
+        ev(8, "rank_restarted", 1),
+        ev(8, "rank_replaying", 1),
+        ev(8, "rank_suspended", 1, "rank 1 suspended on agent b: on battery"),  # still starting
+        ev(9, "rank_resumed", 1),
+        ev(10, "rank_running", 1),
+        ev(12, "rank_suspended", 1),
+        ev(14, "rank_lost", 1, "rank 1 lost: suspended for too long"),
+        ev(15, "rank_resumed", 1),  # of the lost incarnation, late: changes nothing
+        ev(16, "rank_resumed", 0),  # not suspended: nothing either
+    ]
+    tl = build(job(), events, now=T0 + 20)
+    assert rows(tl, 0)[2:] == [("running", 2, 4, 1), ("suspended", 4, 6, 1), ("running", 6, 20, 1)]
+    assert rows(tl, 1)[3:] == [
+        ("lost", 7, 8, 1),
+        ("suspended", 8, 9, 2),
+        ("starting", 9, 10, 2),
+        ("replaying", 10, 12, 2),
+        ("suspended", 12, 14, 2),
+        ("lost", 14, 20, 2),
+    ]
+    (frozen, *_) = [s for s in tl.segments if s.state == "suspended"]
+    assert frozen.label == "rank 0 suspended on agent a: the owner is using the machine"
+    assert [s.label for s in tl.segments if s.rank == 0][-1] == "rank_running"  # as before
+    assert [m.kind for m in tl.marks] == ["fault", "fault"]  # the losses only
+
+
 def test_fence_marks_and_a_late_fenced_exit_after_the_end() -> None:
     events = [
         *STARTED,
@@ -526,3 +558,37 @@ async def test_timeline_from_the_store_shows_a_lost_and_replaced_rank(tmp_path: 
     assert [(m.rank, m.kind) for m in tl.marks] == [(1, "fault")]
     assert not tl.live and tl.end == detail.job.finished
     ET.fromstring(str(render_svg(tl)))
+
+
+async def test_timeline_from_the_store_shows_a_suspended_rank(tmp_path: Path) -> None:
+    import coord_helpers as helpers  # loaded by this folder's conftest
+
+    clock = helpers.FakeClock()
+    async with helpers.open_pool(tmp_path, clock) as pool:
+        await pool.register_relay("relay-0")
+        info = await pool.submit(1)
+        agent = await pool.enroll("agent-1", slots=1)
+        leases = await pool.lease(agent)
+        clock.advance(1)
+        await pool.heartbeat(agent, leases, free=0)
+        clock.advance(2)
+        frozen = api.AgentHeartbeat(
+            ranks=[api.RankState(job=info.id, rank=0, incarnation=1, state="suspended")],
+            free_slots=0,
+            isolation=helpers.SANDBOX,
+            activity="suspended",
+            activity_reason="the owner is using the machine",
+        )
+        r = await pool.post("/api/v1/agents/heartbeat", frozen, agent.headers)
+        assert r.status_code == 200, r.text
+        clock.advance(4)
+        await pool.heartbeat(agent, leases, free=0)
+        clock.advance(1)
+        detail = pool.core.store.job_detail(info.id)
+    assert detail is not None
+    t0 = detail.job.created
+    tl = build(detail.job, detail.events, now=clock())
+    got = [(s.state, s.start - t0, s.end - t0) for s in tl.segments if s.rank == 0]
+    assert got[-3:] == [("running", 1, 3), ("suspended", 3, 7), ("running", 7, 8)]
+    labels = [s.label for s in tl.segments if s.state == "suspended"]
+    assert labels == ["rank 0 suspended on agent agent-1: the owner is using the machine"]
