@@ -12,6 +12,7 @@ Prefix ``/api/v1``. Authentication by ``Authorization: Bearer <token>``:
 Every error is ``ErrorBody`` with a 4xx/5xx status. Endpoints::
 
     GET  /api/v1/pool                         -> PoolInfo            (no auth)
+    GET  /api/v1/pool/ca                      -> the pool CA, PEM    (no auth; tls_ca)
     GET  /api/v1/pool/totals                  -> PoolTotals          (user)
     GET  /api/v1/pool/agents                  -> list[AgentInfo]     (user: without names)
     GET  /api/v1/pool/relays                  -> list[RelayStatus]   (operator)
