@@ -30,7 +30,7 @@ from vpool.protocol.api import (
 )
 from vpool.protocol.rank_link import replaces
 from vpool.reasons import describe
-from vpool.worker_agent import identity, sandbox, sandboxed, selftest
+from vpool.worker_agent import control, identity, sandbox, sandboxed, selftest
 from vpool.worker_agent.bundle import BlobCache
 from vpool.worker_agent.checkpoints import Capability, Checkpointer, find_capability
 from vpool.worker_agent.coordinator import CoordinatorClient
@@ -41,6 +41,7 @@ from vpool.worker_agent.proxy import RankProxy, choose_socket_path
 from vpool.worker_agent.ranks import RankServices, run_rank
 from vpool.worker_agent.relay_links import RelayLinks
 from vpool.worker_agent.settings import AgentSettings
+from vpool.worker_agent.suspend import Suspender
 
 log = logging.getLogger("vpool.agent")
 
@@ -120,6 +121,8 @@ class Agent:
         self.capability = Capability()
         self.checkpoint_orders = CheckpointOrderIds()
         self.leaving = False  # stopping: no more leases
+        # The owner's preferences: ranks frozen, thawed or handed back (``suspend.py``).
+        self.manners = Suspender(settings, self.ranks, self._activity_changed)
         # Set once a heartbeat carried the capability: leases are asked for only then, so the
         # coordinator never places a restore here on what it knew of an earlier run of this
         # agent (enrolling clears it).
@@ -166,6 +169,8 @@ class Agent:
     def free_slots(self) -> int:
         if self.isolation_known.is_set() and not self.takes_ranks:
             return 0
+        if not self.manners.available:
+            return 0  # suspended by its owner's preferences, or leaving
         return max(0, self.slots - self.busy)
 
     @property
@@ -318,6 +323,8 @@ class Agent:
         that its replacement elsewhere restores from now instead of from an older image or
         the beginning. The ranks run on meanwhile; the caller stops them afterwards."""
         self.leaving = True
+        self.manners.stopping = True
+        self._activity_changed()  # the coordinator hears "leaving": gone, not lost, soon
         ranks = [
             (rank, ckpt)
             for rank in self.ranks
@@ -380,11 +387,18 @@ class Agent:
         """Send a heartbeat now (the held one, or the pause after it, ends)."""
         self._beat.cancel()
 
+    def _activity_changed(self) -> None:
+        """Suspended, resumed, leaving: the coordinator hears it now, and the lease loop
+        looks again at whether to ask for work."""
+        self._beat_now()
+        self._slot_freed.set()
+
     def _release_slot(self, rank: LocalRank) -> None:
         if rank.slot_released:
             return
         rank.slot_released = True
         self.busy -= 1
+        self.manners.rank_ended(rank)
         self._slot_freed.set()
 
     async def heartbeat_loop(self) -> None:
@@ -420,6 +434,8 @@ class Agent:
                             env_fingerprints=self.environments.fingerprints(
                                 self.capability.fingerprint
                             ),
+                            activity=self.manners.activity,
+                            activity_reason=self.manners.reason,
                         )
                     )
                 except CoordinatorUnreachable as exc:
@@ -443,6 +459,7 @@ class Agent:
             elif refused is not None:
                 log.error("heartbeat refused: %s", refused)
             if resp is not None:
+                self.manners.pool_limit = resp.suspend_limit
                 for order in resp.stop:
                     rank = self.ranks.find(order.job, order.rank, order.incarnation)
                     if rank is not None:
@@ -524,6 +541,8 @@ async def run_agent(
                 nursery.start_soon(agent.find_capability)
                 nursery.start_soon(agent.heartbeat_loop)
                 nursery.start_soon(agent.lease_loop)
+                nursery.start_soon(agent.manners.run)
+                await nursery.start(control.serve, agent, control.socket_path(settings))
                 if leaving is not None:
                     nursery.start_soon(_leave_when, agent, leaving, nursery.cancel_scope)
                 # Started means ready for ranks: the sandbox probed and the coordinator told

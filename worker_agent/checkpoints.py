@@ -189,6 +189,11 @@ class Checkpointer:
                     await self.rank.checkpoint_wanted.wait()
                 if self.closing:
                     return
+                # A frozen rank cannot fork its clone: the checkpoint waits for the thaw (an
+                # evacuation thaws the rank for its last one, ``suspend.py``).
+                await _first(self.rank.unfrozen, self.ended)
+                if self.closing:
+                    return
                 ordered = self.rank.checkpoint_wanted.is_set()
                 self.rank.checkpoint_wanted = trio.Event()
                 started = trio.current_time()

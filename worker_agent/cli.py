@@ -20,9 +20,11 @@ import trio
 from vpool.config import SettingsError
 from vpool.logsetup import quiet_routine_requests
 from vpool.readyfile import write_ready_file
+from vpool.worker_agent import cli_owner
 from vpool.worker_agent.agent import AgentStarted, run_agent
 from vpool.worker_agent.criu import criu_check
 from vpool.worker_agent.errors import AgentError
+from vpool.worker_agent.install import join_command, leave_command
 from vpool.worker_agent.sandboxed import find_isolation, rank_limits
 from vpool.worker_agent.selftest import SelfTest, run_selftest
 from vpool.worker_agent.settings import AgentSettings, load_agent_settings
@@ -218,6 +220,15 @@ def _agent_errors(exc: BaseException) -> list[AgentError]:
         if all(found):
             return [e for group in found for e in group]
     return []
+
+
+main.add_command(cli_owner.status)
+main.add_command(cli_owner.pause)
+main.add_command(cli_owner.resume)
+
+
+main.add_command(join_command, "join")
+main.add_command(leave_command, "leave")
 
 
 if __name__ == "__main__":

@@ -136,3 +136,51 @@ def terminal_idle(now: float, dev: Path = DEV) -> float | None:
             continue
         newest = atime if newest is None else max(newest, atime)
     return None if newest is None else max(0.0, now - newest)
+
+
+def process_tree(root: int, proc: Path = PROC) -> list[int]:
+    """``root`` and every process descended from it (from each process's parent in
+    ``/proc/PID/stat``); [] when ``root`` is gone."""
+    children: dict[int, list[int]] = {}
+    try:
+        entries = os.scandir(proc)
+    except OSError:
+        return []
+    with entries:
+        for entry in entries:
+            if not entry.name.isdigit():
+                continue
+            stat = _read(Path(entry.path) / "stat")
+            if not stat:
+                continue
+            fields = stat.rsplit(")", 1)[-1].split()
+            with contextlib.suppress(IndexError, ValueError):
+                children.setdefault(int(fields[1]), []).append(int(entry.name))
+    if not (proc / str(root)).exists():
+        return []
+    tree, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        tree.append(pid)
+        todo.extend(children.get(pid, ()))
+    return tree
+
+
+_TICKS = os.sysconf("SC_CLK_TCK")
+_PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+def usage(pids: Iterable[int], proc: Path = PROC) -> tuple[float, int]:
+    """CPU seconds (user and system) and resident bytes of ``pids`` together, from
+    ``/proc/PID/stat`` and ``statm``; processes gone meanwhile count for nothing."""
+    cpu = 0
+    rss = 0
+    for pid in pids:
+        stat = _read(proc / str(pid) / "stat")
+        statm = _read(proc / str(pid) / "statm").split()
+        with contextlib.suppress(IndexError, ValueError):
+            fields = stat.rsplit(")", 1)[1].split()
+            cpu += int(fields[11]) + int(fields[12])
+        with contextlib.suppress(IndexError, ValueError):
+            rss += int(statm[1]) * _PAGE
+    return cpu / _TICKS, rss

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import os
 import secrets
+import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import trio
 
@@ -178,6 +179,18 @@ def _after(parts: list[Buffer], n: int) -> list[Buffer]:
     return out
 
 
+class RankProcess(Protocol):
+    """A rank's processes as the agent drives them while they run (``ranks._Launched``)."""
+
+    def freeze(self, frozen: bool) -> str:
+        """Freeze them all (or thaw them); how ("cgroup freezer", "SIGSTOP"). Blocks."""
+        ...
+
+    def pids(self) -> list[int]:
+        """Every process of the rank (its sandbox's included). Blocks (reads /proc)."""
+        ...
+
+
 class LocalRank:
     """One incarnation of one rank on this agent."""
 
@@ -230,6 +243,19 @@ class LocalRank:
         # The job's environment (``environments``): its key and ``site`` directory here.
         self.env_key: str | None = None
         self.env_site: Path | None = None
+        # Suspension (``suspend.py``): the rank's processes while they run (``ranks.execute``),
+        # since when (trio clock) they are frozen, set while they are not; a reason once the
+        # rank is being handed back to run elsewhere.
+        self.process: RankProcess | None = None
+        self.suspended_since: float | None = None
+        self.unfrozen = trio.Event()
+        self.unfrozen.set()
+        self.evacuating = ""
+        # What the volunteer's ``vpool-agent status`` shows: when it started here (wall
+        # clock), and the CPU seconds and resident bytes its processes used when last looked.
+        self.started_at = time.time()
+        self.cpu_seconds = 0.0
+        self.rss = 0
 
     def __repr__(self) -> str:
         lease = self.lease
@@ -278,14 +304,16 @@ class LocalRanks:
         return found
 
     def states(self) -> list[RankState]:
+        now = trio.current_time()
         return [
             RankState(
                 job=r.lease.job,
                 rank=r.lease.rank,
                 incarnation=r.lease.incarnation,
-                state=r.state,
+                state="suspended" if r.suspended_since is not None else r.state,
                 replay_dets=r.replay_dets,
                 restored_from=r.restored_from,
+                suspended_for=now - r.suspended_since if r.suspended_since is not None else 0.0,
             )
             for r in self
         ]

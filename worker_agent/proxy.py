@@ -72,7 +72,7 @@ def choose_socket_path(work_dir: Path, name: str = "agent.sock") -> Path:
         if not base:
             continue
         directory = Path(base) / f"vpool-{os.getuid()}"
-        path = directory / f"agent-{digest}.sock"
+        path = directory / f"{Path(name).stem}-{digest}.sock"
         if len(os.fsencode(path)) <= _MAX_SOCKET_PATH:
             _private_dir(directory)
             log.info("socket path %s is too long; using %s", preferred, path)

@@ -26,6 +26,7 @@ one of them (``restore``) instead of from the beginning, when it can.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -56,7 +57,7 @@ from vpool.protocol.messages import Stop
 from vpool.protocol.rank_link import restarted
 from vpool.reasons import describe
 from vpool.sizes import format_size
-from vpool.worker_agent import bundle, restore, sandbox, sandboxed
+from vpool.worker_agent import bundle, cgroups, desktop, restore, sandbox, sandboxed
 from vpool.worker_agent.checkpoints import Capability, Checkpointer, checkpoint_signal
 from vpool.worker_agent.checkpoints import checkpoints_enabled as _ckpt_disabled_because
 from vpool.worker_agent.ckpt_workers import CkptWorkers
@@ -409,6 +410,35 @@ class _Launched:
             return self.box.returncode()
         return self.process.returncode
 
+    def _sandbox(self) -> sandboxed.Sandboxed | None:
+        return self.box or (self.restored.box if self.restored is not None else None)
+
+    def freeze(self, frozen: bool) -> str:
+        """Freeze or thaw every process of the rank: its cgroup's freezer where it has one
+        (nothing in the group runs until thawed, whatever it forks), else SIGSTOP/SIGCONT to
+        each process of its tree (one that left the tree meanwhile runs on). Blocks."""
+        box = self._sandbox()
+        if box is not None and box.cgroup is not None and box.cgroup.can_freeze:
+            if not box.cgroup.freeze(frozen):
+                verb = "freeze" if frozen else "thaw"
+                log.warning("%s's processes did not %s in time", box.cgroup, verb)
+            return "cgroup freezer"
+        sig = signal.SIGSTOP if frozen else signal.SIGCONT
+        for pid in self.pids():
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, sig)
+        return "SIGSTOP" if frozen else "SIGCONT"
+
+    def pids(self) -> list[int]:
+        box = self._sandbox()
+        if box is not None and box.cgroup is not None:
+            try:
+                return box.cgroup.pids()
+            except cgroups.CgroupError:
+                return []
+        root = box.init_pid if box is not None else self.process.pid
+        return desktop.process_tree(root)
+
 
 async def execute(
     svc: RankServices,
@@ -438,6 +468,7 @@ async def execute(
     limit = ""
     rank.state = "running"
     rank.pid = launched.pid
+    rank.process = launched
     box = launched.box or (restored.box if restored is not None else None)
     rank.ns_holder = box.init_pid if box is not None else None
     svc.state_changed()
@@ -476,6 +507,9 @@ async def execute(
                     await pipe.aclose()
     finally:
         rank.pid = None
+        rank.process = None
+        rank.suspended_since = None
+        rank.unfrozen.set()
         rank.ns_holder = None
         if process.returncode is None:
             with trio.move_on_after(_SHIELDED_CLEANUP, shield=True):
@@ -673,6 +707,11 @@ async def _stop_when_asked(rank: LocalRank, launched: _Launched, grace: float) -
     await rank.stop_requested.wait()
     lease = rank.lease
     log.info("stopping %s: %s", rank.label, rank.stop_reason)
+    if rank.suspended_since is not None:
+        # A frozen process handles no signal: thawed, it ends as asked (SIGTERM first).
+        await trio.to_thread.run_sync(launched.freeze, False)
+        rank.suspended_since = None
+        rank.unfrozen.set()
     rank.outbox.push_control(
         encode_frame(
             Stop(
