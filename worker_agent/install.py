@@ -657,6 +657,8 @@ def leave(
             f"nothing to undo: no record of a join at {layout.record_file} (this "
             f"{'machine' if layout.system else 'user'} has not joined, or left already)"
         )
+        if not layout.system and SYSTEM_LAYOUT.record_file.exists():
+            say("this machine joined as a system service: sudo vpool-agent leave")
         return None
     if not confirm(leave_plan(record)):
         raise click.Abort()
@@ -785,7 +787,7 @@ def join_command(
     try:
         layout = layout_for(system)
         join(req, layout, Systemd(layout.system), click.echo)
-    except AgentError as exc:
+    except (AgentError, OSError) as exc:
         click.echo(f"vpool-agent: {exc}", err=True)
         click.echo("vpool-agent: nothing was installed", err=True)
         sys.exit(1)
@@ -813,6 +815,6 @@ def leave_command(yes: bool, system: bool | None) -> None:
     try:
         layout = layout_for(system)
         leave(layout, Systemd(layout.system), click.echo, confirm)
-    except AgentError as exc:
+    except (AgentError, OSError) as exc:
         click.echo(f"vpool-agent: {exc}", err=True)
         sys.exit(1)
