@@ -375,9 +375,15 @@ class JobsMixin(FaultsMixin):
         )
 
     def take_leases(self, agent_id: str, now: float) -> list[api.Lease]:
-        """Leases placed on this agent and not yet handed out; each is handed out once."""
+        """Leases placed on this agent and not yet handed out; each is handed out once. None
+        while the agent is not available (suspended or leaving): those placed on it before
+        wait (or go elsewhere: ``_give_back``)."""
         leases: list[api.Lease] = []
         with self.db.atomic():
+            if self._one(
+                "SELECT 1 FROM agents WHERE id = ? AND activity != 'available'", [agent_id]
+            ):
+                return leases
             rows = list(
                 self.db.query(
                     "SELECT i.job, i.rank, i.incarnation, i.token, i.validates, r.from_start "

@@ -11,11 +11,12 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import pytest
+import sqlite_utils
 from ckpt_helpers import FP_Z, commit, image
 from click.testing import CliRunner
-from coord_helpers import SANDBOX, Agent, Pool, decode, open_pool
+from coord_helpers import HELLO, SANDBOX, Agent, Pool, decode, make_zip, open_pool
 
-from vpool.coordinator import cli, scheduler
+from vpool.coordinator import cli, migrations, scheduler
 from vpool.protocol import api
 
 Frozen = tuple[api.Lease, float]  # a rank reported suspended for so many seconds
@@ -162,6 +163,21 @@ async def test_leases_not_taken_by_an_agent_that_is_suspended_go_elsewhere(pool:
     assert detail.job.restarts == 0  # they never ran
     assert await pool.lease(agent) == []
     assert [(x.rank, x.incarnation) for x in await pool.lease(other)] == [(0, 2), (1, 2)]
+
+
+async def test_a_suspended_agent_is_handed_no_lease(pool: Pool) -> None:
+    await pool.register_relay("relay-0")
+    agent = await pool.enroll("agent-1", slots=1)
+    bundle = await pool.upload(make_zip({"app.py": HELLO}))
+    sub = api.JobSubmit(ranks=1, bundle=bundle, entry="app.py", fault_tolerance=False)
+    job = decode(await pool.post("/api/v1/jobs", sub, pool.user()), api.JobInfo)
+    assert job.state == "running"  # placed on agent-1, which has not taken it yet
+    await beat(pool, agent, activity="suspended", free=0)
+    # Fault tolerance off: the rank is never replaced, so it is not given back; it waits.
+    assert await pool.lease(agent) == []
+    assert events(await pool.job(job.id), "rank_lost") == []
+    await beat(pool, agent, free=1)
+    assert [(x.job, x.incarnation) for x in await pool.lease(agent)] == [(job.id, 1)]
 
 
 async def test_busy_is_an_available_agent_with_no_free_slot(pool: Pool) -> None:
@@ -428,3 +444,20 @@ async def test_the_operators_agent_list_shows_activities(pool: Pool, tmp_path: P
         "full": ("alive", "busy"),
         "silent": ("lost", "-"),
     }
+
+
+def test_migration_makes_agents_from_before_available_since_they_enrolled(tmp_path: Path) -> None:
+    db = sqlite_utils.Database(tmp_path / "old.db")
+    db.execute("CREATE TABLE schema_version (version INTEGER NOT NULL)")
+    db.execute("INSERT INTO schema_version (version) VALUES (14)")
+    for step in migrations.MIGRATIONS[:14]:
+        step(db)
+    db.execute(
+        "INSERT INTO agents (id, public_key, name, slots, free_slots, software, enrolled, "
+        "last_seen, state) VALUES ('agent-1', 'pk', 'desk', 2, 2, '', 123.0, 456.0, 'alive')"
+    )
+    assert migrations.migrate(db) == len(migrations.MIGRATIONS) >= 15
+    row = next(iter(db.query("SELECT activity, activity_reason, activity_since FROM agents")))
+    assert row == {"activity": "available", "activity_reason": "", "activity_since": 123.0}
+    assert "suspended_since" in db["incarnations"].columns_dict
+    db.close()
