@@ -204,10 +204,14 @@ class FaultsMixin(ValidationMixin, CheckpointsMixin):
                 changed = self._lose(r["job"], r["rank"], reason, now, suspect=True) or changed
         return changed
 
+    def _activity_of(self, agent_id: str) -> str:
+        """What the agent's last heartbeat said its volunteer lets it do ("" if unknown)."""
+        row = self._one("SELECT activity FROM agents WHERE id = ?", [agent_id])
+        return "" if row is None else str(row["activity"])
+
     def _leaving(self, agent_id: str) -> bool:
         """The agent's last heartbeat said it is leaving (stopping cleanly)."""
-        row = self._one("SELECT activity FROM agents WHERE id = ?", [agent_id])
-        return row is not None and row["activity"] == "leaving"
+        return self._activity_of(agent_id) == "leaving"
 
     def expire_relays(self, deadline: float, down_deadline: float, now: float) -> bool:
         """Relays silent since ``deadline`` are down: no new jobs go to them, and their running

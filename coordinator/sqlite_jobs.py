@@ -675,11 +675,13 @@ class JobsMixin(FaultsMixin):
                     f"killed by signal {-ex.code}" if ex.code < 0 else f"exit code {ex.code}"
                 )
                 name = self._agent_name(agent_id)
-                reason = (
-                    f"{scheduler.left_reason(ex.rank, name)} ({why})"
-                    if self._leaving(agent_id)
-                    else f"rank {ex.rank} lost: its process on agent {name} died ({why})"
-                )
+                activity = self._activity_of(agent_id)
+                if activity == "leaving":
+                    reason = f"{scheduler.left_reason(ex.rank, name)} ({why})"
+                elif activity == "suspended":  # moved off a machine its owner uses
+                    reason = f"rank {ex.rank} lost: agent {name} handed it back ({why})"
+                else:
+                    reason = f"rank {ex.rank} lost: its process on agent {name} died ({why})"
                 return self._lose(ex.job, ex.rank, reason, now, suspect=False, exit_code=ex.code)
             self.db.execute(
                 "UPDATE incarnations SET ended = ?, exit_code = ? WHERE job = ? AND rank = ? "

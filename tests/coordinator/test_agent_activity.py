@@ -373,6 +373,26 @@ async def test_ranks_handed_back_by_a_leaving_agent_say_it_left(pool: Pool) -> N
     assert detail.ranks[0].state == "pending"
 
 
+@pytest.mark.parametrize(
+    ("activity", "said"),
+    [
+        ("suspended", "rank 0 lost: agent agent-1 handed it back ({})"),
+        ("leaving", "rank 0 stopped: its agent agent-1 left the pool ({})"),
+        ("available", "rank 0 lost: its process on agent agent-1 died ({})"),
+    ],
+)
+async def test_a_lost_exit_says_why_the_agent_gave_the_rank_up(
+    pool: Pool, activity: str, said: str
+) -> None:
+    job, agent, leases = await running(pool)
+    await beat(pool, agent, leases, activity=activity, free=0)
+    why = "suspended for more than 10 min: moved to another machine from a checkpoint taken now"
+    ex = api.RankExit(job=job.id, rank=0, incarnation=1, code=-15, message=why, lost=True)
+    r = await pool.post("/api/v1/agents/exit", ex, agent.headers)
+    assert r.status_code == 200, r.text
+    assert events(await pool.job(job.id), "rank_lost") == [said.format(why)]
+
+
 # -- leases, listings, odd values -------------------------------------------------------------
 
 
