@@ -33,6 +33,8 @@ log = logging.getLogger("vpool.agent")
 
 EPILOG = """\b
 Example:
+  vpool-agent join https://pool.example.org:8443 vpj_... --ca-sha256 3f1c...
+      (once: enroll, write the settings, install and start the systemd service)
   vpool-agent --config ~/.config/vpool/agent.toml --slots 4
 \b
   where agent.toml holds for instance:

@@ -15,9 +15,10 @@
 A failed join removes what it had made. ``leave`` stops, disables and removes the unit, then
 removes the settings, the CA, the identity key and the work directory, but only those join
 made (a key or a work directory that was there before stays), and finally the record: run
-again, it finishes what an interrupted run left. The coordinator is not told: the agent's
-clean stop (SIGTERM) has checkpointed and handed back its ranks, and the pool counts the
-agent lost after ``agent_timeout`` (its key is gone, so it never comes back).
+again, it finishes what an interrupted run left. The coordinator hears of it from the agent
+itself: its clean stop (SIGTERM, the unit's) checkpoints its ranks, hands them back and says
+it is leaving, and the pool lists it as gone once it is silent. There is no "left for good"
+call: with its key removed, that agent never comes back.
 
 Where things go (``Layout``):
 
