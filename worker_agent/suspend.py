@@ -73,7 +73,6 @@ class Suspender:
         self._ended = 0
         self._pass_ended = trio.Event()
         self._evacuations: set[LocalRank] = set()
-        self._all_handed_back = trio.Event()
         # Totals for ``vpool-agent status``: ranks that ended here, and their CPU seconds.
         self.started_at = time.time()
         self.ranks_done = 0
@@ -222,10 +221,6 @@ class Suspender:
                 await self._freeze(rank)
             elif limit > 0 and now - rank.suspended_since >= limit:
                 self._evacuate(rank, f"suspended for more than {format_duration(limit)}", nursery)
-        if not self._evacuations and not any(
-            r.process is not None and not r.stop_requested.is_set() for r in self.ranks
-        ):
-            self._all_handed_back.set()
 
     async def _freeze(self, rank: LocalRank) -> None:
         ckpt = rank.checkpointer
@@ -254,7 +249,6 @@ class Suspender:
     def _evacuate(self, rank: LocalRank, why: str, nursery: trio.Nursery) -> None:
         rank.evacuating = why
         self._evacuations.add(rank)
-        self._all_handed_back = trio.Event()
         nursery.start_soon(self._hand_back, rank, why)
 
     async def _hand_back(self, rank: LocalRank, why: str) -> None:
@@ -279,6 +273,12 @@ class Suspender:
             if not self._evacuations:
                 self.wake()
 
+    def handed_back(self) -> bool:
+        """No rank runs here that is not being stopped, and no hand-back is under way."""
+        return not self._evacuations and not any(
+            r.process is not None and not r.stop_requested.is_set() for r in self.ranks
+        )
+
     def _sample(self, rank: LocalRank) -> None:
         process = rank.process
         if process is not None:
@@ -302,9 +302,9 @@ class Suspender:
                 if coming:
                     log.info("%s coming: handing every rank back first", kind)
                     self.going_to_sleep = True
-                    self._all_handed_back = trio.Event()
-                    self.wake()
-                    await self._all_handed_back.wait()
+                    await self.next_pass()  # one that knows: every rank handed back
+                    while not self.handed_back():
+                        await self.next_pass()
                     if lock >= 0:
                         os.close(lock)
                         lock = -1
