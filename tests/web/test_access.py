@@ -24,6 +24,7 @@ RELAY = "relay"  # a relay key
 
 CLASSES: dict[tuple[str, str], str] = {
     ("GET", "/api/v1/pool"): PUBLIC,
+    ("GET", "/api/v1/pool/ca"): PUBLIC,  # a certificate: what `vpool-agent join` pins
     ("GET", "/login"): PUBLIC,
     ("POST", "/login"): PUBLIC,
     ("GET", "/logout"): PUBLIC,  # signed out: a redirect to /login
