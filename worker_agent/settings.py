@@ -226,7 +226,9 @@ class AgentSettings:
         "rank may use its share (memory / slots) unless rank_memory says otherwise.",
     )
     manners_interval: float = setting(
-        2.0, "Seconds between two looks at the machine (idle, battery, programs, hours)."
+        1.0,
+        "Seconds between two looks at the machine (idle, battery, programs, hours): the "
+        "longest the ranks run on once the owner is back.",
     )
     suspend_limit: float = setting(
         0.0,
