@@ -13,6 +13,7 @@ import logging
 import os
 import random
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -121,6 +122,8 @@ class Agent:
         self.capability = Capability()
         self.checkpoint_orders = CheckpointOrderIds()
         self.leaving = False  # stopping: no more leases
+        # Reads the settings again from their file (``vpool-agent prefs``); None: no file.
+        self.reload_settings: Callable[[], AgentSettings] | None = None
         # The owner's preferences: ranks frozen, thawed or handed back (``suspend.py``).
         self.manners = Suspender(settings, self.ranks, self._activity_changed)
         # Set once a heartbeat carried the capability: leases are asked for only then, so the
@@ -387,6 +390,24 @@ class Agent:
         """Send a heartbeat now (the held one, or the pause after it, ends)."""
         self._beat.cancel()
 
+    def reload_preferences(self) -> list[str]:
+        """Read the settings file again and apply the owner's preferences and slots now;
+        what could not be applied yet (it needs a restart)."""
+        if self.reload_settings is None:
+            raise control.ControlError("the agent was started without a settings file")
+        new = self.reload_settings()
+        later = [
+            name
+            for name in ("memory", "rank_memory", "coordinator_url", "work_dir", "sandbox")
+            if getattr(new, name) != getattr(self.settings, name)
+        ]
+        self.manners.configure(new)
+        if new.slot_count != self.slots:
+            log.info("slots: %d -> %d", self.slots, new.slot_count)
+            self.slots = new.slot_count
+        self._activity_changed()
+        return later
+
     def _activity_changed(self) -> None:
         """Suspended, resumed, leaving: the coordinator hears it now, and the lease loop
         looks again at whether to ask for work."""
@@ -520,10 +541,12 @@ async def run_agent(
     *,
     transport: httpx.AsyncBaseTransport | None = None,
     leaving: trio.Event | None = None,
+    reload: Callable[[], AgentSettings] | None = None,
     task_status: trio.TaskStatus[AgentStarted] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Run the agent until cancelled, or until ``leaving`` is set and its ranks are
-    checkpointed (``Agent.leave``). ``transport`` replaces the network to the coordinator."""
+    checkpointed (``Agent.leave``). ``transport`` replaces the network to the coordinator;
+    ``reload`` reads the settings again from their file (``vpool-agent prefs``)."""
     key = identity.load_or_create_key(settings.identity_path)
     settings.work_path.mkdir(parents=True, exist_ok=True, mode=0o700)
     async with CoordinatorClient(
@@ -537,6 +560,7 @@ async def run_agent(
         try:
             async with trio.open_nursery() as nursery:
                 agent = Agent(settings, client, enrolled, nursery)
+                agent.reload_settings = reload
                 path = await nursery.start(agent.proxy.serve, agent.socket_path)
                 nursery.start_soon(agent.find_capability)
                 nursery.start_soon(agent.heartbeat_loop)

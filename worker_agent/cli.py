@@ -8,10 +8,12 @@ use, enrollment refused), 2 for bad command-line usage (click).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import signal
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import click
@@ -75,22 +77,27 @@ async def _watch_signals(
 
 async def _agent(
     settings: AgentSettings,
+    reload: Callable[[], AgentSettings] | None,
     leaving: trio.Event,
     done: trio.CancelScope,
     task_status: trio.TaskStatus[AgentStarted] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     try:
-        await run_agent(settings, leaving=leaving, task_status=task_status)
+        await run_agent(settings, leaving=leaving, reload=reload, task_status=task_status)
     finally:
         done.cancel()  # it left: the signal watch ends too
 
 
-async def serve(settings: AgentSettings, ready_file: Path | None) -> None:
+async def serve(
+    settings: AgentSettings,
+    ready_file: Path | None,
+    reload: Callable[[], AgentSettings] | None = None,
+) -> None:
     leaving, ready = trio.Event(), trio.Event()
     async with trio.open_nursery() as nursery:
         grace = settings.leave_checkpoint_grace
         nursery.start_soon(_watch_signals, nursery.cancel_scope, leaving, grace, ready)
-        started = await nursery.start(_agent, settings, leaving, nursery.cancel_scope)
+        started = await nursery.start(_agent, settings, reload, leaving, nursery.cancel_scope)
         ready.set()
         if ready_file is not None:
             write_ready_file(
@@ -153,25 +160,25 @@ def main(
     quiet_routine_requests(verbose=verbose)
     if config is not None and not config.exists():
         raise click.UsageError(f"config file {config} does not exist")
+    overrides: dict[str, object] = {
+        "slots": slots,
+        "name": name,
+        "work_dir": work_dir,
+        "identity_dir": identity_dir,
+        "coordinator_url": coordinator_url,
+        "coordinator_ca": coordinator_ca,
+    }
     try:
-        settings = load_agent_settings(
-            config,
-            {
-                "slots": slots,
-                "name": name,
-                "work_dir": work_dir,
-                "identity_dir": identity_dir,
-                "coordinator_url": coordinator_url,
-                "coordinator_ca": coordinator_ca,
-            },
-        )
+        settings = load_agent_settings(config, overrides)
     except SettingsError as exc:
         raise click.UsageError(str(exc)) from exc
     ctx.obj = settings
+    ctx.meta["config"] = config
     if ctx.invoked_subcommand is not None:
         return
     try:
-        trio.run(serve, settings, ready_file)
+        reload = functools.partial(load_agent_settings, config, overrides) if config else None
+        trio.run(serve, settings, ready_file, reload)
     except BaseException as exc:
         errors = _agent_errors(exc)
         if not errors:
@@ -227,6 +234,7 @@ def _agent_errors(exc: BaseException) -> list[AgentError]:
 main.add_command(cli_owner.status)
 main.add_command(cli_owner.pause)
 main.add_command(cli_owner.resume)
+main.add_command(cli_owner.prefs)
 
 
 main.add_command(join_command, "join")

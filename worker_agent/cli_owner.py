@@ -3,29 +3,38 @@ agent (``control.py``) what it does, and tells it to stop for a while."""
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import json
 import sys
+import tomllib
 from pathlib import Path
 from typing import Any
 
 import click
+import tomli_w
 
-from vpool.sizes import format_duration, format_size, parse_duration
+from vpool.config import SettingsError
+from vpool.sizes import format_duration, format_size, parse_duration, parse_size
+from vpool.worker_agent import install
 from vpool.worker_agent.control import SYSTEM_SOCKET, ControlError, request, socket_path
-from vpool.worker_agent.settings import AgentSettings
+from vpool.worker_agent.settings import AgentSettings, load_agent_settings
 
 
 def _socket(settings: AgentSettings | None, given: Path | None) -> Path:
-    """The socket named on the command line, else the settings', else a system agent's."""
+    """The socket named on the command line; else the first that exists of: the settings'
+    (--config), this user's agent installed by `vpool-agent join`, a system agent's."""
     if given is not None:
         return given
-    own = socket_path(settings) if settings is not None else None
-    if own is not None and (own.exists() or (settings is not None and settings.control_socket)):
-        return own
-    if SYSTEM_SOCKET.exists():
-        return SYSTEM_SOCKET
-    return own or SYSTEM_SOCKET
+    candidates = []
+    if settings is not None:
+        candidates.append(socket_path(settings))
+    joined = install.user_layout()
+    if joined.settings_file.exists():
+        with contextlib.suppress(SettingsError):
+            candidates.append(socket_path(load_agent_settings(joined.settings_file)))
+    candidates.append(SYSTEM_SOCKET)
+    return next((c for c in candidates if c.exists()), candidates[0])
 
 
 def _ask(ctx: click.Context, socket: Path | None, op: str, seconds: float | None = None) -> Any:
@@ -129,7 +138,7 @@ def status(ctx: click.Context, as_json: bool, socket: Path | None) -> None:
     """Show what the running agent does: running, suspended and why, or waiting for the
     machine to be idle; each rank (job, user, CPU, memory, since when); the limits, the
     isolation level and the totals. Needs no root."""
-    st = _ask(ctx, socket, "status")
+    st = _ask(ctx, socket, "status")["status"]
     click.echo(json.dumps(st, indent=2) if as_json else "\n".join(render(st)))
 
 
@@ -151,7 +160,7 @@ def pause(ctx: click.Context, duration: str | None, socket: Path | None) -> None
             seconds = parse_duration(duration)
         except ValueError as exc:
             raise click.BadParameter(str(exc), param_hint="--for") from exc
-    st = _ask(ctx, socket, "pause", seconds)
+    st = _ask(ctx, socket, "pause", seconds)["status"]
     click.echo(f"paused: {st['reason']}")
 
 
@@ -160,6 +169,161 @@ def pause(ctx: click.Context, duration: str | None, socket: Path | None) -> None
 @click.pass_context
 def resume(ctx: click.Context, socket: Path | None) -> None:
     """End a pause: the ranks run again if the other preferences allow."""
-    st = _ask(ctx, socket, "resume")
+    st = _ask(ctx, socket, "resume")["status"]
     what = "running" if st["activity"] == "available" else f"{st['activity']}: {st['reason']}"
     click.echo(f"resumed; now {what}")
+
+
+# -- preferences ----------------------------------------------------------------------------
+
+PREFS = (
+    "slots",
+    "memory",
+    "run_when",
+    "idle_after",
+    "pause_on_battery",
+    "evacuate_battery_below",
+    "pause_while",
+    "run_hours",
+)
+
+
+def _settings_file(ctx: click.Context) -> Path:
+    """The settings file the agent starts from: --config, else the one `vpool-agent join`
+    wrote (this user's, or the system's for root)."""
+    given = ctx.meta.get("config")
+    if given is not None:
+        return Path(given)
+    for layout in (install.user_layout(), install.SYSTEM_LAYOUT):
+        if layout.settings_file.exists():
+            return layout.settings_file
+    raise click.UsageError("no settings file: give --config (vpool-agent join writes one)")
+
+
+def _show_prefs(settings: AgentSettings) -> list[str]:
+    p = settings.preferences()
+    cores = settings.slots or f"every CPU ({settings.slot_count})"
+    memory = (
+        format_size(settings.memory)
+        if settings.memory
+        else (f"three quarters of this machine's ({format_size(settings.memory_offered)})")
+    )
+    when = (
+        "always" if p.run_when == "always" else (f"when idle for {format_duration(p.idle_after)}")
+    )
+    return [
+        f"cores:        {cores}",
+        f"memory:       {memory}",
+        f"runs:         {when}",
+        f"hours:        {', '.join(str(w) for w in p.hours) or 'any'}",
+        f"on battery:   {'suspended' if p.pause_on_battery else 'runs'}; every rank moves "
+        f"away below {p.evacuate_battery_below:g}%",
+        f"paused while: {', '.join(sorted(p.pause_while)) or 'nothing'} runs",
+    ]
+
+
+@click.command()
+@click.option("--cores", type=click.IntRange(min=0), help="Ranks at once (0: every CPU).")
+@click.option(
+    "--memory",
+    "memory_text",
+    metavar="SIZE",
+    help="Memory offered in all, e.g. 8G (0: 3/4 of the machine's).",
+)
+@click.option(
+    "--run-when",
+    type=click.Choice(["always", "idle"]),
+    help="Run always, or only when the machine is idle.",
+)
+@click.option("--idle-after", metavar="DURATION", help="Idle this long before ranks run, e.g. 5m.")
+@click.option(
+    "--on-battery",
+    type=click.Choice(["pause", "run"]),
+    help="Suspend ranks on battery, or let them run.",
+)
+@click.option(
+    "--evacuate-below",
+    type=click.FloatRange(0, 100),
+    metavar="PERCENT",
+    help="Battery charge below which every rank moves away.",
+)
+@click.option(
+    "--pause-while",
+    metavar="NAMES",
+    help="Comma-separated programs during which ranks are suspended ('' for none).",
+)
+@click.option(
+    "--run-hours", metavar="HOURS", help="e.g. '22:00-07:00, 12:00-13:00' ('' for any time)."
+)
+@SOCKET_OPTION
+@click.pass_context
+def prefs(
+    ctx: click.Context,
+    cores: int | None,
+    memory_text: str | None,
+    run_when: str | None,
+    idle_after: str | None,
+    on_battery: str | None,
+    evacuate_below: float | None,
+    pause_while: str | None,
+    run_hours: str | None,
+    socket: Path | None,
+) -> None:
+    """Show the owner's preferences, or change them: the settings file is rewritten and a
+    running agent applies them at once (cores included; memory from its next start)."""
+    changes: dict[str, object] = {}
+    try:
+        if cores is not None:
+            changes["slots"] = cores
+        if memory_text is not None:
+            changes["memory"] = 0 if memory_text.strip() == "0" else parse_size(memory_text)
+        if run_when is not None:
+            changes["run_when"] = run_when
+        if idle_after is not None:
+            changes["idle_after"] = parse_duration(idle_after)
+        if on_battery is not None:
+            changes["pause_on_battery"] = on_battery == "pause"
+        if evacuate_below is not None:
+            changes["evacuate_battery_below"] = evacuate_below
+        if pause_while is not None:
+            changes["pause_while"] = [n.strip() for n in pause_while.split(",") if n.strip()]
+        if run_hours is not None:
+            changes["run_hours"] = run_hours
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from exc
+    path = _settings_file(ctx)
+    if not changes:
+        click.echo(f"{path}:")
+        click.echo("\n".join(_show_prefs(load_agent_settings(path))))
+        return
+    try:
+        data = tomllib.loads(path.read_text()) if path.exists() else {}
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise click.UsageError(f"cannot read {path}: {exc}") from exc
+    data.update(changes)
+    try:
+        new = load_settings_text(data)  # checked before anything is written
+    except SettingsError as exc:
+        raise click.UsageError(str(exc)) from exc
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_bytes(tomli_w.dumps(data).encode())
+    tmp.chmod(path.stat().st_mode & 0o777 if path.exists() else 0o600)
+    tmp.replace(path)
+    click.echo(f"{path}: {', '.join(f'{k} = {v!r}' for k, v in changes.items())}")
+    click.echo("\n".join(_show_prefs(new)))
+    where = _socket(ctx.obj, socket)
+    try:
+        answer = request(where, "reload")
+    except ControlError as exc:
+        click.echo(f"(not applied to a running agent: {exc}; it applies them when it starts)")
+        return
+    later = answer.get("later") or []
+    click.echo(
+        "the running agent applied them"
+        + (f"; {', '.join(later)} from its next start" if later else "")
+    )
+
+
+def load_settings_text(data: dict[str, object]) -> AgentSettings:
+    """Settings from a file's ``data`` as the agent would load them (every value checked)."""
+    return load_agent_settings(None, {k: v for k, v in data.items() if v is not None})

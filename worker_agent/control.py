@@ -8,6 +8,8 @@ per connection:
     {"op": "pause", "seconds": 7200}      -> {"ok": true, "status": {...}}
     {"op": "pause"}                       -> the same, until resumed
     {"op": "resume"}                      -> {"ok": true, "status": {...}}
+    {"op": "reload"}                      -> {"ok": true, "status": {...}, "later": [...]}
+                                             (the preferences read again from the file)
     anything else                         -> {"ok": false, "error": "..."}
 
 Anyone on the machine may read the status (the socket is mode 0666, its directory 0755: an
@@ -34,9 +36,10 @@ from typing import TYPE_CHECKING, Any, Literal
 import msgspec
 import trio
 
+from vpool.config import SettingsError
 from vpool.worker_agent.errors import AgentError
 from vpool.worker_agent.proxy import choose_socket_path
-from vpool.worker_agent.settings import AgentSettings
+from vpool.worker_agent.settings import SYSTEM_CONTROL_SOCKET, AgentSettings
 
 if TYPE_CHECKING:
     from vpool.worker_agent.agent import Agent
@@ -48,11 +51,11 @@ REQUEST_TIMEOUT = 5.0
 MAX_CONNECTIONS = 8
 # Where an agent run as root (a system service) listens: what `vpool-agent status` tries when
 # its own settings name no socket that exists.
-SYSTEM_SOCKET = Path("/run/vpool-agent/control.sock")
+SYSTEM_SOCKET = SYSTEM_CONTROL_SOCKET
 
 
 class ControlRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    op: Literal["status", "pause", "resume"]
+    op: Literal["status", "pause", "resume", "reload"]
     seconds: float | None = None  # pause: for how long (None: until resumed)
 
 
@@ -196,11 +199,18 @@ async def handle(agent: Agent, req: ControlRequest, uid: int, allowed: set[int])
     elif req.op == "resume":
         agent.manners.resume()
         log.info("resumed by uid %d", uid)
+    later: list[str] = []
+    if req.op == "reload":
+        try:
+            later = agent.reload_preferences()
+        except (SettingsError, ControlError) as exc:
+            return {"ok": False, "error": str(exc)}
+        log.info("preferences read again by uid %d", uid)
     if req.op != "status":
         # Answered once the ranks are frozen (or thawed): the status says what is.
         with trio.move_on_after(REQUEST_TIMEOUT / 2):
             await agent.manners.next_pass()
-    return {"ok": True, "status": status(agent)}
+    return {"ok": True, "status": status(agent), "later": later}
 
 
 def status(agent: Agent) -> dict[str, Any]:
@@ -228,7 +238,8 @@ def status(agent: Agent) -> dict[str, Any]:
 
 
 def request(path: Path, op: str, seconds: float | None = None, timeout: float = 10.0) -> Any:
-    """Ask the agent listening at ``path`` (blocking; for the command line). Raises
+    """Ask the agent listening at ``path`` (blocking; for the command line); its answer.
+    Raises
     ``ControlError`` with a message for people."""
     body: dict[str, Any] = {"op": op}
     if seconds is not None:
@@ -258,4 +269,4 @@ def request(path: Path, op: str, seconds: float | None = None, timeout: float = 
     answer = msgspec.json.decode(data)
     if not answer.get("ok"):
         raise ControlError(str(answer.get("error", "refused")))
-    return answer["status"]
+    return answer  # {"ok": true, "status": {...}, "later": [...]}

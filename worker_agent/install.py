@@ -69,7 +69,7 @@ from vpool.worker_agent import identity
 from vpool.worker_agent.agent import SOCKET_NAME, enroll
 from vpool.worker_agent.coordinator import CoordinatorClient
 from vpool.worker_agent.errors import AgentError, CoordinatorUntrusted
-from vpool.worker_agent.settings import AgentSettings
+from vpool.worker_agent.settings import SYSTEM_CONTROL_SOCKET, AgentSettings
 
 Say = Callable[[str], None]
 
@@ -431,6 +431,9 @@ def _agent_settings(req: JoinRequest, layout: Layout, ca: Path | None) -> dict[s
         values["slots"] = req.slots
     values["identity_dir"] = str(layout.identity_dir)
     values["work_dir"] = str(layout.work_dir)
+    if layout.system:
+        # Not in the private work directory: the desktop's users ask a system agent too.
+        values["control_socket"] = str(SYSTEM_CONTROL_SOCKET)
     return values
 
 

@@ -14,6 +14,8 @@ from vpool.config import load_settings, setting
 from vpool.worker_agent import manners
 
 ENV_PREFIX = "VPOOL_AGENT"
+# Where an agent run as root listens for `vpool-agent status` (a directory anyone may enter).
+SYSTEM_CONTROL_SOCKET = Path("/run/vpool-agent/control.sock")
 
 
 @dataclass(frozen=True)
@@ -331,7 +333,7 @@ class AgentSettings:
         if self.work_dir:  # one of several agents on this machine (a local pool)
             return self.work_path / "control.sock"
         if os.getuid() == 0:
-            return Path("/run/vpool-agent/control.sock")
+            return SYSTEM_CONTROL_SOCKET
         runtime = os.environ.get("XDG_RUNTIME_DIR")
         if runtime:
             return Path(runtime) / "vpool-agent.sock"

@@ -78,6 +78,12 @@ class Suspender:
         self.ranks_done = 0
         self.cpu_done = 0.0
 
+    def configure(self, settings: AgentSettings) -> None:
+        """New preferences (``vpool-agent prefs``): applied from the next pass, at once."""
+        self.settings = settings
+        self.prefs = settings.preferences()
+        self.wake()
+
     # -- what the agent and the owner see ---------------------------------------------------
 
     @property

@@ -9,6 +9,7 @@ says FROZEN. Every job's output is compared with a fault-free run of the same pr
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import os
 import select
@@ -160,10 +161,38 @@ def test_paused_ranks_are_frozen_then_thawed_and_the_output_is_identical(pool: P
     assert res.returncode == 0 and res.stdout == "resumed; now running\n", (res.stdout, res.stderr)
     for pid in pids:
         assert freezer_state(pid) == "THAWED", pid
+
+    # The owner's preferences, changed while it runs: hours that exclude now freeze the
+    # ranks at once; any hour again thaws them. The file keeps what was said.
+    start = (dt.datetime.now() + dt.timedelta(hours=2)).strftime("%H:00")
+    end = (dt.datetime.now() + dt.timedelta(hours=3)).strftime("%H:00")
+    res = owner(pool, "agent-0", "prefs", "--run-hours", f"{start}-{end}", "--cores", "6")
+    assert res.returncode == 0, res.stderr
+    assert f"hours:        {start}-{end}" in res.stdout, res.stdout
+    assert res.stdout.endswith("the running agent applied them\n"), res.stdout
+    wait_for(
+        "ranks frozen outside the hours",
+        lambda: all(freezer_state(p) == "FROZEN" for p in pids),
+        pool,
+    )
+    st = agent_status(pool, "agent-0")
+    assert st["reason"] == f"outside its hours ({start}-{end})", st
+    assert st["limits"]["slots"] == 6, st
+    assert f'run_hours = "{start}-{end}"' in config(pool, "agent-0").read_text()
+    res = owner(pool, "agent-0", "prefs", "--run-hours", "")
+    assert res.returncode == 0 and "hours:        any" in res.stdout, (res.stdout, res.stderr)
+    wait_for("ranks thawed", lambda: all(freezer_state(p) == "THAWED" for p in pids), pool)
+    bad = owner(pool, "agent-0", "prefs", "--run-hours", "9-17")
+    assert bad.returncode == 2 and "is not HH:MM-HH:MM" in bad.stderr, bad.stderr
+    assert 'run_hours = ""' in config(pool, "agent-0").read_text()  # nothing written
+
     d = wait_until(pool, job, ended, "job end", timeout=120)
     assert d["job"]["state"] == "succeeded", (d, pool.logs())
     assert output(pool, job) == ref
     assert not events(d, "rank_lost"), d["events"]  # suspended, never lost
+    suspended = events(d, "rank_suspended")
+    assert {e["rank"] for e in suspended} == set(mine), d["events"]
+    assert "paused by its owner" in suspended[0]["message"], suspended
 
 
 def test_status_pause_and_resume_answer_clearly_without_an_agent(tmp_path: Path) -> None:
