@@ -31,7 +31,7 @@ from vpool.protocol.api import (
 )
 from vpool.protocol.rank_link import replaces
 from vpool.reasons import describe
-from vpool.worker_agent import control, identity, sandbox, sandboxed, selftest
+from vpool.worker_agent import cgroups, control, identity, sandbox, sandboxed, selftest
 from vpool.worker_agent.bundle import BlobCache
 from vpool.worker_agent.checkpoints import Capability, Checkpointer, find_capability
 from vpool.worker_agent.coordinator import CoordinatorClient
@@ -549,6 +549,9 @@ async def run_agent(
     ``reload`` reads the settings again from their file (``vpool-agent prefs``)."""
     key = identity.load_or_create_key(settings.identity_path)
     settings.work_path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    swept = await trio.to_thread.run_sync(cgroups.sweep)
+    if swept:
+        log.info("removed the empty cgroups of %d agent(s) that are gone", len(swept))
     async with CoordinatorClient(
         settings.coordinator_url,
         ca=settings.ca_path,

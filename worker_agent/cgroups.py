@@ -790,6 +790,47 @@ def _remove_dirs(dirs: dict[Path, frozenset[str]]) -> list[str]:
     return failed
 
 
+_BASE_NAME = re.compile(r"vpool-agent-(\d+)")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def sweep(version: int | None = None) -> list[Path]:
+    """Remove what agents that are gone left (killed before they could remove their groups):
+    each ``vpool-agent-<pid>`` next to this agent's base whose process is gone, with every
+    group in it. The kernel refuses to remove a group that has processes, so whatever still
+    runs keeps its group; only empty ones go. The bases removed."""
+    try:
+        layout = _layout(version)
+    except CgroupError:
+        return []
+    removed = []
+    with _BASE_LOCK:
+        for hierarchy in layout.hierarchies:
+            try:
+                bases = [d for d in hierarchy.own.iterdir() if _BASE_NAME.fullmatch(d.name)]
+            except OSError:
+                continue
+            for base in bases:
+                pid = int(base.name.rsplit("-", 1)[1])
+                if pid == os.getpid() or _alive(pid):
+                    continue
+                for directory, _, _ in os.walk(base, topdown=False):
+                    with contextlib.suppress(OSError):
+                        os.rmdir(directory)
+                if not base.exists():
+                    removed.append(base)
+    return removed
+
+
 def probe(version: int | None = None) -> Support:
     """What this machine gives: a throwaway group is made, limited, read back and removed."""
     name = f"probe-{uuid.uuid4().hex[:12]}"

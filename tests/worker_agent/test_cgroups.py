@@ -10,6 +10,7 @@ makes is killed and removed by the fixture, whatever the test's end.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import select
@@ -511,6 +512,40 @@ def test_a_frozen_group_takes_no_cpu_and_runs_on_when_thawed(
         time.sleep(0.01)
     group.kill_all()
     assert proc.wait(timeout=TIMEOUT) == -signal.SIGKILL
+
+
+def test_sweep_removes_what_dead_agents_left_and_keeps_what_runs(
+    version: int,
+    make_group: Callable[[Limits], RankCgroup],
+    spawn: Callable[..., subprocess.Popen[str]],
+) -> None:
+    own = make_group(Limits())  # this agent's base exists, with a group in it
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait(timeout=TIMEOUT)  # its pid names nothing now: an agent that was SIGKILLed
+    base = Path(own.procs_files()[0]).parent.parent.parent / f"vpool-agent-{gone.pid}"
+    (base / "1-0-1-x").mkdir(parents=True)
+    (base / "1-1-1-x").mkdir()
+    busy = base / "1-2-1-x"
+    busy.mkdir()
+    proc = spawn("import signal\nprint('up', flush=True)\nsignal.pause()")
+    assert _read_line(proc).strip() == "up"
+    (busy / "cgroup.procs").write_text(str(proc.pid))  # a rank the dead agent left running
+    try:
+        assert base not in cgroups.sweep(version)  # the busy group keeps its base
+        assert sorted(p.name for p in base.iterdir() if p.is_dir()) == ["1-2-1-x"]
+        assert Path(own.procs_files()[0]).exists()  # a live agent's groups are not touched
+        proc.kill()
+        proc.wait(timeout=TIMEOUT)
+        deadline = time.monotonic() + TIMEOUT
+        while (busy / "cgroup.procs").read_text().strip():  # the kernel empties it
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert base in cgroups.sweep(version)  # (and any other dead agent's leftovers)
+        assert not base.exists()
+    finally:
+        for d in (busy, base / "1-0-1-x", base / "1-1-1-x", base):
+            with contextlib.suppress(OSError):
+                d.rmdir()
 
 
 def test_a_name_in_use_is_refused_and_the_first_group_is_kept(
