@@ -58,12 +58,12 @@ async def test_the_pool_page_shows_each_agents_activity(portal: Portal) -> None:
     away = await pool.enroll("away", slots=1)
     bye = await pool.enroll("bye", slots=1)
     await _say(pool, away, "suspended", "the owner is <using> the machine")
+    await _say(pool, bye, "leaving", "stopping")  # before the job: it must not go there
     await pool.submit(1)  # to idle or full (equals: enrolled at once)
     placed = {a.id: a for a in (idle, full)}
     [(agent, leases)] = [(a, ls) for a in placed.values() if (ls := await pool.lease(a))]
     await pool.heartbeat(agent, leases, free=0)
     names = {idle.id: "idle", full.id: "full"}
-    await _say(pool, bye, "leaving", "stopping")
     html = (await ops.get("/pool")).text
     rows = _agent_rows(html)
     assert {n: _activity(r) for n, r in rows.items()} == {
