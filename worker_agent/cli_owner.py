@@ -93,7 +93,11 @@ def render(st: dict[str, Any]) -> list[str]:
     limit = st["suspend_limit"]
     lines.append(
         f"moves away: a rank suspended {format_duration(limit)}; every rank before sleep"
-        + (" (inhibitor lock held)" if st["sleep_lock"] else " (no logind: no warning)")
+        + (
+            f" (inhibitor lock held; logind waits {st['sleep_delay_max']:g} s at most)"
+            if st["sleep_lock"]
+            else " (no logind: no warning)"
+        )
     )
     lim = st["limits"]
     lines.append(

@@ -163,7 +163,7 @@ def decide(prefs: Preferences, seen: Seen) -> Verdict:
             return Verdict(
                 "suspended", "it runs only when the machine is idle, and cannot tell when it is"
             )
-        if seen.idle < prefs.idle_after:
+        if seen.idle <= 0 or seen.idle < prefs.idle_after:  # 0: present now, whatever idle_after
             if seen.idle < 60:
                 why = "the owner is using the machine"
             else:

@@ -45,6 +45,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("vpool.agent")
 
 DEFAULT_SUSPEND_LIMIT = 600.0  # s, when neither the pool nor the volunteer says
+SLEEP_DELAY_ADVISED = 30.0  # s of InhibitDelayMaxSec below which the agent says it is short
 INHIBIT_WHY = "vpool checkpoints the MPI ranks it runs, to move them to another machine"
 
 
@@ -65,6 +66,7 @@ class Suspender:
         self.going_to_sleep = False
         self.idle_source = ""  # where idleness comes from now ("logind", "terminals", "")
         self.sleep_lock = False  # holding logind's delay inhibitor lock
+        self.sleep_delay_max = 0.0  # s logind waits for it (InhibitDelayMaxSec)
         self.last_seen: Seen | None = None
         self._wake = trio.Event()
         # Passes of the loop begun and ended, and an event set at the end of each (a pause
@@ -117,17 +119,21 @@ class Suspender:
     def wake(self) -> None:
         self._wake.set()
 
-    async def next_pass(self) -> None:
-        """Until a pass of the loop begun from now on has applied its verdict."""
+    async def next_pass(self, *, wake: bool = True) -> None:
+        """Until a pass of the loop begun from now on has applied its verdict; ``wake``: one
+        begins now (else at the next interval, or the next event that wakes the loop)."""
         target = self._begun + 1
-        self.wake()
+        if wake:
+            self.wake()
         while self._ended < target:
             await self._pass_ended.wait()
 
     def rank_ended(self, rank: LocalRank) -> None:
+        """Its process ended and the coordinator was told (the slot is free)."""
         self.ranks_done += 1
         self.cpu_done += rank.cpu_seconds
         self._evacuations.discard(rank)
+        self.wake()  # a sleep may be waiting for it (``handed_back``)
 
     # -- the loop ---------------------------------------------------------------------------
 
@@ -276,13 +282,17 @@ class Suspender:
             rank.request_stop(f"{why}: {how}", lost=True)
         finally:
             self._evacuations.discard(rank)
-            if not self._evacuations:
-                self.wake()
+            self.wake()
 
     def handed_back(self) -> bool:
-        """No rank runs here that is not being stopped, and no hand-back is under way."""
-        return not self._evacuations and not any(
-            r.process is not None and not r.stop_requested.is_set() for r in self.ranks
+        """No hand-back is under way, and every rank that ran here has ended and the
+        coordinator was told (its slot is free), so that it restarts elsewhere while this
+        machine sleeps. Ranks still starting (no process yet) do not count."""
+        if self._evacuations:
+            return False
+        return all(
+            r.slot_released or (r.process is None and not r.stop_requested.is_set())
+            for r in self.ranks
         )
 
     def _sample(self, rank: LocalRank) -> None:
@@ -302,15 +312,24 @@ class Suspender:
             try:
                 lock = await bus.inhibit(INHIBIT_WHY)
                 self.sleep_lock = True
+                self.sleep_delay_max = await bus.inhibit_delay_max()
             except LogindUnavailable as exc:
                 log.warning("no inhibitor lock (%s): ranks may sleep unsaved", exc)
+            else:
+                if self.sleep_delay_max < SLEEP_DELAY_ADVISED:
+                    log.info(
+                        "logind waits at most %g s for the checkpoints before sleep "
+                        "(InhibitDelayMaxSec); large ranks may need more",
+                        self.sleep_delay_max,
+                    )
             async for kind, coming in bus.sleep_events():
                 if coming:
                     log.info("%s coming: handing every rank back first", kind)
                     self.going_to_sleep = True
-                    await self.next_pass()  # one that knows: every rank handed back
+                    await self.next_pass()  # one that knows: every rank being handed back
                     while not self.handed_back():
-                        await self.next_pass()
+                        # Woken by each hand-back and each rank's end, not spinning.
+                        await self.next_pass(wake=False)
                     if lock >= 0:
                         os.close(lock)
                         lock = -1
@@ -350,6 +369,7 @@ class Suspender:
                 else None
             ),
             "sleep_lock": self.sleep_lock,
+            "sleep_delay_max": self.sleep_delay_max,
             "suspend_limit": self.suspend_limit,
             "preferences": {
                 "run_when": prefs.run_when,

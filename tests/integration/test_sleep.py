@@ -19,6 +19,7 @@ import trio
 from tests.integration.conftest import start_pool
 from tests.integration.test_checkpoints import (
     ckpt_id,
+    detail,
     ended,
     events,
     images,
@@ -85,6 +86,11 @@ async def _sleep_and_wake(pool: Pool, logind: FakeLogind) -> None:
     # Every image is on the relay's disk (committed) when the lock goes.
     committed = {rank: images(pool, job, rank) for rank in mine}
     assert all(committed.values()), committed
+    # And the coordinator knows they left: they restart elsewhere while this machine sleeps.
+    d = await blocking(detail, pool, job)
+    assert all([e for e in events(d, "rank_lost", r) if e["time"] >= going] for r in mine), d[
+        "events"
+    ]
     st = await blocking(agent_status, pool, "agent-0")
     assert st["activity"] == "leaving" and not st["sleep_lock"], st
     print(f"\nPrepareForSleep to lock released with {len(mine)} rank(s): {released - going:.2f} s")

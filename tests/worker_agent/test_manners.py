@@ -48,6 +48,10 @@ def test_run_when_idle_waits_for_idle_after_and_suspends_when_the_owner_is_back(
     waiting = decide(prefs, seen(idle=120.0))
     assert waiting.reason == "the machine has been idle for 2 min only (it runs after 5 min idle)"
     assert decide(prefs, seen(idle=300.0)).activity == "available"
+    # logind's "present" is 0 s idle: suspended even when any idleness would do.
+    anytime = Preferences(run_when="idle", idle_after=0)
+    assert decide(anytime, seen(idle=0.0)).activity == "suspended"
+    assert decide(anytime, seen(idle=0.5)).activity == "available"
     unknown = decide(prefs, seen(idle=None))
     assert unknown.activity == "suspended" and "cannot tell" in unknown.reason
 

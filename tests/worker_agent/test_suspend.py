@@ -128,6 +128,8 @@ async def test_past_the_limit_a_rank_is_checkpointed_and_handed_back(tmp_path: P
     assert r.stop_reason == (
         "suspended for more than 30 s: moved to another machine from a checkpoint taken now"
     )
+    assert not s.handed_back()  # told to stop, but not ended and reported yet
+    r.slot_released = True
     assert s.handed_back()
 
 
