@@ -1,7 +1,9 @@
-"""The machine goes to sleep (issue 22): real logind D-Bus messages, a real pool, real CRIU.
+"""The owner comes back, the machine goes to sleep (issue 22): real logind D-Bus messages, a
+real pool, real CRIU.
 
 logind itself is faked (tests/worker_agent/fake_logind.py) on a real ``dbus-daemon``: one agent
-is pointed at that bus (``logind_bus``) and takes its delay inhibitor lock. PrepareForSleep(true)
+is pointed at that bus (``logind_bus``, ``run_when = "idle"``) and takes its delay inhibitor lock.
+The idle hint going false freezes its ranks and true thaws them. PrepareForSleep(true)
 then makes it checkpoint every rank it runs and hand them back; the test checks that each image
 is committed at the relay before the agent releases its lock (what lets the machine sleep), that
 the ranks are restored from those images on the other agent, and that the output is identical.
@@ -28,7 +30,14 @@ from tests.integration.test_checkpoints import (
     wait_agents,
     wait_until,
 )
-from tests.integration.test_suspend import agent_status, reconfigure, reference, running_on
+from tests.integration.test_suspend import (
+    agent_status,
+    freezer_state,
+    reconfigure,
+    reference,
+    running_on,
+    wait_for,
+)
 
 # ruff: noqa: F811
 from tests.worker_agent.fake_logind import (  # noqa: F401 (pytest fixtures)
@@ -61,7 +70,11 @@ async def _sleep_and_wake(pool: Pool, logind: FakeLogind) -> None:
 
     logind.set_idle(True, since=3600)
     ref = await blocking(reference, pool, "300")
-    await blocking(lambda: reconfigure(pool, "agent-0", logind_bus=logind.address))
+    await blocking(
+        lambda: reconfigure(
+            pool, "agent-0", logind_bus=logind.address, run_when="idle", idle_after=1.0
+        )
+    )
     await blocking(wait_agents, pool, 2)
     (lock,) = await logind.wait_for(lambda: logind.held("delay", "sleep"), seconds=60)
     assert lock.who == "vpool agent" and "checkpoints" in lock.why, lock
@@ -78,6 +91,20 @@ async def _sleep_and_wake(pool: Pool, logind: FakeLogind) -> None:
     )
     mine = await blocking(running_on, pool, job, "agent-0")
     assert mine, "agent-0 runs none of the ranks"
+
+    # The owner comes back (logind's idle hint goes false): frozen within a look or two; away
+    # again for idle_after: thawed.
+    pids = [pool.rank_pid(rank, job, "agent-0") for rank in mine]
+    logind.set_idle(False)
+    await blocking(
+        wait_for, "frozen", lambda: all(freezer_state(p) == "FROZEN" for p in pids), pool
+    )
+    st = await blocking(agent_status, pool, "agent-0")
+    assert st["reason"] == "the owner is using the machine (it runs after 1 s idle)", st
+    logind.set_idle(True, since=5)
+    await blocking(
+        wait_for, "thawed", lambda: all(freezer_state(p) == "THAWED" for p in pids), pool
+    )
 
     going = time.time()
     await logind.prepare_for_sleep(True)
