@@ -552,12 +552,7 @@ async def run_agent(
     swept = await trio.to_thread.run_sync(cgroups.sweep)
     if swept:
         log.info("removed the empty cgroups of %d agent(s) that are gone", len(swept))
-    async with CoordinatorClient(
-        settings.coordinator_url,
-        ca=settings.ca_path,
-        transport=transport,
-        retry_max_delay=settings.retry_max_delay,
-    ) as client:
+    async with CoordinatorClient.of(settings, transport) as client:
         enrolled = await enroll(settings, client, key)
         agent: Agent | None = None
         try:

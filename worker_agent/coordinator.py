@@ -21,7 +21,7 @@ import random
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import httpx
 import msgspec
@@ -36,6 +36,9 @@ from vpool.worker_agent.errors import (
     CoordinatorUnreachable,
     CoordinatorUntrusted,
 )
+
+if TYPE_CHECKING:
+    from vpool.worker_agent.settings import AgentSettings
 
 log = logging.getLogger("vpool.agent")
 
@@ -87,6 +90,18 @@ class CoordinatorClient:
             base_url=self.url,
             transport=transport,
             timeout=_timeout(TIMEOUT),
+        )
+
+    @classmethod
+    def of(
+        cls, settings: AgentSettings, transport: httpx.AsyncBaseTransport | None = None
+    ) -> CoordinatorClient:
+        """The client an agent of ``settings`` uses."""
+        return cls(
+            settings.coordinator_url,
+            ca=settings.ca_path,
+            transport=transport,
+            retry_max_delay=settings.retry_max_delay,
         )
 
     async def __aenter__(self) -> CoordinatorClient:

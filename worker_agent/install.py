@@ -441,12 +441,7 @@ async def _enroll(
     settings: AgentSettings, transport: httpx.AsyncBaseTransport | None
 ) -> EnrollResponse:
     key = identity.load_or_create_key(settings.identity_path)
-    async with CoordinatorClient(
-        settings.coordinator_url,
-        ca=settings.ca_path,
-        transport=transport,
-        retry_max_delay=settings.retry_max_delay,
-    ) as client:
+    async with CoordinatorClient.of(settings, transport) as client:
         try:
             with trio.fail_after(CONNECT_WAIT):
                 return await enroll(settings, client, key)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import select
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -106,6 +108,18 @@ def real_mpiexec(
     )
     assert res.returncode == 0, res.stderr.decode()
     return res.stdout
+
+
+def end_process(pid: int, sig: int, timeout: float = 60) -> None:
+    """Send ``sig`` to process ``pid`` and wait until it has exited (pinned by a pidfd: no
+    stranger is signalled if the pid is reused); fails after ``timeout`` s."""
+    exited = os.pidfd_open(pid)  # readable once the process has exited
+    try:
+        signal.pidfd_send_signal(exited, sig)
+        ready, _, _ = select.select([exited], [], [], timeout)
+        assert ready, f"process {pid} still runs {timeout} s after {signal.Signals(sig).name}"
+    finally:
+        os.close(exited)
 
 
 def children(pid: int) -> list[int]:

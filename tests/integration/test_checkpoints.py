@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import select
 import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -21,7 +20,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from tests.integration.conftest import children, environ_of, stdout_of
+from tests.integration.conftest import children, end_process, environ_of, stdout_of
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -429,13 +428,7 @@ def test_stopping_agent_checkpoints_its_ranks_before_it_leaves(pool: Pool) -> No
     host = next(r["agent"] for r in d["ranks"] if r["rank"] == 1)
     leaving = next(name for name in names if agent_id(pool, name) == host)
     mine = sorted(r["rank"] for r in d["ranks"] if r["agent"] == host)
-    exited = os.pidfd_open(pool.pid_of(leaving))  # readable once the agent has exited
-    try:
-        signal.pidfd_send_signal(exited, signal.SIGTERM)
-        ready, _, _ = select.select([exited], [], [], 60)
-        assert ready, f"{leaving} still runs 60 s after SIGTERM"
-    finally:
-        os.close(exited)
+    end_process(pool.pid_of(leaving), signal.SIGTERM, 60)
     d = finish(pool, job, ref)
     log = (pool.home / "state" / "local-pool" / "logs" / f"{leaving}.log").read_text()
     assert f"leaving: {len(mine)} of {len(mine)} rank(s) checkpointed" in log, log[-3000:]

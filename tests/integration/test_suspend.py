@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import datetime as dt
 import json
-import os
-import select
 import signal
 import subprocess
 import sys
@@ -23,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
+from tests.integration.conftest import end_process
 from tests.integration.test_checkpoints import (
     detail,
     ended,
@@ -79,13 +78,7 @@ def reconfigure(pool: Pool, name: str, **settings: object) -> None:
     kept = [ln for ln in path.read_text().splitlines() if ln.split(" ")[0] not in settings]
     added = [f"{k} = {json.dumps(v)}" for k, v in settings.items()]
     path.write_text("\n".join([*kept, *added, ""]))
-    exited = os.pidfd_open(pool.pid_of(name))  # readable once the agent has exited
-    try:
-        signal.pidfd_send_signal(exited, signal.SIGKILL)
-        ready, _, _ = select.select([exited], [], [], 30)
-        assert ready, f"{name} still runs 30 s after SIGKILL"
-    finally:
-        os.close(exited)
+    end_process(pool.pid_of(name), signal.SIGKILL, 30)
     res = pool.vsdk("local", "restart", name)
     assert res.returncode == 0, res.stderr.decode()
 
