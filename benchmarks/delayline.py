@@ -19,7 +19,8 @@ measures what the line carries (``measure_plain``), and an application whose own
 needs round trips (vpool's push window and its ``Credit``s) shows what that flow control costs
 on such a link.
 
-Used as a library by benchmarks/wan_stream.py::
+Used as a library by benchmarks/wan_stream.py, and by benchmarks/wan_netns.py's line process
+(on a relay's namespace machine, listening on its address: ``host``)::
 
     with DelayLine(("127.0.0.1", port), delay=0.020) as line:
         connect_to(line.port)
@@ -305,7 +306,7 @@ def measure_plain(
             if child.wait(timeout=600) != 0:
                 raise RuntimeError(f"the stream's endpoints failed ({child.returncode})")
         res = json.loads(out.strip().splitlines()[-1])
-    return res["bytes"] / res["seconds"] / MiB
+    return float(res["bytes"]) / float(res["seconds"]) / MiB
 
 
 def _size(text: str) -> int:

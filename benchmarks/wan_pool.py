@@ -1,23 +1,40 @@
 """WAN figures: round trip, streaming and examples/heat.py through a delay line, next to plain TCP.
 
-    .venv/bin/python benchmarks/wan_pool.py [--delay MS ...] [--quick] [--json FILE]
+    .venv/bin/python benchmarks/wan_pool.py [--local] [--no-fsync] [--delay MS ...] [--quick]
+        [--json FILE]
 
-The topology is benchmarks/wan_stream.py's (``wan_stream.line_pool``): a local pool of 2 agents
-of one slot and 1 relay, in a private VPOOL_HOME, whose relay sits behind a user-space delay
-line (benchmarks/delayline.py) of ``delay`` ms each way. The two ranks of every job land on
-different agents, so every message takes rank -> agent -> line -> relay -> line -> agent ->
-rank: it crosses the line twice, and a round trip four times (at least 4 x delay), where a plain
-TCP round trip through the same line crosses it twice (2 x delay). A pool with no line at all
-("direct", always measured first) is the baseline for heat.py.
+By default (root only) the pool is the multi-host test's, on network namespaces
+(benchmarks/wan_netns.py, tests/integration/netpool.py): a coordinator, relay-0, volunteers
+agent-0 and agent-1 of one slot each behind firewalls that drop every new inbound connection,
+and the user's machine, on one bridge, set up with the operator's commands; a user-space delay
+line (benchmarks/delayline.py, this kernel has no netem) of ``delay`` ms each way runs on
+relay-0's machine, on the address the relay's bundle advertises, in front of the relay. The
+relay runs its bundle's settings, so it writes every message to its disk before acknowledging
+it (``fsync = true``); ``--no-fsync`` turns that off, as the local pool has it. Without
+root, ``ip``, ``nft``, ``nsenter`` or ``ss``, or where namespaces cannot be made, it says why
+and exits with 77 (skipped). Every namespace and process it made is removed on the way out,
+failure, Ctrl-C and SIGTERM included.
 
-For each delay, in one pool:
+``--local``: benchmarks/wan_stream.py's topology instead (``wan_stream.line_pool``): a local
+pool (`vsdk local up`, 127.0.0.1) of 2 agents of one slot and 1 relay, in a private VPOOL_HOME,
+the line in this process in front of the relay.
+
+Either way the two ranks of every job land on different agents, so every message takes rank ->
+agent -> line -> relay -> line -> agent -> rank: it crosses the line twice, and a round trip
+four times (at least 4 x delay), where a plain TCP round trip through the same line crosses it
+twice (2 x delay). A pool with no line at all ("direct", always measured first) is the
+baseline for heat.py. Each row is a pool of its own (namespaces and all), made and removed.
+
+For each delay:
 
 1. Round trip of 8 B between the two ranks: each timed alone, the median of ``--iters`` after
    ``--iters / 10`` warm-up ones. Plain TCP: an 8 B echo through a line of the same delay,
-   timed the same way (measured before the pool starts, in this process, as the line is).
+   timed the same way, before the pool starts (namespaces: from agent-0's machine to an echo
+   on relay-0's, through the same line process; local: in this process, as the line is).
 2. Streaming: wan_stream.py's program (``--bytes`` in ``--size`` messages, cold then warm; the
    table shows warm) next to one plain TCP stream of the same bytes through a line of the same
-   delay (``delayline.measure_plain``). ``--rate`` gives every line a bottleneck (MiB/s, with
+   delay (namespaces: agent-0 to a sink on relay-0's machine through the same line; local:
+   ``delayline.measure_plain``). ``--rate`` gives every line a bottleneck (MiB/s, with
    wan_stream.py's buffer); by default a line carries what its threads copy, far more than the
    pool streams on two cores.
 3. examples/heat.py ``--steps`` steps of ``--cells`` cells per rank on 2 ranks: the job's time
@@ -26,7 +43,7 @@ For each delay, in one pool:
    one halo message each way, so a step costs about one round trip.
 
 The plain TCP figures of the "direct" row are shown as "-" (it has no line; the 0 ms row has a
-line's). The pool is stopped (``vsdk local down``) whatever happens, SIGTERM included.
+line's).
 """
 
 from __future__ import annotations
@@ -38,25 +55,28 @@ import shlex
 import signal
 import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent))
 
 import delayline  # noqa: E402
+import wan_netns  # noqa: E402
 import wan_stream  # noqa: E402
+from wan_stream import Vsdk  # noqa: E402
 
-VSDK = str(Path(sys.executable).parent / "vsdk")
+from tests.integration import netpool  # noqa: E402
+
 HEAT = str(HERE.parent / "examples" / "heat.py")
 MiB = 1024 * 1024
 RTT_SIZE = 8
-TIMEOUT = 900
+SKIPPED = 77  # exit status: this machine cannot make the namespaces
 
 RTT_PROGRAM = '''\
 """Two ranks: 8 B round trips from rank 0 to rank 1, each timed alone; rank 0 prints the
@@ -109,15 +129,6 @@ def _say(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
 
 
-def _vsdk(env: dict[str, str], *args: str) -> str:
-    out = subprocess.run(
-        [VSDK, *args], env=env, capture_output=True, text=True, timeout=TIMEOUT, check=False
-    )
-    if out.returncode != 0:
-        raise RuntimeError(f"vsdk {shlex.join(args)} failed ({out.returncode}):\n{out.stderr}")
-    return out.stdout
-
-
 def plain_rtt(delay: float, iters: int, warmup: int) -> list[float]:
     """Seconds of each of ``iters`` 8 B round trips (after ``warmup``) from a client to an echo
     server through a line of ``delay`` s each way."""
@@ -156,23 +167,22 @@ def plain_rtt(delay: float, iters: int, warmup: int) -> list[float]:
     return times[warmup:]
 
 
-def rtt_job(env: dict[str, str], work: Path, iters: int, warmup: int) -> list[float]:
+def rtt_job(vsdk: Vsdk, work: Path, iters: int, warmup: int) -> list[float]:
     program = work / "wan_pool_rtt.py"
     program.write_text(RTT_PROGRAM)
-    cmd = ["submit", str(program), "--ranks", "2", "--wait", "--quiet", "--"]
-    out = _vsdk(env, *cmd, str(iters), str(warmup))
+    out = vsdk("submit", program, "--ranks", "2", "--wait", "--quiet", "--", iters, warmup)
     times: list[float] = wan_stream._last_json(out)["rtt"]
     return times
 
 
-def heat_job(env: dict[str, str], steps: int, cells: int, name: str) -> dict[str, Any]:
+def heat_job(vsdk: Vsdk, steps: int, cells: int, name: str) -> dict[str, Any]:
     """Run heat.py on 2 ranks; its checksum line, the job's created -> finished seconds and the
     submit's wall time."""
     t0 = time.monotonic()
     cmd = ["submit", HEAT, "--ranks", "2", "--name", name, "--wait", "--quiet", "--"]
-    out = _vsdk(env, *cmd, str(steps), str(cells))
+    out = vsdk(*cmd, steps, cells)
     wall = time.monotonic() - t0
-    [job] = [j for j in json.loads(_vsdk(env, "jobs", "--json")) if j["name"] == name]
+    [job] = [j for j in json.loads(vsdk("jobs", "--json")) if j["name"] == name]
     if job["state"] != "succeeded":
         raise RuntimeError(f"heat job {job['id']}: {json.dumps(job)}")
     checksum = [line for line in out.splitlines() if line.startswith("checksum")]
@@ -192,28 +202,49 @@ def measure(label: str, opts: argparse.Namespace, work: Path) -> dict[str, Any]:
     delay = None if label == "direct" else float(label) / 1000
     warmup = max(1, opts.iters // 10)
     row: dict[str, Any] = {"delay": label}
-    if delay is not None:
-        row["plain_rtt"] = plain_rtt(delay, opts.iters, warmup)
-        row["plain_mibs"] = delayline.measure_plain(delay, opts.nbytes, rate=opts.rate)
+
+    def said_plain() -> None:
         _say(
             f"  {label} ms: plain TCP round trip {statistics.median(row['plain_rtt']) * 1e3:.2f}"
             f" ms, stream {row['plain_mibs']:.0f} MiB/s"
         )
-    with wan_stream.line_pool(delay, work, rate=opts.rate) as (env, line):
-        row["rtt"] = rtt_job(env, work, opts.iters, warmup)
-        row["stream"] = wan_stream.stream_job(env, work, opts.size, opts.nbytes)
-        _say(
-            f"  {label}: vpool round trip {statistics.median(row['rtt']) * 1e3:.2f} ms, stream "
-            f"cold {row['stream']['cold']:.0f} warm {row['stream']['warm']:.0f} MiB/s"
-        )
-        row["heat"] = []
-        for i in range(opts.repeat):
-            run = heat_job(env, opts.steps, opts.cells, f"heat-{label}-{i}")
-            row["heat"].append(run)
-            _say(f"  {label}: heat.py #{i}: job {run['job']}, {run['job_s']:.2f} s")
-        if line is not None:
-            row["line_bytes"] = line.forwarded
+
+    if opts.local:
+        if delay is not None:
+            row["plain_rtt"] = plain_rtt(delay, opts.iters, warmup)
+            row["plain_mibs"] = delayline.measure_plain(delay, opts.nbytes, rate=opts.rate)
+            said_plain()
+        with wan_stream.line_pool(delay, work, rate=opts.rate) as (env, line):
+            jobs(row, wan_stream.vsdk_in(env), opts, work)
+            if line is not None:
+                row["line_bytes"] = line.forwarded
+        return row
+
+    def plain(through: wan_netns.Plain) -> None:
+        row["plain_rtt"] = through.rtt(opts.iters, warmup)
+        row["plain_mibs"] = through.stream(opts.nbytes)
+        said_plain()
+
+    relay_env = {} if opts.fsync else {"VPOOL_RELAY_FSYNC": "false"}
+    with wan_netns.line_pool(delay, work, rate=opts.rate, plain=plain, relay_env=relay_env) as vsdk:
+        jobs(row, vsdk, opts, work)
     return row
+
+
+def jobs(row: dict[str, Any], vsdk: Vsdk, opts: argparse.Namespace, work: Path) -> None:
+    """The pool's figures of ``row``: round trip, streaming, heat.py."""
+    label = row["delay"]
+    row["rtt"] = rtt_job(vsdk, work, opts.iters, max(1, opts.iters // 10))
+    row["stream"] = wan_stream.stream_job(vsdk, work, opts.size, opts.nbytes)
+    _say(
+        f"  {label}: vpool round trip {statistics.median(row['rtt']) * 1e3:.2f} ms, stream "
+        f"cold {row['stream']['cold']:.0f} warm {row['stream']['warm']:.0f} MiB/s"
+    )
+    row["heat"] = []
+    for i in range(opts.repeat):
+        run = heat_job(vsdk, opts.steps, opts.cells, f"heat-{label}-{i}")
+        row["heat"].append(run)
+        _say(f"  {label}: heat.py #{i}: job {run['job']}, {run['job_s']:.2f} s")
 
 
 def _ms(seconds: float) -> str:
@@ -228,8 +259,16 @@ def report(
     sums = {r["checksum"] for row in rows for r in row["heat"]}
     if len(sums) != 1:
         raise RuntimeError(f"heat.py printed different checksums: {sorted(sums)}")
+    topology = (
+        "local (127.0.0.1), the line in front of the relay"
+        if opts.local
+        else "network namespaces (coordinator, relay-0, agent-0 and agent-1 behind their "
+        "firewalls, user), the line on relay-0's machine in front of the relay, "
+        f"relay fsync {'on (its bundle)' if opts.fsync else 'off'}"
+    )
     print(
-        f"\nwan_pool: {elapsed:.0f} s. Round trip: {RTT_SIZE} B, median of {opts.iters}; "
+        f"\nwan_pool: {elapsed:.0f} s. Pool: {topology}. "
+        f"Round trip: {RTT_SIZE} B, median of {opts.iters}; "
         f"stream: {opts.nbytes / MiB:.0f} MiB in {opts.size / MiB:g} MiB messages (vpool warm), "
         f"lines {f'of {opts.rate / MiB:g} MiB/s' if opts.rate else 'with no bottleneck'}; "
         f"heat.py {opts.steps} steps x {opts.cells} cells on 2 ranks, created -> finished, "
@@ -277,8 +316,22 @@ def report(
     return figures
 
 
+def skip(why: str) -> NoReturn:
+    _say(f"wan_pool: skipped: {why} (--local runs on 127.0.0.1 without namespaces)")
+    sys.exit(SKIPPED)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument(
+        "--local", action="store_true", help="a local pool on 127.0.0.1 (no namespaces, no root)"
+    )
+    ap.add_argument(
+        "--no-fsync",
+        dest="fsync",
+        action="store_false",
+        help="the relay without its bundle's fsync = true, as the local pool runs it",
+    )
     ap.add_argument("--delay", nargs="+", default=["0", "5", "20"], help="ms each way")
     ap.add_argument("--quick", action="store_true", help="smaller sizes, one repeat")
     ap.add_argument("--iters", type=int, default=0, help="round trips (default 100; quick 20)")
@@ -305,6 +358,9 @@ def main() -> None:
         ap.error("--delay takes milliseconds (0, 5, 20)")
     if any(float(d) < 0 for d in delays) or min(opts.iters, opts.steps, opts.repeat) < 1:
         ap.error("need delays >= 0 and --iters, --steps, --repeat >= 1")
+    why = "" if opts.local else netpool.cannot_run()
+    if why:
+        skip(why)
     print(f"command: .venv/bin/python benchmarks/wan_pool.py {shlex.join(sys.argv[1:])}")
     load = os.getloadavg()
     print(
@@ -316,7 +372,10 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory(prefix="wan-pool-") as tmp:
         for label in ["direct", *dict.fromkeys(delays)]:
-            rows.append(measure(label, opts, Path(tmp)))
+            try:
+                rows.append(measure(label, opts, Path(tmp)))
+            except netpool.CannotRun as exc:
+                skip(str(exc))
     figures = report(rows, opts, time.monotonic() - t0)
     load = os.getloadavg()
     print(f"load average at the end: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
@@ -330,5 +389,5 @@ if __name__ == "__main__":
     try:
         main()
     except KeyboardInterrupt:
-        _say("wan_pool: interrupted; the pool is stopped")
+        _say("wan_pool: interrupted; the pool is stopped (and its namespaces removed)")
         sys.exit(130)

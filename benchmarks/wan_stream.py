@@ -35,12 +35,14 @@ import argparse
 import contextlib
 import json
 import os
+import shlex
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -96,8 +98,11 @@ if rank == 0:
 '''
 
 
-def _last_json(text: str) -> dict:
-    return json.loads([line for line in text.splitlines() if line.startswith("{")][-1])
+def _last_json(text: str) -> dict[str, Any]:
+    found: dict[str, Any] = json.loads(
+        [line for line in text.splitlines() if line.startswith("{")][-1]
+    )
+    return found
 
 
 @contextlib.contextmanager
@@ -137,34 +142,45 @@ def line_pool(
             os.environ["VPOOL_HOME"] = old_home
 
 
-def stream_job(env: dict[str, str], work: Path, size: int, nbytes: int) -> dict:
-    """Submit PROGRAM to the pool of ``env`` at 2 ranks; its cold and warm MiB/s."""
+Vsdk = Callable[..., str]
+
+
+def vsdk_in(env: dict[str, str]) -> Vsdk:
+    """``vsdk`` with ``env`` (a local pool's VPOOL_HOME): it returns what the command printed,
+    and raises RuntimeError if it failed."""
+
+    def vsdk(*args: object) -> str:
+        argv = [str(BIN / "vsdk"), *map(str, args)]
+        out = subprocess.run(
+            argv, env=env, capture_output=True, text=True, timeout=TIMEOUT, check=False
+        )
+        if out.returncode != 0:
+            raise RuntimeError(
+                f"{shlex.join(argv[1:])} failed ({out.returncode}):\n{out.stderr[-3000:]}"
+            )
+        return out.stdout
+
+    return vsdk
+
+
+def stream_job(vsdk: Vsdk, work: Path, size: int, nbytes: int) -> dict[str, Any]:
+    """Submit PROGRAM with ``vsdk`` at 2 ranks; its cold and warm MiB/s."""
     program = work / "wan_stream_ranks.py"
     program.write_text(PROGRAM)
-    cmd = [str(BIN / "vsdk"), "submit", str(program), "--ranks", "2", "--wait", "--"]
-    out = subprocess.run(
-        [*cmd, str(size), str(nbytes)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT,
-        check=False,
-    )
-    if out.returncode != 0:
-        raise RuntimeError(f"the job failed ({out.returncode}):\n{out.stderr[-3000:]}")
-    return _last_json(out.stdout)
+    out = vsdk("submit", program, "--ranks", "2", "--wait", "--", size, nbytes)
+    return _last_json(out)
 
 
 def run_pool(
     delay: float | None, window: str, size: int, nbytes: int, work: Path, rate: float | None
-) -> dict:
+) -> dict[str, Any]:
     """Start a pool (its relay behind a line of ``delay`` s and ``rate`` bytes/s, or none),
     stream, stop it."""
     options: dict[str, object] = {}
     if window == "fixed":
         options["push_window_max"] = 0  # at most push_window: the window stays fixed
     with line_pool(delay, work, rate=rate, relay_options=options) as (env, line):
-        res = stream_job(env, work, size, nbytes)
+        res = stream_job(vsdk_in(env), work, size, nbytes)
         if line is not None:
             res["line_bytes"] = line.forwarded
         return res
@@ -198,7 +214,7 @@ def main() -> None:
         (d, r) for d in opts.delay for r in ([0.0] if d == "direct" else sorted(set(opts.rate)))
     ]
     t0 = time.monotonic()
-    rows: list[dict] = []
+    rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="wan-stream-") as tmp:
         work = Path(tmp)
         for d, mibps in configs:
