@@ -392,6 +392,37 @@ def _relay_bundle(
     )
 
 
+@main.group()
+def cert() -> None:
+    """The coordinator's TLS certificate."""
+
+
+@cert.command("renew")
+@config_option
+def cert_renew(config: Path | None) -> None:
+    """Make the coordinator a new certificate (and key) from the pool CA, for the host of its
+    public_url: before the old one expires (825 days), or for a pool made before 2026-11-26,
+    whose certificates lack what strict verification needs (agents on Python 3.13, and every
+    agent since, refuse them). Volunteers and users keep their ca.pem. Relays get theirs with
+    `relay add NAME --address HOST:PORT --rotate`. Restart the coordinator afterwards."""
+    config = _config_file(config)
+    if config is None:
+        raise click.ClickException(
+            f"no pool made by `init --public-url` in {pooldir.default_dir()}: give its "
+            f"{pooldir.SETTINGS_FILE} as --config"
+        )
+    settings = _settings(config)
+    pool = pooldir.PoolDir(config.absolute().parent)
+    with _click_errors():
+        host = pooldir.renew_coordinator_cert(
+            pool, settings.public_url, now=dt.datetime.now(dt.UTC)
+        )
+    _echo_lines(
+        f"new certificate for {host} in {pool.cert} (key {pool.key})",
+        "Next: restart the coordinator (systemctl restart vpool-coordinator)",
+    )
+
+
 @relay.command("list")
 @config_option
 def relay_list(config: Path | None) -> None:

@@ -159,6 +159,21 @@ def make_pool(
     return settings
 
 
+def renew_coordinator_cert(pool: PoolDir, public_url: str, *, now: dt.datetime) -> str:
+    """A new certificate (and key) for the coordinator, for the host of ``public_url``, from
+    the pool CA: an expiring one, or one made before the pool's certificates carried what
+    strict verification needs (the Authority Key Identifier). The host named."""
+    if not pool.ca_key.exists():
+        raise NotFound(
+            f"no pool CA key in {pool.root} (ca.key): renew the certificate where `init "
+            "--public-url` made the pool",
+            code="no_ca_key",
+        )
+    host, _ = parse_public_url(public_url)
+    _server_cert(pool, host, pool.cert, pool.key, common_name="coordinator", now=now)
+    return host
+
+
 @dataclass(frozen=True)
 class RelayBundle:
     dir: Path

@@ -17,4 +17,9 @@ def client_context(ca: Path | None) -> ssl.SSLContext:
     """Verifying client context; with ``ca`` only that CA is trusted, else the system's."""
     ctx = ssl.create_default_context(cafile=str(ca) if ca else None)
     ctx.minimum_version = ssl.TLSVersion.TLSv1_3
+    # RFC 5280's rules, as Python 3.13 checks by default (Fedora's, Ubuntu 25.04's): the same
+    # verdict whatever Python a volunteer's agent runs on. A pool's own certificates
+    # (``protocol/pki.py``) pass; certificates made before 2026-11-26 lack the Authority Key
+    # Identifier they need and must be made again (docs/operating.md).
+    ctx.verify_flags |= ssl.VERIFY_X509_STRICT
     return ctx

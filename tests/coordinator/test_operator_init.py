@@ -127,6 +127,29 @@ def test_init_refuses_an_existing_pool_without_force(tmp_path: Path) -> None:
     assert "alice\tuser" in ok("user", "list", "--config", config)  # the database is kept
 
 
+def test_cert_renew_makes_a_new_certificate_from_the_same_ca(tmp_path: Path) -> None:
+    pool = tmp_path / "pool"
+    init(pool, "https://pool.example.org:8443")
+    config = str(pool / "coordinator.toml")
+    ca, old_cert, old_key = (
+        (pool / name).read_bytes() for name in ("ca.pem", "cert.pem", "key.pem")
+    )
+    out = ok("cert", "renew", "--config", config)
+    assert f"new certificate for pool.example.org in {pool / 'cert.pem'}" in out
+    assert "restart the coordinator" in out
+    cert = (pool / "cert.pem").read_bytes()
+    assert cert != old_cert and (pool / "key.pem").read_bytes() != old_key
+    assert (pool / "ca.pem").read_bytes() == ca  # volunteers keep their ca.pem
+    assert mode(pool / "key.pem") == 0o600
+    assert pki.cert_names(cert) == ["pool.example.org"]
+    assert chains_to(pool / "cert.pem", pool / "ca.pem")
+    leaf = x509.load_pem_x509_certificate(cert)
+    assert leaf.extensions.get_extension_for_class(x509.AuthorityKeyIdentifier)
+    (pool / "ca.key").unlink()  # a copy of the settings elsewhere: no CA key to sign with
+    res = run("cert", "renew", "--config", config)
+    assert res.exit_code == 1 and "no pool CA key" in res.output, res.output
+
+
 def test_init_defaults_to_the_config_directory(tmp_path: Path) -> None:
     init_out = ok("init", "--public-url", "https://pool.example.org:8443")
     pool = tmp_path / "home" / "config" / "coordinator"

@@ -58,14 +58,15 @@ def run(argv: list[str | Path], *, env: dict[str, str] | None = None, timeout: f
     return res
 
 
-def agent_venv(tmp: Path) -> Path:
-    """A fresh venv holding vpool[agent] from a wheel of this tree, and nothing else."""
+def agent_venv(tmp: Path, python: str = sys.executable) -> Path:
+    """A fresh venv of ``python`` holding vpool[agent] from a wheel of this tree, and nothing
+    else."""
     src = tmp / "src"
     shutil.copytree(REPO, src, ignore=NOT_SOURCE)
     run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", src, "-w", tmp / "wheels"])
     [wheel] = (tmp / "wheels").glob("vpool-*.whl")
     venv = tmp / "venv"
-    run([sys.executable, "-m", "venv", venv])
+    run([python, "-m", "venv", venv])
     pip = [venv / "bin/python", "-m", "pip", "install", "-q", "--disable-pip-version-check"]
     run([*pip, f"{wheel}[agent]"])
     return venv
@@ -93,16 +94,51 @@ def tree(root: Path) -> set[str]:
     return {str(p.relative_to(root)) for p in root.rglob("*")}
 
 
-@pytest.mark.parametrize("by_systemd", [False, True], ids=["unit-run-by-hand", "unit-by-systemd"])
-def test_agent_installs_alone_joins_runs_a_job_and_leaves(tmp_path: Path, by_systemd: bool) -> None:
+def interpreter(version: str) -> str | None:
+    """A Python ``version`` ("3.12") on this machine that runs (the tests' own for theirs):
+    one pyenv built, or one on PATH (a pyenv shim without that version does not run)."""
+    if version == f"{sys.version_info[0]}.{sys.version_info[1]}":
+        return sys.executable
+    built = sorted(Path.home().glob(f".pyenv/versions/{version}.*/bin/python{version}"))
+    for candidate in [*map(str, reversed(built)), shutil.which(f"python{version}")]:
+        if candidate is None:
+            continue
+        res = subprocess.run(
+            [candidate, "-c", "import sys, venv; print('%d.%d' % sys.version_info[:2])"],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        if res.returncode == 0 and res.stdout.strip() == version:
+            return candidate
+    return None
+
+
+# The desktops volunteers have: Debian 12 (3.11), Ubuntu 24.04 (3.12), Fedora 41 (3.13).
+PYTHONS = ("3.11", "3.12", "3.13")
+
+
+@pytest.mark.parametrize(
+    ("by_systemd", "version"),
+    [(False, v) for v in PYTHONS] + [(True, "3.11")],
+    ids=[f"unit-run-by-hand-py{v}" for v in PYTHONS] + ["unit-by-systemd"],
+)
+def test_agent_installs_alone_joins_runs_a_job_and_leaves(
+    tmp_path: Path, by_systemd: bool, version: str
+) -> None:
     """The unit's command run by hand where systemd does not run (it would start the unit
     for real: never with a home of the test's own), or the unit started by systemd's user
-    manager where one can be reached: whichever this machine allows."""
+    manager where one can be reached: whichever this machine allows. The agent's venv is
+    made by each Python the desktops it targets ship, where this machine has it (its ranks
+    run with it too)."""
+    python = interpreter(version)
+    if python is None:
+        pytest.skip(f"no Python {version} on this machine (python{version}, pyenv)")
     if by_systemd and (why := user_manager()):
         pytest.skip(f"systemctl --user is-active vpool-agent not checked: {why}")
     if not by_systemd and Path("/run/systemd/system").is_dir():
         pytest.skip("systemd runs here: join starts the unit, the unit-by-systemd case")
-    venv = agent_venv(tmp_path)
+    venv = agent_venv(tmp_path, python)
     # The server stack is not there, and what needs it says what to install.
     probe = f"import importlib.util as u; print([m for m in {SERVER_STACK!r} if u.find_spec(m)])"
     assert run([venv / "bin/python", "-c", probe]).stdout.strip() == "[]"

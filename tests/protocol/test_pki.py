@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import datetime as dt
+import ipaddress
 import ssl
 from pathlib import Path
 
 import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
 
 from vpool.protocol.pki import cert_names, covers, issue_server_cert, make_ca, split_names
 from vpool.tls import client_context, server_context
@@ -53,6 +58,48 @@ def test_server_cert_verifies_against_its_ca(tmp_path: Path) -> None:
     )
     (tmp_path / "ca.pem").write_bytes(ca_cert)
     srv = server_context(*_files(tmp_path, "relay", cert, key))
+    assert _handshake(srv, client_context(tmp_path / "ca.pem"), "127.0.0.1") == "TLSv1.3"
+
+
+def test_strict_verification_as_python_3_13_does(tmp_path: Path) -> None:
+    """The pool's clients verify as Python 3.13 does by default (RFC 5280 strict), whatever
+    Python runs them: a certificate without an Authority Key Identifier, as this module
+    made them before, is refused; the ones it makes now pass."""
+    assert client_context(None).verify_flags & ssl.VERIFY_X509_STRICT
+    ca_cert, ca_key = make_ca("test", now=NOW)
+    (tmp_path / "ca.pem").write_bytes(ca_cert)
+    key = ec.generate_private_key(ec.SECP256R1())
+    ca = x509.load_pem_x509_certificate(ca_cert)
+    signer = serialization.load_pem_private_key(ca_key, password=None)
+    assert isinstance(signer, ec.EllipticCurvePrivateKey)
+    old = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "relay")]))
+        .issuer_name(ca.subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(NOW - dt.timedelta(minutes=5))
+        .not_valid_after(NOW + dt.timedelta(days=1))
+        .add_extension(
+            x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+            critical=False,
+        )
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .sign(signer, hashes.SHA256())
+    )
+    old_pem = old.public_bytes(serialization.Encoding.PEM)
+    key_pem = key.private_bytes(
+        serialization.Encoding.PEM,
+        serialization.PrivateFormat.PKCS8,
+        serialization.NoEncryption(),
+    )
+    srv = server_context(*_files(tmp_path, "old", old_pem, key_pem))
+    with pytest.raises(ssl.SSLCertVerificationError, match="Authority Key Identifier"):
+        _handshake(srv, client_context(tmp_path / "ca.pem"), "127.0.0.1")
+    cert, key_now = issue_server_cert(
+        ca_cert, ca_key, common_name="relay", dns_names=[], ip_addresses=["127.0.0.1"], now=NOW
+    )
+    srv = server_context(*_files(tmp_path, "new", cert, key_now))
     assert _handshake(srv, client_context(tmp_path / "ca.pem"), "127.0.0.1") == "TLSv1.3"
 
 
