@@ -49,6 +49,7 @@ log = logging.getLogger("vpool.agent")
 MAX_REQUEST = 4096
 REQUEST_TIMEOUT = 5.0
 MAX_CONNECTIONS = 8
+ACCEPT_RETRY = 1.0  # s before accepting again after an error
 # Where an agent run as root (a system service) listens: what `vpool-agent status` tries when
 # its own settings name no socket that exists.
 SYSTEM_SOCKET = SYSTEM_CONTROL_SOCKET
@@ -134,7 +135,12 @@ async def serve(
             task_status.started(path)
             with listener:
                 while True:
-                    conn, _ = await listener.accept()
+                    try:
+                        conn, _ = await listener.accept()
+                    except OSError as exc:  # out of descriptors, say: not worth the agent
+                        log.warning("control socket: %s", exc.strerror or exc)
+                        await trio.sleep(ACCEPT_RETRY)
+                        continue
                     if limiter.available_tokens == 0:
                         conn.close()  # too many at once: the client says the agent is busy
                         continue

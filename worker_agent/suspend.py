@@ -68,6 +68,7 @@ class Suspender:
         self.sleep_lock = False  # holding logind's delay inhibitor lock
         self.sleep_delay_max = 0.0  # s logind waits for it (InhibitDelayMaxSec)
         self.last_seen: Seen | None = None
+        self._bus_failing = False  # logind's last answer was an error (said once)
         self._wake = trio.Event()
         # Passes of the loop begun and ended, and an event set at the end of each (a pause
         # answers once a pass begun after it has frozen the ranks: ``next_pass``).
@@ -165,17 +166,20 @@ class Suspender:
             log.info("no logind (%s): idle from terminals, no warning before sleep", exc)
             yield None
             return
-        try:
-            async with Logind.connect(self.settings.logind_bus or None) as bus:
-                log.info("logind: idle from the session's idle hint, checkpoints before sleep")
-                yield bus
-                return
-        except LogindUnavailable as exc:
-            if self.settings.idle_source == "logind":
-                log.warning("idle_source is 'logind' but %s: the ranks wait for it", exc)
+        async with contextlib.AsyncExitStack() as stack:
+            bus: Logind | None = None
+            try:  # only connecting: what the loop raises inside is not logind's
+                bus = await stack.enter_async_context(
+                    Logind.connect(self.settings.logind_bus or None)
+                )
+            except LogindUnavailable as exc:
+                if self.settings.idle_source == "logind":
+                    log.warning("idle_source is 'logind' but %s: the ranks wait for it", exc)
+                else:
+                    log.info("%s: idle from terminals, no warning before sleep", exc)
             else:
-                log.info("%s: idle from terminals, no warning before sleep", exc)
-        yield None
+                log.info("logind: idle from the session's idle hint, checkpoints before sleep")
+            yield bus
 
     async def look(self, bus: Logind | None) -> Seen:
         """What the machine looks like now."""
@@ -185,8 +189,13 @@ class Suspender:
             try:
                 hint = await bus.idle()
             except Exception as exc:  # a bus gone mid-run: the terminals still say something
-                log.warning("logind: %s", describe(exc))
+                if not self._bus_failing:
+                    log.warning("logind: %s (idle from terminals meanwhile)", describe(exc))
+                self._bus_failing = True
             else:
+                if self._bus_failing:
+                    log.info("logind answers again")
+                self._bus_failing = False
                 idle, source = (hint.since if hint.idle else 0.0), "logind"
         if source == "" and self.settings.idle_source != "logind":
             idle = await trio.to_thread.run_sync(desktop.terminal_idle, time.time())
