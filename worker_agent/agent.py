@@ -327,6 +327,7 @@ class Agent:
         the beginning. The ranks run on meanwhile; the caller stops them afterwards."""
         self.leaving = True
         self.manners.stopping = True
+        self.manners.wake()  # frozen ranks are thawed for their checkpoints
         self._activity_changed()  # the coordinator hears "leaving": gone, not lost, soon
         ranks = [
             (rank, ckpt)

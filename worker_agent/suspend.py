@@ -236,7 +236,8 @@ class Suspender:
                 continue
             if verdict.evacuate:
                 self._evacuate(rank, verdict.evacuate, nursery)
-            elif verdict.runs:
+            elif verdict.runs or self.stopping:
+                # A stopping agent checkpoints its ranks first (``Agent.leave``): thawed.
                 await self._thaw(rank)
             elif rank.suspended_since is None:
                 await self._freeze(rank)

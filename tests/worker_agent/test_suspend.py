@@ -98,6 +98,20 @@ async def test_suspended_ranks_freeze_once_and_thaw_when_available(tmp_path: Pat
     assert changed  # each change was told (a heartbeat now, the lease loop woken)
 
 
+async def test_a_stopping_agent_thaws_its_ranks_for_their_last_checkpoint(
+    tmp_path: Path,
+) -> None:
+    r = running_rank(1, 0)
+    s, _ = make(tmp_path, r)
+    async with trio.open_nursery() as nursery:
+        await s.apply(Verdict("suspended", "the owner is using the machine"), nursery)
+        assert r.suspended_since is not None
+        s.stopping = True  # Agent.leave: its checkpoints wait for the thaw
+        await s.apply(Verdict("suspended", "the owner is using the machine"), nursery)
+    assert r.process.calls == [True, False]  # type: ignore[union-attr]
+    assert r.unfrozen.is_set() and s.activity == "leaving"
+
+
 async def test_a_rank_stopping_or_checkpointing_is_not_frozen(tmp_path: Path) -> None:
     stopping, busy = running_rank(1, 0), running_rank(1, 1, StoredCheckpoint())
     stopping.request_stop("job ended")
