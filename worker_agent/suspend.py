@@ -336,15 +336,27 @@ class Suspender:
                 if coming:
                     log.info("%s coming: handing every rank back first", kind)
                     self.going_to_sleep = True
-                    await self.next_pass()  # one that knows: every rank being handed back
-                    while not self.handed_back():
-                        # Woken by each hand-back and each rank's end, not spinning.
-                        await self.next_pass(wake=False)
+                    # logind goes on after InhibitDelayMaxSec whatever the lock: holding it
+                    # longer only keeps this loop from hearing of the wake-up.
+                    limit = self.sleep_delay_max or SLEEP_DELAY_ADVISED
+                    with trio.move_on_after(limit):
+                        await self.next_pass()  # one that knows: every rank being handed back
+                        while not self.handed_back():
+                            # Woken by each hand-back and each rank's end, not spinning.
+                            await self.next_pass(wake=False)
                     if lock >= 0:
                         os.close(lock)
                         lock = -1
                         self.sleep_lock = False
-                        log.info("every rank handed back: the %s may go on", kind)
+                        if self.handed_back():
+                            log.info("every rank handed back: the %s may go on", kind)
+                        else:
+                            log.warning(
+                                "not every rank handed back within logind's %g s: the %s "
+                                "goes on (they restart elsewhere from older images)",
+                                limit,
+                                kind,
+                            )
                 elif kind == "sleep":
                     log.info("woke up")
                     self.going_to_sleep = False

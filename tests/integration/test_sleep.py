@@ -69,6 +69,9 @@ async def _sleep_and_wake(pool: Pool, logind: FakeLogind) -> None:
         return trio.to_thread.run_sync(lambda: f(*args))
 
     logind.set_idle(True, since=3600)
+    # A machine configured as packaging/README.md advises (the agent lets go of its lock at
+    # logind's limit; 5 s by default, tight for a loaded test machine).
+    logind.inhibit_delay_max_usec = 120_000_000
     ref = await blocking(reference, pool, "300")
     await blocking(
         lambda: reconfigure(
@@ -80,6 +83,7 @@ async def _sleep_and_wake(pool: Pool, logind: FakeLogind) -> None:
     assert lock.who == "vpool agent" and "checkpoints" in lock.why, lock
     st = await blocking(agent_status, pool, "agent-0")
     assert st["sleep_lock"] and st["idle_source"] == "logind", st
+    assert st["sleep_delay_max"] == 120.0, st
 
     job = await blocking(submit, pool, 4, "300")
     await blocking(
