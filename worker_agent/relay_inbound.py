@@ -40,6 +40,7 @@ class _PendingAttach:
         self.result: Attached | str = "no answer"
         self.dropped = False  # the connection dropped before the answer: try again
         self.code = ""  # the relay's Error code, or "stopped"
+        self.home = False  # asked as the rank's home attachment
 
 
 class InboundRouting:
@@ -58,6 +59,7 @@ class InboundRouting:
     async def _read_loop(self, reader: FrameStream) -> str:
         session = self._session
         ranks = self.ranks
+        attached = self.attached
         unacked = self._unacked
         conn = self.current
         assert conn is not None
@@ -70,8 +72,13 @@ class InboundRouting:
                 self._rank_error(msg)  # the connection, and every other rank here, goes on
                 continue
             session.receive(msg)
+            # Frames for a rank go to it only once the relay answered its attachment: until
+            # then they are the previous attachment's of its key (an older incarnation's,
+            # pushed before the relay read the new Attach; the relay sends ``Attached``
+            # before any frame of the new one), and must not count as this one's.
             if isinstance(msg, Data):
-                rank = ranks.get((msg.job, msg.dst))
+                key = (msg.job, msg.dst)
+                rank = ranks.get(key) if key in attached else None
                 if rank is not None:
                     if rank.delivery.data(msg.src, msg.seq):
                         if msg.sealed:
@@ -84,6 +91,8 @@ class InboundRouting:
                         conn.credit_nowait(msg.job, msg.dst, due)
             elif isinstance(msg, Ack):
                 key = (msg.job, msg.src)
+                if key not in attached:
+                    continue
                 store = unacked.get(key)
                 if store is not None:
                     store.acked(msg.dst, msg.seq)
@@ -91,12 +100,15 @@ class InboundRouting:
                 if rank is not None:
                     rank.outbox.push_ack(msg.dst, bytes(frame.frame))
             elif isinstance(msg, Det):
-                rank = ranks.get((msg.job, msg.rank))
+                key = (msg.job, msg.rank)
+                rank = ranks.get(key) if key in attached else None
                 # One the rank has is not given again (a resumed home attachment).
                 if rank is not None and rank.delivery.det_in(msg.index):
                     rank.outbox.push_data(frame.parts, frame.size, None)
             elif isinstance(msg, DetAck):
                 key = (msg.job, msg.rank)
+                if key not in attached:
+                    continue
                 store = unacked.get(key)
                 if store is not None:
                     store.dets_acked(msg.count)
@@ -182,6 +194,9 @@ class InboundRouting:
     ) -> None:
         pending = self._pending.pop(key, None)
         if pending is not None:
+            if isinstance(result, Attached):
+                # Now, before the frames that follow it are read (``attach`` wakes later).
+                self.attached[key] = pending.home
             pending.result = result
             pending.dropped = dropped
             pending.code = code

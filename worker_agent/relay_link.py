@@ -458,6 +458,7 @@ class RelayLink(InboundRouting):
     ) -> _PendingAttach:
         key = rank.key
         pending = self._pending[key] = _PendingAttach()
+        pending.home = home
         try:
             received, dets_from = resume
             msg = Attach(token=rank.lease.token, home=home, received=received, dets_from=dets_from)
@@ -479,6 +480,9 @@ class RelayLink(InboundRouting):
         key = rank.key
         if self.ranks.get(key) is not rank:
             self._unacked[key] = RankLink(home=home)  # an older incarnation's are not ours
+            # Nor are the frames the relay still sends to the older one until it reads this
+            # Attach: routed again once it answers (``_resolve``).
+            self.attached.pop(key, None)
         self.ranks[key] = rank
         while True:
             try:
