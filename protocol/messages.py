@@ -257,6 +257,10 @@ class RankWelcome(_Msg, frozen=True, tag="rank_welcome"):
     # (``Attached.stored``). Until it has re-sent that much, the runtime performs asynchronous
     # sends only as its determinants say (``vpool.protocol.rank_ft``).
     replay_sent: dict[int, int] = {}
+    # The job's failure mode (``vsdk submit --on-failure``): "transparent" (a lost rank is
+    # restarted and replays; the program never sees a failure), "abort", "ulfm", "blank",
+    # "shrink" or "rebuild" (failures are reported to the program, ``Failed`` frames).
+    on_failure: str = "transparent"
 
 
 class CheckpointRequest(_Msg, frozen=True, tag="ckpt_request"):
@@ -364,6 +368,16 @@ class Abort(_Msg, frozen=True, tag="abort"):
     message: str = ""
 
 
+class Failed(_Msg, frozen=True, tag="failed"):
+    """Agent -> rank (data connection), in a job whose failure mode reports failures (every
+    mode but "transparent"): ``ranks`` are the world ranks of the job the coordinator has
+    declared failed so far (a growing set: each frame repeats the earlier ones). A failed rank
+    is fenced at the relays before any survivor hears of it, so nothing it sends afterwards
+    reaches anybody: it never comes back."""
+
+    ranks: list[int]
+
+
 class Finalize(_Msg, frozen=True, tag="finalize"):
     """Rank -> agent: the rank has called ``MPI.Finalize`` after all its deposits were acked."""
 
@@ -388,6 +402,7 @@ Message = (
     | RankWelcome
     | Abort
     | Finalize
+    | Failed
     | CheckpointRequest
     | CkptForked
     | CkptPut
