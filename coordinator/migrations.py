@@ -383,6 +383,24 @@ def _m15_activity(db: sqlite_utils.Database) -> None:
         db.execute(sql)
 
 
+def _m16_failure_modes(db: sqlite_utils.Database) -> None:
+    """What a lost rank means to each job (issue 23, ``JobSubmit.on_failure``): jobs from
+    before with fault tolerance off were "abort" ones. ``failed_ranks``: the ranks declared
+    failed (JSON list), in a job whose mode reports failures. ``fences``: each failed rank's
+    fence at each relay of its job, ``confirmed`` once the relay has put it up: the other ranks
+    hear of a failure only when every relay of the job refuses the failed rank."""
+    for sql in (
+        "ALTER TABLE jobs ADD COLUMN on_failure TEXT NOT NULL DEFAULT 'transparent'",
+        "UPDATE jobs SET on_failure = 'abort' WHERE fault_tolerance = 0",
+        "ALTER TABLE jobs ADD COLUMN failed_ranks TEXT NOT NULL DEFAULT '[]'",
+        "CREATE TABLE fences (job INTEGER NOT NULL, rank INTEGER NOT NULL, "
+        "incarnation INTEGER NOT NULL, relay TEXT NOT NULL, confirmed REAL, "
+        "PRIMARY KEY (job, rank, relay))",
+        "CREATE INDEX fences_relay ON fences(relay, confirmed)",
+    ):
+        db.execute(sql)
+
+
 def new_job_uid() -> str:
     return secrets.token_hex(16)
 
@@ -408,6 +426,7 @@ MIGRATIONS: list[Callable[[sqlite_utils.Database], None]] = [
     _m13_validation,
     _m14_uploaders,
     _m15_activity,
+    _m16_failure_modes,
 ]
 
 

@@ -60,6 +60,7 @@ MAX_PAGE = 1000  # jobs in one listing
 MAX_OFFSET = 2**31  # a limit of an isolation report (SQLite integers are 64-bit)
 MAX_ACTIVITY_REASON = 200  # characters of an agent's activity reason kept
 MAX_ODD_AGENTS = 1000  # agents remembered for logging an unknown activity once
+MAX_FENCES = 10_000  # fences told to (or confirmed by) a relay in one heartbeat
 
 
 class Signal:
@@ -319,6 +320,7 @@ class Coordinator:
         for blob, what in ((sub.bundle, "bundle"), (sub.stdin, "stdin")):
             if blob is not None and not await self.has_blob(blob):
                 raise BadRequest(f"the {what} blob {blob} was not uploaded", code="unknown_blob")
+        sub = _failure_mode(sub)
         self._check_checkpoint_every(sub)
         if (sub.validate or self.settings.validate_jobs) and not sub.fault_tolerance:
             raise BadRequest(
@@ -548,17 +550,29 @@ class Coordinator:
         # (the heartbeat saying such a rank runs is the one that hands them out).
         acks = hb.checkpoint_acks
         orders = await self.db.call(self.store.take_checkpoint_orders, agent_id, acks)
-        while not stops and not orders and hb.ranks and trio.current_time() < deadline:
+        # Failed ranks the agent does not know of yet end the hold too: its ranks hear of a
+        # failure the moment every relay has fenced the failed rank.
+        failed = await self.db.call(self.store.failures_for_agent, agent_id)
+        known = hb.failed_known
+        while (
+            not stops
+            and not orders
+            and failed == known
+            and hb.ranks
+            and trio.current_time() < deadline
+        ):
             with trio.move_on_at(deadline):
                 await ended.wait()
             ended = self.ended.current()
             stops = await self.db.call(self.store.stop_orders, agent_id, hb.ranks)
             orders = await self.db.call(self.store.take_checkpoint_orders, agent_id, [])
+            failed = await self.db.call(self.store.failures_for_agent, agent_id)
         return api.AgentHeartbeatResponse(
             stop=stops,
             agent_token=self.agent_token(agent_id),
             checkpoint=orders,
             suspend_limit=scheduler.told_suspend_limit(self.settings.suspend_limit),
+            failed=failed,
         )
 
     def _activity(self, agent_id: str, hb: api.AgentHeartbeat) -> api.AgentHeartbeat:
@@ -661,8 +675,13 @@ class Coordinator:
             raise NotFound(
                 f"relay {hb.name!r} is not registered; register again", code="unknown_relay"
             )
+        if hb.fenced:
+            fenced = hb.fenced[:MAX_FENCES]
+            if await self.db.call(self.store.fences_put_up, hb.name, fenced, now):
+                self.ended.fire()  # held agent heartbeats may now tell of the failures
         await self.schedule()
-        return api.RelayHeartbeatResponse(finished_jobs=finished)
+        fence = await self.db.call(self.store.fences_for_relay, hb.name)
+        return api.RelayHeartbeatResponse(finished_jobs=finished, fence=fence[:MAX_FENCES])
 
     async def relay_lost(self, relay: str, report: api.RelayLost) -> None:
         _check_name(relay, report.name)
@@ -748,6 +767,19 @@ class Coordinator:
         """Job or rank states changed: wake output long-polls and held heartbeats."""
         self.changes.fire()
         self.ended.fire()
+
+
+def _failure_mode(sub: api.JobSubmit) -> api.JobSubmit:
+    """``sub`` with its failure mode and fault tolerance agreeing: fault tolerance off alone
+    means "abort", and every mode but "transparent" turns it off (nothing is replayed, so
+    nothing is logged)."""
+    if sub.on_failure == "transparent":
+        if sub.fault_tolerance:
+            return sub
+        return msgspec.structs.replace(sub, on_failure="abort")
+    if not sub.fault_tolerance:
+        return sub
+    return msgspec.structs.replace(sub, fault_tolerance=False)
 
 
 def progress_mark(job: api.JobInfo, running: int) -> str:

@@ -6,12 +6,19 @@ rank becomes ``pending`` with incarnation i+1 and no agent; ``place_replacements
 ``schedule`` before any queued job is considered) gives it a slot, a fresh signed token and the
 same home relay. From then on every report of incarnation i is stale: its exit is recorded as
 ``rank_fenced``, its output and results are dropped and its agent gets a stop order.
+
+In a job whose failure mode reports failures (``api.REPORTING_MODES``) a lost rank is not
+replaced: it is declared ``failed``, and fenced at every relay of the job (``fences``: the relays
+learn of it in their heartbeat answers and confirm in their next heartbeat). Once every relay
+has confirmed, the agents of the other ranks learn of it in theirs and tell their ranks, which
+see it the ULFM way. So a failed rank that comes back (its volunteer's machine was frozen, or
+cut off) is refused everywhere before anybody acts on its failure: it is never a revenant.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import sqlite_utils
@@ -284,14 +291,16 @@ class FaultsMixin(ValidationMixin, CheckpointsMixin):
         """End the rank's current incarnation as lost. In a running job, the rank gets a new
         incarnation waiting for a slot (avoiding the old agent if it is ``suspect``), unless
         the job has had ``max_restarts`` restarts already or runs with fault tolerance off: then
-        the job fails. A loss caused by relay ``outage`` (its agent could not reach it) does
-        not count as a restart: the replacement waits a backoff instead, and the job fails
-        only once the relay has been unreachable for ``relay_down_timeout``. Nor does one
-        that is not ``counted`` (a lease given back before it ran)."""
+        the job fails. In a job whose failure mode reports failures ("ulfm") the rank is
+        declared failed instead (``_declare_failed``). A loss caused by relay ``outage`` (its
+        agent could not reach it) does not count as a restart: the replacement waits a backoff
+        instead, and the job fails only once the relay has been unreachable for
+        ``relay_down_timeout``. Nor does one that is not ``counted`` (a lease given back before
+        it ran)."""
         with self.db.atomic():
             row = self._one(
                 "SELECT r.state, r.incarnation, r.agent, r.relay_losses, r.relay_since, "
-                "j.state AS job_state, j.restarts, j.fault_tolerance "
+                "j.state AS job_state, j.restarts, j.fault_tolerance, j.on_failure "
                 "FROM ranks r JOIN jobs j ON j.id = r.job WHERE r.job = ? AND r.rank = ?",
                 [job, rank],
             )
@@ -304,6 +313,9 @@ class FaultsMixin(ValidationMixin, CheckpointsMixin):
                 "AND incarnation = ?",
                 [now, reason, exit_code, job, rank, incarnation],
             )
+            if row["on_failure"] in api.REPORTING_MODES and row["job_state"] == "running":
+                self._declare_failed(job, rank, incarnation, reason, row["on_failure"], now)
+                return True
             since = row["relay_since"] if row["relay_since"] is not None else now
             losses = int(row["relay_losses"]) + 1 if outage else 0
             delay = relay_backoff(losses) if outage else 0.0
@@ -351,6 +363,90 @@ class FaultsMixin(ValidationMixin, CheckpointsMixin):
                 ],
             )
         return True
+
+    def _declare_failed(
+        self, job: int, rank: int, incarnation: int, reason: str, mode: str, now: float
+    ) -> None:
+        """The rank is failed for good: it gets no new incarnation, every relay of the job is
+        told to fence ``incarnation`` (``fences_for_relay``), and once all have, the agents of
+        the other ranks tell them (``failures_for_agent``). The job goes on; it fails only when
+        no rank is left, and succeeds when every other rank exited with code 0."""
+        self.db.execute("UPDATE ranks SET state = 'failed' WHERE job = ? AND rank = ?", [job, rank])
+        jrow = self._one("SELECT relays, failed_ranks FROM jobs WHERE id = ?", [job])
+        assert jrow is not None
+        failed = sorted({*json.loads(jrow["failed_ranks"]), rank})
+        self.db.execute("UPDATE jobs SET failed_ranks = ? WHERE id = ?", [json.dumps(failed), job])
+        for relay in json.loads(jrow["relays"]):
+            self.db.execute(
+                "INSERT OR REPLACE INTO fences (job, rank, incarnation, relay, confirmed) "
+                "VALUES (?, ?, ?, ?, NULL)",
+                [job, rank, incarnation, relay],
+            )
+        self._event(
+            job,
+            now,
+            "rank_failed",
+            f"{reason}: declared failed; the other ranks are told (on-failure {mode})",
+            rank,
+        )
+        alive = self._one(
+            "SELECT COUNT(*) AS n FROM ranks WHERE job = ? AND state != 'failed'", [job]
+        )
+        if alive is not None and alive["n"] == 0:
+            self._end(job, "failed", None, f"every rank failed; the last: {reason}", now)
+        else:
+            self._maybe_all_exited(job, now)
+
+    def fences_for_relay(self, relay: str) -> list[api.RankFence]:
+        """The fences ``relay`` has yet to put up, of running jobs."""
+        return [
+            api.RankFence(job=r["job"], rank=r["rank"], incarnation=r["incarnation"])
+            for r in self.db.query(
+                "SELECT f.job, f.rank, f.incarnation FROM fences f JOIN jobs j ON j.id = f.job "
+                "WHERE f.relay = ? AND f.confirmed IS NULL AND j.state = 'running' "
+                "ORDER BY f.job, f.rank",
+                [relay],
+            )
+        ]
+
+    def fences_put_up(self, relay: str, fenced: Sequence[api.RankFence], now: float) -> bool:
+        """``relay`` has put up these fences; True if one was new (the agents of the ranks'
+        jobs may have failures to tell)."""
+        new = False
+        with self.db.atomic():
+            for f in fenced:
+                cur = self.db.execute(
+                    "UPDATE fences SET confirmed = ? WHERE job = ? AND rank = ? AND relay = ? "
+                    "AND incarnation = ? AND confirmed IS NULL",
+                    [now, f.job, f.rank, relay, f.incarnation],
+                )
+                new = new or cur.rowcount > 0
+        return new
+
+    def failures_for_agent(self, agent_id: str) -> list[api.JobFailures]:
+        """The failed ranks to tell ``agent_id``'s ranks: of the running jobs it runs ranks of,
+        each rank declared failed whose fence is up at every relay of the job. A relay that is
+        down holds the news back until it is back (the job waits for it anyway), so that no
+        rank hears of a failure while some relay would still take the failed rank's frames."""
+        rows = self.db.query(
+            "SELECT j.id, j.failed_ranks FROM jobs j WHERE j.state = 'running' "
+            "AND j.failed_ranks != '[]' AND EXISTS (SELECT 1 FROM ranks r WHERE r.job = j.id "
+            "AND r.agent = ? AND r.state IN ('leased', 'running')) ORDER BY j.id",
+            [agent_id],
+        )
+        out: list[api.JobFailures] = []
+        for row in rows:
+            waiting = {
+                int(r["rank"])
+                for r in self.db.query(
+                    "SELECT rank FROM fences WHERE job = ? AND confirmed IS NULL",
+                    [row["id"]],
+                )
+            }
+            ranks = [r for r in json.loads(row["failed_ranks"]) if r not in waiting]
+            if ranks:
+                out.append(api.JobFailures(job=int(row["id"]), ranks=ranks))
+        return out
 
     def place_replacements(
         self,

@@ -142,8 +142,8 @@ class JobsMixin(FaultsMixin):
             cursor = self.db.execute(
                 "INSERT INTO jobs (user, name, state, ranks, bundle, entry, args, stdin, created, "
                 "fault_tolerance, job_uid, ckpt_key, checkpoint_every, memory, unsandboxed, "
-                "requirements, validate) "
-                "VALUES (?, ?, 'queued', ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                "requirements, validate, on_failure) "
+                "VALUES (?, ?, 'queued', ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 [
                     user,
                     sub.name,
@@ -161,6 +161,7 @@ class JobsMixin(FaultsMixin):
                     int(sub.unsandboxed),
                     json.dumps(sub.requirements),
                     int(validate),
+                    sub.on_failure,
                 ],
             )
             job_id = int(cursor.lastrowid or 0)
@@ -169,7 +170,11 @@ class JobsMixin(FaultsMixin):
                     "INSERT INTO ranks (job, rank, state) VALUES (?, ?, 'pending')",
                     [job_id, rank],
                 )
-            off = "" if sub.fault_tolerance else ", fault tolerance off"
+            off = {
+                "transparent": "" if sub.fault_tolerance else ", fault tolerance off",
+                "abort": ", a lost rank fails the job (on-failure abort)",
+                "ulfm": ", lost ranks are reported to the program (on-failure ulfm)",
+            }[sub.on_failure]
             if sub.checkpoint_every > 0:
                 off += f", a checkpoint every {sub.checkpoint_every:g} s"
             if sub.memory:
@@ -430,6 +435,7 @@ class JobsMixin(FaultsMixin):
                         memory=job["memory"],
                         requirements=job["requirements"],
                         user=job["user"],
+                        on_failure=job["on_failure"],
                     )
                 )
                 self.db.execute(
@@ -477,6 +483,7 @@ class JobsMixin(FaultsMixin):
             "requirements": json.loads(job["requirements"]),
             # Who submitted it (the volunteer's ``vpool-agent status`` shows it).
             "user": job["user"] or "",
+            "on_failure": job["on_failure"],
         }
 
     # -- agent reports ------------------------------------------------------------------------
@@ -668,7 +675,7 @@ class JobsMixin(FaultsMixin):
                 )
                 current = int(now_row["incarnation"]) if now_row else 0
                 return self._fenced_exit(agent_id, ex, current, now)
-            if row["state"] in ("exited", "lost"):
+            if row["state"] in ("exited", "lost", "failed"):
                 return False
             if ex.lost and row["state"] in scheduler.ACTIVE_RANK_STATES:
                 why = ex.message or (
@@ -709,13 +716,7 @@ class JobsMixin(FaultsMixin):
                 self._end(ex.job, "failed", ex.code, reason, now)
                 return True
             self._event(ex.job, now, "rank_exited", f"rank {ex.rank} exited with code 0", ex.rank)
-            left = self._one(
-                "SELECT COUNT(*) AS n FROM ranks WHERE job = ? AND NOT "
-                "(state = 'exited' AND exit_code = 0)",
-                [ex.job],
-            )
-            if left is not None and left["n"] == 0:
-                self._all_exited(ex.job, now)
+            self._maybe_all_exited(ex.job, now)
             return True
 
     # -- helpers ------------------------------------------------------------------------------
@@ -785,6 +786,8 @@ def _stop_reason(row: dict[str, Any] | None, agent_id: str, incarnation: int) ->
         return f"incarnation {incarnation} was replaced by incarnation {row['incarnation']}"
     if row["agent"] != agent_id:
         return "the rank is not leased to this agent"
+    if row["state"] == "failed":
+        return "the rank was declared failed: the other ranks carry on without it"
     if row["state"] not in scheduler.ACTIVE_RANK_STATES:
         return f"rank is {row['state']}"
     return ""
@@ -812,4 +815,6 @@ def _info(row: dict[str, Any]) -> api.JobInfo:
         requirements=json.loads(row["requirements"]),
         validate=bool(row["validate"]),
         validation=row["validation"],
+        on_failure=row["on_failure"],
+        failed_ranks=json.loads(row["failed_ranks"]),
     )

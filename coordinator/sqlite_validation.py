@@ -59,13 +59,33 @@ class ValidationMixin:
 
     # -- starting -----------------------------------------------------------------------------
 
+    def _maybe_all_exited(self, job: int, now: float) -> None:
+        """The job succeeds (``_all_exited``) once no rank is left that has not exited with
+        code 0, apart from ranks declared failed (in a job whose mode reports failures, the
+        survivors carried on without them)."""
+        left = self._one(
+            "SELECT COUNT(*) AS n FROM ranks WHERE job = ? AND NOT "
+            "((state = 'exited' AND exit_code = 0) OR state = 'failed')",
+            [job],
+        )
+        if left is not None and left["n"] == 0:
+            self._all_exited(job, now)
+
     def _all_exited(self, job_id: int, now: float) -> None:
         """Every rank of the job exited with code 0 (inside ``rank_exit``'s transaction): it
         succeeds, or, validated, its sampled ranks are re-executed first."""
         row = self.job_row(job_id)
         assert row is not None
         if not row["validate"]:
-            self._end(job_id, "succeeded", 0, "every rank exited with code 0", now)
+            failed = json.loads(row["failed_ranks"])
+            reason = "every rank exited with code 0"
+            if failed:
+                reason = (
+                    f"every surviving rank exited with code 0; rank(s) "
+                    f"{', '.join(map(str, failed))} failed and the program carried on "
+                    f"without them (on-failure {row['on_failure']})"
+                )
+            self._end(job_id, "succeeded", 0, reason, now)
             return
         sampled: list[int] = []
         skipped: list[str] = []

@@ -61,6 +61,14 @@ import msgspec
 
 JobState = Literal["queued", "running", "succeeded", "failed", "cancelled"]
 TERMINAL_STATES: frozenset[str] = frozenset({"succeeded", "failed", "cancelled"})
+# What a lost rank means to a job (``JobSubmit.on_failure``). "transparent": it is restarted
+# elsewhere and replays its log, the program never notices. "abort": the job fails. "ulfm": it
+# is declared failed, fenced at the relays, and the surviving ranks are told (``Failed``), which
+# the program sees the ULFM way (``MPI.ERR_PROC_FAILED``, ``Comm.Revoke``/``Agree``/``Shrink``).
+FailureMode = Literal["transparent", "abort", "ulfm"]
+FAILURE_MODES: tuple[FailureMode, ...] = ("transparent", "abort", "ulfm")
+# The modes in which a lost rank is reported to the survivors instead of ending the job.
+REPORTING_MODES: frozenset[str] = frozenset({"ulfm"})
 Stream = Literal["stdout", "stderr"]
 
 
@@ -210,6 +218,10 @@ class JobSubmit(msgspec.Struct, frozen=True):
     # other, unrelated volunteers and compared (sent messages, stdout, exit code). The pool may
     # validate every job whatever this says (``validate_jobs``).
     validate: bool = False
+    # What a lost rank means (``FailureMode``). Anything but "transparent" turns fault
+    # tolerance off (nothing is logged, no checkpoints); ``fault_tolerance=False`` alone means
+    # "abort".
+    on_failure: FailureMode = "transparent"
 
 
 class JobInfo(msgspec.Struct, frozen=True):
@@ -237,6 +249,9 @@ class JobInfo(msgspec.Struct, frozen=True):
     # What validation did so far, in words ("" when not validated): which ranks were
     # re-executed where, and what came of it.
     validation: str = ""
+    on_failure: str = "transparent"  # ``JobSubmit.on_failure``
+    # The ranks declared failed, in a job whose failure mode reports failures.
+    failed_ranks: list[int] = []
 
     def output_withheld(self) -> bool:
         """A job validated by replay shows no output (nor results) until it ended: until then
@@ -275,7 +290,9 @@ class RankInfo(msgspec.Struct, frozen=True):
     incarnation: int
     agent: str | None
     relay: str | None  # home relay
-    state: str  # pending | leased | running | exited | lost | killed
+    # pending | leased | running | exited | lost | killed | failed (declared failed and fenced,
+    # in a job whose failure mode reports failures: it never runs again)
+    state: str
     exit_code: int | None
     # The checkpoint (id: its wall-clock time in ms) this incarnation was restored from; -1 when
     # it started from the beginning (or has not said yet).
@@ -429,6 +446,8 @@ class Lease(msgspec.Struct, frozen=True):
     requirements: list[str] = []
     # Who submitted the job (the volunteer's ``vpool-agent status`` shows it).
     user: str = ""
+    # The job's failure mode (``JobSubmit.on_failure``), told to the rank in its welcome.
+    on_failure: str = "transparent"
 
 
 class LeaseRequest(msgspec.Struct, frozen=True):
@@ -496,6 +515,9 @@ class AgentHeartbeat(msgspec.Struct, frozen=True):
     # ``activity_reason`` says why, for people ("the owner is using the machine").
     activity: str = "available"
     activity_reason: str = ""
+    # The failed ranks the agent knows of (``AgentHeartbeatResponse.failed``, as last told): a
+    # held answer goes out at once when the coordinator knows more.
+    failed_known: list[JobFailures] = []
 
 
 class StopOrder(msgspec.Struct, frozen=True):
@@ -503,6 +525,15 @@ class StopOrder(msgspec.Struct, frozen=True):
     rank: int
     incarnation: int
     reason: str
+
+
+class JobFailures(msgspec.Struct, frozen=True):
+    """The ranks of ``job`` declared failed so far, every one of them already fenced at every
+    relay of the job (nothing it sends reaches anybody): the agent tells its ranks of the job
+    (``messages.Failed``)."""
+
+    job: int
+    ranks: list[int]
 
 
 class CheckpointOrder(msgspec.Struct, frozen=True):
@@ -519,6 +550,9 @@ class AgentHeartbeatResponse(msgspec.Struct, frozen=True):
     # Seconds a rank may stay suspended before the agent checkpoints it and hands it back to
     # be moved elsewhere (the pool's ``suspend_limit``; 0: the agent's own default).
     suspend_limit: float = 0.0
+    # Failed ranks of the jobs whose ranks this agent runs, in jobs whose failure mode reports
+    # failures (``REPORTING_MODES``).
+    failed: list[JobFailures] = []
 
 
 class OutputChunk(msgspec.Struct, frozen=True):
@@ -610,6 +644,14 @@ class RelayLoad(msgspec.Struct, frozen=True):
     disk_free: int = 0  # bytes free on the disk of its logs and images (0: not reported)
 
 
+class RankFence(msgspec.Struct, frozen=True):
+    """Incarnation ``incarnation`` of rank ``rank`` of ``job`` is declared failed."""
+
+    job: int
+    rank: int
+    incarnation: int
+
+
 class RankLost(msgspec.Struct, frozen=True):
     job: int
     rank: int
@@ -626,10 +668,16 @@ class RelayHeartbeat(msgspec.Struct, frozen=True):
     # The jobs whose logs or images the relay holds (at most MAX_HELD_JOBS): the answer says
     # which of them are over, however long ago, or never ran here (their files are deleted).
     jobs: list[int] = []
+    # The fences of ``RelayHeartbeatResponse.fence`` the relay has put up.
+    fenced: list[RankFence] = []
 
 
 class RelayHeartbeatResponse(msgspec.Struct, frozen=True):
     finished_jobs: list[int] = []
+    # Ranks declared failed (``FailureMode`` "ulfm"): the relay refuses their incarnation
+    # ``incarnation`` and older from now on, stops the current attachment, and says so in its
+    # next heartbeat (sent at once). Repeated until it has.
+    fence: list[RankFence] = []
 
 
 class RelayLost(msgspec.Struct, frozen=True):

@@ -109,6 +109,7 @@ class RankEvent(enum.Enum):
     CLOSED = "closed"  # the connection of the current attachment ended
     GRACE_OVER = "grace_over"  # lost_grace passed without a new attachment
     JOB_FINISHED = "job_finished"
+    DECLARED_FAILED = "declared_failed"  # the coordinator declared the rank failed (ULFM)
 
 
 class Act(enum.Enum):
@@ -121,6 +122,7 @@ class Act(enum.Enum):
     END_GRACE = "end_grace"
     REPORT_LOST = "report_lost"
     STOP_FINISHED = "stop_finished"  # a Stop saying the job is over
+    STOP_FAILED = "stop_failed"  # a Stop saying the rank was declared failed
 
 
 _S, _E, _A = RankState, RankEvent, Act
@@ -151,6 +153,13 @@ RANK_TRANSITIONS: dict[tuple[RankState, RankEvent], tuple[RankState, tuple[Act, 
     **{(_S.FINISHED, e): (_S.FINISHED, (_A.STOP_FINISHED,)) for e in (*_ATTACHES, _E.ATTACH_STALE)},
     (_S.FINISHED, _E.DETACH): (_S.FINISHED, ()),
     (_S.FINISHED, _E.JOB_FINISHED): (_S.FINISHED, ()),
+    # Declared failed: whatever it was doing here ends, and its fence (``fence``) now refuses
+    # that incarnation and every older one.
+    (_S.NONE, _E.DECLARED_FAILED): (_S.NONE, ()),
+    (_S.ATTACHED, _E.DECLARED_FAILED): (_S.NONE, (_A.UNBIND, _A.STOP_FAILED)),
+    (_S.GRACE, _E.DECLARED_FAILED): (_S.NONE, (_A.END_GRACE,)),
+    (_S.LOST, _E.DECLARED_FAILED): (_S.NONE, ()),
+    (_S.FINISHED, _E.DECLARED_FAILED): (_S.FINISHED, ()),
 }
 
 
@@ -885,6 +894,35 @@ class RelayCore(Generic[C, R]):
         return box.mailbox.delivered(src, seq)
 
     # -- jobs and checkpoints ---------------------------------------------------------------
+
+    def declare_failed(self, job: int, rank: int, incarnation: int) -> None:
+        """The coordinator declared incarnation ``incarnation`` of the rank failed (a job whose
+        failure mode reports failures, ``api.RankFence``): from now on it and every older one
+        are refused ``fenced``; its attachment gets a ``Stop`` and its late frames are dropped;
+        a grace it was in ends without a report. A newer incarnation is left alone, and so is
+        a fence already up (the coordinator repeats it until it hears it is up)."""
+        key = (job, rank)
+        if incarnation < self.fence.get(key, 0):
+            return
+        acts = self._step(key, RankEvent.DECLARED_FAILED)
+        self.fence[key] = incarnation + 1
+        self.shell.record_incarnation(job, rank, incarnation + 1)
+        att = self.attachments.get(key)
+        if att is not None and Act.UNBIND in acts:
+            self._unbind(key, att)
+            self._fence_out(
+                att.conn,
+                key,
+                Stop(
+                    job=job,
+                    rank=rank,
+                    incarnation=att.incarnation,
+                    reason="declared failed: the other ranks carry on without it",
+                ),
+            )
+        if Act.END_GRACE in acts:
+            del self.grace[key]
+        self.lost.discard(key)
 
     def finish_jobs(self, jobs: list[int]) -> list[Box[C, R]]:
         """The coordinator says these jobs are over: their ranks get a ``Stop``; their boxes

@@ -28,7 +28,14 @@ import trio
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from vpool.protocol import relay_core as core
-from vpool.protocol.api import MAX_HELD_JOBS, RankLost, RelayDiverged, RelayLoad, RelayValidated
+from vpool.protocol.api import (
+    MAX_HELD_JOBS,
+    RankFence,
+    RankLost,
+    RelayDiverged,
+    RelayLoad,
+    RelayValidated,
+)
 from vpool.protocol.detlog import DetLog
 from vpool.protocol.mailbox import Entry
 from vpool.protocol.messages import Det, DetAck, Error, Stop
@@ -472,6 +479,22 @@ class Hub:
                 logfiles.delete_job, self.data_dir, job, limiter=self.io_limiter
             )
             logger.info("job %d finished: its logs and checkpoint images are deleted", job)
+
+    def declare_failed(self, fences: Iterable[RankFence]) -> list[RankFence]:
+        """The coordinator declared these ranks failed: the core fences them out for good
+        (``RelayCore.declare_failed``). Returns the fences now up, to confirm."""
+        up: list[RankFence] = []
+        for f in fences:
+            if f.job not in self.finished:
+                self.core.declare_failed(f.job, f.rank, f.incarnation)
+                logger.info(
+                    "job %d rank %d incarnation %d declared failed: fenced out",
+                    f.job,
+                    f.rank,
+                    f.incarnation,
+                )
+            up.append(f)
+        return up
 
     def load_report(self) -> RelayLoad:
         return RelayLoad(

@@ -25,6 +25,7 @@ from vpool import __version__, tls
 from vpool.protocol.api import (
     CheckpointAccepted,
     ErrorBody,
+    RankFence,
     RelayCheckpoint,
     RelayDiverged,
     RelayHeartbeat,
@@ -256,20 +257,29 @@ async def run_registry(hub: Hub, client: CoordinatorClient, req: RelayRegister) 
             nursery.start_soon(_report_determinism, hub, client)
             nursery.start_soon(_report_refused, hub, client)
             nursery.start_soon(_report_checkpoints, hub, client)
+            fenced: list[RankFence] = []
             while True:
-                await trio.sleep(interval)
+                if not fenced:  # fences just put up are confirmed at once
+                    await trio.sleep(interval)
                 try:
                     resp = await client.heartbeat(
-                        RelayHeartbeat(name=hub.name, load=hub.load_report(), jobs=hub.held_jobs())
+                        RelayHeartbeat(
+                            name=hub.name,
+                            load=hub.load_report(),
+                            jobs=hub.held_jobs(),
+                            fenced=fenced,
+                        )
                     )
                 except CoordinatorError as exc:
                     logger.warning("heartbeat failed: %s", exc.message)
                     if exc.status in (401, 404):
                         # The coordinator forgot us (restarted with a fresh database).
                         interval = await _register(hub, client, req)
+                    fenced = []  # the coordinator repeats what it did not hear of
                     continue
                 if resp.finished_jobs:
                     await hub.finish_jobs(resp.finished_jobs)
+                fenced = hub.declare_failed(resp.fence)
     finally:
         with trio.move_on_after(1, shield=True):
             await client.aclose()

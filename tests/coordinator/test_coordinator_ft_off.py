@@ -36,13 +36,15 @@ async def test_flag_is_stored_and_shown(pool: Pool) -> None:
     off = await _submit(pool, ft=False)
     on = await _submit(pool)
     assert (off.fault_tolerance, on.fault_tolerance) == (False, True)
+    # Fault tolerance off alone is the "abort" failure mode.
+    assert (off.on_failure, on.on_failure) == ("abort", "transparent")
     assert (await pool.job(off.id)).job.fault_tolerance is False
     assert (await pool.job(on.id)).job.fault_tolerance is True
     r = await pool.client.get("/api/v1/jobs", headers=pool.user())
     listed = {j.id: j.fault_tolerance for j in decode(r, list[api.JobInfo])}
     assert listed == {off.id: False, on.id: True}
     queued = [e.message for e in (await pool.job(off.id)).events if e.kind == "queued"]
-    assert queued == ["submitted by alice: 2 ranks, fault tolerance off"]
+    assert queued == ["submitted by alice: 2 ranks, a lost rank fails the job (on-failure abort)"]
 
 
 async def test_flag_defaults_to_on_for_older_clients(pool: Pool) -> None:

@@ -157,6 +157,8 @@ def fire(core: RelayCore[str, bytes], event: RankEvent) -> Exception | None:
             core.closed("a", "reset", now=20.0)
         elif event is RankEvent.GRACE_OVER:
             core.handle_timer(1000.0)
+        elif event is RankEvent.DECLARED_FAILED:
+            core.declare_failed(JOB, RANK, 2)
         else:
             core.finish_jobs([JOB])
     except Refused as exc:
@@ -181,6 +183,9 @@ def test_each_rule(state: RankState, event: RankEvent) -> None:
         ]
     elif Act.STOP_FINISHED in acts:
         assert [s.reason for _, _, s in stops] == ["job finished"]
+    elif Act.STOP_FAILED in acts:
+        assert [(c, s.incarnation) for _, c, s in stops] == [("a", 2)]
+        assert stops[0][2].reason.startswith("declared failed")
     else:
         assert stops == []
     if Act.BIND in acts:
@@ -216,6 +221,29 @@ def test_a_newer_incarnation_is_recorded_and_the_old_ones_frames_are_dropped() -
     # Rank 1's old incarnation still sends on "a": fenced, dropped quietly.
     assert core.deposit("a", JOB, RANK, 0, 1, b"x") is None
     assert core.det("a", JOB, RANK, 0) is None
+
+
+def test_a_rank_declared_failed_is_fenced_for_good_but_a_newer_incarnation_may_attach() -> None:
+    core, shell = make()
+    attach(core, "a", 2)
+    core.declare_failed(JOB, RANK, 2)
+    assert [(c, s.incarnation) for _, c, s in shell.take("stop")] == [("a", 2)]
+    # On disk (a restarted relay keeps the fence): the attachment's, then the fence's.
+    assert shell.incarnations == [(JOB, RANK, 2), (JOB, RANK, 3)]
+    # Its late frames are dropped; it cannot come back, on that connection or another.
+    assert core.deposit("a", JOB, RANK, 0, 1, b"x") is None
+    for conn in ("a", "b"):
+        with pytest.raises(Refused) as info:
+            attach(core, conn, 2)
+        assert info.value.code is ErrorCode.FENCED
+    # Said again (the coordinator repeats it until it hears back): nothing more happens.
+    core.declare_failed(JOB, RANK, 2)
+    assert shell.take("stop") == [] and shell.incarnations[-1] == (JOB, RANK, 3)
+    assert len(shell.incarnations) == 2
+    # A fence for an older incarnation than one attached leaves the newer one alone.
+    attach(core, "b", 3)
+    core.declare_failed(JOB, RANK, 2)
+    assert core.rank_state(KEY) is RankState.ATTACHED and shell.take("stop") == []
 
 
 def test_frames_of_a_rank_never_attached_here_end_the_connection() -> None:
