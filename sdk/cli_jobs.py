@@ -15,10 +15,12 @@ import click
 
 from vpool import requirements
 from vpool.protocol.api import (
+    FAILURE_MODES,
     MAX_JOB_MEMORY,
     MIN_JOB_MEMORY,
     TERMINAL_STATES,
     AgentInfo,
+    FailureMode,
     JobDetail,
     JobInfo,
     OutputPage,
@@ -191,6 +193,16 @@ def stream_output(
     "(its machine gone, its process killed) fails the job instead of being restarted.",
 )
 @click.option(
+    "--on-failure",
+    type=click.Choice(FAILURE_MODES),
+    default="transparent",
+    show_default=True,
+    help="What a lost rank means: transparent (it is restarted and replays, the program never "
+    "notices), abort (the job fails; the same as --no-fault-tolerance) or ulfm (it is declared "
+    "failed and the other ranks are told, as MPI.ERR_PROC_FAILED: for programs that recover "
+    "themselves with Comm.Revoke/Agree/Shrink).",
+)
+@click.option(
     "--checkpoint-every",
     type=click.FloatRange(min=0),
     default=0.0,
@@ -237,6 +249,7 @@ def submit(
     requirements_file: Path | None,
     entry: str | None,
     fault_tolerance: bool,
+    on_failure: FailureMode,
     checkpoint_every: float,
     memory: int,
     allow_unsandboxed: bool,
@@ -269,7 +282,10 @@ def submit(
 
     Ranks are fault tolerant by default: a rank whose machine or process is lost is restarted
     and replays its logged messages. --no-fault-tolerance skips the logging (the benchmark
-    benchmarks/ft_overhead.py measures what it costs) and fails the job on the first loss.
+    benchmarks/ft_overhead.py measures what it costs) and fails the job on the first loss
+    (--on-failure abort says the same). --on-failure ulfm is for programs that handle failures
+    themselves (MPI's ULFM: a lost rank is declared failed, fenced so it can never come back,
+    and the other ranks get MPI.ERR_PROC_FAILED; the job succeeds if the survivors exit 0).
     --checkpoint-every 600 also saves each rank every 10 minutes on machines that can (CRIU),
     so a lost rank resumes from there; it needs fault tolerance.
 
@@ -287,6 +303,12 @@ def submit(
     re-executed, where, and what came of it). The program must be deterministic given its
     messages (no clock or unseeded random numbers in what it prints or sends).
     """
+    if not fault_tolerance and on_failure == "transparent":
+        on_failure = "abort"
+    if on_failure != "transparent":
+        if not fault_tolerance and on_failure != "abort":
+            raise click.UsageError(f"--no-fault-tolerance is --on-failure abort, not {on_failure}")
+        fault_tolerance = False
     if validate and not fault_tolerance:
         raise click.UsageError(
             "--validate replays the logs fault tolerance keeps (drop --no-fault-tolerance)"
@@ -318,13 +340,16 @@ def submit(
             name=name,
             entry=entry,
             fault_tolerance=fault_tolerance,
+            on_failure=on_failure,
             checkpoint_every=checkpoint_every,
             memory=memory,
             unsandboxed=allow_unsandboxed,
             validate=validate,
         )
         what = f"{ranks} rank{'s' if ranks != 1 else ''}"
-        if not fault_tolerance:
+        if on_failure == "ulfm":
+            what += ", failures reported to the program (ulfm)"
+        elif not fault_tolerance:
             what += ", fault tolerance off"
         if checkpoint_every > 0:
             what += f", a checkpoint every {checkpoint_every:g} s"
@@ -545,6 +570,10 @@ def status(settings: Settings, job: int | None, as_json: bool) -> None:
         return
     j = detail.job
     off = "" if j.fault_tolerance else "  (fault tolerance off)"
+    if j.on_failure not in ("transparent", "abort"):
+        off = f"  (on failure: {j.on_failure})"
+    if j.failed_ranks:
+        off += f"  (failed: {', '.join(map(str, j.failed_ranks))})"
     if j.checkpoint_every > 0:
         off += f"  (a checkpoint every {j.checkpoint_every:g} s)"
     if j.memory:

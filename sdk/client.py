@@ -33,6 +33,7 @@ from vpool.protocol.api import (
     CheckpointAsk,
     CheckpointAsked,
     ErrorBody,
+    FailureMode,
     JobDetail,
     JobInfo,
     JobSubmit,
@@ -197,6 +198,7 @@ class Client:
         name: str | None = None,
         entry: str | None = None,
         fault_tolerance: bool = True,
+        on_failure: FailureMode = "transparent",
         checkpoint_every: float = 0.0,
         memory: int = 0,
         unsandboxed: bool = False,
@@ -208,7 +210,8 @@ class Client:
         bundle already made of it, see ``sdk.bundle``) with ``inputs``, upload and submit it
         to run on ``ranks`` ranks as ``python entry *args``; ``stdin`` (a file or bytes) is fed
         to rank 0. With ``fault_tolerance=False`` nothing is logged and a lost rank fails the
-        job instead of being restarted. ``checkpoint_every`` > 0: every rank is checkpointed
+        job instead of being restarted; ``on_failure`` is what a lost rank means
+        (``protocol.api.FailureMode``). ``checkpoint_every`` > 0: every rank is checkpointed
         that often (seconds), so a lost rank restarts from its last image instead of from the
         beginning. ``memory`` > 0: bytes each rank needs (agents that let a rank use less get
         none; the others hold each rank to it). ``unsandboxed=True`` lets ranks run on agents
@@ -239,6 +242,7 @@ class Client:
             stdin=stdin_sha,
             name=name if name is not None else program.name,
             fault_tolerance=fault_tolerance,
+            on_failure=on_failure,
             checkpoint_every=checkpoint_every,
             memory=memory,
             unsandboxed=unsandboxed,

@@ -26,6 +26,7 @@ from vpool.protocol.api import (
     AgentHeartbeat,
     EnrollResponse,
     IsolationReport,
+    JobFailures,
     Lease,
     RankProblem,
 )
@@ -121,6 +122,9 @@ class Agent:
         self.socket_path = choose_socket_path(settings.work_path, SOCKET_NAME)
         self.capability = Capability()
         self.checkpoint_orders = CheckpointOrderIds()
+        # The failed ranks of our ranks' jobs as the coordinator last told them (echoed in each
+        # heartbeat, so that a held answer comes at once when there is more).
+        self.failed_known: list[JobFailures] = []
         self.leaving = False  # stopping: no more leases
         # Reads the settings again from their file (``vpool-agent prefs``); None: no file.
         self.reload_settings: Callable[[], AgentSettings] | None = None
@@ -458,6 +462,7 @@ class Agent:
                             ),
                             activity=self.manners.activity,
                             activity_reason=self.manners.reason,
+                            failed_known=self.failed_known,
                         )
                     )
                 except CoordinatorUnreachable as exc:
@@ -487,6 +492,10 @@ class Agent:
                     if rank is not None:
                         rank.request_stop(order.reason)
                 self.checkpoint_orders.answered(acks)
+                self.failed_known = resp.failed
+                failed = {f.job: f.ranks for f in resp.failed}
+                for rank in self.ranks:
+                    rank.tell_failed(failed.get(rank.lease.job, []))
                 for ckpt_order in resp.checkpoint:
                     if not self.checkpoint_orders.received(ckpt_order.id):
                         continue  # re-delivered: our acknowledgement had not arrived yet

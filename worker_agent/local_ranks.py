@@ -17,9 +17,9 @@ from typing import TYPE_CHECKING, Protocol
 
 import trio
 
-from vpool.protocol.api import Lease, RankState
-from vpool.protocol.framing import Buffer
-from vpool.protocol.messages import Abort, Message
+from vpool.protocol.api import REPORTING_MODES, Lease, RankState
+from vpool.protocol.framing import Buffer, encode_frame
+from vpool.protocol.messages import Abort, Failed, Message
 from vpool.protocol.rank_link import Delivery, is_current
 from vpool.protocol.sealing import Sealer, message_key
 
@@ -256,6 +256,8 @@ class LocalRank:
         self.started_at = time.time()
         self.cpu_seconds = 0.0
         self.rss = 0
+        # The job's ranks declared failed that this rank was told of (``tell_failed``).
+        self.failed_told: list[int] = []
 
     def __repr__(self) -> str:
         lease = self.lease
@@ -264,6 +266,14 @@ class LocalRank:
     @property
     def label(self) -> str:
         return f"rank {self.lease.rank} of job {self.lease.job}"
+
+    def tell_failed(self, ranks: list[int]) -> None:
+        """Tell the rank which ranks of its job are declared failed (``messages.Failed``, in a
+        job whose failure mode reports failures), when that is news to it. The frame waits in
+        the outbox until the rank's welcome has gone."""
+        if self.lease.on_failure in REPORTING_MODES and ranks and ranks != self.failed_told:
+            self.failed_told = list(ranks)
+            self.outbox.push_control(encode_frame(Failed(ranks=self.failed_told)))
 
     def request_stop(self, reason: str, *, lost: bool = False) -> None:
         """Stop the process; ``lost``: the coordinator is to start it again (it is reported

@@ -250,6 +250,7 @@ class RankProxy:
             processor=self.processor,
             replay_dets=rank.replay_dets,
             replay_sent=rank.replay_sent,
+            on_failure=lease.on_failure,
         )
         session.send(welcome)
         try:
