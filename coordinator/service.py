@@ -325,7 +325,7 @@ class Coordinator:
         if (sub.validate or self.settings.validate_jobs) and not sub.fault_tolerance:
             raise BadRequest(
                 "validation re-executes ranks from their message logs, which fault tolerance "
-                "keeps: a validated job needs fault_tolerance on"
+                "keeps: a validated job needs fault_tolerance on (on_failure transparent)"
                 + (" (this pool validates every job)" if self.settings.validate_jobs else ""),
                 code="bad_validate",
             )
@@ -357,7 +357,7 @@ class Coordinator:
         if not sub.fault_tolerance:
             raise BadRequest(
                 "checkpoints need fault tolerance: checkpoint_every must be 0 when "
-                "fault_tolerance is off",
+                f"fault_tolerance is off (on_failure {sub.on_failure})",
                 code="bad_checkpoint_every",
             )
 

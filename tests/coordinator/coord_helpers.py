@@ -116,6 +116,7 @@ class Pool:
         unsandboxed: bool = False,
         validate: bool = False,
         checkpoint_every: float = 0.0,
+        on_failure: api.FailureMode = "transparent",
     ) -> api.JobInfo:
         bundle = await self.upload(make_zip({"app.py": program, "input.txt": b"42\n"}), user)
         stdin_sha = await self.upload(stdin, user) if stdin is not None else None
@@ -130,6 +131,7 @@ class Pool:
             unsandboxed=unsandboxed,
             validate=validate,
             checkpoint_every=checkpoint_every,
+            on_failure=on_failure,
         )
         r = await self.post("/api/v1/jobs", sub, self.user(user))
         assert r.status_code == 201, r.text
@@ -244,10 +246,12 @@ class Pool:
         )
         decode(r, api.RelayRegistered)
 
-    async def relay_heartbeat(self, name: str = "relay-0") -> api.RelayHeartbeatResponse:
+    async def relay_heartbeat(
+        self, name: str = "relay-0", fenced: list[api.RankFence] | None = None
+    ) -> api.RelayHeartbeatResponse:
         r = await self.post(
             "/api/v1/relays/heartbeat",
-            api.RelayHeartbeat(name=name, load=api.RelayLoad()),
+            api.RelayHeartbeat(name=name, load=api.RelayLoad(), fenced=fenced or []),
             relay_headers(name),
         )
         return decode(r, api.RelayHeartbeatResponse)
