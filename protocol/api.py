@@ -222,6 +222,10 @@ class JobSubmit(msgspec.Struct, frozen=True):
     # tolerance off (nothing is logged, no checkpoints); ``fault_tolerance=False`` alone means
     # "abort".
     on_failure: FailureMode = "transparent"
+    # The most processes the job may have at once, its first ranks and those its ranks spawn
+    # (``MPI.Comm.Spawn``, ``mpi4py.futures.MPIPoolExecutor``) together: MPI's universe size
+    # (``mpiexec -usize``). 0: ``ranks`` + the pool's ``spawn_default``.
+    universe: int = 0
 
 
 class JobInfo(msgspec.Struct, frozen=True):
@@ -250,6 +254,8 @@ class JobInfo(msgspec.Struct, frozen=True):
     # re-executed where, and what came of it.
     validation: str = ""
     on_failure: str = "transparent"  # ``JobSubmit.on_failure``
+    universe: int = 0  # ``JobSubmit.universe`` as decided at submission (0: from before)
+    spawned: int = 0  # processes its ranks spawned so far (ranks ``ranks`` and up)
     # The ranks declared failed, in a job whose failure mode reports failures.
     failed_ranks: list[int] = []
 
@@ -448,6 +454,44 @@ class Lease(msgspec.Struct, frozen=True):
     user: str = ""
     # The job's failure mode (``JobSubmit.on_failure``), told to the rank in its welcome.
     on_failure: str = "transparent"
+    # Processes made by ``MPI.Comm.Spawn`` (``size`` is then the job's universe: every rank
+    # number the job may ever use, for routes and tokens). ``world``: the job ranks of this
+    # process's ``COMM_WORLD`` in order (empty: 0 to size - 1). ``parent``: the job ranks of the
+    # group that spawned it, and ``parent_ctx`` the context they agreed for the
+    # intercommunicator (``MPI.Comm.Get_parent``); empty for a process not spawned.
+    # ``command``: what the process runs (Python's arguments after the interpreter, e.g.
+    # ``["-m", "mpi4py.futures.server"]``) instead of ``entry`` and ``args``.
+    world: list[int] = []
+    parent: list[int] = []
+    parent_ctx: int = 0
+    command: list[str] = []
+
+
+class SpawnAsk(msgspec.Struct, frozen=True):
+    """Agent -> coordinator: rank ``rank`` (incarnation ``incarnation``) of ``job`` is the root of
+    an ``MPI.Comm.Spawn``, its ``seq``-th (counted by the rank: a replaying incarnation asks the
+    same question again and gets the same answer). Start ``maxprocs`` processes, at least
+    ``least`` of them (MPI's "soft" info; ``least == maxprocs``: exactly), running ``command``
+    (Python's arguments after the interpreter). ``parent``: the job ranks of the spawning
+    communicator's group; ``ctx``: the context id they agreed for the intercommunicator."""
+
+    job: int
+    rank: int
+    incarnation: int
+    seq: int
+    command: list[str]
+    maxprocs: int
+    least: int
+    parent: list[int]
+    ctx: int
+
+
+class SpawnAnswer(msgspec.Struct, frozen=True):
+    """The job ranks of the new processes, in order (their ``COMM_WORLD``), or ``error`` (none
+    started): the job's universe is full, the command is not a Python program, ..."""
+
+    ranks: list[int] = []
+    error: str = ""
 
 
 class LeaseRequest(msgspec.Struct, frozen=True):

@@ -261,6 +261,12 @@ class RankWelcome(_Msg, frozen=True, tag="rank_welcome"):
     # restarted and replays; the program never sees a failure), "abort", "ulfm", "blank",
     # "shrink" or "rebuild" (failures are reported to the program, ``Failed`` frames).
     on_failure: str = "transparent"
+    # Spawned processes (``api.Lease``): ``size`` is the job's universe; ``world`` the job ranks
+    # of this process's COMM_WORLD (empty: 0 to size - 1); ``parent`` and ``parent_ctx`` the
+    # spawning group and the context of the intercommunicator to it (empty: not spawned).
+    world: list[int] = []
+    parent: list[int] = []
+    parent_ctx: int = 0
 
 
 class CheckpointRequest(_Msg, frozen=True, tag="ckpt_request"):
@@ -378,6 +384,26 @@ class Failed(_Msg, frozen=True, tag="failed"):
     ranks: list[int]
 
 
+class SpawnRequest(_Msg, frozen=True, tag="spawn"):
+    """Rank -> agent: this rank is the root of an ``MPI.Comm.Spawn`` (``api.SpawnAsk``, whose
+    fields these are); the agent answers ``Spawned`` with the same ``seq``."""
+
+    seq: int
+    command: list[str]
+    maxprocs: int
+    least: int
+    parent: list[int]
+    ctx: int
+
+
+class Spawned(_Msg, frozen=True, tag="spawned"):
+    """Agent -> rank: the answer to ``SpawnRequest`` ``seq`` (``api.SpawnAnswer``)."""
+
+    seq: int
+    ranks: list[int]
+    error: str = ""
+
+
 class Finalize(_Msg, frozen=True, tag="finalize"):
     """Rank -> agent: the rank has called ``MPI.Finalize`` after all its deposits were acked."""
 
@@ -403,6 +429,8 @@ Message = (
     | Abort
     | Finalize
     | Failed
+    | SpawnRequest
+    | Spawned
     | CheckpointRequest
     | CkptForked
     | CkptPut
