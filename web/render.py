@@ -61,9 +61,23 @@ def duration(start: float | None, end: float | None) -> str:
     return f"{seconds / 3600:.1f} h"
 
 
+# A job's failure mode (``api.JobInfo.on_failure``) on its page: what a lost rank does.
+FAILURE_MODE_WORDS = {
+    "transparent": "restart transparently",
+    "abort": "fail the job",
+    "ulfm": "report to the program (ULFM)",
+}
+
+
+def failure_mode(mode: str) -> str:
+    """The words for ``mode``; a mode this portal does not know is shown as it is."""
+    return FAILURE_MODE_WORDS.get(mode, mode)
+
+
 env.filters["ago"] = ago
 env.filters["clock"] = clock
 env.filters["size"] = format_size
+env.filters["failure_mode"] = failure_mode
 env.globals["duration"] = duration
 env.globals["version"] = __version__
 

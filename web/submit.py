@@ -4,6 +4,10 @@ The form's files are packed exactly as ``vsdk submit`` packs them (``vpool.bundl
 stored as blobs and submitted through ``Coordinator.submit``, so the checks and their messages
 are the same; each error is shown next to the field that caused it and nothing is kept from a
 refused form but what the user typed.
+
+"When a rank is lost" (``on_failure``) is the choice of ``vsdk submit --on-failure``. It
+replaced the fault tolerance checkbox; a post without it that sends ``fault_tolerance`` as the
+old form did still means what it meant (ticked: "transparent", left out: "abort").
 """
 
 from __future__ import annotations
@@ -46,6 +50,25 @@ FIELD_OF_CODE = {
     "bad_requirements": "requirements",
     "bad_validate": "validate",
 }
+# The choices of "When a rank is lost" (``api.FAILURE_MODES``): what it is, and what it means.
+ON_FAILURE_CHOICES: dict[str, tuple[str, str]] = {
+    "transparent": (
+        "Restart it elsewhere",
+        "the program never notices: the rank replays its logged messages, the output stays "
+        "the same",
+    ),
+    "abort": (
+        "Fail the job",
+        "no message logging (a little faster); the job fails at the first lost rank",
+    ),
+    "ulfm": (
+        "Tell the other ranks (ULFM)",
+        "for programs that handle failures themselves: the rank is declared failed, the others "
+        "get MPI.ERR_PROC_FAILED (Comm.Revoke/Agree/Shrink) and the job succeeds if they exit 0",
+    ),
+}
+RESTART = ON_FAILURE_CHOICES["transparent"][0]
+MODES: dict[str, api.FailureMode] = {mode: mode for mode in api.FAILURE_MODES}
 
 
 @dataclass
@@ -58,7 +81,7 @@ class Draft:
     entry: str = ""
     checkpoint_every: str = ""
     memory: str = ""
-    fault_tolerance: bool = True
+    on_failure: str = "transparent"
     unsandboxed: bool = False
     validate: bool = False
     requirements: str = ""
@@ -85,6 +108,7 @@ def _form(request: Request, v: Viewer, draft: Draft, status: int = 200) -> Respo
         max_ranks=core.settings.max_ranks,
         min_checkpoint=core.settings.min_checkpoint_every,
         validate_jobs=core.settings.validate_jobs,
+        on_failure_choices=ON_FAILURE_CHOICES,
     )
 
 
@@ -135,10 +159,26 @@ def _draft(form: FormData) -> Draft:
         memory=_text(form, "memory"),
         requirements=_text(form, "requirements", MAX_ARGS_TEXT),
     )
-    draft.fault_tolerance = _checkbox(form, draft, "fault_tolerance")
+    draft.on_failure = _on_failure(form, draft)
     draft.unsandboxed = _checkbox(form, draft, "unsandboxed")
     draft.validate = _checkbox(form, draft, "validate")
     return draft
+
+
+def _on_failure(form: FormData, draft: Draft) -> str:
+    """The one value of the "When a rank is lost" choice. A post without it (as the form sent
+    before the choice) says it with the fault tolerance checkbox: ticked is "transparent", left
+    out "abort"."""
+    values = form.getlist("on_failure")
+    if not values:
+        return "transparent" if _checkbox(form, draft, "fault_tolerance") else "abort"
+    _checkbox(form, draft, "fault_tolerance")  # a hostile value is an error all the same
+    value = values[0]
+    if len(values) == 1 and isinstance(value, str) and value in MODES:
+        return value
+    choices = ", ".join(f"{name} ({label})" for name, (label, _) in ON_FAILURE_CHOICES.items())
+    draft.error("on_failure", f"choose one of: {choices}")
+    return ""  # no choice shown as made
 
 
 def _checkbox(form: FormData, draft: Draft, name: str) -> bool:
@@ -162,10 +202,27 @@ async def _submission(
     every = 0.0
     if draft.checkpoint_every.strip():
         every = _number(draft, "checkpoint_every", draft.checkpoint_every, float, "seconds")
-    if every > 0 and not draft.fault_tolerance:
-        draft.error(
-            "checkpoint_every", "checkpoints need fault tolerance: turn it on or leave this empty"
-        )
+    if draft.on_failure not in ("transparent", ""):
+        # Checkpoints and validation need the message logs only "transparent" keeps: said here
+        # in the form's words, rather than the coordinator's (which name the API's fields).
+        if every > 0:
+            draft.error(
+                "checkpoint_every",
+                f'checkpoints are for restarting lost ranks: choose "{RESTART}" when '
+                "a rank is lost, or leave this empty",
+            )
+        if draft.validate:
+            draft.error(
+                "validate",
+                "validation replays the messages logged only to restart lost ranks: choose "
+                f'"{RESTART}" when a rank is lost, or untick this',
+            )
+        elif core.settings.validate_jobs:
+            draft.error(
+                "on_failure",
+                "this pool validates every job, which replays the messages logged only to "
+                f'restart lost ranks: choose "{RESTART}"',
+            )
     memory = 0
     if draft.memory.strip():
         try:
@@ -225,7 +282,8 @@ async def _submission(
         args=args,
         stdin=stdin_sha,
         name=draft.name.strip() or name,
-        fault_tolerance=draft.fault_tolerance,
+        fault_tolerance=draft.on_failure == "transparent",
+        on_failure=MODES[draft.on_failure],
         checkpoint_every=every,
         memory=memory,
         unsandboxed=draft.unsandboxed,

@@ -24,6 +24,9 @@ Segment states (``STATES``) and the events that start them:
   showed before), is lost or ends;
 - ``lost``: from ``rank_lost`` until the replacement incarnation is placed
   (``rank_restarted``), or until the job ends;
+- ``failed``: in a job whose failure mode reports failures (``api.REPORTING_MODES``: "ulfm"),
+  from ``rank_failed`` (the rank is declared failed: never replaced, the other ranks carry on
+  without it) until the job ends; no later event of the rank changes the row;
 - ``waiting``: the replacement can only start from a checkpoint image and no agent can restore
   it (``rank_waiting_restore``), until it is placed or the job ends;
 - ``validating``: a re-execution of the rank for validation by replay, from its placement
@@ -31,10 +34,12 @@ Segment states (``STATES``) and the events that start them:
   (``rank_reexecuted``), was lost, or the next re-execution of the rank is placed. It replays
   its log, but the row says what it is for.
 
-A rank's row ends at ``rank_exited`` or ``rank_failed`` (no segment after; ``rank_failed`` is
-also a fault mark), and every row ends at the job's end event (``succeeded``, ``failed``,
-``cancelled``). ``rank_validating`` starts an ended row again: validation begins once every
-rank exited. The current segment of an unfinished job ends at ``now``.
+A rank's row ends at ``rank_exited`` or, in other jobs, ``rank_failed`` (no segment after: the
+job fails with it; a survivor exiting non-zero fails a "ulfm" job too, and its ``failed``
+segment of no duration is dropped). ``rank_failed`` is also a fault mark. Every row ends at
+the job's end event (``succeeded``, ``failed``, ``cancelled``). ``rank_validating`` starts an
+ended row again: validation begins once every rank exited. The current segment of an
+unfinished job ends at ``now``.
 
 Mark kinds (``MARK_KINDS``): ``checkpoint`` (a committed image), ``fault`` (``rank_lost``,
 ``rank_failed``, ``checkpoint_failed``, ``restore_failed``, ``relay_down``, ``job_failed``, the
@@ -70,6 +75,7 @@ STATES: tuple[str, ...] = (
     "restored",
     "suspended",
     "lost",
+    "failed",
     "waiting",
     "validating",
 )
@@ -149,7 +155,7 @@ class _Row:
 class _Builder:
     """Replays events onto one ``_Row`` per rank, collecting closed segments and marks."""
 
-    def __init__(self, ranks: int, start: float) -> None:
+    def __init__(self, ranks: int, start: float, *, reports_failures: bool = False) -> None:
         self.rows = [_Row(rank, "queued", start, "queued") for rank in range(ranks)]
         self.segments: list[Segment] = []
         self.marks: list[Mark] = []
@@ -163,7 +169,7 @@ class _Builder:
             "rank_waiting_restore": self._rank_waiting,
             "rank_restarted": self._rank_restarted,
             "rank_exited": self._rank_ended,
-            "rank_failed": self._rank_ended,
+            "rank_failed": self._rank_failed if reports_failures else self._rank_ended,
             "rank_validating": self._rank_validating,
             "rank_reexecuted": self._rank_ended,
             "rank_suspended": self._rank_suspended,
@@ -194,6 +200,8 @@ class _Builder:
         elif rank is not None:
             handler = self.handlers.get(e.kind)
             row = self.rows[rank]
+            if row.state == "failed":
+                return  # declared failed for good: only the job's end closes the row
             if handler is not None and (row.state is not None or e.kind in _REOPENS):
                 handler(row, e.message, t)
 
@@ -233,6 +241,9 @@ class _Builder:
 
     def _rank_lost(self, row: _Row, message: str, t: float) -> None:
         self._to(row, "lost", t, message, row.incarnation)
+
+    def _rank_failed(self, row: _Row, message: str, t: float) -> None:
+        self._to(row, "failed", t, message, row.incarnation)
 
     def _rank_waiting(self, row: _Row, message: str, t: float) -> None:
         self._to(row, "waiting", t, message, row.incarnation)
@@ -293,7 +304,8 @@ def build(job: api.JobInfo, events: Sequence[api.JobEvent], now: float) -> Timel
     else:
         end = max([start, *last])
     end = max([end, start, *last]) if math.isfinite(end) else max([start, *last])
-    builder = _Builder(max(0, job.ranks), start)
+    reports = job.on_failure in api.REPORTING_MODES
+    builder = _Builder(max(0, job.ranks), start, reports_failures=reports)
     for e in timed:
         builder.event(e)
     builder.finish(end, live=live)

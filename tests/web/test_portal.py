@@ -244,8 +244,8 @@ async def test_submit_form_shows_each_error_next_to_its_field(portal: Portal) ->
     assert "not Python source" in (await post({}, _files(("app.py", b"def (:\n"))))["program"]
     assert "not a whole number" in (await post({"ranks": "two"}, _files(py)))["ranks"]
     assert "between 1 and 16" in (await post({"ranks": "99"}, _files(py)))["ranks"]
-    errors = await post({"checkpoint_every": "60", "fault_tolerance": ""}, _files(py))
-    assert "need fault tolerance" in errors["checkpoint_every"]
+    errors = await post({"checkpoint_every": "60", "on_failure": "abort"}, _files(py))
+    assert "checkpoints are for restarting lost ranks" in errors["checkpoint_every"]
     errors = await post({"checkpoint_every": "0.001"}, _files(py))
     assert "checkpoint_every is 0" in errors["checkpoint_every"]  # the coordinator's own check
     assert "not a size" in (await post({"memory": "lots"}, _files(py)))["memory"]

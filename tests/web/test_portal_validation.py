@@ -50,12 +50,16 @@ async def test_the_validate_checkbox_makes_a_validated_job(portal: Portal) -> No
     plain = await _submit(alice)
     assert (await portal.pool.job(validated)).job.validate
     assert not (await portal.pool.job(plain)).job.validate
-    # Validation needs fault tolerance: the coordinator's refusal is shown by the checkbox.
+    # Validation needs lost ranks restarted (a post of the old form without its fault tolerance
+    # checkbox asks for "abort"): the refusal is shown by the checkbox.
     r = await alice.client.post(
         "/jobs/new", data={"csrf": alice.csrf, "ranks": "1", "validate": "on"}, files=_program()
     )
     assert r.status_code == 422
-    assert "needs fault_tolerance on" in field_errors(r.text)["validate"]
+    assert (
+        "validation replays the messages logged only to restart"
+        in (field_errors(r.text)["validate"])
+    )
     assert re.search(r'id="validate" name="validate" checked aria-invalid="true"', r.text)
 
 
@@ -95,7 +99,7 @@ async def test_a_pool_that_validates_every_job_says_so_on_the_form(tmp_path: Pat
         r = await alice.client.post(
             "/jobs/new", data={"csrf": alice.csrf, "ranks": "1"}, files=_program()
         )
-        assert "this pool validates every job" in field_errors(r.text)["validate"]
+        assert "this pool validates every job" in field_errors(r.text)["on_failure"]
 
 
 # -- a validated job's pages --------------------------------------------------------------------
