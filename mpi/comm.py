@@ -1,15 +1,24 @@
-"""Communicators: ``MPI.Comm``/``MPI.Intracomm`` with mpi4py's point-to-point and collective API.
+"""Communicators: ``MPI.Comm``/``MPI.Intracomm``/``MPI.Intercomm`` with mpi4py's point-to-point
+and collective API.
 
 A communicator object holds a handle (``_Core``) that copies of it share: its contexts, its
 group (world ranks, in communicator order) and the reverse map. Point-to-point calls translate
 ranks and hand messages to the engine; collectives run the algorithms of ``coll`` (objects) and
 ``collbuf`` (buffers) in the collective context ``ctx + 1``.
 
+An intercommunicator's handle also holds its remote group (``remote``, world ranks) and the core
+of its local group (``local``), in which its collectives run their phases within one group;
+point-to-point ranks name the remote group (``peers``, ``pw2c``: the group and map that
+point-to-point uses, the local ones of an intracommunicator). ``intercomm`` builds and manages
+them, ``intercoll``/``intercollbuf`` run their collectives.
+
 New communicators get context ids agreed by all members (``agree_ctx``): the maximum of every
 member's next free id, which all members then move past. Two communicators sharing a member never
-share an id; disjoint ones may, harmlessly, since matching also names world ranks. Constructors
-that only the new communicator's members call (``Create_group``, ``Create_from_group``) agree in
-a parent's collective context under negative tags, which no collective of the parent uses.
+share an id; disjoint ones may, harmlessly, since matching also names world ranks. An
+intracommunicator takes two ids (point-to-point, collectives), an intercommunicator four (its
+local group's core takes the other two). Constructors that only the new communicator's members
+call (``Create_group``, ``Create_from_group``, ``Intercomm.Create_from_groups``) agree in a
+parent's collective context under negative tags, which no collective of the parent uses.
 
 The context id is also the communicator's integer handle (``toint``/``py2f``): unique among the
 communicators a process belongs to.
@@ -47,6 +56,7 @@ from vpool.mpi.p2p import CommP2P
 from vpool.mpi.persistcoll import PersistentCollectives, PersistentIntraCollectives
 from vpool.mpi.request import DoneOp, Request
 from vpool.mpi.serialization import pickle_
+from vpool.mpi.ulfm import CommULFM
 
 _dumps = pickle_.dumps
 
@@ -61,24 +71,41 @@ class _Core:
         "eng",
         "errh",
         "group",
+        "local",
         "locks",
         "name",
+        "peers",
+        "psize",
+        "pw2c",
         "rank",
+        "remote",
         "size",
         "topo",
         "w2c",
     )
 
-    def __init__(self, eng: Any, ctx: int, group: tuple[int, ...], name: str = "") -> None:
+    def __init__(
+        self,
+        eng: Any,
+        ctx: int,
+        group: tuple[int, ...],
+        name: str = "",
+        remote: tuple[int, ...] | None = None,
+    ) -> None:
         self.eng = eng
         self.ctx = ctx
         self.group = group
         self.size = len(group)
         self.rank = group.index(eng.rank)
-        w2c = [UNDEFINED] * eng.size
-        for i, w in enumerate(group):
-            w2c[w] = i
-        self.w2c = w2c
+        self.w2c = _reverse(group, eng.size)
+        self.remote = remote  # an intercommunicator's remote group, else None
+        if remote is None:
+            self.peers, self.pw2c = group, self.w2c
+            self.local: _Core | None = None
+        else:
+            self.peers, self.pw2c = remote, _reverse(remote, eng.size)
+            self.local = _Core(eng, ctx + 2, group)
+        self.psize = len(self.peers)
         self.name = name
         self.attrs: dict[int, Any] = {}
         self.topo: Any = None
@@ -90,6 +117,14 @@ class _Core:
         self.buf: Any = None  # buffer attached for buffered sends (MPI 4.1, per communicator)
 
 
+def _reverse(group: tuple[int, ...], world: int) -> list[int]:
+    """World rank -> rank in ``group`` (UNDEFINED for the others)."""
+    w2c = [UNDEFINED] * world
+    for i, w in enumerate(group):
+        w2c[w] = i
+    return w2c
+
+
 def comm_lock(h: _Core, key: Any) -> Any:
     """The lock mpi4py takes around lower-case calls of ``key`` on a communicator, made on
     first use (``MPI._comm_lock``); threads calling them on one communicator take turns."""
@@ -99,25 +134,29 @@ def comm_lock(h: _Core, key: Any) -> Any:
     return lock
 
 
-def agree_ctx(h: _Core) -> int:
-    """A context id free at every member (collective over ``h``)."""
+def agree_ctx(h: _Core, span: int = 2) -> int:
+    """A context id free at every member (collective over the intracommunicator ``h``); the
+    new communicator takes ``span`` ids from it."""
     eng = h.eng
     ctx = coll.allreduce(h, eng.next_ctx, ops.MAX) if h.size > 1 else eng.next_ctx
-    eng.next_ctx = ctx + 2
+    eng.next_ctx = ctx + span
     return int(ctx)
 
 
 # Tag spaces (negative, below ANY_TAG) of the agreements among a new communicator's members.
 _CREATE_GROUP_TAGS = -(1 << 40)
 _FROM_GROUP_TAGS = -(1 << 41)
+_FROM_GROUPS_TAGS = -(1 << 42)  # Intercomm.Create_from_groups (intercomm: Create_intercomm's)
 
 
-def agree_ctx_among(eng: Any, ctx: int, members: tuple[int, ...], tag: int) -> int:
+def agree_ctx_among(
+    eng: Any, ctx: int, members: tuple[int, ...], tag: int, span: int = 2
+) -> int:
     """``agree_ctx`` among ``members`` only, in context ``ctx``'s collective context with
     ``tag``: the members' own sequence, apart from every collective of that context."""
     sub = _Core(eng, ctx, members)
     sub.cseq = tag - 1  # the agreement's one collective takes the next number: ``tag``
-    return agree_ctx(sub)
+    return agree_ctx(sub, span)
 
 
 _by_handle: weakref.WeakValueDictionary[int, _Core] = weakref.WeakValueDictionary()
@@ -149,7 +188,9 @@ def _split_color(split_type: int, info: Any, names: list[str], me: int) -> tuple
 
 
 def _class_of(core: _Core) -> type:
-    """The class ``fromint`` gives a handle: by its topology, as mpi4py does."""
+    """The class ``fromint`` gives a handle: by its kind and topology, as mpi4py does."""
+    if core.remote is not None:
+        return Intercomm
     kind = None if core.topo is None else core.topo.kind
     if kind == CART or kind == GRAPH:
         from vpool.mpi import topology
@@ -173,7 +214,9 @@ def _predefined_copy(cls: type, name: str) -> Any:
     return cls(_predefined(name))
 
 
-class Comm(CommP2P, CommErrhandlers, CommAttributes, CommCollectives, PersistentCollectives):
+class Comm(
+    CommP2P, CommErrhandlers, CommAttributes, CommCollectives, PersistentCollectives, CommULFM
+):
     """``MPI.Comm``."""
 
     _h: _Core | None
@@ -283,12 +326,10 @@ class Comm(CommP2P, CommErrhandlers, CommAttributes, CommCollectives, Persistent
         self.Set_name(value)
 
     def Is_inter(self) -> bool:
-        self._core()
-        return False
+        return self._core().remote is not None
 
     def Is_intra(self) -> bool:
-        self._core()
-        return True
+        return self._core().remote is None
 
     @property
     def is_inter(self) -> bool:
@@ -314,9 +355,12 @@ class Comm(CommP2P, CommErrhandlers, CommAttributes, CommCollectives, Persistent
         a, b = self._core(), comm._core()
         if a is b:
             return IDENT
-        if a.group == b.group:
+        if (a.remote is None) != (b.remote is None):
+            return UNEQUAL
+        ra, rb = a.remote or (), b.remote or ()
+        if a.group == b.group and ra == rb:
             return CONGRUENT
-        if set(a.group) == set(b.group):
+        if set(a.group) == set(b.group) and set(ra) == set(rb):
             return SIMILAR
         return UNEQUAL
 
@@ -334,6 +378,12 @@ class Comm(CommP2P, CommErrhandlers, CommAttributes, CommCollectives, Persistent
         self._h = None
 
     def Disconnect(self) -> None:
+        """Free once every member got here (MPI: after the pending communication completed;
+        sends are eager, so the barrier is what is left to wait for)."""
+        h = self._core()
+        if h.ctx < 4:
+            raise errors.MPIException(errors.ERR_COMM, "cannot free a predefined communicator")
+        self.Barrier()
         self.Free()
 
     def Abort(self, errorcode: int = 0) -> None:

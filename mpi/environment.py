@@ -80,6 +80,8 @@ def init() -> None:
         transport = Transport.connect(path, secret, eng)
         eng.job, eng.rank, eng.size = transport.job, transport.rank, transport.size
         eng.transport = transport
+        # ULFM: in a job whose failure mode reports failures, revocations act at once.
+        eng.eager = transport.on_failure != "transparent"
         eng.ckpt = checkpoint.start(eng, transport, secret)  # None unless the agent asked
         _processor = transport.processor or socket.gethostname()
         # A restarted rank reads its determinants here, before the program runs.

@@ -77,11 +77,11 @@ ERR_LASTCODE: Final = 0x3FFFFFFF
 # Classes MPICH 4.0 lacks: mpi4py maps them to MPI_ERR_LASTCODE.
 ERR_ERRHANDLER: Final = ERR_LASTCODE
 ERR_ABI: Final = ERR_LASTCODE
-# Fault-tolerance classes (ULFM), absent from MPICH's standard build: mpi4py maps them to
-# MPI_ERR_UNKNOWN.
-ERR_PROC_FAILED: Final = ERR_UNKNOWN
-ERR_PROC_FAILED_PENDING: Final = ERR_UNKNOWN
-ERR_REVOKED: Final = ERR_UNKNOWN
+# Fault-tolerance classes (ULFM, ``vpool.mpi.ulfm``): MPICH's MPIX_ERR_* values.
+ERR_PROC_FAILED: Final = 101
+ERR_PROC_FAILED_PENDING: Final = 102
+ERR_REVOKED: Final = 103
+_LAST_MPIX: Final = 105  # MPICH_ERR_LAST_MPIX: classes added by programs come after it
 
 _STRINGS: Final = {
     SUCCESS: "No MPI error",
@@ -109,6 +109,9 @@ _STRINGS: Final = {
     ERR_UNSUPPORTED_OPERATION: "Unsupported operation",
     ERR_SIZE: "Invalid size",
     ERR_VALUE_TOO_LARGE: "Value is too large to store",
+    ERR_PROC_FAILED: "Process failed",
+    ERR_PROC_FAILED_PENDING: "Request pending due to failure",
+    ERR_REVOKED: "Communication object revoked",
 }
 
 _user_classes: list[int] = []
@@ -122,7 +125,7 @@ def error_string(code: int) -> str:
 
 
 def add_error_class() -> int:
-    code = max([ERR_VALUE_TOO_LARGE, *_user_classes]) + 1
+    code = max([_LAST_MPIX, *_user_classes]) + 1
     _user_classes.append(code)
     return code
 

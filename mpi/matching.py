@@ -11,17 +11,35 @@ Everything else is fixed by MPI's rules, since each channel (source, destination
 
 Unexpected messages are queued per context id, so traffic of one communicator (or of the
 collectives) never slows matching in another.
+
+Revocation (``runtime``, transparent mode): a pill is an entry whose payload is ``PILL``, queued
+in a revoked communicator's two contexts after everything its sender sent before. It matches
+every tag and is never taken: each receive or probe that reaches it finds it again. ``on_miss``
+(set once a failure is known) is told of every probe that found nothing, so that one waiting for
+a failed rank can raise instead.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from vpool.mpi.constants import ANY_SOURCE, ANY_TAG
 from vpool.protocol.messages import Data
 
 Entry = tuple[Data, Any]  # (header, payload bytes) of an arrived, unmatched message
+
+
+class _Pill:
+    def __repr__(self) -> str:
+        return "PILL"
+
+    def __len__(self) -> int:
+        return 0
+
+
+PILL = _Pill()  # the payload of a revocation entry: "this sender's channel ended here"
 
 
 class Pattern(Protocol):
@@ -33,11 +51,13 @@ class Pattern(Protocol):
 
 
 class Matcher:
-    __slots__ = ("posted", "unexpected")
+    __slots__ = ("on_miss", "pills", "posted", "unexpected")
 
     def __init__(self) -> None:
         self.posted: list[Any] = []
         self.unexpected: dict[int, deque[Entry]] = {}
+        self.pills: set[tuple[int, int]] = set()  # (source, ctx) of the pills queued
+        self.on_miss: Callable[[int, int], None] | None = None
 
     def arrive(self, msg: Data) -> Any:
         """The posted receive ``msg`` completes (removed from the queue), or None."""
@@ -61,6 +81,14 @@ class Matcher:
             queue = self.unexpected[msg.ctx] = deque()
         queue.append((msg, payload))
 
+    def add_pill(self, *msgs: Data) -> None:
+        """Queue pills (one per context of a revoked communicator), once per sender."""
+        for msg in msgs:
+            key = (msg.src, msg.ctx)
+            if key not in self.pills:
+                self.pills.add(key)
+                self.stash(msg, PILL)
+
     def post(self, op: Any) -> Entry | None:
         """The queued message ``op`` takes (removed), or None after queueing ``op``."""
         entry = self.take(op.ctx, op.src, op.tag)
@@ -75,7 +103,8 @@ class Matcher:
             i = self._find(queue, src, tag)
             if i >= 0:
                 entry = queue[i]
-                del queue[i]
+                if entry[1] is not PILL:  # a pill stays: it ends its sender's channel
+                    del queue[i]
                 return entry
         return None
 
@@ -86,14 +115,16 @@ class Matcher:
             i = self._find(queue, src, tag)
             if i >= 0:
                 return queue[i]
+        if self.on_miss is not None:
+            self.on_miss(ctx, src)
         return None
 
     @staticmethod
     def _find(queue: deque[Entry], src: int, tag: int) -> int:
         any_src = src == ANY_SOURCE
         any_tag = tag == ANY_TAG
-        for i, (msg, _) in enumerate(queue):
-            if (any_src or msg.src == src) and (any_tag or msg.tag == tag):
+        for i, (msg, payload) in enumerate(queue):
+            if (any_src or msg.src == src) and (any_tag or msg.tag == tag or payload is PILL):
                 return i
         return -1
 

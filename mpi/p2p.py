@@ -31,6 +31,8 @@ def _rank_error(rank: int, h: Any) -> errors.MPIException:
 
 def _dst(h: Any, dest: Any) -> int:
     """World rank of a destination, or -1 for PROC_NULL."""
+    if h.eng.broken:
+        h.eng.enter(h)  # ULFM: a revoked communicator refuses every call, PROC_NULL too
     dest = as_rank(dest)
     if 0 <= dest < h.size:
         return h.group[dest]
@@ -42,6 +44,8 @@ def _dst(h: Any, dest: Any) -> int:
 def _src(h: Any, source: Any) -> int:
     """World rank of a source, ANY_SOURCE or PROC_NULL."""
     source = as_rank(source)
+    if h.eng.broken or source == ANY_SOURCE:
+        h.eng.enter(h, source == ANY_SOURCE)  # ULFM: revoked? (and ANY_SOURCE's communicator)
     if 0 <= source < h.size:
         return h.group[source]
     if source == ANY_SOURCE or source == PROC_NULL:
@@ -293,7 +297,7 @@ class CommP2P:
                 while entry is None:
                     eng.block()
                     entry = matcher.probe(ctx, w, tag)
-            return entry
+            return eng.probed(entry)  # ULFM: a revocation notice is not a message
 
         def live() -> int | None:
             entry = matcher.probe(ctx, w, tag)
@@ -309,7 +313,7 @@ class CommP2P:
         src = eng.ft.decide(K_PROBE, live, lambda s: matcher.probe(ctx, s, tag) is not None)
         if src is None:
             return None
-        return matcher.probe(ctx, src, tag)
+        return eng.probed(matcher.probe(ctx, src, tag))
 
     def _probe_status(self, entry: Any, status: Status | None) -> None:
         if status is None:

@@ -10,6 +10,11 @@ Completion order is decided in one place per call (``Waitany``/``Testany``/``Wai
 lowest index among completed requests, so the choice depends only on which messages arrived.
 Which had arrived is a matter of timing: every such outcome (and every test of a request that
 is not trivially complete) is a determinant (``rank_ft.FT.decide``): logged live, obeyed on replay.
+
+Failures (ULFM): waiting on or testing a receive from ANY_SOURCE that a failure left pending
+raises ``ERR_PROC_FAILED_PENDING`` and leaves the request as it is (``Engine.wait``); a receive
+that fails with ``ERR_REVOKED`` tells the engine its communicator is revoked (the point where the
+program observes it).
 """
 
 from __future__ import annotations
@@ -114,6 +119,8 @@ class RecvOp:
             unpack, self.unpack = self.unpack, None
             unpack()
         if self.error:
+            if self.error == errors.ERR_REVOKED and self.ctx >= 0:
+                _engine().revoked.add(self.ctx & -2)
             raise errors.MPIException(self.error)
         if self.view is None and self.msg is not None and self.nbytes:
             # An empty message (e.g. ``Send([None, 0, "B"])``) is None, as in mpi4py.
@@ -228,7 +235,7 @@ class Request:
                 status._fill(ANY_SOURCE, ANY_TAG, 0)
             return None
         if not op.done:
-            _engine().wait(op)
+            _engine().wait(op, request=True)
         self._release()
         return op.finish(status)
 
@@ -246,7 +253,11 @@ class Request:
             if op.done:
                 return True
             eng.poke()
-            return True if op.done else None
+            if op.done:
+                return True
+            if eng.failed and eng.pending_failure(op):
+                raise errors.MPIException(errors.ERR_PROC_FAILED_PENDING)
+            return None
 
         return eng.ft.decide(K_TEST, live, lambda _: op.done) is not None
 
@@ -489,8 +500,11 @@ def _any(requests: Sequence[Request], block: bool) -> tuple[int, bool]:
             eng.poke()
             index, found = _first_done(requests)
             while block and not found:
+                _check_pending(eng, requests)
                 eng.block()
                 index, found = _first_done(requests)
+        if not found:
+            _check_pending(eng, requests)
         return index if found else None
 
     def ready(index: int) -> bool:
@@ -516,14 +530,25 @@ def _done_some(requests: Sequence[Request], block: bool) -> list[int]:
             eng.poke()
             done = done_now()
             while block and not done:
+                _check_pending(eng, requests)
                 eng.block()
                 done = done_now()
+        if not done:
+            _check_pending(eng, requests)
         return done or None
 
     def ready(done: list[int]) -> bool:
         return all(requests[i]._op is None or requests[i]._op.done for i in done)
 
     return list(eng.ft.decide(K_SOME, live, ready) or [])
+
+
+def _check_pending(eng: Any, requests: Sequence[Request]) -> None:
+    """None of ``requests`` is complete: raise if a failure leaves one pending for good."""
+    if eng.failed:
+        for req in requests:
+            if req._op is not None and eng.pending_failure(req._op):
+                raise errors.MPIException(errors.ERR_PROC_FAILED_PENDING)
 
 
 def _waitany(requests: Sequence[Request], status: Status | None) -> tuple[int, Any]:

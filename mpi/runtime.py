@@ -14,42 +14,89 @@ it matches such a message, answers with an empty ``Data`` on the reserved contex
 whose tag is the matched message's seq. The send completes when that notice arrives. Notices are
 queued while the transport is delivering (no writes from inside its callbacks) and sent when the
 MPI call that made progress returns control to the engine.
+
+Failures (ULFM, ``vpool.mpi.ulfm``). In a job whose failure mode reports failures the agent sends
+``Failed(ranks)``; ``on_failed`` marks them: receives naming a failed source, and receives of a
+collective in a communicator with a failed member, complete with ``ERR_PROC_FAILED``, as do
+synchronous sends to a failed rank; later sends to one raise it; messages from a failed rank that
+arrive after its notice are dropped. A receive from ``ANY_SOURCE`` in a communicator with
+failures not acknowledged (``Comm.Ack_failed``) stays posted: waiting on it raises
+``ERR_PROC_FAILED_PENDING`` (``ERR_PROC_FAILED`` in a blocking ``Recv``, which withdraws it).
+
+Revocation. A revoked communicator's p2p context is in ``revoked``: every later operation on it
+raises ``ERR_REVOKED`` (``enter``, ``send``, ``post``). The revoker sends every member a notice
+(a "pill": ``Data`` on the reserved context ``CTX_REVOKE``, tag = the communicator's context,
+payload = its members), and every rank forwards the first pill it gets for a context to every
+member, so the revocation reaches all even if the revoker dies at once (the forward is an
+asynchronous send: positioned, logged and replayed as the match notices are). When a pill is
+noticed depends on the failure mode (``eager``):
+
+- reporting modes (ulfm): at once; every pending operation on the communicator fails;
+- "transparent": only at points that replay the same way. A pill is a sticky entry at the end of
+  its sender's channel, in the communicator's two contexts: a receive (or probe) that names the
+  sender, or ANY_SOURCE (its match is logged), and that no earlier message of the sender
+  matched, fails with ``ERR_REVOKED``; likewise a synchronous send to the sender. The context
+  joins ``revoked`` where the program observes that (the receive's completion, a blocking
+  collective, ``Is_revoked``, which is a logged test, or its own ``Revoke``). Since every member
+  forwards, every member's channel to every other ends with a pill, so no operation on a revoked
+  communicator waits forever.
 """
 
 from __future__ import annotations
 
+from array import array
 from typing import Any
 
 from vpool.mpi import errors
-from vpool.mpi.constants import ANY_SOURCE
-from vpool.mpi.matching import Matcher
+from vpool.mpi.constants import ANY_SOURCE, UNDEFINED
+from vpool.mpi.matching import PILL, Matcher
+from vpool.mpi.request import RecvOp
 from vpool.mpi.transport import Transport, die
 from vpool.protocol.messages import KIND_BUFFER, Data
 from vpool.protocol.rank_ft import BATCH, FT
 
 KIND_SYNC = 0x10  # flag on Data.kind: the sender waits until the message is matched
 CTX_MATCHED = -1  # reserved context of "your synchronous message seq=tag was matched" notices
+CTX_REVOKE = -3  # reserved context of revocation notices: tag = the revoked communicator's ctx
+CTX_AGREE = -5  # reserved context of agreements (``ulfm``): never revoked, never a collective's
+PILL_TAG = -(1 << 62)  # the tag of a pill in the unexpected queue (matches any receive's tag)
 
 
 class SyncSendOp:
-    """A synchronous send: done once the receiver matched it."""
+    """A synchronous send: done once the receiver matched it (or failed, or revoked)."""
 
-    __slots__ = ("done",)
+    __slots__ = ("ctx", "done", "dst", "error")
 
-    def __init__(self) -> None:
+    def __init__(self, dst: int = -1, ctx: int = 0) -> None:
         self.done = False
+        self.dst = dst
+        self.ctx = ctx
+        self.error = errors.SUCCESS
+
+    def fail(self, code: int) -> None:
+        self.error = code
+        self.done = True
 
     def finish(self, status: Any) -> None:
         if status is not None:
-            status._fill(-2, -1, 0)  # ANY_SOURCE, ANY_TAG: a send's status says nothing
+            status._fill(-2, -1, 0, self.error)  # ANY_SOURCE, ANY_TAG: a send's status says nothing
+        if self.error:
+            raise errors.MPIException(self.error)
         return None
 
 
 class Engine:
     __slots__ = (
+        "acked",
         "advancing",
+        "agreements",
+        "broken",
         "ckpt",
+        "eager",
         "early",
+        "failed",
+        "failed_set",
+        "forwarded",
         "ft",
         "job",
         "local_seq",
@@ -57,10 +104,13 @@ class Engine:
         "next_ctx",
         "notices",
         "rank",
+        "revoke_groups",
+        "revoked",
         "schedules",
         "size",
         "syncs",
         "transport",
+        "w2c_of",
     )
 
     def __init__(self, job: int, rank: int, size: int) -> None:
@@ -84,6 +134,19 @@ class Engine:
         # Determinants: logging live, obeying them on replay; a disagreement ends the rank.
         self.ft = FT(self, fail=die)
         self.ckpt: Any = None  # ``checkpoint.Checkpointer`` when checkpoints are enabled
+        # Failures and revocations (module docstring). ``broken``: any known (the one test of
+        # the fast paths); ``eager``: the job's failure mode reports failures (not transparent).
+        self.broken = False
+        self.eager = False
+        self.failed: list[int] = []  # failed world ranks, in the order they were learnt
+        self.failed_set: set[int] = set()
+        self.acked: dict[int, int] = {}  # ctx -> failures of that communicator acknowledged
+        self.revoked: set[int] = set()  # p2p contexts of communicators known revoked
+        self.forwarded: set[int] = set()  # contexts this rank sent (or queued) pills for
+        self.revoke_groups: dict[int, tuple[int, ...]] = {}  # ctx -> members (pills' payload)
+        self.w2c_of: dict[int, Any] = {}  # ctx -> world-to-comm map, for ANY_SOURCE probes
+        self.agreements: dict[int, int] = {}  # ctx -> agreements started on it (``ulfm``)
+        self.matcher.on_miss = None
 
     # ---- sending -------------------------------------------------------------------------
 
@@ -91,6 +154,8 @@ class Engine:
         self, dst: int, ctx: int, tag: int, kind: int, parts: list[int], bufs: list[Any], n: int
     ) -> None:
         """Send one message to world rank ``dst``; eager: returns once it is on its way."""
+        if self.broken:
+            self.check_send(dst, ctx)
         if dst == self.rank:
             self._send_local(ctx, tag, kind, parts, bufs)
         elif self.transport is not None:
@@ -102,7 +167,9 @@ class Engine:
         self, dst: int, ctx: int, tag: int, kind: int, parts: list[int], bufs: list[Any], n: int
     ) -> SyncSendOp:
         """Start a synchronous send; the returned operation is done once the message matched."""
-        op = SyncSendOp()
+        if self.broken:
+            self.check_send(dst, ctx)
+        op = SyncSendOp(dst, ctx)
         kind |= KIND_SYNC
         if dst == self.rank:
             self.local_seq += 1
@@ -116,6 +183,8 @@ class Engine:
                 op.done = True
             else:
                 self.syncs[key] = op
+                if self.broken and (dst, ctx) in self.matcher.pills:
+                    op.fail(errors.ERR_REVOKED)  # the receiver's channel already ended
         else:
             raise errors.MPIException(errors.ERR_OTHER, "MPI is not initialized or finalized")
         return op
@@ -152,7 +221,11 @@ class Engine:
         self.ft.send_notices()
 
     def _send_notice(self, src: int, seq: int) -> None:
-        if self.transport is not None:
+        """Send one asynchronous notice: a match notice to ``src`` for its message ``seq``,
+        or (``src`` -1) the pills forwarding the revocation of context ``seq``."""
+        if src < 0:
+            self.send_pills(seq)
+        elif self.transport is not None and src not in self.failed_set:
             self.transport.send_data(src, CTX_MATCHED, seq, KIND_BUFFER, [], [], 0)
 
     def _on_notice(self, msg: Data) -> None:
@@ -174,21 +247,40 @@ class Engine:
 
     def post(self, op: Any) -> None:
         """Post a receive: it takes a queued message now or waits in the posted queue."""
+        if self.broken and op.ctx >= 0 and op.ctx & -2 in self.revoked:
+            op.error = errors.ERR_REVOKED
+            op.done = True
+            return
         if op.src == ANY_SOURCE:
             self.ft.any_post(op)  # replay: the logged source; live: log the match
         entry = self.matcher.post(op)
         if entry is not None:
             if op.src == ANY_SOURCE:
                 self.ft.matched(op, entry[0].src)
+            if entry[1] is PILL:
+                op.error = errors.ERR_REVOKED  # the sender's channel ended for this context
+                op.done = True
+                return
             self._matched(entry[0])
             op.complete(entry[0], entry[1])
             self._flush_notices()
+        elif self.failed and self._doomed(op, self.failed):
+            self.matcher.cancel(op)
+            self._fail(op, errors.ERR_PROC_FAILED)
 
-    def wait(self, op: Any) -> None:
-        """Make progress until ``op.done``."""
+    def wait(self, op: Any, request: bool = False) -> None:
+        """Make progress until ``op.done``. A receive from ANY_SOURCE in a communicator with
+        unacknowledged failures raises: ``ERR_PROC_FAILED_PENDING`` for a ``request`` (which
+        stays pending), else ``ERR_PROC_FAILED`` (a blocking receive: withdrawn)."""
         transport = self.transport
         ft = self.ft
         while not op.done:
+            if self.failed and self.pending_failure(op):
+                if request:
+                    raise errors.MPIException(errors.ERR_PROC_FAILED_PENDING)
+                self.matcher.cancel(op)
+                ft.any_ops.pop(op, None)
+                raise errors.MPIException(errors.ERR_PROC_FAILED)
             if transport is None:
                 raise _no_peers()
             self.advance_schedules()
@@ -255,8 +347,16 @@ class Engine:
     # ---- transport sink ------------------------------------------------------------------
 
     def on_small(self, msg: Data, view: memoryview) -> None:
-        if msg.ctx == CTX_MATCHED:
-            self._on_notice(msg)
+        if msg.ctx < 0:
+            if self.failed_set and msg.src in self.failed_set:
+                return  # from a rank declared failed: dropped
+            if msg.ctx == CTX_MATCHED:
+                self._on_notice(msg)
+                return
+            if msg.ctx == CTX_REVOKE:
+                self.on_pill(msg.src, msg.tag, tuple(array("i", bytes(view))))
+                return
+        elif self.failed_set and msg.src in self.failed_set:
             return
         op = self.matcher.arrive(msg)
         if op is not None:
@@ -268,6 +368,8 @@ class Engine:
             self.matcher.stash(msg, bytearray(view) if msg.parts else bytes(view))
 
     def on_header(self, msg: Data, nbytes: int) -> tuple[memoryview, Any]:
+        if self.failed_set and msg.src in self.failed_set:
+            return memoryview(bytearray(nbytes)), (None, None)  # read, then dropped
         op = self.matcher.arrive(msg)
         if op is not None:
             if op.src == ANY_SOURCE:
@@ -283,6 +385,8 @@ class Engine:
         if direct:
             op.complete_direct(msg, view.nbytes)
             return
+        if direct is None or (self.failed_set and msg.src in self.failed_set):
+            return  # from a rank declared failed
         if op is None:
             # Receives posted while the payload was streaming in may want it now.
             op = self.matcher.arrive(msg)
@@ -293,6 +397,176 @@ class Engine:
                 self.ft.matched(op, msg.src)
             self._matched(msg)
         op.complete(msg, view)
+
+    # ---- failures (ULFM) -----------------------------------------------------------------
+
+    def on_failed(self, ranks: list[int]) -> None:
+        """The agent's ``Failed``: the job's ranks declared failed so far (a transport
+        callback: nothing is sent from here)."""
+        new = [
+            r for r in ranks if 0 <= r < self.size and r != self.rank and r not in self.failed_set
+        ]
+        if not new:
+            return
+        self.failed.extend(new)
+        self.failed_set.update(new)
+        self.broken = True
+        self.matcher.on_miss = self.probe_miss
+        for op in list(self.matcher.posted):
+            if self._doomed(op, new):
+                self.matcher.cancel(op)
+                self._fail(op, errors.ERR_PROC_FAILED)
+        for key, sop in list(self.syncs.items()):
+            if key[0] in self.failed_set:
+                del self.syncs[key]
+                sop.fail(errors.ERR_PROC_FAILED)
+
+    @staticmethod
+    def _doomed(op: Any, failed: list[int]) -> bool:
+        """Can posted receive ``op`` never complete, given ``failed``? It names one, or it is
+        a collective's (odd context) in a communicator with a failed member."""
+        if op.src in failed:
+            return True
+        ctx = op.ctx
+        if ctx > 0 and ctx & 1:
+            w2c = op.w2c
+            return any(w2c[f] != UNDEFINED for f in failed)
+        return False
+
+    def _fail(self, op: Any, code: int) -> None:
+        self.ft.any_ops.pop(op, None)
+        op.error = code
+        op.done = True
+
+    def unacked(self, ctx: int, w2c: Any) -> int:
+        """How many failures of the communicator (``ctx``, ``w2c``) are not acknowledged."""
+        n = sum(1 for f in self.failed if w2c[f] != UNDEFINED)
+        return n - self.acked.get(ctx, 0)
+
+    def pending_failure(self, op: Any) -> bool:
+        """``op`` is a pending receive from ANY_SOURCE that a failure leaves pending."""
+        return (
+            type(op) is RecvOp
+            and not op.done
+            and op.src == ANY_SOURCE
+            and op.ctx >= 0
+            and self.unacked(op.ctx, op.w2c) > 0
+        )
+
+    def check_send(self, dst: int, ctx: int) -> None:
+        if ctx >= 0 and ctx & -2 in self.revoked:
+            raise errors.MPIException(errors.ERR_REVOKED)
+        if dst in self.failed_set:
+            raise errors.MPIException(errors.ERR_PROC_FAILED, f"rank {dst} failed")
+
+    def enter(self, h: Any, any_source: bool = False) -> None:
+        """A point-to-point call on communicator ``h`` starts (``p2p``): refused once it is
+        revoked; an ANY_SOURCE probe's communicator is remembered (``probe_miss``)."""
+        if any_source:
+            self.w2c_of[h.ctx] = h.w2c
+        if self.broken and h.ctx & -2 in self.revoked:
+            raise errors.MPIException(errors.ERR_REVOKED)
+
+    def enter_collective(self, h: Any) -> None:
+        """A collective on ``h`` starts: refused once revoked, or with a member failed."""
+        if h.ctx & -2 in self.revoked:
+            raise errors.MPIException(errors.ERR_REVOKED)
+        if self.failed:
+            w2c = h.w2c
+            for f in self.failed:
+                if w2c[f] != UNDEFINED:
+                    raise errors.MPIException(
+                        errors.ERR_PROC_FAILED, f"rank {w2c[f]} of the communicator failed"
+                    )
+
+    def probe_miss(self, ctx: int, src: int) -> None:
+        """A probe found nothing (``Matcher.on_miss``): raise if nothing can come."""
+        if ctx >= 0 and ctx & -2 in self.revoked:
+            raise errors.MPIException(errors.ERR_REVOKED)
+        if src in self.failed_set:
+            raise errors.MPIException(errors.ERR_PROC_FAILED, f"rank {src} failed")
+        if src == ANY_SOURCE and ctx >= 0:
+            w2c = self.w2c_of.get(ctx & -2)
+            if w2c is not None and self.unacked(ctx & -2, w2c) > 0:
+                raise errors.MPIException(errors.ERR_PROC_FAILED)
+
+    def probed(self, entry: Any) -> Any:
+        """What a probe found: a pill means the sender's channel ended (``p2p``)."""
+        if entry is not None and type(entry) is tuple and entry[1] is PILL:
+            self.revoked.add(entry[0].ctx & -2)
+            raise errors.MPIException(errors.ERR_REVOKED)
+        return entry
+
+    # ---- revocation ------------------------------------------------------------------------
+
+    def revoke(self, ctx: int, group: tuple[int, ...]) -> None:
+        """This rank revokes the communicator of p2p context ``ctx`` (members ``group``)."""
+        if ctx in self.revoked:
+            return
+        self.broken = True
+        self.revoked.add(ctx)
+        self.revoke_groups.setdefault(ctx, group)
+        self.forwarded.add(ctx)
+        self._revoke_pending(ctx, None)
+        self.send_pills(ctx)
+
+    def on_pill(self, src: int, ctx: int, group: tuple[int, ...]) -> None:
+        """A revocation notice from ``src`` (a transport callback: nothing is sent here)."""
+        self.broken = True
+        self.revoke_groups.setdefault(ctx, group)
+        if ctx not in self.forwarded:
+            self.forwarded.add(ctx)
+            self.notices.append((-1, ctx))  # forwarded to every member, as a notice is
+        if self.eager:
+            self.revoked.add(ctx)
+            self._revoke_pending(ctx, None)
+        else:
+            self._revoke_pending(ctx, src)
+            self.matcher.add_pill(self._pill(src, ctx), self._pill(src, ctx + 1))
+
+    def _pill(self, src: int, ctx: int) -> Data:
+        return Data(self.job, src, self.rank, 0, ctx, PILL_TAG, KIND_BUFFER, [])
+
+    def _revoke_pending(self, ctx: int, src: int | None) -> None:
+        """Fail the pending operations on the communicator of ``ctx``: all (``src`` None), or
+        those a pill of ``src`` ends (receives naming it or ANY_SOURCE, its synchronous sends)."""
+        for op in list(self.matcher.posted):
+            if op.ctx != ctx and op.ctx != ctx + 1:
+                continue
+            if src is None or op.src == src:
+                self.matcher.cancel(op)
+                self._fail(op, errors.ERR_REVOKED)
+            elif op.src == ANY_SOURCE:
+                self.matcher.cancel(op)
+                self.ft.matched(op, src)  # which pill it took is an ANY_SOURCE outcome
+                self._fail(op, errors.ERR_REVOKED)
+        for key, sop in list(self.syncs.items()):
+            if sop.ctx == ctx and (src is None or key[0] == src):
+                del self.syncs[key]
+                sop.fail(errors.ERR_REVOKED)
+
+    def send_pills(self, ctx: int) -> None:
+        """Tell every other member (not failed) that ``ctx`` is revoked."""
+        group = self.revoke_groups.get(ctx, ())
+        payload = array("i", group).tobytes()
+        t = self.transport
+        if t is None:
+            return
+        for w in group:
+            if w != self.rank and w not in self.failed_set:
+                t.send_data(w, CTX_REVOKE, ctx, KIND_BUFFER, [], [payload], len(payload))
+
+    def send_quiet(
+        self, dst: int, ctx: int, tag: int, kind: int, parts: list[int], bufs: list[Any], n: int
+    ) -> None:
+        """A send of the runtime's own protocols (agreements): never refused, dropped when the
+        destination is known failed."""
+        if dst in self.failed_set:
+            return
+        if dst == self.rank:
+            self._send_local(ctx, tag, kind, parts, bufs)
+        elif self.transport is not None:
+            self.transport.send_data(dst, ctx, tag, kind, parts, bufs, n)
 
 
 def _no_peers() -> errors.MPIException:

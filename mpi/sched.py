@@ -13,6 +13,11 @@ Each collective started on a communicator takes the next number of its ``cseq`` 
 tag of all its messages. Members start collectives in the same order (MPI's rule), so the
 numbers agree, and two collectives in flight at once never match each other's messages.
 Receives always name their source: collectives make no timing-dependent matching decision.
+
+Failures (ULFM): a collective on a revoked communicator, or on one with a member known failed,
+is refused as it starts (``new_tag``: ``ERR_REVOKED``, ``ERR_PROC_FAILED``); one under way fails
+when its receives do (the engine fails them). The fault-tolerant agreement of ``ulfm`` runs as an
+algorithm of its own whose receives may fail (``tolerant``): it reads their errors itself.
 """
 
 from __future__ import annotations
@@ -33,6 +38,9 @@ SEGMENT = 1 << 20
 
 
 def new_tag(h: Any) -> int:
+    """The tag of a collective starting on ``h`` (every collective calls this first)."""
+    if h.eng.broken:
+        h.eng.enter_collective(h)
     h.cseq += 1
     return int(h.cseq)
 
@@ -71,8 +79,9 @@ def check(op: RecvOp) -> None:
         )
 
 
-def run(h: Any, algo: Algo) -> Any:
-    """Drive a collective to its end inside the call."""
+def run(h: Any, algo: Algo, tolerant: bool = False) -> Any:
+    """Drive a collective to its end inside the call (``tolerant``: failed receives are the
+    algorithm's business)."""
     eng = h.eng
     try:
         pending = next(algo)
@@ -80,21 +89,38 @@ def run(h: Any, algo: Algo) -> Any:
             for op in pending:
                 if not op.done:
                     eng.wait(op)
-                check(op)
+                if not tolerant:
+                    check(op)
             pending = algo.send(None)
     except StopIteration as stop:
         return stop.value
+    except errors.MPIException as exc:
+        if exc.error_code == errors.ERR_REVOKED and h.ctx >= 0:
+            eng.revoked.add(h.ctx & -2)  # observed here, in program order
+        raise
 
 
 class Schedule:
     """The operation of a non-blocking collective's request (see the module docstring)."""
 
-    __slots__ = ("_algo", "_busy", "_done", "_eng", "_error", "_ft", "_pending", "_sid", "result")
+    __slots__ = (
+        "_algo",
+        "_busy",
+        "_done",
+        "_eng",
+        "_error",
+        "_ft",
+        "_pending",
+        "_sid",
+        "_tolerant",
+        "result",
+    )
 
     source = ANY_SOURCE
 
-    def __init__(self, algo: Algo, eng: Any = None) -> None:
+    def __init__(self, algo: Algo, eng: Any = None, tolerant: bool = False) -> None:
         self._algo = algo
+        self._tolerant = tolerant
         self._pending: list[RecvOp] = []
         self._done = False
         self._busy = False
@@ -137,8 +163,9 @@ class Schedule:
                 self._pending = next(algo)
             ft = self._ft
             while all(op.done for op in self._pending):
-                for op in self._pending:
-                    check(op)
+                if not self._tolerant:
+                    for op in self._pending:
+                        check(op)
                 if ft is not None and not ft.may_step(self):
                     break
                 self._pending = algo.send(None)

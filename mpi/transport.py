@@ -13,7 +13,9 @@ the writer polls for both directions and keeps reading incoming frames meanwhile
 sending large messages to each other cannot deadlock.
 
 Transport failures (agent gone, ``Stop``, ``Error``, malformed frames) end the process: an MPI
-program cannot continue without its agent, and the agent reports the job's fate.
+program cannot continue without its agent, and the agent reports the job's fate. Failures of
+other ranks are the agent's ``Failed`` frames (jobs whose failure mode reports them), handed to
+the engine (``Sink.on_failed``).
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from vpool.protocol.messages import (
     Det,
     DetAck,
     Error,
+    Failed,
     Finalize,
     Message,
     RankHello,
@@ -74,6 +77,8 @@ class Sink(Protocol):
     def on_header(self, msg: Data, nbytes: int) -> tuple[memoryview, Any]: ...
 
     def on_payload(self, msg: Data, view: memoryview, token: Any) -> None: ...
+
+    def on_failed(self, ranks: list[int]) -> None: ...
 
 
 def die(text: str, code: int = EXIT_TRANSPORT) -> None:
@@ -122,6 +127,7 @@ class Transport:
         self.det_need = 0
         self.replay_dets = welcome.replay_dets
         self.replay_sent = welcome.replay_sent
+        self.on_failure = welcome.on_failure  # the job's failure mode (``runtime.Engine.eager``)
 
     # ---- opening -------------------------------------------------------------------------
 
@@ -144,6 +150,7 @@ class Transport:
         self.processor = welcome.processor
         self.replay_dets = welcome.replay_dets
         self.replay_sent = welcome.replay_sent
+        self.on_failure = welcome.on_failure
 
     # ---- writing -------------------------------------------------------------------------
 
@@ -317,6 +324,8 @@ class Transport:
             self.ft.load(msg.index, msg.data)
         elif type(msg) is CheckpointRequest:
             self.ckpt_request = msg.request  # acted on by the engine, never in here
+        elif type(msg) is Failed:
+            self.sink.on_failed(msg.ranks)  # ULFM: failures reported to the program
         elif type(msg) is Stop:
             die(f"stopped: {msg.reason}")
         elif type(msg) is Error:
