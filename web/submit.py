@@ -176,8 +176,8 @@ def _on_failure(form: FormData, draft: Draft) -> str:
     value = values[0]
     if len(values) == 1 and isinstance(value, str) and value in MODES:
         return value
-    choices = ", ".join(f"{name} ({label})" for name, (label, _) in ON_FAILURE_CHOICES.items())
-    draft.error("on_failure", f"choose one of: {choices}")
+    *others, last = (f'"{label}"' for label, _ in ON_FAILURE_CHOICES.values())
+    draft.error("on_failure", f"choose one: {', '.join(others)} or {last}")
     return ""  # no choice shown as made
 
 
