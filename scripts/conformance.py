@@ -28,6 +28,7 @@ Exit status: 0, or 1 with ``--check`` when a core module has failures, errors or
 from __future__ import annotations
 
 import argparse
+import fcntl
 import json
 import os
 import re
@@ -338,9 +339,19 @@ def load_results() -> dict:
     return {}
 
 
-def save_results(results: dict) -> None:
+def save_result(key: str, result: dict, *, fresh: bool = False) -> dict:
+    """Add one run's result to the file and return all of them. Runs of this script at the same
+    time (other modules) each add theirs: the file is read again under a lock, never overwritten
+    from a copy read earlier."""
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(results, indent=1, sort_keys=True))
+    with open(RESULTS.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        results = {} if fresh else load_results()
+        results[key] = result
+        tmp = RESULTS.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(results, indent=1, sort_keys=True))
+        os.replace(tmp, RESULTS)
+    return results
 
 
 COLS = ("tests", "passed", "failed", "errors", "skipped", "hung")
@@ -475,12 +486,13 @@ def main(argv: list[str] | None = None) -> int:
         modules = CORE
     rank_counts = [int(n) for arg in opts.ranks for n in arg.split(",") if n]
     results = {} if opts.fresh else load_results()
+    fresh = opts.fresh
     bad = []
     for n in rank_counts:
         for module in modules:
             r = run_module(sdist, module, n, opts.timeout)
-            results[f"{n}:{module}"] = r
-            save_results(results)
+            results = save_result(f"{n}:{module}", r, fresh=fresh)
+            fresh = False
             flag = "ok" if not (r["failed"] or r["errors"] or r["hung"]) else "NOT OK"
             print(
                 f"{n} ranks {module:24} {flag:6} "
