@@ -73,6 +73,14 @@ async def rank_exit(request: Request) -> Response:
     return empty()
 
 
+@router.post("/spawn")
+async def spawn(request: Request) -> Response:
+    """A rank's ``MPI.Comm.Spawn`` (``api.SpawnAsk``): the new processes' ranks, or why not."""
+    agent = await _agent(request)
+    ask = await decode(request, api.SpawnAsk)
+    return reply(await coordinator(request).spawn(agent, ask))
+
+
 @router.post("/problem")
 async def problem(request: Request) -> Response:
     agent = await _agent(request)

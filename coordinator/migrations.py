@@ -401,6 +401,26 @@ def _m16_failure_modes(db: sqlite_utils.Database) -> None:
         db.execute(sql)
 
 
+def _m17_spawn(db: sqlite_utils.Database) -> None:
+    """Spawning (issue 23, ``MPI.Comm.Spawn``): each job's ``universe`` (processes alive at once;
+    0 for jobs from before: their ranks) and ``space`` (rank numbers its tokens cover: its
+    ranks plus what it may spawn over its run). ``spawns``: every spawn, keyed by its root rank
+    and that rank's count of spawns (a replaying rank asks again and gets the same answer);
+    ``ranks.spawn`` names the spawn a rank came from (NULL: one of the job's first ranks)."""
+    for sql in (
+        "ALTER TABLE jobs ADD COLUMN universe INTEGER NOT NULL DEFAULT 0",
+        "ALTER TABLE jobs ADD COLUMN space INTEGER NOT NULL DEFAULT 0",
+        "ALTER TABLE jobs ADD COLUMN spawned INTEGER NOT NULL DEFAULT 0",
+        "CREATE TABLE spawns (id INTEGER PRIMARY KEY, job INTEGER NOT NULL, "
+        "root INTEGER NOT NULL, seq INTEGER NOT NULL, first INTEGER NOT NULL, "
+        "count INTEGER NOT NULL, command TEXT NOT NULL, parent TEXT NOT NULL, "
+        "ctx INTEGER NOT NULL, reported INTEGER NOT NULL, error TEXT NOT NULL, "
+        "created REAL NOT NULL, UNIQUE (job, root, seq))",
+        "ALTER TABLE ranks ADD COLUMN spawn INTEGER",
+    ):
+        db.execute(sql)
+
+
 def new_job_uid() -> str:
     return secrets.token_hex(16)
 
@@ -427,6 +447,7 @@ MIGRATIONS: list[Callable[[sqlite_utils.Database], None]] = [
     _m14_uploaders,
     _m15_activity,
     _m16_failure_modes,
+    _m17_spawn,
 ]
 
 

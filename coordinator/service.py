@@ -321,6 +321,7 @@ class Coordinator:
             if blob is not None and not await self.has_blob(blob):
                 raise BadRequest(f"the {what} blob {blob} was not uploaded", code="unknown_blob")
         sub = _failure_mode(sub)
+        sub = self._universe(sub)
         self._check_checkpoint_every(sub)
         if (sub.validate or self.settings.validate_jobs) and not sub.fault_tolerance:
             raise BadRequest(
@@ -336,13 +337,29 @@ class Coordinator:
             raise BadRequest(str(exc), code="bad_requirements") from exc
         sub = msgspec.structs.replace(sub, requirements=wanted)
         await self.blobs.check_bundle(sub.bundle, sub.entry)
-        info = await self.db.call(self.store.create_job, who.name, sub, self.clock())
+        space = sub.ranks + (self.settings.max_spawned if sub.universe > sub.ranks else 0)
+        info = await self.db.call(self.store.create_job, who.name, sub, self.clock(), space)
         self.changes.fire()
         await self.schedule()
         # As scheduling left it: running, or queued with the reason it waits.
         placed = await self.db.call(self.store.job_info, info.id)
         assert placed is not None
         return placed
+
+    def _universe(self, sub: api.JobSubmit) -> api.JobSubmit:
+        """``sub`` with its universe decided: 0 is its ranks and the pool's ``spawn_default``
+        (at most ``max_ranks``); one asked for is between its ranks and ``max_ranks``."""
+        limit = self.settings.max_ranks
+        if sub.universe == 0:
+            universe = min(sub.ranks + self.settings.spawn_default, max(limit, sub.ranks))
+            return msgspec.structs.replace(sub, universe=universe)
+        if not sub.ranks <= sub.universe <= limit:
+            raise BadRequest(
+                f"universe must be between the job's {sub.ranks} ranks and {limit}, not "
+                f"{sub.universe}",
+                code="bad_universe",
+            )
+        return sub
 
     def _check_checkpoint_every(self, sub: api.JobSubmit) -> None:
         every, least = sub.checkpoint_every, self.settings.min_checkpoint_every
@@ -613,6 +630,16 @@ class Coordinator:
         if await self.db.call(self.store.rank_exit, agent_id, ex, self.clock()):
             self._states_changed()
             await self.schedule()
+
+    async def spawn(self, agent_id: str, ask: api.SpawnAsk) -> api.SpawnAnswer:
+        now = self.clock()
+        answer = await self.db.call(
+            self.store.spawn, agent_id, ask, now, now - self.settings.agent_timeout
+        )
+        if answer.ranks:
+            self._states_changed()
+            await self.schedule()
+        return answer
 
     async def rank_problem(self, agent_id: str, pr: api.RankProblem) -> None:
         if await self.db.call(self.store.rank_problem, agent_id, pr, self.clock()):

@@ -120,7 +120,20 @@ class CoordinatorSettings:
         "Least probability that a validated job's rank is re-executed, however long its "
         "agents' record of agreeing.",
     )
-    max_ranks: int = setting(256, "Largest number of ranks a job may ask for.")
+    max_ranks: int = setting(
+        256,
+        "Largest number of ranks a job may ask for; also the largest universe (processes at "
+        "once, its first ranks and those they spawn).",
+    )
+    spawn_default: int = setting(
+        0,
+        "Processes a job may spawn (MPI.Comm.Spawn, mpi4py.futures' MPIPoolExecutor) on top of "
+        "its ranks, alive at once, when its submission does not say (universe 0).",
+    )
+    max_spawned: int = setting(
+        1024,
+        "Processes a job's ranks may spawn over its whole run (each takes a new rank number).",
+    )
     public_url: str = setting(
         "", "URL clients use to reach this coordinator (shown on the web portal's pool page)."
     )

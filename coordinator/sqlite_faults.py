@@ -41,6 +41,10 @@ RELAY_BACKOFF_FIRST = 0.5
 RELAY_BACKOFF_MAX = 30.0
 
 
+def _mode_words(mode: str) -> str:
+    return mode if " " in mode else f"on-failure {mode}"
+
+
 def relay_backoff(losses: int) -> float:
     """Seconds before the replacement of a rank's ``losses``-th relay-caused loss in a row."""
     return float(min(RELAY_BACKOFF_MAX, RELAY_BACKOFF_FIRST * 2 ** min(max(losses - 1, 0), 16)))
@@ -300,8 +304,10 @@ class FaultsMixin(ValidationMixin, CheckpointsMixin):
         with self.db.atomic():
             row = self._one(
                 "SELECT r.state, r.incarnation, r.agent, r.relay_losses, r.relay_since, "
-                "j.state AS job_state, j.restarts, j.fault_tolerance, j.on_failure "
-                "FROM ranks r JOIN jobs j ON j.id = r.job WHERE r.job = ? AND r.rank = ?",
+                "j.state AS job_state, j.restarts, j.fault_tolerance, j.on_failure, "
+                "COALESCE(s.reported, 0) AS reported "
+                "FROM ranks r JOIN jobs j ON j.id = r.job LEFT JOIN spawns s ON s.id = r.spawn "
+                "WHERE r.job = ? AND r.rank = ?",
                 [job, rank],
             )
             if row is None or row["state"] not in scheduler.ACTIVE_RANK_STATES:
@@ -313,8 +319,11 @@ class FaultsMixin(ValidationMixin, CheckpointsMixin):
                 "AND incarnation = ?",
                 [now, reason, exit_code, job, rank, incarnation],
             )
-            if row["on_failure"] in api.REPORTING_MODES and row["job_state"] == "running":
-                self._declare_failed(job, rank, incarnation, reason, row["on_failure"], now)
+            if row["job_state"] == "running" and (
+                row["on_failure"] in api.REPORTING_MODES or row["reported"]
+            ):
+                mode = "spawned with failures reported" if row["reported"] else row["on_failure"]
+                self._declare_failed(job, rank, incarnation, reason, mode, now)
                 return True
             since = row["relay_since"] if row["relay_since"] is not None else now
             losses = int(row["relay_losses"]) + 1 if outage else 0
@@ -386,7 +395,7 @@ class FaultsMixin(ValidationMixin, CheckpointsMixin):
             job,
             now,
             "rank_failed",
-            f"{reason}: declared failed; the other ranks are told (on-failure {mode})",
+            f"{reason}: declared failed; the other ranks are told ({_mode_words(mode)})",
             rank,
         )
         alive = self._one(
@@ -465,7 +474,8 @@ class FaultsMixin(ValidationMixin, CheckpointsMixin):
         pending = list(
             self.db.query(
                 "SELECT r.job, r.rank, r.incarnation, r.relay, r.avoid, r.from_start, "
-                "r.validating, j.ranks AS size, j.memory, j.unsandboxed "
+                "r.validating, r.spawn, COALESCE(NULLIF(j.space, 0), j.ranks) AS size, j.memory, "
+                "j.unsandboxed "
                 "FROM ranks r JOIN jobs j ON j.id = r.job "
                 "WHERE r.state = 'pending' AND j.state = 'running' "
                 "AND (r.not_before IS NULL OR r.not_before <= ?) "
@@ -521,7 +531,9 @@ class FaultsMixin(ValidationMixin, CheckpointsMixin):
                 placed.append(job)
                 continue
             where = f"rank {rank} incarnation {incarnation} on agent {self._agent_name(agent)}"
-            if plan.restore:
+            if p["spawn"] is not None and incarnation == 1:
+                self._event(job, now, "rank_spawned", f"spawned {where}", rank)
+            elif plan.restore:
                 ckpts = ", ".join(str(c) for c in plan.restore)
                 self._event(
                     job, now, "rank_restarted", f"{where}, to restore from checkpoint {ckpts}", rank

@@ -124,7 +124,7 @@ class JobsMixin(FaultsMixin):
 
     # -- user actions -------------------------------------------------------------------------
 
-    def create_job(self, user: str, sub: api.JobSubmit, now: float) -> api.JobInfo:
+    def create_job(self, user: str, sub: api.JobSubmit, now: float, space: int = 0) -> api.JobInfo:
         """Queue the job; ``Conflict`` (quota_exceeded) if it would take ``user`` past a
         quota (``_check_quotas``)."""
         validate = sub.validate or self.validation.validate_jobs
@@ -142,8 +142,8 @@ class JobsMixin(FaultsMixin):
             cursor = self.db.execute(
                 "INSERT INTO jobs (user, name, state, ranks, bundle, entry, args, stdin, created, "
                 "fault_tolerance, job_uid, ckpt_key, checkpoint_every, memory, unsandboxed, "
-                "requirements, validate, on_failure) "
-                "VALUES (?, ?, 'queued', ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                "requirements, validate, on_failure, universe, space) "
+                "VALUES (?, ?, 'queued', ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 [
                     user,
                     sub.name,
@@ -162,6 +162,8 @@ class JobsMixin(FaultsMixin):
                     json.dumps(sub.requirements),
                     int(validate),
                     sub.on_failure,
+                    sub.universe or sub.ranks,
+                    space or sub.ranks,
                 ],
             )
             job_id = int(cursor.lastrowid or 0)
@@ -260,29 +262,7 @@ class JobsMixin(FaultsMixin):
         get the reason they wait (``scheduler.queue_reason``). Only agents whose activity is
         "available" have free slots, the one available longest first among equals."""
         with self.db.atomic():
-            live = list(
-                self.db.query(
-                    "SELECT a.id, a.slots, a.free_slots, a.isolation, a.rank_memory, "
-                    "a.environments, a.activity, "
-                    "(SELECT COUNT(*) FROM ranks r WHERE r.agent = a.id "
-                    "AND r.state IN ('leased', 'running')) AS active "
-                    "FROM agents a WHERE a.state = 'alive' AND a.last_seen >= ? "
-                    "ORDER BY a.activity_since, a.id",
-                    [agent_deadline],
-                )
-            )
-            free = {
-                str(a["id"]): (
-                    scheduler.free_slots(a["slots"], a["free_slots"], a["active"])
-                    if a["activity"] == "available"
-                    else 0
-                )
-                for a in live
-            }
-            offers = {
-                str(a["id"]): scheduler.Offer(str(a["isolation"]), int(a["rank_memory"]))
-                for a in live
-            }
+            live, free, offers = self._free_slots(agent_deadline)
             done = scheduler.Scheduled(started=self.place_replacements(free, offers, now, sign))
             queued = list(self.db.query("SELECT * FROM jobs WHERE state = 'queued' ORDER BY id"))
             if not queued:
@@ -335,6 +315,35 @@ class JobsMixin(FaultsMixin):
                 done.started.append(int(job["id"]))
         return done
 
+    def _free_slots(
+        self, agent_deadline: float
+    ) -> tuple[list[dict[str, Any]], dict[str, int], dict[str, scheduler.Offer]]:
+        """The live agents, the free slots of each (none unless it is available, the one
+        available longest first), and what each offers (``scheduler.Offer``)."""
+        live = list(
+            self.db.query(
+                "SELECT a.id, a.slots, a.free_slots, a.isolation, a.rank_memory, "
+                "a.environments, a.activity, "
+                "(SELECT COUNT(*) FROM ranks r WHERE r.agent = a.id "
+                "AND r.state IN ('leased', 'running')) AS active "
+                "FROM agents a WHERE a.state = 'alive' AND a.last_seen >= ? "
+                "ORDER BY a.activity_since, a.id",
+                [agent_deadline],
+            )
+        )
+        free = {
+            str(a["id"]): (
+                scheduler.free_slots(a["slots"], a["free_slots"], a["active"])
+                if a["activity"] == "available"
+                else 0
+            )
+            for a in live
+        }
+        offers = {
+            str(a["id"]): scheduler.Offer(str(a["isolation"]), int(a["rank_memory"])) for a in live
+        }
+        return live, free, offers
+
     def _start(
         self,
         job: dict[str, Any],
@@ -343,7 +352,7 @@ class JobsMixin(FaultsMixin):
         now: float,
         sign: Signer,
     ) -> None:
-        job_id, size = int(job["id"]), int(job["ranks"])
+        job_id, size = int(job["id"]), space_of(job)
         relays = scheduler.pick_relays(live, size, job_id)
         homes = scheduler.homes(size, len(relays))
         self.db.execute(
@@ -413,12 +422,13 @@ class JobsMixin(FaultsMixin):
                     if validating
                     else self._lease_restore(row["job"], row["rank"], agent_id, job["names"])
                 )
+                spawn = self._spawn_of(row["job"], row["rank"])
                 leases.append(
                     api.Lease(
                         job=row["job"],
                         rank=row["rank"],
                         incarnation=row["incarnation"],
-                        size=job["ranks"],
+                        size=job["space"],
                         token=row["token"],
                         bundle=job["bundle"],
                         entry=job["entry"],
@@ -436,6 +446,7 @@ class JobsMixin(FaultsMixin):
                         requirements=job["requirements"],
                         user=job["user"],
                         on_failure=job["on_failure"],
+                        **spawn,
                     )
                 )
                 self.db.execute(
@@ -451,6 +462,27 @@ class JobsMixin(FaultsMixin):
                 )
         return leases
 
+    def _spawn_of(self, job: int, rank: int) -> dict[str, Any]:
+        """The ``Lease`` fields that place a rank in its world: for one of the job's first
+        ranks, its world is them all (said only when the job may spawn); for a spawned one,
+        its spawn's processes, its parents and what it runs."""
+        row = self._one(
+            "SELECT j.ranks, j.space, s.first, s.count, s.command, s.parent, s.ctx "
+            "FROM ranks r JOIN jobs j ON j.id = r.job LEFT JOIN spawns s ON s.id = r.spawn "
+            "WHERE r.job = ? AND r.rank = ?",
+            [job, rank],
+        )
+        assert row is not None
+        if row["first"] is None:
+            space = row["space"] or row["ranks"]
+            return {"world": [] if space == row["ranks"] else list(range(row["ranks"]))}
+        return {
+            "world": list(range(row["first"], row["first"] + row["count"])),
+            "parent": json.loads(row["parent"]),
+            "parent_ctx": row["ctx"],
+            "command": json.loads(row["command"]),
+        }
+
     def _lease_context(self, job_id: int) -> dict[str, Any]:
         job = self.job_row(job_id)
         assert job is not None
@@ -459,19 +491,20 @@ class JobsMixin(FaultsMixin):
             r["name"]: api.RelayInfo(name=r["name"], host=r["host"], port=r["port"])
             for r in self.db.query("SELECT name, host, port FROM relays")
         }
-        homes = {
-            r["rank"]: names.index(r["relay"])
-            for r in self.db.query("SELECT rank, relay FROM ranks WHERE job = ?", [job_id])
-        }
+        space = space_of(job)
+        homes = scheduler.homes(space, len(names))
+        for r in self.db.query("SELECT rank, relay FROM ranks WHERE job = ?", [job_id]):
+            homes[r["rank"]] = names.index(r["relay"])
         return {
             "ranks": job["ranks"],
+            "space": space,
             "bundle": job["bundle"],
             "entry": job["entry"],
             "args": json.loads(job["args"]),
             "stdin": job["stdin"],
             "relays": [info[n] for n in names],
             "names": names,
-            "homes": [homes[r] for r in range(job["ranks"])],
+            "homes": homes,
             # The rank runtime reads it once at Init: no determinants, no waiting for DetAck.
             "env": {} if job["fault_tolerance"] else {"VPOOL_FT": "0"},
             # Only agents ever see the key: it is in leases, never in JobInfo or JobDetail.
@@ -793,6 +826,12 @@ def _stop_reason(row: dict[str, Any] | None, agent_id: str, incarnation: int) ->
     return ""
 
 
+def space_of(job: dict[str, Any]) -> int:
+    """The rank numbers a job's tokens and routes cover (``jobs.space``; its ranks for a job
+    from before spawning)."""
+    return int(job["space"] or job["ranks"])
+
+
 def _info(row: dict[str, Any]) -> api.JobInfo:
     return api.JobInfo(
         id=row["id"],
@@ -817,4 +856,6 @@ def _info(row: dict[str, Any]) -> api.JobInfo:
         validation=row["validation"],
         on_failure=row["on_failure"],
         failed_ranks=json.loads(row["failed_ranks"]),
+        universe=row["universe"],
+        spawned=row["spawned"],
     )

@@ -25,6 +25,7 @@ from vpool.coordinator.settings import CoordinatorSettings
 from vpool.coordinator.sqlite_accounts import AccountsMixin
 from vpool.coordinator.sqlite_credentials import CredentialsMixin
 from vpool.coordinator.sqlite_jobs import JobsMixin
+from vpool.coordinator.sqlite_spawn import SpawnMixin
 from vpool.coordinator.store import OutputStored, Quotas
 from vpool.coordinator.validation import Policy
 from vpool.protocol import api
@@ -58,7 +59,7 @@ class _Database(sqlite_utils.Database):
             self.conn.execute("COMMIT")
 
 
-class SqliteStore(AccountsMixin, JobsMixin, CredentialsMixin):
+class SqliteStore(AccountsMixin, JobsMixin, SpawnMixin, CredentialsMixin):
     def __init__(
         self,
         path: Path | str,

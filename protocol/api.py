@@ -484,6 +484,10 @@ class SpawnAsk(msgspec.Struct, frozen=True):
     least: int
     parent: list[int]
     ctx: int
+    # A lost process of this spawn is declared failed and the job's ranks told (as in the
+    # "ulfm" mode), whatever the job's failure mode: a farm's master re-dispatches the lost
+    # worker's tasks (``mpi4py.futures`` on the pool) instead of having it replayed.
+    reported: bool = False
 
 
 class SpawnAnswer(msgspec.Struct, frozen=True):

@@ -394,6 +394,7 @@ class SpawnRequest(_Msg, frozen=True, tag="spawn"):
     least: int
     parent: list[int]
     ctx: int
+    reported: bool = False
 
 
 class Spawned(_Msg, frozen=True, tag="spawned"):

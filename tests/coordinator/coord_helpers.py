@@ -117,6 +117,7 @@ class Pool:
         validate: bool = False,
         checkpoint_every: float = 0.0,
         on_failure: api.FailureMode = "transparent",
+        universe: int = 0,
     ) -> api.JobInfo:
         bundle = await self.upload(make_zip({"app.py": program, "input.txt": b"42\n"}), user)
         stdin_sha = await self.upload(stdin, user) if stdin is not None else None
@@ -132,6 +133,7 @@ class Pool:
             validate=validate,
             checkpoint_every=checkpoint_every,
             on_failure=on_failure,
+            universe=universe,
         )
         r = await self.post("/api/v1/jobs", sub, self.user(user))
         assert r.status_code == 201, r.text

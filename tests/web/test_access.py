@@ -82,6 +82,7 @@ CLASSES: dict[tuple[str, str], str] = {
             ("GET", "/blobs/{sha256}"),
             ("POST", "/output"),
             ("POST", "/exit"),
+            ("POST", "/spawn"),
             ("POST", "/problem"),
             ("POST", "/checkpoint-failed"),
             ("POST", "/restored"),
