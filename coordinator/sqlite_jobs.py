@@ -18,6 +18,7 @@ from vpool import requirements
 from vpool.coordinator import migrations, scheduler
 from vpool.coordinator.errors import BadRequest, Conflict, Forbidden, NotFound
 from vpool.coordinator.sqlite_faults import FaultsMixin
+from vpool.coordinator.sqlite_spawn import python_arguments
 from vpool.coordinator.store import Quotas
 from vpool.protocol import api
 from vpool.protocol.tokens import RankClaims
@@ -480,7 +481,7 @@ class JobsMixin(FaultsMixin):
             "world": list(range(row["first"], row["first"] + row["count"])),
             "parent": json.loads(row["parent"]),
             "parent_ctx": row["ctx"],
-            "command": json.loads(row["command"]),
+            "command": python_arguments(json.loads(row["command"])) or [],
         }
 
     def _lease_context(self, job_id: int) -> dict[str, Any]:

@@ -22,6 +22,7 @@ from vpool.protocol.messages import (
     Ack,
     Attach,
     Attached,
+    CheckpointRequest,
     Credit,
     Data,
     Delivered,
@@ -29,6 +30,7 @@ from vpool.protocol.messages import (
     Detach,
     DetAck,
     Error,
+    Failed,
     Finalize,
     Hello,
     Message,
@@ -36,6 +38,8 @@ from vpool.protocol.messages import (
     Pong,
     RankHello,
     RankWelcome,
+    Spawned,
+    SpawnRequest,
     Stop,
     Welcome,
 )
@@ -64,8 +68,11 @@ TRANSITIONS: dict[tuple[Kind, Side, State, type], State] = {
     **{("relay", "server", _O, t): _O for t in (Ping, Pong)},
     ("rank", "client", _S, RankHello): State.HELLO_SENT,
     ("rank", "server", State.HELLO_SENT, RankWelcome): _O,
-    **{("rank", "client", _O, t): _O for t in (Data, Det, Abort, Finalize)},
-    **{("rank", "server", _O, t): _O for t in (Data, Det, Ack, DetAck, Stop)},
+    **{("rank", "client", _O, t): _O for t in (Data, Det, Abort, Finalize, SpawnRequest)},
+    **{
+        ("rank", "server", _O, t): _O
+        for t in (Data, Det, Ack, DetAck, Stop, CheckpointRequest, Failed, Spawned)
+    },
 }
 
 

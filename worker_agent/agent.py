@@ -170,6 +170,7 @@ class Agent:
             processor=socket.gethostname(),
             max_payload=settings.max_payload,
             local_delivery=settings.local_delivery,
+            spawner=self.client.spawn,
         )
 
     @property

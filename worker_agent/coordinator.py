@@ -227,6 +227,13 @@ class CoordinatorClient:
             lambda: self._request("POST", f"{PREFIX}/exit", body=report),
         )
 
+    async def spawn(self, ask: api.SpawnAsk) -> api.SpawnAnswer:
+        """A rank's ``MPI.Comm.Spawn`` (retried while unreachable: the coordinator keeps its
+        answer, so asking twice is harmless)."""
+        return await self._retrying(
+            "asking to spawn", lambda: self._json_call(f"{PREFIX}/spawn", ask, api.SpawnAnswer)
+        )
+
     async def post_problem(self, problem: api.RankProblem) -> None:
         await self._retrying(
             "reporting a rank problem",

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import trio
 
-from vpool.protocol.api import REPORTING_MODES, Lease, RankState
+from vpool.protocol.api import Lease, RankState
 from vpool.protocol.framing import Buffer, encode_frame
 from vpool.protocol.messages import Abort, Failed, Message
 from vpool.protocol.rank_link import Delivery, is_current
@@ -268,10 +268,11 @@ class LocalRank:
         return f"rank {self.lease.rank} of job {self.lease.job}"
 
     def tell_failed(self, ranks: list[int]) -> None:
-        """Tell the rank which ranks of its job are declared failed (``messages.Failed``, in a
-        job whose failure mode reports failures), when that is news to it. The frame waits in
-        the outbox until the rank's welcome has gone."""
-        if self.lease.on_failure in REPORTING_MODES and ranks and ranks != self.failed_told:
+        """Tell the rank which ranks of its job are declared failed (``messages.Failed``: in a
+        job whose failure mode reports failures, or workers of a spawn that reports them),
+        when that is news to it. The frame waits in the outbox until the rank's welcome has
+        gone."""
+        if ranks and ranks != self.failed_told:
             self.failed_told = list(ranks)
             self.outbox.push_control(encode_frame(Failed(ranks=self.failed_told)))
 

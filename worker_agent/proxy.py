@@ -24,12 +24,14 @@ import socket as stdlib_socket
 import stat
 import struct
 import tempfile
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import msgspec
 import trio
 
 from vpool.framestream import FrameStream, send_frames
+from vpool.protocol.api import SpawnAnswer, SpawnAsk
 from vpool.protocol.errors import ErrorCode, ProtocolError
 from vpool.protocol.framing import Buffer, encode_frame
 from vpool.protocol.messages import (
@@ -43,12 +45,16 @@ from vpool.protocol.messages import (
     Finalize,
     RankHello,
     RankWelcome,
+    Spawned,
+    SpawnRequest,
 )
 from vpool.protocol.sealing import TAG_SIZE
 from vpool.protocol.session import Session
-from vpool.worker_agent.errors import RankSocketError, RelayLinkError
+from vpool.worker_agent.errors import CoordinatorRejected, RankSocketError, RelayLinkError
 from vpool.worker_agent.local_ranks import LocalRank, LocalRanks
 from vpool.worker_agent.relay_link import Connection, RelayLink
+
+Spawner = Callable[[SpawnAsk], Awaitable[SpawnAnswer]]
 
 log = logging.getLogger("vpool.agent")
 
@@ -130,12 +136,20 @@ class RankProxy:
     """Serves rank connections on the agent's socket."""
 
     def __init__(
-        self, ranks: LocalRanks, *, processor: str, max_payload: int, local_delivery: bool = True
+        self,
+        ranks: LocalRanks,
+        *,
+        processor: str,
+        max_payload: int,
+        local_delivery: bool = True,
+        spawner: Spawner | None = None,
     ) -> None:
         self.ranks = ranks
         self.processor = processor
         self.max_payload = max_payload
         self.local_delivery = local_delivery
+        # Asks the coordinator for a rank's MPI.Comm.Spawn (None: spawning is refused).
+        self.spawner = spawner
 
     async def serve(
         self, path: Path, *, task_status: trio.TaskStatus[Path] = trio.TASK_STATUS_IGNORED
@@ -180,7 +194,7 @@ class RankProxy:
             try:
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(self._write_loop, stream, rank)
-                    if await self._read_loop(reader, session, rank):
+                    if await self._read_loop(reader, session, rank, nursery):
                         # The rank closed its end: nothing written now could be read.
                         nursery.cancel_scope.cancel()
                     else:
@@ -251,6 +265,9 @@ class RankProxy:
             replay_dets=rank.replay_dets,
             replay_sent=rank.replay_sent,
             on_failure=lease.on_failure,
+            world=lease.world,
+            parent=lease.parent,
+            parent_ctx=lease.parent_ctx,
         )
         session.send(welcome)
         try:
@@ -329,7 +346,13 @@ class RankProxy:
             if rank.control is stream:
                 rank.control = None
 
-    async def _read_loop(self, reader: FrameStream, session: Session, rank: LocalRank) -> bool:
+    async def _read_loop(
+        self,
+        reader: FrameStream,
+        session: Session,
+        rank: LocalRank,
+        nursery: trio.Nursery,
+    ) -> bool:
         """Forward the rank's frames; True at end of stream, False after refusing a frame."""
         job, me, size = rank.lease.job, rank.lease.rank, rank.lease.size
         route = rank.route
@@ -395,6 +418,8 @@ class RankProxy:
                         await route[me].send_det(msg, frame.parts)
                     except RelayLinkError:
                         pass  # as for Data
+                elif isinstance(msg, SpawnRequest):
+                    nursery.start_soon(self._spawn, rank, msg)
                 elif isinstance(msg, Abort):
                     rank.abort = msg
                 elif isinstance(msg, Finalize):
@@ -406,6 +431,39 @@ class RankProxy:
             return False
         except trio.BrokenResourceError:
             return True
+
+    async def _spawn(self, rank: LocalRank, req: SpawnRequest) -> None:
+        """Ask the coordinator for the rank's spawn; answer the rank (``Spawned``)."""
+        lease = rank.lease
+        if self.spawner is None:
+            answer = SpawnAnswer(error="this agent cannot ask its coordinator to spawn")
+        else:
+            ask = SpawnAsk(
+                job=lease.job,
+                rank=lease.rank,
+                incarnation=lease.incarnation,
+                seq=req.seq,
+                command=req.command,
+                maxprocs=req.maxprocs,
+                least=req.least,
+                parent=req.parent,
+                ctx=req.ctx,
+                reported=req.reported,
+            )
+            try:
+                answer = await self.spawner(ask)
+            except CoordinatorRejected as exc:
+                answer = SpawnAnswer(error=f"the coordinator refused: {exc}")
+        log.info(
+            "%s spawn %d: %s",
+            rank.label,
+            req.seq,
+            answer.error or f"ranks {answer.ranks[0]} to {answer.ranks[-1]}"
+            if answer.ranks
+            else "nothing",
+        )
+        reply = Spawned(seq=req.seq, ranks=answer.ranks, error=answer.error)
+        rank.outbox.push_control(encode_frame(reply))
 
     async def _write_loop(self, stream: trio.SocketStream, rank: LocalRank) -> None:
         job, me = rank.lease.job, rank.lease.rank

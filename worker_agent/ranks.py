@@ -569,7 +569,9 @@ async def _spawn(
     python = settings.python_path
     limits = svc.limits_for(lease)
     if inside is not None:
-        program = [python, inside, *lease.args]
+        # A spawned process runs its spawn's command (Python's arguments, in the job's
+        # directory), the others the job's program.
+        program = [python, *lease.command] if lease.command else [python, inside, *lease.args]
         try:
             box = await sandboxed.start(
                 svc.isolation,
@@ -606,7 +608,9 @@ async def _spawn(
     stdin = open(prepared.stdin or os.devnull, "rb")  # noqa: ASYNC230 - only an fd for the child
     try:
         process = await trio.lowlevel.open_process(
-            [python, str(prepared.entry), *lease.args],
+            [python, *lease.command]
+            if lease.command
+            else [python, str(prepared.entry), *lease.args],
             cwd=prepared.work,
             env=env,
             stdin=stdin,
