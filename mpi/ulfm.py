@@ -215,7 +215,8 @@ class CommULFM:
 
         def algo() -> Algo:
             state = yield from agreement(h, view[0])
-            view[0] = _decided(h, state)
+            view[0] = state.flag  # agreed even when the call then raises ERR_PROC_FAILED
+            _decided(h, state)
 
         return Request._of(Schedule(algo(), h.eng, tolerant=True))
 

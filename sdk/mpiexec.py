@@ -8,13 +8,23 @@ deposits at once, since nothing here outlives the job anyway.
 
 Like mpiexec: the ranks' stdout and stderr come out here as whole lines (a line of one rank is
 never cut by another's: ``protocol.lines.LineAssembler`` over a pipe per rank and stream);
-stdin goes to rank 0 only; the first rank to exit
-non-zero (or to call ``MPI.Abort(code)``) ends the job, the other ranks are terminated and its code
-is returned. Environment of the ranks as in docs/internals.md ("Rank <-> agent").
+stdin goes to rank 0 only. What a failed rank means is the job's failure mode (``--on-failure``):
+
+- ``abort``: the first rank to exit non-zero (or to call ``MPI.Abort(code)``) ends the job, the
+  other ranks are terminated and its code is returned, with a line on stderr saying which rank;
+- ``transparent`` (the default, as for pool jobs): the same as ``abort`` here. In a pool a lost
+  rank is restarted and replays its logged messages; here no relay keeps logs to replay from;
+- ``ulfm``: a rank killed by a signal is declared failed and the job goes on: the other ranks
+  are told (``MPI.ERR_PROC_FAILED`` and the rest of ULFM, ``vpool.mpi.ulfm``), a line on stderr
+  names it, and the job's code is the survivors' (0 when they all exit 0). A rank that exits
+  non-zero by itself, or calls ``MPI.Abort``, still ends the job.
+
+Environment of the ranks as in docs/internals.md ("Rank <-> agent").
 
 The router is ``mpiexec_router`` (its frames and socket I/O ``mpiexec_wire``).
 
     python -m vpool.sdk.mpiexec -n 4 app.py args
+    python -m vpool.sdk.mpiexec -n 4 --on-failure ulfm -- app.py args
 """
 
 from __future__ import annotations
@@ -33,7 +43,7 @@ from typing import Any
 import trio
 
 from vpool.protocol.lines import LineAssembler
-from vpool.sdk.mpiexec_router import JOB, _Router
+from vpool.sdk.mpiexec_router import FAILURE_MODES, JOB, _Router
 
 SHIM_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "mpi", "shim")
 
@@ -81,12 +91,14 @@ async def run_async(
     env: Mapping[str, str] | None = None,
     stdout: Any = None,
     stderr: Any = None,
+    on_failure: str = "transparent",
 ) -> int:
     """Run ``n`` ranks of ``argv``; the job's exit code.
 
     ``stdin``: None (rank 0 reads this process's stdin), bytes (fed to rank 0), or a file/fd.
     ``env``: extra environment variables for the ranks, over this process's environment.
     ``stdout``/``stderr``: None to inherit, else a file/fd shared by all ranks.
+    ``on_failure``: the job's failure mode (module docstring).
     """
     if n < 1:
         raise ValueError("need at least one rank")
@@ -95,7 +107,7 @@ async def run_async(
     # Inherited stdout/stderr are shown as whole lines, as mpiexec does; a file or fd given by
     # the caller gets the ranks' bytes directly.
     lines = _Lines() if stdout is None and stderr is None else None
-    router = _Router(n, err_fd)
+    router = _Router(n, err_fd, on_failure)
     if lines is not None:
         router.held = []
     base = {**os.environ, **(env or {})}
@@ -215,11 +227,12 @@ def run(
     *,
     stdin: Any = None,
     env: Mapping[str, str] | None = None,
+    on_failure: str = "transparent",
 ) -> int:
     """Run ``n`` ranks of ``argv`` (``app.py args``) on this machine; the job's exit code."""
 
     async def main() -> int:
-        return await run_async(n, argv, stdin=stdin, env=env)
+        return await run_async(n, argv, stdin=stdin, env=env, on_failure=on_failure)
 
     try:
         return trio.run(main)
@@ -234,6 +247,14 @@ def main(args: Sequence[str] | None = None) -> int:
         epilog="example: python -m vpool.sdk.mpiexec -n 4 app.py --steps 10",
     )
     parser.add_argument("-n", "-np", dest="n", type=int, default=1, help="number of ranks")
+    parser.add_argument(
+        "--on-failure",
+        choices=FAILURE_MODES,
+        default="transparent",
+        help="what a rank killed by a signal means: abort (the job ends; transparent is the "
+        "same here, with no relays to replay from) or ulfm (it is declared failed, the others "
+        "are told and go on; the job's code is the survivors')",
+    )
     parser.add_argument("program", nargs=argparse.REMAINDER, help="app.py and its arguments")
     ns = parser.parse_args(args)
     program = list(ns.program)
@@ -241,7 +262,7 @@ def main(args: Sequence[str] | None = None) -> int:
         program = program[1:]
     if not program:
         parser.error("no program given")
-    return run(ns.n, program)
+    return run(ns.n, program, on_failure=ns.on_failure)
 
 
 if __name__ == "__main__":

@@ -5,9 +5,20 @@ memory: every rank is attached at home here, its ``Data`` frames are deposited i
 destination's mailbox and pushed, verbatim and in each channel's order, to the destination's
 connection (one writer at a time per connection); determinants are logged and acknowledged at
 once, acks are cumulative per channel, exactly as a relay does (nothing is written to disk:
-nothing here outlives the job, and a mailbox drops what it pushed). It keeps the job's fate: the
-first rank to exit non-zero, or to call ``MPI.Abort(code)``, ends the job and the other ranks
-are terminated. The test bench ``tests/mpi/bench/replay_router.ReplayRouter`` extends it.
+nothing here outlives the job, and a mailbox drops what it pushed). It keeps the job's fate
+(``on_failure``, the job's failure mode, which each rank's welcome carries too):
+
+- "abort" and "transparent" (here the same: no relay keeps logs a replacement could replay):
+  the first rank to exit non-zero, or to call ``MPI.Abort(code)``, ends the job, the other ranks
+  are terminated and its code is the job's;
+- "ulfm": a rank killed by a signal (the local likeness of a lost machine) is declared failed:
+  every other rank is sent ``Failed`` (the ranks declared so far) and the job goes on; what it
+  sent and was not pushed yet, and whatever is sent to it, is dropped with its mailbox. A rank
+  that exits non-zero by itself, or calls ``MPI.Abort``, still ends the job (a program's error
+  is not a lost process). The job's code is then the survivors' (0 when they all exit 0), or the
+  first failure's when every rank failed.
+
+The test bench ``tests/mpi/bench/replay_router.ReplayRouter`` extends it.
 
 Frames are pushed by the task that deposited them when the destination's connection is free
 (one write per destination and read, the acks for that rank riding along), else by the
@@ -37,6 +48,7 @@ from vpool.protocol.messages import (
     Det,
     DetAck,
     Error,
+    Failed,
     Finalize,
     Message,
     RankHello,
@@ -75,6 +87,7 @@ class _Rank:
         self.hung_up = trio.Event()  # its connection ended (or never began: process gone)
         self.exited = False
         self.finalized = False
+        self.failed = False  # declared failed (``--on-failure ulfm``)
         # Control frames the core asked to send it (DetAck), and its pusher's wake-up.
         self.control: list[bytes] = []
         self.push_wanted = trio.Event()
@@ -103,8 +116,16 @@ async def read_hello(frames: SocketFrames) -> RankHello | None:
     return msg
 
 
+FAILURE_MODES = ("transparent", "abort", "ulfm")
+
+
 class _Router:
-    def __init__(self, size: int, err: Any) -> None:
+    def __init__(self, size: int, err: Any, on_failure: str = "transparent") -> None:
+        if on_failure not in FAILURE_MODES:
+            raise ValueError(f"unknown failure mode {on_failure!r}")
+        self.on_failure = on_failure
+        self.failed: list[int] = []  # ranks declared failed, in order (``--on-failure ulfm``)
+        self.first_failure = 0  # the exit status of the first of them
         self.size = size
         self.ranks = [_Rank(i) for i in range(size)]
         self.by_secret = {r.secret: r for r in self.ranks}
@@ -194,15 +215,45 @@ class _Router:
         self.exited(rank, code)
 
     def exited(self, rank: _Rank, code: int) -> None:
-        """The rank's (last) process ended with ``code``: the job's fate, as mpiexec's."""
+        """The rank's (last) process ended with ``code``: the job's fate, as mpiexec's (see
+        the module docstring for the failure modes)."""
         if code != 0 and self.exit_code is None:
+            ends = (
+                ""
+                if self.on_failure == "ulfm"
+                else f": the job ends (--on-failure {self.on_failure})"
+            )
             if code < 0:
                 name = _signal_name(-code)
-                self.fail(128 - code, f"rank {rank.index} was killed by signal {name}")
+                if self.on_failure == "ulfm":
+                    self.declare_failed(rank, 128 - code, f"was killed by signal {name}")
+                else:
+                    self.fail(128 - code, f"rank {rank.index} was killed by signal {name}{ends}")
             else:
-                self.fail(code, f"rank {rank.index} exited with code {code}")
+                self.fail(code, f"rank {rank.index} exited with code {code}{ends}")
         if all(r.exited for r in self.ranks):
+            if self.exit_code is None and all(r.failed for r in self.ranks):
+                self.exit_code = self.first_failure
+                self.say("every rank failed")
             self.all_exited.set()
+
+    def declare_failed(self, rank: _Rank, status: int, how: str) -> None:
+        """``--on-failure ulfm``: ``rank`` is gone for good; the others are told and go on."""
+        rank.failed = True
+        if not self.failed:
+            self.first_failure = status
+        self.failed.append(rank.index)
+        self.say(
+            f"rank {rank.index} {how}: declared failed, the other ranks go on (--on-failure ulfm)"
+        )
+        for other in self.ranks:
+            if not other.failed and not other.exited:
+                self._tell_failed(other)
+
+    def _tell_failed(self, rank: _Rank) -> None:
+        if rank.open:
+            rank.control.append(_frame(Failed(ranks=list(self.failed))))
+            rank.push_wanted.set()
 
     async def forward_signals(self) -> None:
         """SIGTERM/SIGHUP to mpiexec stop the ranks too, rather than orphaning them."""
@@ -258,7 +309,11 @@ class _Router:
 
     def _welcome(self, rank: _Rank) -> bytes:
         """What a rank gets right after its hello (the replay router adds its determinants)."""
-        return _frame(RankWelcome(JOB, rank.index, self.size, 1, socket.gethostname()))
+        return _frame(
+            RankWelcome(
+                JOB, rank.index, self.size, 1, socket.gethostname(), on_failure=self.on_failure
+            )
+        )
 
     def _connected(self, rank: _Rank, sock: socket.socket) -> None:
         """Start serving a rank that just said hello: attached at home in the core."""
@@ -268,6 +323,8 @@ class _Router:
         )
         self.nursery.start_soon(self.send_acks, rank)
         self.nursery.start_soon(self._pusher, rank)
+        if self.failed:
+            self._tell_failed(rank)  # ranks declared failed before this one said hello
 
     async def _hello(self, frames: SocketFrames) -> _Rank | None:
         sock = frames.sock

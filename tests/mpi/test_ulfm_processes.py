@@ -1,0 +1,77 @@
+"""ULFM end to end: real rank processes through ``vpool.sdk.mpiexec --on-failure ulfm``, where a
+rank SIGKILLs itself and the survivors carry on (``programs/ulfm_failures.py`` says what each
+scenario checks on every rank), the failure modes ``abort`` and ``transparent`` of mpiexec, and
+``examples/ulfm_shrink.py``."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+
+ROOT = Path(__file__).resolve().parents[2]
+PROGRAM = Path(__file__).resolve().parent / "programs" / "ulfm_failures.py"
+EXAMPLE = ROOT / "examples" / "ulfm_shrink.py"
+
+
+async def mpiexec(n: int, mode: str | None, *argv: str) -> tuple[int, str, str]:
+    cmd = [sys.executable, "-m", "vpool.sdk.mpiexec", "-n", str(n)]
+    if mode is not None:
+        cmd += ["--on-failure", mode]
+    cmd += ["--", *argv]
+    with trio.fail_after(120):
+        proc = await trio.run_process(
+            cmd, stdin=subprocess.DEVNULL, capture_stdout=True, capture_stderr=True, check=False
+        )
+    return proc.returncode, proc.stdout.decode(), proc.stderr.decode()
+
+
+@pytest.mark.parametrize("scenario", ["recv", "revoke_die", "agree_during"])
+@pytest.mark.parametrize("n", [2, 3, 4])
+async def test_survivors_carry_on(scenario: str, n: int) -> None:
+    code, out, err = await mpiexec(n, "ulfm", str(PROGRAM), scenario)
+    assert code == 0, f"exit {code}\n{out}\n{err}"
+    lines = sorted(out.splitlines())
+    assert [line.split()[:3] for line in lines] == [
+        [scenario, "ok", str(r)] for r in range(n - 1)
+    ], f"{out}\n{err}"
+    assert len({tuple(line.split()[3:]) for line in lines}) == 1, out  # the same everywhere
+    assert (
+        f"rank {n - 1} was killed by signal SIGKILL: declared failed, the other ranks go on" in err
+    ), err
+
+
+@pytest.mark.parametrize("mode", ["abort", None])
+async def test_abort_mode_ends_the_job_naming_the_dead_rank(mode: str | None) -> None:
+    code, out, err = await mpiexec(3, mode, str(PROGRAM), "abort")
+    assert code == 128 + 9, f"exit {code}\n{out}\n{err}"
+    shown = mode or "transparent"  # mpiexec's default: the same as abort here
+    assert f"rank 2 was killed by signal SIGKILL: the job ends (--on-failure {shown})" in err
+    assert "not ended" not in out
+
+
+def _expected_total(n: int, iterations: int) -> int:
+    """The example's answer in plain Python: its ``f`` and ``block_sum``, without MPI."""
+    tree = ast.parse(EXAMPLE.read_text())
+    funcs = [
+        d for d in tree.body if isinstance(d, ast.FunctionDef) and d.name in ("f", "block_sum")
+    ]
+    space: dict[str, Any] = {}
+    exec(compile(ast.Module(body=funcs, type_ignores=[]), str(EXAMPLE), "exec"), space)
+    return sum(space["block_sum"](it, 0, n) for it in range(iterations))
+
+
+@pytest.mark.parametrize(
+    "deaths",
+    [[], ["--die", "1:3"], ["--die", "0:2", "--die", "3:5"], ["--die", "3:0", "--die", "2:9"]],
+)
+async def test_example_ulfm_shrink_gives_the_same_answer(deaths: list[str]) -> None:
+    code, out, err = await mpiexec(4, "ulfm", str(EXAMPLE), "20000", "10", *deaths)
+    assert code == 0, f"exit {code}\n{out}\n{err}"
+    assert out == f"ulfm_shrink: n=20000 iterations=10 total={_expected_total(20000, 10)}\n", err
+    assert err.count("declared failed") == len(deaths) // 2, err
