@@ -203,6 +203,15 @@ def stream_output(
     "themselves with Comm.Revoke/Agree/Shrink).",
 )
 @click.option(
+    "--universe",
+    type=click.IntRange(min=0),
+    default=0,
+    metavar="N",
+    help="The most processes the job may have at once, its ranks and those they spawn "
+    "(MPI.Comm.Spawn, mpi4py.futures' MPIPoolExecutor), as mpiexec -usize (0: its ranks plus "
+    "the pool's default).",
+)
+@click.option(
     "--checkpoint-every",
     type=click.FloatRange(min=0),
     default=0.0,
@@ -250,6 +259,7 @@ def submit(
     entry: str | None,
     fault_tolerance: bool,
     on_failure: FailureMode,
+    universe: int,
     checkpoint_every: float,
     memory: int,
     allow_unsandboxed: bool,
@@ -341,6 +351,7 @@ def submit(
             entry=entry,
             fault_tolerance=fault_tolerance,
             on_failure=on_failure,
+            universe=universe,
             checkpoint_every=checkpoint_every,
             memory=memory,
             unsandboxed=allow_unsandboxed,
@@ -572,6 +583,8 @@ def status(settings: Settings, job: int | None, as_json: bool) -> None:
     off = "" if j.fault_tolerance else "  (fault tolerance off)"
     if j.on_failure not in ("transparent", "abort"):
         off = f"  (on failure: {j.on_failure})"
+    if j.spawned:
+        off += f"  ({j.spawned} spawned, universe {j.universe})"
     if j.failed_ranks:
         off += f"  (failed: {', '.join(map(str, j.failed_ranks))})"
     if j.checkpoint_every > 0:
