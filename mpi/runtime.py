@@ -142,7 +142,7 @@ class Engine:
         self.failed_set: set[int] = set()
         self.acked: dict[int, int] = {}  # ctx -> failures of that communicator acknowledged
         self.revoked: set[int] = set()  # p2p contexts of communicators known revoked
-        self.forwarded: set[int] = set()  # contexts this rank sent (or queued) pills for
+        self.forwarded: set[int] = set()  # contexts a pill came for (its forward is queued)
         self.revoke_groups: dict[int, tuple[int, ...]] = {}  # ctx -> members (pills' payload)
         self.w2c_of: dict[int, Any] = {}  # ctx -> world-to-comm map, for ANY_SOURCE probes
         self.agreements: dict[int, int] = {}  # ctx -> agreements started on it (``ulfm``)
@@ -506,7 +506,6 @@ class Engine:
         self.broken = True
         self.revoked.add(ctx)
         self.revoke_groups.setdefault(ctx, group)
-        self.forwarded.add(ctx)
         self._revoke_pending(ctx, None)
         self.send_pills(ctx)
 
@@ -515,8 +514,13 @@ class Engine:
         self.broken = True
         self.revoke_groups.setdefault(ctx, group)
         if ctx not in self.forwarded:
+            # The first notice is forwarded to every member, as a match notice is sent: logged
+            # where it went out, so a replay (whose first notice is the same) goes the same way.
+            # Even by the revoker, in transparent mode: whether its own Revoke came first is
+            # timing. In reporting modes nothing replays: a rank that revoked does not forward.
             self.forwarded.add(ctx)
-            self.notices.append((-1, ctx))  # forwarded to every member, as a notice is
+            if not (self.eager and ctx in self.revoked):
+                self.notices.append((-1, ctx))
         if self.eager:
             self.revoked.add(ctx)
             self._revoke_pending(ctx, None)

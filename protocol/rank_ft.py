@@ -23,7 +23,8 @@ of these calls takes one number whenever it is made:
 
 Asynchronous sends are the sends the runtime makes during progress, not as the program-ordered
 effect of the current call: rounds of non-blocking collectives (every step of a schedule after
-the one made by the call that started it) and ``Ssend`` match notices. They are positioned by
+the one made by the call that started it), ``Ssend`` match notices and the forwarding of a
+revocation (ULFM's ``Comm.Revoke``). They are positioned by
 the count of ``Data`` frames this rank had written when they were made ("position"), which
 fixes their place in each channel's seq order.
 
@@ -40,7 +41,9 @@ one of::
     [2, position, sched]      one step of the ``sched``-th non-blocking collective schedule
                               (numbered in start order) was made at ``position``
     [3, position, src, seq]   the match notice for message ``seq`` of rank ``src`` was sent at
-                              ``position``
+                              ``position``; ``src`` -1: the revocation notices forwarding the
+                              revocation of context ``seq`` to its members were sent there
+                              (``vpool.mpi.runtime``, revocation)
 
 Det indexes count ``Det`` frames (0, 1, ... per rank, across incarnations); event numbers restart
 at 0 with every incarnation started from the beginning, since the program does. A process restored

@@ -75,3 +75,29 @@ async def test_example_ulfm_shrink_gives_the_same_answer(deaths: list[str]) -> N
     assert code == 0, f"exit {code}\n{out}\n{err}"
     assert out == f"ulfm_shrink: n=20000 iterations=10 total={_expected_total(20000, 10)}\n", err
     assert err.count("declared failed") == len(deaths) // 2, err
+
+
+REPLAY_PROGRAM = Path(__file__).resolve().parent / "programs" / "ft_revoke.py"
+
+
+@pytest.mark.parametrize("kill", [None, "0:3", "1:30", "2:60", "3:40"])
+async def test_transparent_revocation_and_agreement_replay(kill: str | None) -> None:
+    """In a transparent job a rank killed mid-way replays its revocations, Is_revoked polls and
+    agreements exactly (the replay bench compares every re-sent message)."""
+    options = ["--kill", kill] if kill is not None else []
+    cmd = [sys.executable, "-m", "tests.mpi.bench.replay", *options, "-n", "4", "--"]
+    with trio.fail_after(120):
+        proc = await trio.run_process(
+            [*cmd, str(REPLAY_PROGRAM), "4"],
+            stdin=subprocess.DEVNULL,
+            capture_stdout=True,
+            capture_stderr=True,
+            check=False,
+            cwd=ROOT,
+        )
+    out, err = proc.stdout.decode(), proc.stderr.decode()
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{out}\n{err}"
+    assert out == "revoke ok 240\n", f"{out}\n{err}"
+    if kill is not None:
+        assert f"restarting rank {kill[0]} (incarnation 2) with replay" in err, err
+    assert "not deterministic" not in err, err
