@@ -140,7 +140,7 @@ class Engine:
         self.eager = False
         self.failed: list[int] = []  # failed world ranks, in the order they were learnt
         self.failed_set: set[int] = set()
-        self.acked: dict[int, int] = {}  # ctx -> failures of that communicator acknowledged
+        self.acked: dict[int, set[int]] = {}  # ctx -> failures acknowledged on that communicator
         self.revoked: set[int] = set()  # p2p contexts of communicators known revoked
         self.forwarded: set[int] = set()  # contexts a pill came for (its forward is queued)
         self.revoke_groups: dict[int, tuple[int, ...]] = {}  # ctx -> members (pills' payload)
@@ -439,9 +439,9 @@ class Engine:
         op.done = True
 
     def unacked(self, ctx: int, w2c: Any) -> int:
-        """How many failures of the communicator (``ctx``, ``w2c``) are not acknowledged."""
-        n = sum(1 for f in self.failed if w2c[f] != UNDEFINED)
-        return n - self.acked.get(ctx, 0)
+        """How many failures among ``w2c``'s ranks are not acknowledged on ``ctx``."""
+        acked = self.acked.get(ctx, ())
+        return sum(1 for f in self.failed if w2c[f] != UNDEFINED and f not in acked)
 
     def pending_failure(self, op: Any) -> bool:
         """``op`` is a pending receive from ANY_SOURCE that a failure leaves pending."""
@@ -463,7 +463,7 @@ class Engine:
         """A point-to-point call on communicator ``h`` starts (``p2p``): refused once it is
         revoked; an ANY_SOURCE probe's communicator is remembered (``probe_miss``)."""
         if any_source:
-            self.w2c_of[h.ctx] = h.w2c
+            self.w2c_of[h.ctx] = getattr(h, "pw2c", h.w2c)  # the group ANY_SOURCE means
         if self.broken and h.ctx & -2 in self.revoked:
             raise errors.MPIException(errors.ERR_REVOKED)
 

@@ -89,10 +89,9 @@ def recv() -> None:
     elif size >= 3 and rank == 1:
         world.Recv(buf, 0, 4)
         world.Send(b"from", 0, 5)
-    # An agreement raises where a failure is not acknowledged; after, it agrees.
-    acked = size >= 3 and rank == 0
-    want = MPI.SUCCESS if acked else MPI.ERR_PROC_FAILED
-    expect(error_class(world.Agree, 1), want, "Agree, acknowledged or not")
+    # An agreement raises everywhere while a failure is not acknowledged by every member (rank
+    # 0 acknowledged it, the others not); once they all have, it agrees.
+    expect(error_class(world.Agree, 1), MPI.ERR_PROC_FAILED, "Agree before all acknowledged")
     world.Ack_failed()
     flag = world.Agree(0b1111 if rank else 0b0111)
     assert flag == 0b0111, flag
@@ -134,8 +133,8 @@ def agree_during() -> None:
     world.Ack_failed()
     shrunk = world.Shrink()
     survivors_check(shrunk)
-    values = shrunk.allgather(value)
-    assert len(set(values)) == 1, values  # uniform, whichever it was
+    values = shrunk.allgather((value, code))
+    assert len(set(values)) == 1, values  # uniform value and error, whichever they were
     again = shrunk.Agree(0b0011 if rank % 2 else 0b0101)
     assert again == (0b0001 if shrunk.Get_size() > 1 else 0b0101), again
     print(f"agree_during ok {rank} {values[0]}")
