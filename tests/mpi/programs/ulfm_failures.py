@@ -1,8 +1,9 @@
 """ULFM end to end: one rank SIGKILLs itself and the survivors see it the ULFM way
 (``tests/mpi/test_ulfm_processes.py`` runs each scenario with ``--on-failure ulfm``).
 
-    ulfm_failures.py recv          ERR_PROC_FAILED in Recv and Barrier, ANY_SOURCE pending until
-                                   acknowledged, Agree, Shrink, then a collective on the survivors
+    ulfm_failures.py recv          ERR_PROC_FAILED in Recv, Barrier and Iallreduce, ANY_SOURCE
+                                   pending until acknowledged, Agree, Shrink, then a collective on
+                                   the survivors
     ulfm_failures.py revoke_die    the last rank revokes COMM_WORLD and dies at once: the others,
                                    waiting on each other, get ERR_REVOKED (the notice forwarded)
     ulfm_failures.py agree_during  the last rank starts an agreement and dies in it: every
@@ -71,8 +72,14 @@ def recv() -> None:
     buf = bytearray(4)
     if rank == 0:
         expect(error_class(world.Recv, buf, victim, 7), MPI.ERR_PROC_FAILED, "Recv from it")
-    else:
+    elif rank % 2:
         expect(error_class(world.Barrier), MPI.ERR_PROC_FAILED, "Barrier")
+    else:  # a non-blocking collective's schedule fails the same way
+        expect(
+            error_class(world.Iallreduce(b"\0", bytearray(1)).Wait),
+            MPI.ERR_PROC_FAILED,
+            "Iallreduce",
+        )
     failed = world.Get_failed()
     assert failed.Get_size() == 1, failed.Get_size()
     assert MPI.Group.Translate_ranks(failed, [0], world.Get_group()) == [victim]
