@@ -411,6 +411,11 @@ class Engine:
         self.failed.extend(new)
         self.failed_set.update(new)
         self.broken = True
+        t = self.transport
+        if t is not None:
+            for r in new:
+                # What was sent to it needs no acknowledgement to finalize: it is gone.
+                t.acked[r] = max(t.acked[r], t.sent[r])
         self.matcher.on_miss = self.probe_miss
         for op in list(self.matcher.posted):
             if self._doomed(op, new):

@@ -24,6 +24,7 @@ class FakeTransport:
 
     def __init__(self) -> None:
         self.sent = [0] * SIZE
+        self.acked = [0] * SIZE
         self.det_sent = self.det_acked = self.det_need = 0
         self.ft: Any = None
         self.ckpt_request = None
@@ -102,6 +103,7 @@ def test_sends_to_a_failed_rank_fail() -> None:
     eng, t = engine()
     op = eng.ssend(3, 0, 1, KIND_BUFFER, [], [b"s"], 1)
     eng.on_failed([3])
+    assert t.acked[3] == t.sent[3] == 1  # finalizing does not wait for the dead to ack
     assert (op.done, op.error) == (True, errors.ERR_PROC_FAILED)
     with pytest.raises(errors.MPIException):
         op.finish(None)
