@@ -137,18 +137,28 @@ def info(settings: Settings, as_json: bool) -> None:
     type=click.Path(dir_okay=False, exists=True, path_type=Path),
     help="A file fed to rank 0's stdin.",
 )
+@click.option(
+    "--on-failure",
+    type=click.Choice(["transparent", "abort", "ulfm"]),
+    default="transparent",
+    show_default=True,
+    help="What a rank killed by a signal means: abort (the job ends; transparent is the same "
+    "here, with no relays to replay from) or ulfm (it is declared failed, the other ranks get "
+    "MPI.ERR_PROC_FAILED and go on; the job's code is the survivors').",
+)
 @click.argument("argv", nargs=-1, required=True, type=click.UNPROCESSED)
-def mpiexec(ranks: int, stdin: Path | None, argv: tuple[str, ...]) -> None:
+def mpiexec(ranks: int, stdin: Path | None, on_failure: str, argv: tuple[str, ...]) -> None:
     """Run a program like `mpiexec -n N`, on this machine, without any MPI installed.
 
     ARGV is the program and its arguments (a leading `python` is optional). The ranks log
-    their determinants as on a pool; VPOOL_FT=0 in the environment turns that off, like
-    `vsdk submit --no-fault-tolerance`.
+    their determinants as on a pool (not with --on-failure abort or ulfm, as on a pool);
+    VPOOL_FT=0 in the environment turns that off, like `vsdk submit --no-fault-tolerance`.
 
     \b
     Example:
       vsdk mpiexec -n 4 python examples/pi.py 1000000
       vsdk mpiexec -n 8 -- examples/ring.py
+      vsdk mpiexec -n 4 --on-failure ulfm -- examples/ulfm_shrink.py 100000 20 --die 2:5
     """
     try:
         from vpool.sdk import mpiexec as mpiexec_mod
@@ -157,9 +167,10 @@ def mpiexec(ranks: int, stdin: Path | None, argv: tuple[str, ...]) -> None:
     # `python app.py`, `python script` (any name) and `app.py` all run under vpool's
     # interpreter (``mpiexec.rank_command``); rank 0 reads the --stdin file.
     if stdin is None:
-        exit_with(int(mpiexec_mod.run(ranks, list(argv)) or 0))
+        exit_with(int(mpiexec_mod.run(ranks, list(argv), on_failure=on_failure) or 0))
     with open(stdin, "rb") as feed:
-        exit_with(int(mpiexec_mod.run(ranks, list(argv), stdin=feed) or 0))
+        code = mpiexec_mod.run(ranks, list(argv), stdin=feed, on_failure=on_failure)
+        exit_with(int(code or 0))
 
 
 @cli.command()

@@ -62,9 +62,16 @@ def rank_command(argv: Sequence[str]) -> list[str]:
 
 
 def rank_environment(
-    base: Mapping[str, str], rank: int, size: int, sock_path: str, secret: str
+    base: Mapping[str, str],
+    rank: int,
+    size: int,
+    sock_path: str,
+    secret: str,
+    on_failure: str = "transparent",
 ) -> dict[str, str]:
     env = dict(base)
+    if on_failure != "transparent":
+        env["VPOOL_FT"] = "0"  # as on a pool: nothing replays, so nothing is logged
     # Checkpoints are the pool agent's business (a rank of a pool job may run mpiexec itself).
     env.pop("VPOOL_CKPT_SIGNAL", None)
     env.pop("VPOOL_RANK_DIR", None)
@@ -131,7 +138,7 @@ async def run_async(
                         stdin=rank_stdin,
                         stdout=subprocess.PIPE if lines is not None else stdout,
                         stderr=subprocess.PIPE if lines is not None else stderr,
-                        env=rank_environment(base, rank.index, n, path, rank.secret),
+                        env=rank_environment(base, rank.index, n, path, rank.secret, on_failure),
                     )
                     nursery.start_soon(router.watch, rank)
                     if lines is not None:

@@ -257,7 +257,9 @@ def test_mpiexec_passes_the_program_and_args(monkeypatch: pytest.MonkeyPatch) ->
 
     calls = []
     fake = types.ModuleType("vpool.sdk.mpiexec")
-    fake.run = lambda n, argv, stdin=None: calls.append((n, argv, stdin)) or 6  # type: ignore[attr-defined]
+    fake.run = lambda n, argv, stdin=None, on_failure="": (
+        calls.append((n, argv, stdin, on_failure)) or 6
+    )  # type: ignore[attr-defined]
     monkeypatch.setitem(__import__("sys").modules, "vpool.sdk.mpiexec", fake)
     import vpool.sdk
 
@@ -265,9 +267,11 @@ def test_mpiexec_passes_the_program_and_args(monkeypatch: pytest.MonkeyPatch) ->
     res = run("mpiexec", "-n", "4", "python", "app.py", "-x", "--y")
     assert res.exit_code == 6
     # A leading `python` stays: mpiexec.rank_command runs it under vpool's interpreter.
-    assert calls == [(4, ["python", "app.py", "-x", "--y"], None)]
+    assert calls == [(4, ["python", "app.py", "-x", "--y"], None, "transparent")]
     res = run("mpiexec", "-n", "2", "--", "app.py")
-    assert calls[-1] == (2, ["app.py"], None)
+    assert calls[-1] == (2, ["app.py"], None, "transparent")
+    res = run("mpiexec", "-n", "2", "--on-failure", "ulfm", "--", "app.py")
+    assert calls[-1] == (2, ["app.py"], None, "ulfm")
 
 
 def test_config_shows_the_token_only_when_asked(home: Path) -> None:
