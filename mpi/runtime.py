@@ -19,7 +19,8 @@ Failures (ULFM, ``vpool.mpi.ulfm``). In a job whose failure mode reports failure
 ``Failed(ranks)``; ``on_failed`` marks them: receives naming a failed source, and receives of a
 collective in a communicator with a failed member, complete with ``ERR_PROC_FAILED``, as do
 synchronous sends to a failed rank; later sends to one raise it; messages from a failed rank that
-arrive after its notice are dropped. A receive from ``ANY_SOURCE`` in a communicator with
+arrive after its notice are dropped (not its revocation notices: revoking, then dying at once,
+must still revoke). A receive from ``ANY_SOURCE`` in a communicator with
 failures not acknowledged (``Comm.Ack_failed``) stays posted: waiting on it raises
 ``ERR_PROC_FAILED_PENDING`` (``ERR_PROC_FAILED`` in a blocking ``Recv``, which withdraws it).
 
@@ -348,13 +349,15 @@ class Engine:
 
     def on_small(self, msg: Data, view: memoryview) -> None:
         if msg.ctx < 0:
+            if msg.ctx == CTX_REVOKE:
+                # Even from a rank declared failed: a revoker may die right after revoking,
+                # and its notice may come after the news of its death.
+                self.on_pill(msg.src, msg.tag, tuple(array("i", bytes(view))))
+                return
             if self.failed_set and msg.src in self.failed_set:
                 return  # from a rank declared failed: dropped
             if msg.ctx == CTX_MATCHED:
                 self._on_notice(msg)
-                return
-            if msg.ctx == CTX_REVOKE:
-                self.on_pill(msg.src, msg.tag, tuple(array("i", bytes(view))))
                 return
         elif self.failed_set and msg.src in self.failed_set:
             return

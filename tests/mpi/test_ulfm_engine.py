@@ -172,6 +172,13 @@ def test_revocation_in_a_reporting_mode_acts_at_once_and_is_forwarded() -> None:
     assert len(t.frames) == 3
 
 
+def test_a_revocation_notice_counts_even_after_its_senders_death() -> None:
+    eng, _ = engine(eager=True)
+    eng.on_failed([3])
+    pill(eng, 3, 6)  # it revoked, then died; the news of its death came first
+    assert 6 in eng.revoked
+
+
 def test_revocation_in_transparent_mode_ends_only_the_senders_channel(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
