@@ -1,0 +1,145 @@
+"""Failure modes on a real local pool (``vsdk submit --on-failure``): ranks SIGKILLed at random
+while a program that recovers the ULFM way (examples/ulfm_shrink.py: revoke, agree, shrink, go
+on) runs. In "ulfm" mode it finishes with the right answer; in "abort" mode the same program
+fails cleanly, the job naming the lost rank.
+
+The victims and the moments are drawn from a seeded generator (the seed is in the assertion
+messages); each kill waits until the job has made progress, so it lands mid-run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import pytest
+
+if TYPE_CHECKING:
+    from conftest import Pool
+
+REPO = Path(__file__).resolve().parents[2]
+PROGRAM = str(REPO / "examples" / "ulfm_shrink.py")
+N, ITERATIONS = "60000", "400"
+
+pytestmark = pytest.mark.slow
+
+
+def _status(pool: Pool, job: int) -> dict | None:
+    res = pool.vsdk("status", str(job), "--json", timeout=30)
+    return json.loads(res.stdout) if res.returncode == 0 else None
+
+
+def _wait(pool: Pool, job: int, cond, what: str, timeout: float = 120) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        got = _status(pool, job)
+        if got is not None and cond(got):
+            return got
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not after {timeout} s; last {got}\n{pool.logs()}")
+        time.sleep(0.05)
+
+
+def _reference() -> str:
+    """The program's answer, from a fault-free run under ``vsdk mpiexec``."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "vpool.sdk.mpiexec", "-n", "2", "--", PROGRAM, N, ITERATIONS],
+        capture_output=True,
+        timeout=300,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr.decode()
+    return proc.stdout.decode()
+
+
+def _submit(pool: Pool, mode: str, ranks: int) -> int:
+    res = pool.vsdk(
+        "submit",
+        PROGRAM,
+        "--ranks",
+        str(ranks),
+        "--on-failure",
+        mode,
+        "--json",
+        "--",
+        N,
+        ITERATIONS,
+    )
+    assert res.returncode == 0, res.stderr.decode()
+    return int(json.loads(res.stdout)["id"])
+
+
+def _progress(pool: Pool, job: int) -> int:
+    """Bytes the ranks' messages took on the relays so far: how far the job has got."""
+    total = 0
+    for seg in (pool.home / "state" / "local-pool").glob(f"relay-*/data/jobs/{job}/*/*.seg"):
+        try:
+            total += seg.stat().st_size
+        except FileNotFoundError:
+            pass
+    return total
+
+
+def _kill_at_random(pool: Pool, job: int, victims: list[int], rng: random.Random) -> list[float]:
+    """SIGKILL each victim once the job has moved on by a random amount; when each died."""
+    killed = []
+    for victim in victims:
+        start = _progress(pool, job)
+        goal = start + rng.randrange(2_000, 20_000)
+        deadline = time.monotonic() + 120
+        while _progress(pool, job) < goal:
+            assert time.monotonic() < deadline, f"job {job} made no progress\n{pool.logs()}"
+            time.sleep(0.01)
+        os.kill(pool.rank_pid(victim, job), signal.SIGKILL)
+        killed.append(time.time())
+    return killed
+
+
+def test_a_ulfm_program_shrinks_past_random_kills_and_gets_the_right_answer(
+    fresh_pool: Pool,
+) -> None:
+    reference = _reference()
+    seed = int(os.environ.get("VPOOL_CHAOS_SEED", str(int(time.time()))))
+    rng = random.Random(seed)
+    victims = rng.sample(range(1, 6), 2)  # rank 0 prints; any other may die
+    job = _submit(fresh_pool, "ulfm", 6)
+    _wait(fresh_pool, job, lambda d: all(r["state"] == "running" for r in d["ranks"]), "running")
+    killed = _kill_at_random(fresh_pool, job, victims, rng)
+    d = _wait(fresh_pool, job, lambda d: d["job"]["state"] != "running", "the job ends", 300)
+    why = f"seed {seed}, victims {victims}: {d['job']}\n{fresh_pool.logs()}"
+    assert d["job"]["state"] == "succeeded", why
+    assert sorted(d["job"]["failed_ranks"]) == sorted(victims), why
+    assert {r["rank"]: r["state"] for r in d["ranks"]} == {
+        r: "failed" if r in victims else "exited" for r in range(6)
+    }, why
+    res = fresh_pool.vsdk("logs", str(job))
+    assert res.stdout.decode() == reference, why
+    # Every failure was declared (and so told to the others) within seconds of the kill.
+    declared = sorted(e["time"] for e in d["events"] if e["kind"] == "rank_failed")
+    assert len(declared) == 2, why
+    for kill, when in zip(sorted(killed), declared, strict=True):
+        assert when - kill < 15, why
+
+
+def test_the_same_program_in_abort_mode_fails_cleanly(fresh_pool: Pool) -> None:
+    job = _submit(fresh_pool, "abort", 4)
+    _wait(fresh_pool, job, lambda d: all(r["state"] == "running" for r in d["ranks"]), "running")
+    _kill_at_random(fresh_pool, job, [2], random.Random(2))
+    d = _wait(fresh_pool, job, lambda d: d["job"]["state"] != "running", "the job ends", 120)
+    assert d["job"]["state"] == "failed", d["job"]
+    assert d["job"]["reason"].startswith("rank 2 lost: its process on agent"), d["job"]
+    assert "killed by SIGKILL" in d["job"]["reason"]
+    assert [r["rank"] for r in d["ranks"] if r["state"] == "lost"] == [2]
+    # Nothing was restarted, and the other ranks are stopped.
+    assert d["job"]["restarts"] == 0
+    deadline = time.monotonic() + 60
+    while any(j == job for j, _, _ in fresh_pool.rank_processes()):
+        assert time.monotonic() < deadline, f"ranks of job {job} still run\n{fresh_pool.logs()}"
+        time.sleep(0.05)
