@@ -12,6 +12,11 @@
 #   unaffected; DYNAMIC_PROCESSES is the switch for when vpool's Spawn lands.
 # - _manager_spawn and _manager_service: a failure to spawn or connect breaks the pool
 #   (its futures fail with BrokenExecutor naming the error) instead of leaving them pending.
+# - SharedPoolCtx._initialize (a shared-pool executor with an initializer) and waitall's
+#   polling make their MPI calls through serialized() too: upstream leaves them bare, which
+#   only an MPI_THREAD_MULTIPLE library survives, and vpool's grants THREAD_SERIALIZED (its
+#   engine is driven by one thread at a time). Several such executors started at once from
+#   different threads hung one run in two at 2 ranks (test_futures' test_initializer_4).
 """Management of MPI worker processes."""
 # pylint: disable=broad-except
 # pylint: disable=too-many-lines
@@ -471,10 +476,10 @@ class SharedPoolCtx:
         if options.get("initializer") is None:
             return True
         task = (self._initialize_remote, (), {})
-        reqs = isendtoall(self.comm, task, tag)
+        reqs = serialized(isendtoall)(self.comm, task, tag)  # vpool: serialized
         waitall(self.comm, reqs, poll=True)
         success = client_init(self.comm, options)
-        recvfromall(self.comm, tag)
+        serialized(recvfromall)(self.comm, tag)  # vpool: serialized
         return success
 
     def _manager(self, pool, options):
@@ -697,7 +702,7 @@ def isendtoall(comm, data, tag=0):
 
 def waitall(comm, requests, poll=False):
     if poll:
-        request_testall = _get_request(comm).testall
+        request_testall = serialized(_get_request(comm).testall)  # vpool
         backoff = Backoff()
         while True:
             done, objs = request_testall(requests)
