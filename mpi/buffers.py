@@ -84,6 +84,8 @@ def byte_view(obj: Any, writable: bool) -> memoryview:
         raise BufferError("Object is not writable.")
     if mv.format == "B" and mv.ndim == 1 and mv.c_contiguous:
         return mv
+    if mv.nbytes == 0:
+        return memoryview(bytearray(0))  # cast refuses shapes with a zero, such as (n, 0)
     if mv.c_contiguous:
         return mv.cast("B")
     if mv.contiguous:

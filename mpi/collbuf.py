@@ -26,7 +26,9 @@ from vpool.mpi.coll import check_root
 from vpool.mpi.sched import Algo, new_tag, run, start
 
 
-def _go(h: Any, algo: Algo, nb: bool, *msgs: Msg | None) -> Any:
+def launch(h: Any, algo: Algo, nb: bool, *msgs: Msg | None) -> Any:
+    """Run ``algo`` to its end in the call, or (``nb``) start it behind a request; receive
+    buffers of packed datatypes are unpacked once it is done (also for ``intercollbuf``)."""
     unpacks = [m.unpack for m in msgs if m is not None and m.unpack is not None]
     if unpacks:
         algo = _then(algo, unpacks)
@@ -45,7 +47,8 @@ def in_place(spec: Any) -> bool:
     return spec is None or spec is IN_PLACE
 
 
-def _same(src: Any, dst: Any) -> None:
+def same_shape(src: Any, dst: Any) -> None:
+    """A reduction's send and receive buffers must match (mpi4py's check)."""
     if src.datatype != dst.datatype and src.datatype.size != dst.datatype.size:
         raise ValueError("mismatch in send and receive MPI datatypes")
     if src.view.nbytes != dst.view.nbytes:
@@ -55,7 +58,7 @@ def _same(src: Any, dst: Any) -> None:
 def Bcast(h: Any, buf: Any, root: int, nb: bool = False) -> Any:
     root = check_root(h, root)
     m = parse(buf, writable=h.rank != root)
-    return _go(h, collalg.bcast(h, m.view, root, new_tag(h)), nb, m)
+    return launch(h, collalg.bcast(h, m.view, root, new_tag(h)), nb, m)
 
 
 def Reduce(h: Any, sendbuf: Any, recvbuf: Any, op: Any, root: int, nb: bool = False) -> Any:
@@ -68,21 +71,21 @@ def Reduce(h: Any, sendbuf: Any, recvbuf: Any, op: Any, root: int, nb: bool = Fa
             src, dt = r.view, r.datatype
         else:
             s = parse(sendbuf, writable=False)
-            _same(s, r)
+            same_shape(s, r)
             src, dt = s.view, s.datatype
     else:
         s = parse(sendbuf, writable=False)
         src, dt = s.view, s.datatype
-    return _go(h, collalg.reduce(h, src, out, dt, op, root, new_tag(h)), nb, r)
+    return launch(h, collalg.reduce(h, src, out, dt, op, root, new_tag(h)), nb, r)
 
 
 def Allreduce(h: Any, sendbuf: Any, recvbuf: Any, op: Any, nb: bool = False) -> Any:
     r = parse(recvbuf, writable=True)
     if not in_place(sendbuf):
         s = parse(sendbuf, writable=False)
-        _same(s, r)
+        same_shape(s, r)
         r.view[:] = s.view
-    return _go(h, collalg.allreduce(h, r.view, r.datatype, op, new_tag(h)), nb, r)
+    return launch(h, collalg.allreduce(h, r.view, r.datatype, op, new_tag(h)), nb, r)
 
 
 def Gather(h: Any, sendbuf: Any, recvbuf: Any, root: int, nb: bool = False) -> Any:
@@ -101,7 +104,7 @@ def Gather(h: Any, sendbuf: Any, recvbuf: Any, root: int, nb: bool = False) -> A
     else:
         mine = parse(sendbuf, writable=False).view
         bs = mine.nbytes
-    return _go(h, collalg.gather(h, mine, whole, bs, root, new_tag(h)), nb, r)
+    return launch(h, collalg.gather(h, mine, whole, bs, root, new_tag(h)), nb, r)
 
 
 def Gatherv(h: Any, sendbuf: Any, recvbuf: Any, root: int, nb: bool = False) -> Any:
@@ -116,7 +119,7 @@ def Gatherv(h: Any, sendbuf: Any, recvbuf: Any, root: int, nb: bool = False) -> 
             mine = parse(sendbuf, writable=False).view
     else:
         mine = parse(sendbuf, writable=False).view
-    return _go(h, collalg.linear_gatherv(h, mine, blocks, root, new_tag(h)), nb)
+    return launch(h, collalg.linear_gatherv(h, mine, blocks, root, new_tag(h)), nb)
 
 
 def Scatter(h: Any, sendbuf: Any, recvbuf: Any, root: int, nb: bool = False) -> Any:
@@ -136,7 +139,7 @@ def Scatter(h: Any, sendbuf: Any, recvbuf: Any, root: int, nb: bool = False) -> 
         r = parse(recvbuf, writable=True)
         out = r.view
         bs = out.nbytes
-    return _go(h, collalg.scatter(h, whole, out, bs, root, new_tag(h)), nb, r)
+    return launch(h, collalg.scatter(h, whole, out, bs, root, new_tag(h)), nb, r)
 
 
 def Scatterv(h: Any, sendbuf: Any, recvbuf: Any, root: int, nb: bool = False) -> Any:
@@ -153,7 +156,7 @@ def Scatterv(h: Any, sendbuf: Any, recvbuf: Any, root: int, nb: bool = False) ->
         r = parse(recvbuf, writable=True)
     if r is not None:
         out = r.view
-    return _go(h, collalg.linear_scatterv(h, blocks, out, root, new_tag(h)), nb, r)
+    return launch(h, collalg.linear_scatterv(h, blocks, out, root, new_tag(h)), nb, r)
 
 
 def Allgather(h: Any, sendbuf: Any, recvbuf: Any, nb: bool = False) -> Any:
@@ -166,7 +169,7 @@ def Allgather(h: Any, sendbuf: Any, recvbuf: Any, nb: bool = False) -> Any:
             raise ValueError(f"mismatch in send count {s.items} and receive count {r.items}")
         r.view[h.rank * bs : (h.rank + 1) * bs] = s.view
     offsets = [i * bs for i in range(size + 1)]
-    return _go(h, collalg.allgather(h, r.view, offsets, new_tag(h)), nb, r)
+    return launch(h, collalg.allgather(h, r.view, offsets, new_tag(h)), nb, r)
 
 
 def Allgatherv(h: Any, sendbuf: Any, recvbuf: Any, nb: bool = False) -> Any:
@@ -180,7 +183,7 @@ def Allgatherv(h: Any, sendbuf: Any, recvbuf: Any, nb: bool = False) -> Any:
     if all(offsets[i] + blocks[i].nbytes == offsets[i + 1] for i in range(size)):
         whole = r.view
         algo = collalg.allgather(h, whole, offsets, new_tag(h))
-        return _go(h, algo, nb)
+        return launch(h, algo, nb)
     # Blocks with gaps or out of order: gather them back to back in scratch, then spread.
     packed = [0]
     for b in blocks:
@@ -194,7 +197,7 @@ def Allgatherv(h: Any, sendbuf: Any, recvbuf: Any, nb: bool = False) -> Any:
         for i, b in enumerate(blocks):
             b[:] = tmp[packed[i] : packed[i + 1]]
 
-    return _go(h, algo(), nb)
+    return launch(h, algo(), nb)
 
 
 def Alltoall(h: Any, sendbuf: Any, recvbuf: Any, nb: bool = False) -> Any:
@@ -210,7 +213,7 @@ def Alltoall(h: Any, sendbuf: Any, recvbuf: Any, nb: bool = False) -> Any:
         s = parse_blocks(sendbuf, size, writable=False)
         n = s.view.nbytes // size
         sblocks = [s.view[i * n : (i + 1) * n] for i in range(size)]
-    return _go(h, collalg.pairwise(h, sblocks, rblocks, new_tag(h)), nb, r)
+    return launch(h, collalg.pairwise(h, sblocks, rblocks, new_tag(h)), nb, r)
 
 
 def Alltoallv(h: Any, sendbuf: Any, recvbuf: Any, nb: bool = False) -> Any:
@@ -225,7 +228,7 @@ def Alltoallv(h: Any, sendbuf: Any, recvbuf: Any, nb: bool = False) -> Any:
     else:
         s = parse_v(sendbuf, size, writable=False)
         sblocks = [block(s, i) for i in range(size)]
-    return _go(h, collalg.pairwise(h, sblocks, rblocks, new_tag(h)), nb)
+    return launch(h, collalg.pairwise(h, sblocks, rblocks, new_tag(h)), nb)
 
 
 def Alltoallw(h: Any, sendbuf: Any, recvbuf: Any, nb: bool = False) -> Any:
@@ -241,7 +244,7 @@ def Alltoallw(h: Any, sendbuf: Any, recvbuf: Any, nb: bool = False) -> Any:
     sblocks = [w_block(sv, scounts[i], sdispls[i], stypes[i], False).view for i in range(size)]
     rmsgs = [w_block(rv, rcounts[i], rdispls[i], rtypes[i], True) for i in range(size)]
     rblocks = [m.view for m in rmsgs]
-    return _go(h, collalg.pairwise(h, sblocks, rblocks, new_tag(h)), nb, *rmsgs)
+    return launch(h, collalg.pairwise(h, sblocks, rblocks, new_tag(h)), nb, *rmsgs)
 
 
 def Scan(h: Any, sendbuf: Any, recvbuf: Any, op: Any, exclusive: bool, nb: bool = False) -> Any:
@@ -250,9 +253,9 @@ def Scan(h: Any, sendbuf: Any, recvbuf: Any, op: Any, exclusive: bool, nb: bool 
         src, dt = r.view, r.datatype
     else:
         s = parse(sendbuf, writable=False)
-        _same(s, r)
+        same_shape(s, r)
         src, dt = s.view, s.datatype
-    return _go(h, collalg.scan(h, src, r.view, dt, op, exclusive, new_tag(h)), nb, r)
+    return launch(h, collalg.scan(h, src, r.view, dt, op, exclusive, new_tag(h)), nb, r)
 
 
 def Reduce_scatter_block(h: Any, sendbuf: Any, recvbuf: Any, op: Any, nb: bool = False) -> Any:
@@ -325,4 +328,4 @@ def _reduce_then_scatter(
                 pos += n
         yield from collalg.linear_scatterv(h, blocks, out, 0, tag)
 
-    return _go(h, algo(), nb)
+    return launch(h, algo(), nb)

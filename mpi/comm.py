@@ -32,9 +32,9 @@ import zlib
 from collections.abc import Sequence
 from typing import Any
 
-from vpool.mpi import coll, errors, ops
+from vpool.mpi import coll, errors, intercomm, ops
 from vpool.mpi.commattr import CommAttributes
-from vpool.mpi.commcoll import CommCollectives, IntraCollectives
+from vpool.mpi.commcoll import CommCollectives, InterCollectives, IntraCollectives
 from vpool.mpi.constants import (
     CART,
     COMM_TYPE_HW_GUIDED,
@@ -149,9 +149,7 @@ _FROM_GROUP_TAGS = -(1 << 41)
 _FROM_GROUPS_TAGS = -(1 << 42)  # Intercomm.Create_from_groups (intercomm: Create_intercomm's)
 
 
-def agree_ctx_among(
-    eng: Any, ctx: int, members: tuple[int, ...], tag: int, span: int = 2
-) -> int:
+def agree_ctx_among(eng: Any, ctx: int, members: tuple[int, ...], tag: int, span: int = 2) -> int:
     """``agree_ctx`` among ``members`` only, in context ``ctx``'s collective context with
     ``tag``: the members' own sequence, apart from every collective of that context."""
     sub = _Core(eng, ctx, members)
@@ -500,6 +498,11 @@ class Intracomm(IntraCollectives, PersistentIntraCollectives, Comm):
     """``MPI.Intracomm``: adds the prefix reductions and topology constructors."""
 
     @classmethod
+    def _check_handle(cls, h: _Core) -> None:
+        if h.remote is not None:
+            raise TypeError("expecting an intracommunicator")
+
+    @classmethod
     def Create_from_group(
         cls, group: Group, stringtag: str = "org.mpi4py", info: Any = None, errhandler: Any = None
     ) -> Intracomm:
@@ -518,9 +521,18 @@ class Intracomm(IntraCollectives, PersistentIntraCollectives, Comm):
             core.errh = errhandler
         return cls._wrap(core)  # type: ignore[no-any-return]
 
-    # Dynamic processes and intercommunicators: jobs are placed whole, up front, and only
-    # intracommunicators exist; programs that probe for these get what mpi4py's suite expects
-    # of an MPI without them.
+    def Create_intercomm(
+        self, local_leader: int, peer_comm: Comm, remote_leader: int, tag: int = 0
+    ) -> Intercomm:
+        """An intercommunicator between this communicator's group and the remote leader's
+        (``intercomm.from_leaders``); ``peer_comm`` matters only at the local leader."""
+        h = self._core()
+        peer = peer_comm._h if isinstance(peer_comm, Comm) else None
+        ctx, remote = intercomm.from_leaders(h, local_leader, peer, remote_leader, tag)
+        return Intercomm._wrap(_Core(h.eng, ctx, h.group, remote=remote))  # type: ignore[no-any-return]
+
+    # Dynamic processes: jobs are placed whole, up front; programs that probe for these get what
+    # mpi4py's suite expects of an MPI without them.
     def Spawn(self, *args: Any, **kwargs: Any) -> Intercomm:
         unsupported("dynamic processes (Spawn)")
 
@@ -532,9 +544,6 @@ class Intracomm(IntraCollectives, PersistentIntraCollectives, Comm):
 
     def Connect(self, *args: Any, **kwargs: Any) -> Intercomm:
         unsupported("dynamic processes (Connect)")
-
-    def Create_intercomm(self, *args: Any, **kwargs: Any) -> Intercomm:
-        unsupported("intercommunicators (Create_intercomm)")
 
     # Topology constructors live with the topologies (``topology`` imports this module).
 
@@ -597,29 +606,101 @@ class Intracomm(IntraCollectives, PersistentIntraCollectives, Comm):
         return topology.topo_map(len(index), self.rank)
 
 
-class Intercomm(Comm):
-    """``MPI.Intercomm``: only the null one exists (no dynamic processes)."""
+class Intercomm(InterCollectives, Comm):
+    """``MPI.Intercomm``: two disjoint groups; ranks of point-to-point calls and collectives'
+    roots name the remote group (``intercomm``, ``intercoll``)."""
 
     @classmethod
     def _check_handle(cls, h: _Core) -> None:
-        raise TypeError("expecting an intercommunicator")  # every real communicator is intra
+        if h.remote is None:
+            raise TypeError("expecting an intercommunicator")
 
-    def Is_inter(self) -> bool:
-        self._core()
-        return True
+    def _remote(self) -> tuple[int, ...]:
+        remote = self._core().remote
+        assert remote is not None
+        return remote
 
-    def Is_intra(self) -> bool:
-        self._core()
-        return False
-
-    def Get_remote_group(self) -> Any:
-        self._core()
-        raise NotImplementedError("intercommunicators")
+    def Get_remote_group(self) -> Group:
+        return Group._of(self._remote(), self._core().eng.rank)
 
     def Get_remote_size(self) -> int:
-        self._core()
-        raise NotImplementedError("intercommunicators")
+        return len(self._remote())
 
-    def Merge(self, high: bool = False) -> Any:
+    @property
+    def remote_group(self) -> Group:
+        return self.Get_remote_group()
+
+    @property
+    def remote_size(self) -> int:
+        return self.Get_remote_size()
+
+    @classmethod
+    def Create_from_groups(
+        cls,
+        local_group: Group,
+        local_leader: int,
+        remote_group: Group,
+        remote_leader: int,
+        stringtag: str = "org.mpi4py",
+        info: Any = None,
+        errhandler: Any = None,
+    ) -> Intercomm:
+        """MPI 4: an intercommunicator made by the members of both groups alone. Every member
+        knows both groups, so the leaders have nothing to tell: all agree a context id in
+        COMM_WORLD's collective context, under a tag derived from ``stringtag``."""
+        from vpool.mpi import environment
+
+        eng = environment.engine()
+        local, remote = tuple(local_group._m()), tuple(remote_group._m())
+        if eng.rank not in local:
+            raise errors.MPIException(errors.ERR_GROUP, "the calling process is not in the group")
+        for leader, group in ((local_leader, local), (remote_leader, remote)):
+            if not 0 <= leader < len(group):
+                raise errors.MPIException(errors.ERR_RANK, f"leader {leader}")
+        members = intercomm.union(local, remote)
+        tag = _FROM_GROUPS_TAGS - zlib.crc32(str(stringtag).encode())
+        ctx = agree_ctx_among(eng, 0, members, tag, intercomm.SPAN)
+        core = _Core(eng, ctx, local, remote=remote)
+        if errhandler is not None:
+            core.errh = errhandler
+        return cls._wrap(core)  # type: ignore[no-any-return]
+
+    def Dup(self, info: Any = None) -> Any:
+        h = self._core()
+        return type(self)._wrap(_Core(h.eng, intercomm.dup(h), h.group, remote=h.remote))
+
+    def Split(self, color: int = 0, key: int = 0) -> Intercomm:  # type: ignore[override]
+        made = intercomm.split(self._core(), color, key)
+        return self._made(made)
+
+    def Split_type(self, split_type: int, key: int = 0, info: Any = None) -> Intercomm:  # type: ignore[override]
+        """As on an intracommunicator, over the processes of both groups: each member's color
+        is its machine's place among the machines of both."""
+        from vpool.mpi import environment
+
+        h = self._core()
+        names, me = intercomm.both_in_order(h, *intercomm.everyone(h, environment.processor_name()))
+        color, restype = _split_color(split_type, info, names, me)
+        comm = self.Split(color, key)
+        if comm and split_type == COMM_TYPE_HW_UNGUIDED and info:
+            info.Set(_RESTYPE, restype)
+        return comm
+
+    def Create(self, group: Group) -> Intercomm:
+        made = intercomm.subset(self._core(), tuple(group._m()))
+        return self._made(made)
+
+    def Create_group(self, group: Group, tag: int = 0) -> Any:
         self._core()
-        raise NotImplementedError("intercommunicators")
+        raise errors.MPIException(errors.ERR_COMM, "Create_group needs an intracommunicator")
+
+    def _made(self, made: intercomm.Groups | None) -> Intercomm:
+        if made is None:
+            return Intercomm()
+        ctx, local, remote = made
+        return Intercomm._wrap(_Core(self._core().eng, ctx, local, remote=remote))  # type: ignore[no-any-return]
+
+    def Merge(self, high: bool = False) -> Intracomm:
+        h = self._core()
+        ctx, members = intercomm.merge(h, high)
+        return Intracomm._wrap(_Core(h.eng, ctx, members))  # type: ignore[no-any-return]

@@ -1,6 +1,8 @@
 """Collective methods of communicators, kept apart from ``comm`` (identity, management,
 point-to-point) by concern: each forwards to the algorithms of ``coll`` (objects) and
-``collbuf`` (buffers) with the communicator's core.
+``collbuf`` (buffers) with the communicator's core, or for an intercommunicator to those of
+``intercoll`` and ``intercollbuf`` (``InterCollectives``, ahead of ``CommCollectives`` in
+``Intercomm``'s bases).
 
 Non-blocking collectives return a request whose schedule (``sched.Schedule``) advances each
 time the request is tested or waited on.
@@ -10,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from vpool.mpi import coll, collbuf, ops, sched
+from vpool.mpi import coll, collbuf, intercoll, intercollbuf, ops, sched
 from vpool.mpi.request import Request
 
 
@@ -177,3 +179,157 @@ class IntraCollectives:
     def Iexscan(self, sendbuf: Any, recvbuf: Any, op: Any = ops.SUM) -> Request:
         h = self._core()
         return collbuf.Scan(h, sendbuf, recvbuf, op, exclusive=True, nb=True)  # type: ignore[no-any-return]
+
+
+class InterCollectives:
+    """Collectives of intercommunicators (mixed into ``Intercomm``): MPI's root convention
+    (``ROOT``, ``PROC_NULL``, or the root's rank in the remote group), results from the remote
+    group. No prefix reductions: MPI has none on intercommunicators."""
+
+    _core: Any
+
+    # ---- objects ---------------------------------------------------------------------------
+
+    def barrier(self) -> None:
+        intercoll.barrier(self._core())
+
+    def bcast(self, obj: Any, root: int = 0) -> Any:
+        from vpool.mpi.comm import comm_lock
+
+        h = self._core()
+        with comm_lock(h, "bcast"):
+            return intercoll.bcast(h, obj, root)
+
+    def reduce(self, sendobj: Any, op: Any = ops.SUM, root: int = 0) -> Any:
+        return intercoll.reduce(self._core(), sendobj, op, root)
+
+    def allreduce(self, sendobj: Any, op: Any = ops.SUM) -> Any:
+        return intercoll.allreduce(self._core(), sendobj, op)
+
+    def gather(self, sendobj: Any, root: int = 0) -> Any:
+        return intercoll.gather(self._core(), sendobj, root)
+
+    def scatter(self, sendobj: Any, root: int = 0) -> Any:
+        return intercoll.scatter(self._core(), sendobj, root)
+
+    def allgather(self, sendobj: Any) -> list[Any]:
+        return intercoll.allgather(self._core(), sendobj)
+
+    def alltoall(self, sendobj: Any) -> list[Any]:
+        return intercoll.alltoall(self._core(), sendobj)
+
+    # ---- buffers ---------------------------------------------------------------------------
+
+    def Barrier(self) -> None:
+        intercoll.barrier(self._core())
+
+    def Bcast(self, buf: Any, root: int = 0) -> None:
+        intercollbuf.Bcast(self._core(), buf, root)
+
+    def Reduce(self, sendbuf: Any, recvbuf: Any, op: Any = ops.SUM, root: int = 0) -> None:
+        intercollbuf.Reduce(self._core(), sendbuf, recvbuf, op, root)
+
+    def Allreduce(self, sendbuf: Any, recvbuf: Any, op: Any = ops.SUM) -> None:
+        intercollbuf.Allreduce(self._core(), sendbuf, recvbuf, op)
+
+    def Gather(self, sendbuf: Any, recvbuf: Any, root: int = 0) -> None:
+        intercollbuf.Gather(self._core(), sendbuf, recvbuf, root)
+
+    def Gatherv(self, sendbuf: Any, recvbuf: Any, root: int = 0) -> None:
+        intercollbuf.Gatherv(self._core(), sendbuf, recvbuf, root)
+
+    def Scatter(self, sendbuf: Any, recvbuf: Any, root: int = 0) -> None:
+        intercollbuf.Scatter(self._core(), sendbuf, recvbuf, root)
+
+    def Scatterv(self, sendbuf: Any, recvbuf: Any, root: int = 0) -> None:
+        intercollbuf.Scatterv(self._core(), sendbuf, recvbuf, root)
+
+    def Allgather(self, sendbuf: Any, recvbuf: Any) -> None:
+        intercollbuf.Allgather(self._core(), sendbuf, recvbuf)
+
+    def Allgatherv(self, sendbuf: Any, recvbuf: Any) -> None:
+        intercollbuf.Allgatherv(self._core(), sendbuf, recvbuf)
+
+    def Alltoall(self, sendbuf: Any, recvbuf: Any) -> None:
+        intercollbuf.Alltoall(self._core(), sendbuf, recvbuf)
+
+    def Alltoallv(self, sendbuf: Any, recvbuf: Any) -> None:
+        intercollbuf.Alltoallv(self._core(), sendbuf, recvbuf)
+
+    def Alltoallw(self, sendbuf: Any, recvbuf: Any) -> None:
+        intercollbuf.Alltoallw(self._core(), sendbuf, recvbuf)
+
+    def Reduce_scatter_block(self, sendbuf: Any, recvbuf: Any, op: Any = ops.SUM) -> None:
+        intercollbuf.Reduce_scatter_block(self._core(), sendbuf, recvbuf, op)
+
+    def Reduce_scatter(
+        self, sendbuf: Any, recvbuf: Any, recvcounts: Any = None, op: Any = ops.SUM
+    ) -> None:
+        intercollbuf.Reduce_scatter(self._core(), sendbuf, recvbuf, recvcounts, op)
+
+    # ---- non-blocking ----------------------------------------------------------------------
+
+    def Ibarrier(self) -> Request:
+        h = self._core()
+        algo = intercoll.barrier_algo(h, sched.new_tag(h), sched.new_tag(h.local))
+        return sched.start(h, algo)  # type: ignore[no-any-return]
+
+    def ibarrier(self) -> Request:
+        return self.Ibarrier()
+
+    def Ibcast(self, buf: Any, root: int = 0) -> Request:
+        return intercollbuf.Bcast(self._core(), buf, root, nb=True)  # type: ignore[no-any-return]
+
+    def Ireduce(self, sendbuf: Any, recvbuf: Any, op: Any = ops.SUM, root: int = 0) -> Request:
+        h = self._core()
+        return intercollbuf.Reduce(h, sendbuf, recvbuf, op, root, nb=True)  # type: ignore[no-any-return]
+
+    def Iallreduce(self, sendbuf: Any, recvbuf: Any, op: Any = ops.SUM) -> Request:
+        h = self._core()
+        return intercollbuf.Allreduce(h, sendbuf, recvbuf, op, nb=True)  # type: ignore[no-any-return]
+
+    def Igather(self, sendbuf: Any, recvbuf: Any, root: int = 0) -> Request:
+        h = self._core()
+        return intercollbuf.Gather(h, sendbuf, recvbuf, root, nb=True)  # type: ignore[no-any-return]
+
+    def Igatherv(self, sendbuf: Any, recvbuf: Any, root: int = 0) -> Request:
+        h = self._core()
+        return intercollbuf.Gatherv(h, sendbuf, recvbuf, root, nb=True)  # type: ignore[no-any-return]
+
+    def Iscatter(self, sendbuf: Any, recvbuf: Any, root: int = 0) -> Request:
+        h = self._core()
+        return intercollbuf.Scatter(h, sendbuf, recvbuf, root, nb=True)  # type: ignore[no-any-return]
+
+    def Iscatterv(self, sendbuf: Any, recvbuf: Any, root: int = 0) -> Request:
+        h = self._core()
+        return intercollbuf.Scatterv(h, sendbuf, recvbuf, root, nb=True)  # type: ignore[no-any-return]
+
+    def Iallgather(self, sendbuf: Any, recvbuf: Any) -> Request:
+        h = self._core()
+        return intercollbuf.Allgather(h, sendbuf, recvbuf, nb=True)  # type: ignore[no-any-return]
+
+    def Iallgatherv(self, sendbuf: Any, recvbuf: Any) -> Request:
+        h = self._core()
+        return intercollbuf.Allgatherv(h, sendbuf, recvbuf, nb=True)  # type: ignore[no-any-return]
+
+    def Ialltoall(self, sendbuf: Any, recvbuf: Any) -> Request:
+        h = self._core()
+        return intercollbuf.Alltoall(h, sendbuf, recvbuf, nb=True)  # type: ignore[no-any-return]
+
+    def Ialltoallv(self, sendbuf: Any, recvbuf: Any) -> Request:
+        h = self._core()
+        return intercollbuf.Alltoallv(h, sendbuf, recvbuf, nb=True)  # type: ignore[no-any-return]
+
+    def Ialltoallw(self, sendbuf: Any, recvbuf: Any) -> Request:
+        h = self._core()
+        return intercollbuf.Alltoallw(h, sendbuf, recvbuf, nb=True)  # type: ignore[no-any-return]
+
+    def Ireduce_scatter_block(self, sendbuf: Any, recvbuf: Any, op: Any = ops.SUM) -> Request:
+        h = self._core()
+        return intercollbuf.Reduce_scatter_block(h, sendbuf, recvbuf, op, nb=True)  # type: ignore[no-any-return]
+
+    def Ireduce_scatter(
+        self, sendbuf: Any, recvbuf: Any, recvcounts: Any = None, op: Any = ops.SUM
+    ) -> Request:
+        h = self._core()
+        return intercollbuf.Reduce_scatter(h, sendbuf, recvbuf, recvcounts, op, nb=True)  # type: ignore[no-any-return]

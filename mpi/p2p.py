@@ -2,9 +2,10 @@
 receives, probes and matched probes, for buffers (upper case) and pickled objects (lower case).
 
 Ranks and contexts are translated here (communicator rank -> world rank, ``ctx`` of the
-communicator's handle) and messages handed to the engine (``runtime``). Standard, buffered and
-ready sends are eager: complete once handed to the transport. Synchronous sends complete when
-the receiver matched the message (``Engine.ssend``).
+communicator's handle) and messages handed to the engine (``runtime``). Ranks name the handle's
+``peers``: its group, or an intercommunicator's remote group (``pw2c`` maps world ranks back
+for statuses). Standard, buffered and ready sends are eager: complete once handed to the
+transport. Synchronous sends complete when the receiver matched the message (``Engine.ssend``).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ _dumps = pickle_.dumps
 
 
 def _rank_error(rank: int, h: Any) -> errors.MPIException:
-    return errors.MPIException(errors.ERR_RANK, f"rank {rank} of a {h.size}-rank communicator")
+    return errors.MPIException(errors.ERR_RANK, f"rank {rank} of a {h.psize}-rank communicator")
 
 
 def _dst(h: Any, dest: Any) -> int:
@@ -34,8 +35,8 @@ def _dst(h: Any, dest: Any) -> int:
     if h.eng.broken:
         h.eng.enter(h)  # ULFM: a revoked communicator refuses every call, PROC_NULL too
     dest = as_rank(dest)
-    if 0 <= dest < h.size:
-        return h.group[dest]
+    if 0 <= dest < h.psize:
+        return h.peers[dest]
     if dest == PROC_NULL:
         return -1
     raise _rank_error(dest, h)
@@ -46,8 +47,8 @@ def _src(h: Any, source: Any) -> int:
     source = as_rank(source)
     if h.eng.broken or source == ANY_SOURCE:
         h.eng.enter(h, source == ANY_SOURCE)  # ULFM: revoked? (and ANY_SOURCE's communicator)
-    if 0 <= source < h.size:
-        return h.group[source]
+    if 0 <= source < h.psize:
+        return h.peers[source]
     if source == ANY_SOURCE or source == PROC_NULL:
         return source
     raise _rank_error(source, h)
@@ -118,7 +119,7 @@ class CommP2P:
         if w == PROC_NULL:
             return PROC_NULL_RECV
         view, unpack = recv_view(buf)
-        op = RecvOp(h.ctx, w, tag, view, h.w2c)
+        op = RecvOp(h.ctx, w, tag, view, h.pw2c)
         op.unpack = unpack
         h.eng.post(op)
         return op
@@ -199,8 +200,8 @@ class CommP2P:
 
     def send(self, obj: Any, dest: int, tag: int = 0) -> None:
         h = self._h or self._core()
-        if type(dest) is int and 0 <= dest < h.size and 0 <= tag <= TAG_UB_VALUE:
-            w = h.group[dest]
+        if type(dest) is int and 0 <= dest < h.psize and 0 <= tag <= TAG_UB_VALUE:
+            w = h.peers[dest]
         else:
             w = _dst(h, dest)
             _send_tag(tag)
@@ -232,15 +233,15 @@ class CommP2P:
 
     def _post_obj(self, source: int, tag: int) -> Any:
         h = self._h or self._core()
-        if type(source) is int and 0 <= source < h.size:
-            w = h.group[source]
+        if type(source) is int and 0 <= source < h.psize:
+            w = h.peers[source]
         else:
             w = _src(h, source)
             if w == PROC_NULL:
                 return PROC_NULL_RECV
         if tag < 0 and tag != ANY_TAG:
             _recv_tag(tag)
-        op = RecvOp(h.ctx, w, tag, None, h.w2c)
+        op = RecvOp(h.ctx, w, tag, None, h.pw2c)
         h.eng.post(op)
         return op
 
@@ -322,7 +323,7 @@ class CommP2P:
             status._fill(PROC_NULL, ANY_TAG, 0)
         else:
             msg, payload = entry
-            status._fill(self._core().w2c[msg.src], msg.tag, len(payload))
+            status._fill(self._core().pw2c[msg.src], msg.tag, len(payload))
 
     def Probe(
         self, source: int = ANY_SOURCE, tag: int = ANY_TAG, status: Status | None = None
@@ -353,7 +354,7 @@ class CommP2P:
             return Message(MESSAGE_NO_PROC)
         h = self._core()
         h.eng.claim(entry)
-        return Message._of(entry, h.w2c)
+        return Message._of(entry, h.pw2c)
 
     def Mprobe(
         self, source: int = ANY_SOURCE, tag: int = ANY_TAG, status: Status | None = None
