@@ -447,6 +447,7 @@ class JobsMixin(FaultsMixin):
                         requirements=job["requirements"],
                         user=job["user"],
                         on_failure=job["on_failure"],
+                        universe=job["universe"],
                         **spawn,
                     )
                 )
@@ -518,6 +519,7 @@ class JobsMixin(FaultsMixin):
             # Who submitted it (the volunteer's ``vpool-agent status`` shows it).
             "user": job["user"] or "",
             "on_failure": job["on_failure"],
+            "universe": job["universe"] or job["ranks"],
         }
 
     # -- agent reports ------------------------------------------------------------------------

@@ -465,6 +465,9 @@ class Lease(msgspec.Struct, frozen=True):
     parent: list[int] = []
     parent_ctx: int = 0
     command: list[str] = []
+    # The job's universe (``JobSubmit.universe``: processes alive at once; MPI.UNIVERSE_SIZE);
+    # 0: ``size``.
+    universe: int = 0
 
 
 class SpawnAsk(msgspec.Struct, frozen=True):

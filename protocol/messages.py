@@ -267,6 +267,7 @@ class RankWelcome(_Msg, frozen=True, tag="rank_welcome"):
     world: list[int] = []
     parent: list[int] = []
     parent_ctx: int = 0
+    universe: int = 0  # MPI.UNIVERSE_SIZE (0: ``size``)
 
 
 class CheckpointRequest(_Msg, frozen=True, tag="ckpt_request"):

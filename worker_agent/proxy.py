@@ -268,6 +268,7 @@ class RankProxy:
             world=lease.world,
             parent=lease.parent,
             parent_ctx=lease.parent_ctx,
+            universe=lease.universe,
         )
         session.send(welcome)
         try:

@@ -58,7 +58,7 @@ async def _spawn(pool: Pool, agent: Agent, ask: api.SpawnAsk) -> api.SpawnAnswer
 
 async def test_spawned_processes_are_ranks_of_the_job_with_their_world(small: Pool) -> None:
     job, agent, master = await _master(small)
-    assert (job.universe, master.size, master.world) == (4, 1 + 5, [0])
+    assert (job.universe, master.size, master.world, master.universe) == (4, 1 + 5, [0], 4)
     assert len(master.homes) == master.size
     answer = await _spawn(small, agent, _ask(master))
     assert answer == api.SpawnAnswer(ranks=[1, 2])
