@@ -116,11 +116,6 @@ OUT_OF_SCOPE = [
         "vpool makes failures transparent instead: a lost rank restarts and replays its logged "
         "messages, so a program never sees a failed process",
     ),
-    (
-        "Intercommunicators (for now)",
-        "only intracommunicators exist; `Create_intercomm` and the intercommunicator collectives "
-        "are not implemented yet",
-    ),
 ]
 
 _RAN = re.compile(r"^Ran (\d+) tests? in ")
