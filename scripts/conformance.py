@@ -85,6 +85,9 @@ CORE = [
     "test_comm",
     "test_group",
     "test_comm_topo",
+    "test_futures",
+    "test_futures_shared",
+    "test_util_pool",
 ]
 
 # Real MPICH (mpi4py 4.1.2's suite at 2 ranks), the yardstick of the whole-suite count.

@@ -72,7 +72,7 @@ def farm_output(n: int) -> str:
     )
 
 
-@pytest.mark.parametrize("n", [1])
+@pytest.mark.parametrize("n", [1, 2, 4])
 async def test_mpicommexecutor_farm(n: int) -> None:
     res = await mpiexec(n, "futures_farm.py", "comm")
     out, err = res.stdout.decode(), res.stderr.decode()
@@ -80,7 +80,7 @@ async def test_mpicommexecutor_farm(n: int) -> None:
     assert out == farm_output(n), err
 
 
-@pytest.mark.parametrize("n", [1])
+@pytest.mark.parametrize("n", [1, 2, 4])
 async def test_shared_pool_farm(n: int) -> None:
     res = await mpiexec(n, "-m", "mpi4py.futures", "futures_farm.py", "pool")
     out, err = res.stdout.decode(), res.stderr.decode()
