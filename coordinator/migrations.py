@@ -417,6 +417,8 @@ def _m17_spawn(db: sqlite_utils.Database) -> None:
         "ctx INTEGER NOT NULL, reported INTEGER NOT NULL, error TEXT NOT NULL, "
         "created REAL NOT NULL, UNIQUE (job, root, seq))",
         "ALTER TABLE ranks ADD COLUMN spawn INTEGER",
+        # ``JobSubmit.module``: its ranks run ``python -m MODULE ENTRY ARGS``.
+        "ALTER TABLE jobs ADD COLUMN module TEXT NOT NULL DEFAULT ''",
     ):
         db.execute(sql)
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
+import re
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -322,6 +323,11 @@ class Coordinator:
                 raise BadRequest(f"the {what} blob {blob} was not uploaded", code="unknown_blob")
         sub = _failure_mode(sub)
         sub = self._universe(sub)
+        if sub.module and not _MODULE.fullmatch(sub.module):
+            raise BadRequest(
+                f"module {sub.module[:100]!r} is not a dotted Python module name",
+                code="bad_module",
+            )
         self._check_checkpoint_every(sub)
         if (sub.validate or self.settings.validate_jobs) and not sub.fault_tolerance:
             raise BadRequest(
@@ -794,6 +800,9 @@ class Coordinator:
         """Job or rank states changed: wake output long-polls and held heartbeats."""
         self.changes.fire()
         self.ended.fire()
+
+
+_MODULE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*){0,15}")
 
 
 def _failure_mode(sub: api.JobSubmit) -> api.JobSubmit:

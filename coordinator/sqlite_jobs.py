@@ -143,8 +143,8 @@ class JobsMixin(FaultsMixin):
             cursor = self.db.execute(
                 "INSERT INTO jobs (user, name, state, ranks, bundle, entry, args, stdin, created, "
                 "fault_tolerance, job_uid, ckpt_key, checkpoint_every, memory, unsandboxed, "
-                "requirements, validate, on_failure, universe, space) "
-                "VALUES (?, ?, 'queued', ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                "requirements, validate, on_failure, universe, space, module) "
+                "VALUES (?, ?, 'queued', ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 [
                     user,
                     sub.name,
@@ -165,6 +165,7 @@ class JobsMixin(FaultsMixin):
                     sub.on_failure,
                     sub.universe or sub.ranks,
                     space or sub.ranks,
+                    sub.module,
                 ],
             )
             job_id = int(cursor.lastrowid or 0)
@@ -469,7 +470,8 @@ class JobsMixin(FaultsMixin):
         ranks, its world is them all (said only when the job may spawn); for a spawned one,
         its spawn's processes, its parents and what it runs."""
         row = self._one(
-            "SELECT j.ranks, j.space, s.first, s.count, s.command, s.parent, s.ctx "
+            "SELECT j.ranks, j.space, j.module, j.entry, j.args, s.first, s.count, s.command, "
+            "s.parent, s.ctx "
             "FROM ranks r JOIN jobs j ON j.id = r.job LEFT JOIN spawns s ON s.id = r.spawn "
             "WHERE r.job = ? AND r.rank = ?",
             [job, rank],
@@ -477,7 +479,13 @@ class JobsMixin(FaultsMixin):
         assert row is not None
         if row["first"] is None:
             space = row["space"] or row["ranks"]
-            return {"world": [] if space == row["ranks"] else list(range(row["ranks"]))}
+            fields: dict[str, Any] = {
+                "world": [] if space == row["ranks"] else list(range(row["ranks"]))
+            }
+            if row["module"]:
+                args = json.loads(row["args"])
+                fields["command"] = ["-m", row["module"], row["entry"], *args]
+            return fields
         return {
             "world": list(range(row["first"], row["first"] + row["count"])),
             "parent": json.loads(row["parent"]),
@@ -861,4 +869,5 @@ def _info(row: dict[str, Any]) -> api.JobInfo:
         failed_ranks=json.loads(row["failed_ranks"]),
         universe=row["universe"],
         spawned=row["spawned"],
+        module=row["module"],
     )

@@ -226,6 +226,10 @@ class JobSubmit(msgspec.Struct, frozen=True):
     # (``MPI.Comm.Spawn``, ``mpi4py.futures.MPIPoolExecutor``) together: MPI's universe size
     # (``mpiexec -usize``). 0: ``ranks`` + the pool's ``spawn_default``.
     universe: int = 0
+    # Run the program as ``python -m MODULE ENTRY ARGS`` (e.g. "mpi4py.futures", as
+    # ``mpiexec -n 5 python -m mpi4py.futures app.py``; "mpi4py", mpi4py's runner). "": as
+    # ``python ENTRY ARGS``.
+    module: str = ""
 
 
 class JobInfo(msgspec.Struct, frozen=True):
@@ -256,6 +260,7 @@ class JobInfo(msgspec.Struct, frozen=True):
     on_failure: str = "transparent"  # ``JobSubmit.on_failure``
     universe: int = 0  # ``JobSubmit.universe`` as decided at submission (0: from before)
     spawned: int = 0  # processes its ranks spawned so far (ranks ``ranks`` and up)
+    module: str = ""  # ``JobSubmit.module``
     # The ranks declared failed, in a job whose failure mode reports failures.
     failed_ranks: list[int] = []
 

@@ -172,6 +172,15 @@ def stream_output(
     help="A file fed to rank 0's stdin ('-': vsdk's own stdin). With --wait, input piped to "
     "vsdk goes to rank 0 too, as with mpiexec.",
 )
+@click.option(
+    "-m",
+    "--module",
+    metavar="MODULE",
+    default="",
+    help="Run the program as python -m MODULE PROGRAM ARGS, e.g. -m mpi4py.futures (as "
+    "mpiexec -n 5 python -m mpi4py.futures app.py: rank 0 runs the program, the others serve "
+    "its MPIPoolExecutor).",
+)
 @click.option("--name", help="A name for the job (default: the program's file name).")
 @click.option(
     "--requirements",
@@ -260,6 +269,7 @@ def submit(
     fault_tolerance: bool,
     on_failure: FailureMode,
     universe: int,
+    module: str,
     checkpoint_every: float,
     memory: int,
     allow_unsandboxed: bool,
@@ -278,6 +288,7 @@ def submit(
       vsdk submit sim.py -n 16 --memory 2G --wait
       vsdk submit trusted.py -n 4 --allow-unsandboxed
       vsdk submit pi.py -n 8 --validate --wait
+      vsdk submit -m mpi4py.futures farm.py -n 5 --wait
 
     A .py program brings the modules next to it that it imports (vsdk says which); a project
     directory brings every file under it (not caches, .git or virtual environments), and
@@ -352,6 +363,7 @@ def submit(
             fault_tolerance=fault_tolerance,
             on_failure=on_failure,
             universe=universe,
+            module=module,
             checkpoint_every=checkpoint_every,
             memory=memory,
             unsandboxed=allow_unsandboxed,

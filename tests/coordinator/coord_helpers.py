@@ -118,6 +118,7 @@ class Pool:
         checkpoint_every: float = 0.0,
         on_failure: api.FailureMode = "transparent",
         universe: int = 0,
+        module: str = "",
     ) -> api.JobInfo:
         bundle = await self.upload(make_zip({"app.py": program, "input.txt": b"42\n"}), user)
         stdin_sha = await self.upload(stdin, user) if stdin is not None else None
@@ -134,6 +135,7 @@ class Pool:
             checkpoint_every=checkpoint_every,
             on_failure=on_failure,
             universe=universe,
+            module=module,
         )
         r = await self.post("/api/v1/jobs", sub, self.user(user))
         assert r.status_code == 201, r.text

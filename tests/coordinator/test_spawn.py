@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
-from coord_helpers import Agent, Pool, decode, open_pool
+from coord_helpers import Agent, Pool, decode, make_zip, open_pool
 
 from vpool.protocol import api
 
@@ -157,3 +157,17 @@ async def test_a_lost_worker_of_a_reported_spawn_is_declared_failed(pool: Pool) 
     for lease in (workers[0], master):
         await pool.exit(agent, lease, 0)
     assert (await pool.job(job.id)).job.state == "succeeded"
+
+
+async def test_a_job_run_as_a_module_gives_its_ranks_the_command(pool: Pool) -> None:
+    await pool.register_relay()
+    job = await pool.submit(2, args=["7"], module="mpi4py.futures")
+    assert job.module == "mpi4py.futures"
+    agent = await pool.enroll(slots=2)
+    leases = await pool.lease(agent)
+    assert [x.command for x in leases] == [["-m", "mpi4py.futures", "app.py", "7"]] * 2
+    bundle = await pool.upload(make_zip({"app.py": b"print(1)\n"}))
+    for bad in ("os; rm", "-c", "a..b", "x" * 300, "mpi4py.futures "):
+        sub = api.JobSubmit(ranks=1, bundle=bundle, entry="app.py", module=bad)
+        r = await pool.post("/api/v1/jobs", sub, pool.user())
+        assert r.status_code == 400 and "bad_module" in r.text, (bad, r.text)
