@@ -170,4 +170,4 @@ async def test_a_job_run_as_a_module_gives_its_ranks_the_command(pool: Pool) -> 
     for bad in ("os; rm", "-c", "a..b", "x" * 300, "mpi4py.futures "):
         sub = api.JobSubmit(ranks=1, bundle=bundle, entry="app.py", module=bad)
         r = await pool.post("/api/v1/jobs", sub, pool.user())
-        assert r.status_code == 400 and "bad_module" in r.text, (bad, r.text)
+        assert 400 <= r.status_code < 500 and "bad_module" in r.text, (bad, r.text)
