@@ -323,9 +323,10 @@ class Coordinator:
                 raise BadRequest(f"the {what} blob {blob} was not uploaded", code="unknown_blob")
         sub = _failure_mode(sub)
         sub = self._universe(sub)
-        if sub.module and not _MODULE.fullmatch(sub.module):
+        if sub.module and (len(sub.module) > 200 or not _MODULE.fullmatch(sub.module)):
             raise BadRequest(
-                f"module {sub.module[:100]!r} is not a dotted Python module name",
+                f"module {sub.module[:100]!r} is not a dotted Python module name (of at most "
+                "200 characters)",
                 code="bad_module",
             )
         self._check_checkpoint_every(sub)
