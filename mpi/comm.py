@@ -364,7 +364,12 @@ class Comm(
 
     @classmethod
     def Get_parent(cls) -> Intercomm:
-        return Intercomm()
+        """The intercommunicator to the group that spawned this process (``spawn``);
+        COMM_NULL if it was not spawned, or once that one was freed or disconnected."""
+        from vpool.mpi import environment
+
+        core = environment.engine().parent
+        return Intercomm() if core is None else Intercomm._wrap(core)  # type: ignore[no-any-return]
 
     # ---- lifetime ------------------------------------------------------------------------
 
@@ -373,6 +378,8 @@ class Comm(
         if h.ctx < 4:  # contexts 0-3: COMM_WORLD and COMM_SELF
             raise errors.MPIException(errors.ERR_COMM, "cannot free a predefined communicator")
         _by_handle.pop(h.ctx, None)
+        if h is h.eng.parent:
+            h.eng.parent = None  # Get_parent is COMM_NULL from now on
         self._h = None
 
     def Disconnect(self) -> None:
@@ -531,13 +538,39 @@ class Intracomm(IntraCollectives, PersistentIntraCollectives, Comm):
         ctx, remote = intercomm.from_leaders(h, local_leader, peer, remote_leader, tag)
         return Intercomm._wrap(_Core(h.eng, ctx, h.group, remote=remote))  # type: ignore[no-any-return]
 
-    # Dynamic processes: jobs are placed whole, up front; programs that probe for these get what
-    # mpi4py's suite expects of an MPI without them.
-    def Spawn(self, *args: Any, **kwargs: Any) -> Intercomm:
-        unsupported("dynamic processes (Spawn)")
+    # Dynamic processes: spawning asks the pool for more ranks of the job (``spawn``); ports
+    # and name publishing are out of scope.
+    def Spawn(
+        self,
+        command: Any,
+        args: Any = None,
+        maxprocs: int = 1,
+        info: Any = None,
+        root: int = 0,
+        errcodes: list[int] | None = None,
+    ) -> Intercomm:
+        from vpool.mpi import spawn
 
-    def Spawn_multiple(self, *args: Any, **kwargs: Any) -> Intercomm:
-        unsupported("dynamic processes (Spawn_multiple)")
+        made = spawn.spawn(
+            self._core(), root, lambda: spawn.ask_single(command, args, maxprocs, info)
+        )
+        return _spawned(made, errcodes, False)
+
+    def Spawn_multiple(
+        self,
+        command: Any,
+        args: Any = None,
+        maxprocs: Any = None,
+        info: Any = None,
+        root: int = 0,
+        errcodes: list[list[int]] | None = None,
+    ) -> Intercomm:
+        from vpool.mpi import spawn
+
+        made = spawn.spawn(
+            self._core(), root, lambda: spawn.ask_multiple(command, args, maxprocs, info)
+        )
+        return _spawned(made, errcodes, True)
 
     def Accept(self, *args: Any, **kwargs: Any) -> Intercomm:
         unsupported("dynamic processes (Accept)")
@@ -604,6 +637,27 @@ class Intracomm(IntraCollectives, PersistentIntraCollectives, Comm):
         if len(index) > self.size:
             raise errors.MPIException(errors.ERR_ARG, f"graph of {len(index)} in {self.size}")
         return topology.topo_map(len(index), self.rank)
+
+
+def _spawned(made: Any, errcodes: Any, multiple: bool) -> Intercomm:
+    """What ``Spawn``/``Spawn_multiple`` return (``spawn.spawn``'s result), ``errcodes``
+    filled as MPI says: one code per process asked for (a list per command, ``multiple``)."""
+    from vpool.mpi import spawn
+
+    core, ranks, counts, error = made
+    if errcodes is not None:
+        codes = spawn.errcodes_for(sum(counts), len(ranks), error)
+        if not multiple:
+            errcodes[:] = codes
+        else:
+            errcodes[:] = [[] for _ in counts]
+            at = 0
+            for i, n in enumerate(counts):
+                errcodes[i][:] = codes[at : at + n]
+                at += n
+    if error:
+        raise errors.MPIException(errors.ERR_SPAWN, error)
+    return Intercomm._wrap(core)  # type: ignore[no-any-return]
 
 
 class Intercomm(InterCollectives, Comm):

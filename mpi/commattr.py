@@ -43,7 +43,7 @@ class CommAttributes:
         if keyval == WTIME_IS_GLOBAL:
             return False
         if keyval == UNIVERSE_SIZE:
-            return h.eng.size
+            return h.eng.universe
         if keyval == APPNUM:
             return 0
         if keyval == LASTUSEDCODE:

@@ -78,7 +78,12 @@ def init() -> None:
         eng = Engine(0, 0, 1)
         secret = _rank_secret()
         transport = Transport.connect(path, secret, eng)
+        welcome = transport.welcome
         eng.job, eng.rank, eng.size = transport.job, transport.rank, transport.size
+        # COMM_WORLD: the ranks this process started with (a spawned one: its spawn's); the
+        # job's rank numbers may go further (``size``: those it may spawn too).
+        eng.world = tuple(welcome.world) or tuple(range(eng.size))
+        eng.universe = welcome.universe or eng.size
         eng.transport = transport
         # ULFM: in a job whose failure mode reports failures, revocations act at once.
         eng.eager = transport.on_failure != "transparent"
@@ -92,8 +97,14 @@ def init() -> None:
         eng = Engine(0, 0, 1)
         _processor = socket.gethostname()
     _engine = eng
-    COMM_WORLD._h = _Core(eng, 0, tuple(range(eng.size)), "MPI_COMM_WORLD")
+    COMM_WORLD._h = _Core(eng, 0, eng.world, "MPI_COMM_WORLD")
     COMM_SELF._h = _Core(eng, 2, (eng.rank,), "MPI_COMM_SELF")
+    if path and transport.welcome.parent:
+        from vpool.mpi import spawn
+
+        welcome = transport.welcome
+        eng.parent = spawn.parent_core(eng, eng.world, welcome.parent, welcome.parent_ctx)
+        eng.parent.errh = default_errhandler
     COMM_WORLD._h.errh = COMM_SELF._h.errh = default_errhandler
     _state = _RUNNING
     atexit.register(_at_exit)

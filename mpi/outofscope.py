@@ -4,9 +4,9 @@ skip (as it does for an MPI library built without the feature).
 
 - one-sided communication (``Win``): no remote memory access between volunteer machines;
 - parallel I/O (``File``): ranks share no file system;
-- dynamic processes (Spawn, ports, name publishing): jobs are gang-scheduled up front, so
-  ``Get_parent`` is the null intercommunicator and the only intercommunicators are those made
-  between a job's own processes (``Create_intercomm``, ``Intercomm.Create_from_groups``);
+- ports and name publishing (``Open_port``, ``Accept``, ``Connect``, ``Publish_name``...): jobs
+  never connect to each other (``Spawn`` is in ``spawn``: it asks the pool for more ranks of the
+  same job);
 - sessions (``Session``): the world model (Init/COMM_WORLD) only, for now.
 """
 

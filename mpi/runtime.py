@@ -54,7 +54,7 @@ from vpool.mpi.matching import PILL, Matcher
 from vpool.mpi.request import RecvOp
 from vpool.mpi.transport import Transport, die
 from vpool.protocol.messages import KIND_BUFFER, Data
-from vpool.protocol.rank_ft import BATCH, FT
+from vpool.protocol.rank_ft import BATCH, FT, K_TEST
 
 KIND_SYNC = 0x10  # flag on Data.kind: the sender waits until the message is matched
 CTX_MATCHED = -1  # reserved context of "your synchronous message seq=tag was matched" notices
@@ -91,33 +91,51 @@ class Engine:
         "acked",
         "advancing",
         "agreements",
+        "answers",
         "broken",
         "ckpt",
+        "cut",
         "eager",
         "early",
         "failed",
         "failed_set",
         "forwarded",
         "ft",
+        "heard",
         "job",
         "local_seq",
         "matcher",
         "next_ctx",
         "notices",
+        "parent",
         "rank",
         "revoke_groups",
         "revoked",
         "schedules",
         "size",
+        "spawns",
         "syncs",
         "transport",
+        "universe",
         "w2c_of",
+        "watch",
+        "world",
     )
 
     def __init__(self, job: int, rank: int, size: int) -> None:
         self.job = job
         self.rank = rank
+        # Rank numbers of the job (its first ranks and every one it may spawn): what arrays
+        # indexed by a world rank cover. COMM_WORLD is ``world``, the ranks this process
+        # started with (``spawn``).
         self.size = size
+        self.world: tuple[int, ...] = tuple(range(size))
+        self.universe = size  # MPI.UNIVERSE_SIZE
+        # Dynamic processes (``spawn``): the spawns this rank was the root of, the agent's
+        # answers not taken yet (by seq), and the intercommunicator to the parents.
+        self.spawns = 0
+        self.answers: dict[int, Any] = {}
+        self.parent: Any = None
         self.matcher = Matcher()
         self.transport: Transport | None = None
         # Context ids: 0/1 are COMM_WORLD's, 2/3 COMM_SELF's (never on the wire); every new
@@ -147,6 +165,13 @@ class Engine:
         self.revoke_groups: dict[int, tuple[int, ...]] = {}  # ctx -> members (pills' payload)
         self.w2c_of: dict[int, Any] = {}  # ctx -> world-to-comm map, for ANY_SOURCE probes
         self.agreements: dict[int, int] = {}  # ctx -> agreements started on it (``ulfm``)
+        # Transparent mode: failures of reported spawns (``observe``). ``watch``: the ranks
+        # of the reported spawns this rank took part in; ``heard``: ranks the agent said
+        # failed, not observed yet; ``cut``: per failed rank, the last seq of it kept (later
+        # ones are dropped, as in the logged run).
+        self.watch: set[int] = set()
+        self.heard: list[int] = []
+        self.cut: dict[int, int] = {}
         self.matcher.on_miss = None
 
     # ---- sending -------------------------------------------------------------------------
@@ -354,12 +379,12 @@ class Engine:
                 # and its notice may come after the news of its death.
                 self.on_pill(msg.src, msg.tag, tuple(array("i", bytes(view))))
                 return
-            if self.failed_set and msg.src in self.failed_set:
+            if (self.failed_set or self.cut) and self._late(msg):
                 return  # from a rank declared failed: dropped
             if msg.ctx == CTX_MATCHED:
                 self._on_notice(msg)
                 return
-        elif self.failed_set and msg.src in self.failed_set:
+        elif (self.failed_set or self.cut) and self._late(msg):
             return
         op = self.matcher.arrive(msg)
         if op is not None:
@@ -371,7 +396,7 @@ class Engine:
             self.matcher.stash(msg, bytearray(view) if msg.parts else bytes(view))
 
     def on_header(self, msg: Data, nbytes: int) -> tuple[memoryview, Any]:
-        if self.failed_set and msg.src in self.failed_set:
+        if (self.failed_set or self.cut) and self._late(msg):
             return memoryview(bytearray(nbytes)), (None, None)  # read, then dropped
         op = self.matcher.arrive(msg)
         if op is not None:
@@ -388,7 +413,7 @@ class Engine:
         if direct:
             op.complete_direct(msg, view.nbytes)
             return
-        if direct is None or (self.failed_set and msg.src in self.failed_set):
+        if direct is None or ((self.failed_set or self.cut) and self._late(msg)):
             return  # from a rank declared failed
         if op is None:
             # Receives posted while the payload was streaming in may want it now.
@@ -405,10 +430,60 @@ class Engine:
 
     def on_failed(self, ranks: list[int]) -> None:
         """The agent's ``Failed``: the job's ranks declared failed so far (a transport
-        callback: nothing is sent from here)."""
+        callback: nothing is sent from here). In reporting modes they apply at once; in a
+        transparent job (workers of a reported spawn) they wait for ``observe``."""
         new = [
             r for r in ranks if 0 <= r < self.size and r != self.rank and r not in self.failed_set
         ]
+        if not new:
+            return
+        if not self.eager:
+            self.heard.extend(r for r in new if r not in self.heard)
+            return
+        self.apply_failed(new)
+
+    def observe(self) -> None:
+        """Transparent mode: the failures heard so far take effect here, a logged test (its
+        outcome: each failed rank with the seq of the last message of it this rank took in;
+        later ones are dropped). A replay applies the logged ones at the same event, once
+        their messages up to those seqs came again, and drops the later ones from the start
+        (``load_cuts``). Made at deterministic points only, and only by a rank that took part
+        in a reported spawn (``watch``): ANY_SOURCE receives and probes on a communicator
+        with such a worker, ``Get_failed``, ``Ack_failed``."""
+        t = self.transport
+        if t is None or self.eager:
+            return
+
+        def live() -> Any:
+            new = [r for r in self.heard if r not in self.failed_set]
+            return {"failed": [[r, t.received[r]] for r in new]} if new else None
+
+        def ready(value: Any) -> bool:
+            return all(t.received[r] >= seq for r, seq in _failures(value))
+
+        value = self.ft.decide(K_TEST, live, ready)
+        if value is None:
+            return
+        pairs = _failures(value)
+        for r, seq in pairs:
+            self.cut[r] = seq
+        done = {r for r, _ in pairs}
+        self.heard = [r for r in self.heard if r not in done]
+        self.apply_failed([r for r, _ in pairs if r not in self.failed_set])
+
+    def load_cuts(self, records: Any) -> None:
+        """Determinant records of a replay (``Transport``): the logged failures' cuts, known
+        before any message of theirs comes again."""
+        for rec in records:
+            if len(rec) == 4 and rec[0] == 0 and rec[2] == K_TEST and type(rec[3]) is dict:
+                for r, seq in _failures(rec[3]):
+                    self.cut[r] = max(seq, self.cut.get(r, 0))
+
+    def _late(self, msg: Data) -> bool:
+        """A message of a rank declared failed, after its cut: dropped."""
+        return msg.src in self.failed_set or msg.seq > self.cut.get(msg.src, msg.seq)
+
+    def apply_failed(self, new: list[int]) -> None:
         if not new:
             return
         self.failed.extend(new)
@@ -428,6 +503,17 @@ class Engine:
             if key[0] in self.failed_set:
                 del self.syncs[key]
                 sop.fail(errors.ERR_PROC_FAILED)
+
+    def watches(self, h: Any) -> bool:
+        """Whether ``h`` has a member of a reported spawn (``observe``)."""
+        pw2c = getattr(h, "pw2c", h.w2c)
+        return any(pw2c[r] != UNDEFINED for r in self.watch)
+
+    # ---- dynamic processes (``spawn``) -------------------------------------------------------
+
+    def on_spawned(self, msg: Any) -> None:
+        """The agent's ``Spawned``: kept for the ``Spawn`` of that seq (a transport callback)."""
+        self.answers[msg.seq] = msg
 
     @staticmethod
     def _doomed(op: Any, failed: list[int]) -> bool:
@@ -472,6 +558,8 @@ class Engine:
         revoked; an ANY_SOURCE probe's communicator is remembered (``probe_miss``)."""
         if any_source:
             self.w2c_of[h.ctx] = getattr(h, "pw2c", h.w2c)  # the group ANY_SOURCE means
+            if self.watch and self.watches(h):
+                self.observe()
         if self.broken and h.ctx & -2 in self.revoked:
             raise errors.MPIException(errors.ERR_REVOKED)
 
@@ -579,6 +667,15 @@ class Engine:
             self._send_local(ctx, tag, kind, parts, bufs)
         elif self.transport is not None:
             self.transport.send_data(dst, ctx, tag, kind, parts, bufs, n)
+
+
+def _failures(value: Any) -> list[tuple[int, int]]:
+    """The (rank, cut) pairs of a logged failure outcome (``Engine.observe``)."""
+    try:
+        return [(int(r), int(seq)) for r, seq in value["failed"]]
+    except (TypeError, KeyError, ValueError):
+        die(f"program is not deterministic: a logged test holds {value!r}, not failures")
+        raise
 
 
 def _no_peers() -> errors.MPIException:

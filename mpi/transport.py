@@ -52,6 +52,7 @@ from vpool.protocol.messages import (
     Message,
     RankHello,
     RankWelcome,
+    Spawned,
     Stop,
     encode,
 )
@@ -63,6 +64,7 @@ MAX_IOV = 512  # below every platform's IOV_MAX
 POKE_READS = 16
 EXIT_TRANSPORT = 1
 
+_FAILURES = b"\xa6failed"  # msgpack "failed": a Det holding observed failures may hold it
 _pack_prefix = PREFIX.pack
 _DONTWAIT = socket.MSG_DONTWAIT
 # The same schema as ``messages.decode``, called directly: this is the per-message hot path.
@@ -79,6 +81,10 @@ class Sink(Protocol):
     def on_payload(self, msg: Data, view: memoryview, token: Any) -> None: ...
 
     def on_failed(self, ranks: list[int]) -> None: ...
+
+    def on_spawned(self, msg: Spawned) -> None: ...
+
+    def load_cuts(self, records: Any) -> None: ...
 
 
 def die(text: str, code: int = EXIT_TRANSPORT) -> None:
@@ -104,7 +110,9 @@ class Transport:
         self.incarnation = welcome.incarnation
         self.processor = welcome.processor
         self.sink = sink
-        # seq(s, d) of the last message sent to each destination, and the highest acked.
+        self.welcome = welcome  # what the agent said at connection (``environment.init``)
+        # seq(s, d) of the last message sent to each destination, and the highest acked: one
+        # per rank number of the job (``size``: the ranks it may spawn too).
         self.sent = [0] * self.size
         self.acked = [0] * self.size
         # Per source, the highest seq of a complete Data frame taken off the socket (a
@@ -322,10 +330,16 @@ class Transport:
             if self.ft is None or msg.index < self.ft.loaded:
                 return  # a determinant this rank already has
             self.ft.load(msg.index, msg.data)
+            if _FAILURES in msg.data:
+                # Failures a transparent job's rank observed (``Engine.observe``): what it
+                # dropped of their messages is dropped from the start of the replay.
+                self.sink.load_cuts(msgspec.msgpack.decode(msg.data))
         elif type(msg) is CheckpointRequest:
             self.ckpt_request = msg.request  # acted on by the engine, never in here
         elif type(msg) is Failed:
             self.sink.on_failed(msg.ranks)  # ULFM: failures reported to the program
+        elif type(msg) is Spawned:
+            self.sink.on_spawned(msg)  # the answer to a SpawnRequest (``spawn``)
         elif type(msg) is Stop:
             die(f"stopped: {msg.reason}")
         elif type(msg) is Error:

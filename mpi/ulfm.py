@@ -247,11 +247,15 @@ class CommULFM:
     def Get_failed(self) -> Group:
         h = self._core()
         h.eng.poke()
+        if h.eng.watch:
+            h.eng.observe()  # transparent: failures of reported spawns, at a logged point
         return Group._of(failed_members(h.eng, h), h.eng.rank)
 
     def Ack_failed(self, num_to_ack: int | None = None) -> int:
         h = self._core()
         eng = h.eng
+        if eng.watch:
+            eng.observe()
         failed = failed_members(eng, h)
         want = len(failed) if num_to_ack is None else max(int(num_to_ack), 0)
         acked = eng.acked.setdefault(h.ctx, set())

@@ -43,7 +43,11 @@ from typing import Any
 import trio
 
 from vpool.protocol.lines import LineAssembler
-from vpool.sdk.mpiexec_router import FAILURE_MODES, JOB, _Router
+from vpool.sdk.mpiexec_router import FAILURE_MODES, JOB, _Rank, _Router
+
+# Rank numbers a job may spawn over its run, past its first ranks (every rank's arrays indexed
+# by rank number cover them all); a spawn past them gets an error.
+SPAWN_SPACE = 1024
 
 SHIM_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "mpi", "shim")
 
@@ -99,6 +103,7 @@ async def run_async(
     stdout: Any = None,
     stderr: Any = None,
     on_failure: str = "transparent",
+    universe: int = 0,
 ) -> int:
     """Run ``n`` ranks of ``argv``; the job's exit code.
 
@@ -106,6 +111,7 @@ async def run_async(
     ``env``: extra environment variables for the ranks, over this process's environment.
     ``stdout``/``stderr``: None to inherit, else a file/fd shared by all ranks.
     ``on_failure``: the job's failure mode (module docstring).
+    ``universe``: ``MPI.UNIVERSE_SIZE`` (0: ``n`` + the machine's CPUs).
     """
     if n < 1:
         raise ValueError("need at least one rank")
@@ -114,7 +120,13 @@ async def run_async(
     # Inherited stdout/stderr are shown as whole lines, as mpiexec does; a file or fd given by
     # the caller gets the ranks' bytes directly.
     lines = _Lines() if stdout is None and stderr is None else None
-    router = _Router(n, err_fd, on_failure)
+    router = _Router(
+        n,
+        err_fd,
+        on_failure,
+        space=n + SPAWN_SPACE,
+        universe=universe or n + (os.cpu_count() or 1),
+    )
     if lines is not None:
         router.held = []
     base = {**os.environ, **(env or {})}
@@ -127,19 +139,26 @@ async def run_async(
             listener.setblocking(False)
             async with trio.open_nursery() as nursery:
                 router.nursery = nursery
-                nursery.start_soon(router.accept, listener)
-                nursery.start_soon(router.forward_signals)
-                for rank in router.ranks:
-                    rank_stdin = subprocess.DEVNULL
-                    if rank.index == 0:
-                        rank_stdin = subprocess.PIPE if isinstance(stdin, bytes) else stdin
-                    rank.proc = await trio.lowlevel.open_process(
-                        command,
-                        stdin=rank_stdin,
-                        stdout=subprocess.PIPE if lines is not None else stdout,
-                        stderr=subprocess.PIPE if lines is not None else stderr,
-                        env=rank_environment(base, rank.index, n, path, rank.secret, on_failure),
+
+                async def start(rank: _Rank, cmd: list[str], rank_stdin: Any) -> None:
+                    """Start one rank's process; its output is shown like every rank's."""
+                    env = rank_environment(
+                        base, rank.index, router.size, path, rank.secret, on_failure
                     )
+                    try:
+                        rank.proc = await trio.lowlevel.open_process(
+                            cmd,
+                            stdin=rank_stdin,
+                            stdout=subprocess.PIPE if lines is not None else stdout,
+                            stderr=subprocess.PIPE if lines is not None else stderr,
+                            env=env,
+                        )
+                    except OSError as exc:
+                        router.say(f"cannot start rank {rank.index}: {exc}")
+                        rank.exited = True
+                        rank.ready.set()
+                        router.exited(rank, 127)
+                        return
                     nursery.start_soon(router.watch, rank)
                     if lines is not None:
                         for name, pipe in (
@@ -148,6 +167,19 @@ async def run_async(
                         ):
                             assert pipe is not None
                             lines.start(nursery, rank.index, name, pipe)
+
+                async def launch(rank: _Rank, args: list[str]) -> None:
+                    # A spawned process: Python's arguments under this interpreter.
+                    await start(rank, [sys.executable, *args], subprocess.DEVNULL)
+
+                router.launch = launch
+                nursery.start_soon(router.accept, listener)
+                nursery.start_soon(router.forward_signals)
+                for rank in list(router.ranks):
+                    rank_stdin = subprocess.DEVNULL
+                    if rank.index == 0:
+                        rank_stdin = subprocess.PIPE if isinstance(stdin, bytes) else stdin
+                    await start(rank, command, rank_stdin)
                 first = router.ranks[0].proc
                 if isinstance(stdin, bytes) and first is not None and first.stdin is not None:
                     nursery.start_soon(_feed, first.stdin, stdin)
@@ -235,11 +267,14 @@ def run(
     stdin: Any = None,
     env: Mapping[str, str] | None = None,
     on_failure: str = "transparent",
+    universe: int = 0,
 ) -> int:
     """Run ``n`` ranks of ``argv`` (``app.py args``) on this machine; the job's exit code."""
 
     async def main() -> int:
-        return await run_async(n, argv, stdin=stdin, env=env, on_failure=on_failure)
+        return await run_async(
+            n, argv, stdin=stdin, env=env, on_failure=on_failure, universe=universe
+        )
 
     try:
         return trio.run(main)
@@ -262,6 +297,15 @@ def main(args: Sequence[str] | None = None) -> int:
         "same here, with no relays to replay from) or ulfm (it is declared failed, the others "
         "are told and go on; the job's code is the survivors')",
     )
+    parser.add_argument(
+        "--universe",
+        "-usize",
+        type=int,
+        default=0,
+        metavar="N",
+        help="MPI.UNIVERSE_SIZE, the processes the job expects to have (a hint: a spawn starts "
+        "every process it asks for); default: the ranks plus this machine's CPUs",
+    )
     parser.add_argument("program", nargs=argparse.REMAINDER, help="app.py and its arguments")
     ns = parser.parse_args(args)
     program = list(ns.program)
@@ -269,7 +313,9 @@ def main(args: Sequence[str] | None = None) -> int:
         program = program[1:]
     if not program:
         parser.error("no program given")
-    return run(ns.n, program, on_failure=ns.on_failure)
+    if ns.universe < 0:
+        parser.error("--universe must be at least 0")
+    return run(ns.n, program, on_failure=ns.on_failure, universe=ns.universe)
 
 
 if __name__ == "__main__":

@@ -30,9 +30,11 @@ from __future__ import annotations
 import hashlib
 import math
 import os
+import re
 import secrets
 import signal
 import socket
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import trio
@@ -53,6 +55,8 @@ from vpool.protocol.messages import (
     Message,
     RankHello,
     RankWelcome,
+    Spawned,
+    SpawnRequest,
     Stop,
 )
 from vpool.protocol.relay_core import Box, RelayCore, TrimPoint
@@ -92,6 +96,12 @@ class _Rank:
         self.control: list[bytes] = []
         self.push_wanted = trio.Event()
         self.delivered: dict[int, int] = {}  # per source, the highest seq pushed to it
+        # What its welcome says beyond its number (``RankWelcome``): its COMM_WORLD, and for a
+        # spawned process its parents and their intercommunicator's context.
+        self.world: list[int] = []
+        self.parent: list[int] = []
+        self.parent_ctx = 0
+        self.reported = False  # of a spawn whose lost processes are declared failed
 
 
 def hello_refusal(msg: RankHello, *, known: bool, connected: bool) -> Error | None:
@@ -119,16 +129,53 @@ async def read_hello(frames: SocketFrames) -> RankHello | None:
 FAILURE_MODES = ("transparent", "abort", "ulfm")
 
 
+Launcher = Callable[[_Rank, list[str]], Awaitable[None]]
+"""Starts a spawned process (``mpiexec``): its rank, and Python's arguments after the
+interpreter."""
+
+
+def python_arguments(command: list[str]) -> list[str] | None:
+    """What a spawned process runs, as Python's arguments after the interpreter (the pool's
+    rule, ``coordinator.sqlite_spawn.python_arguments``): a command naming a Python
+    interpreter runs its arguments under this one, a ``.py`` program runs as a script; None:
+    not a Python program."""
+    if not command:
+        return None
+    first = command[0].rsplit("/", 1)[-1]
+    if re.fullmatch(r"python[0-9.]*", first):
+        return command[1:] or None
+    if first.endswith(".py"):
+        return list(command)
+    return None
+
+
 class _Router:
-    def __init__(self, size: int, err: Any, on_failure: str = "transparent") -> None:
+    def __init__(
+        self,
+        size: int,
+        err: Any,
+        on_failure: str = "transparent",
+        *,
+        space: int = 0,
+        universe: int = 0,
+    ) -> None:
         if on_failure not in FAILURE_MODES:
             raise ValueError(f"unknown failure mode {on_failure!r}")
         self.on_failure = on_failure
         self.failed: list[int] = []  # ranks declared failed, in order (``--on-failure ulfm``)
         self.first_failure = 0  # the exit status of the first of them
-        self.size = size
+        # ``size``: the job's rank numbers (``space``: the first ranks and those they may
+        # spawn), which every rank's arrays cover; ``ranks``: the processes so far.
+        self.size = max(space, size)
+        self.universe = universe
         self.ranks = [_Rank(i) for i in range(size)]
+        if self.size > size:
+            for rank in self.ranks:
+                rank.world = list(range(size))
         self.by_secret = {r.secret: r for r in self.ranks}
+        self.first = size
+        self.launch: Launcher | None = None  # None: spawning is refused
+        self.answers: dict[tuple[int, int], Spawned] = {}  # (root, seq) -> its answer
         self.exit_code: int | None = None
         self.all_exited = trio.Event()
         self.nursery: trio.Nursery | None = None
@@ -225,7 +272,7 @@ class _Router:
             )
             if code < 0:
                 name = _signal_name(-code)
-                if self.on_failure == "ulfm":
+                if self.on_failure == "ulfm" or rank.reported:
                     self.declare_failed(rank, 128 - code, f"was killed by signal {name}")
                 else:
                     self.fail(128 - code, f"rank {rank.index} was killed by signal {name}{ends}")
@@ -243,8 +290,10 @@ class _Router:
         if not self.failed:
             self.first_failure = status
         self.failed.append(rank.index)
+        why = "a reported spawn" if rank.reported and self.on_failure != "ulfm" else None
         self.say(
-            f"rank {rank.index} {how}: declared failed, the other ranks go on (--on-failure ulfm)"
+            f"rank {rank.index} {how}: declared failed, the other ranks go on "
+            f"({why or '--on-failure ulfm'})"
         )
         for other in self.ranks:
             if not other.failed and not other.exited:
@@ -311,7 +360,16 @@ class _Router:
         """What a rank gets right after its hello (the replay router adds its determinants)."""
         return _frame(
             RankWelcome(
-                JOB, rank.index, self.size, 1, socket.gethostname(), on_failure=self.on_failure
+                JOB,
+                rank.index,
+                self.size,
+                1,
+                socket.gethostname(),
+                on_failure=self.on_failure,
+                world=rank.world,
+                parent=rank.parent,
+                parent_ctx=rank.parent_ctx,
+                universe=self.universe,
             )
         )
 
@@ -451,8 +509,70 @@ class _Router:
                 f"rank {rank.index} called MPI.Abort({msg.code})"
                 + (f": {msg.message}" if msg.message else ""),
             )
+        elif isinstance(msg, SpawnRequest):
+            assert self.nursery is not None
+            self.nursery.start_soon(self._spawn, rank, msg)
         else:
             raise RemoteProtocolError(f"unexpected {type(msg).__name__} from a rank")
+
+    # ---- spawning (``MPI.Comm.Spawn``) -------------------------------------------------------
+
+    async def _spawn(self, root: _Rank, req: SpawnRequest) -> None:
+        """Start every process a rank's spawn asks for (here there is no pool to wait for:
+        ``least`` does not matter, nor does the universe, a hint as with MPICH's hydra), as
+        ranks after the highest so far; answer ``Spawned`` (the same answer to the same
+        question again)."""
+        key = (root.index, req.seq)
+        answer = self.answers.get(key)
+        if answer is None:
+            error = self._refusal(root, req)
+            ranks: list[int] = []
+            if not error:
+                ranks = list(range(len(self.ranks), len(self.ranks) + req.maxprocs))
+                world = list(ranks)
+                for number in ranks:
+                    rank = _Rank(number)
+                    rank.world, rank.parent, rank.parent_ctx = world, list(req.parent), req.ctx
+                    rank.reported = req.reported
+                    self.ranks.append(rank)
+                    self.by_secret[rank.secret] = rank
+            answer = self.answers[key] = Spawned(seq=req.seq, ranks=ranks, error=error)
+            what = " ".join(req.command)[:200]
+            if error:
+                self.say(f"rank {root.index} cannot spawn {what}: {error}")
+            args = python_arguments(req.command) or []
+            for number in ranks:
+                rank = self.ranks[number]
+                if self.exit_code is not None or self.launch is None:
+                    rank.exited = True  # the job ended meanwhile: never started
+                    rank.ready.set()
+                    continue
+                await self.launch(rank, args)
+        if root.open:
+            root.control.append(_frame(answer))
+            root.push_wanted.set()
+
+    def _refusal(self, root: _Rank, req: SpawnRequest) -> str:
+        """Why a spawn cannot be done ("" when it can), in the pool's words."""
+        if self.launch is None or self.exit_code is not None:
+            return "this job cannot spawn processes"
+        if not 1 <= req.maxprocs or not 0 <= req.least <= req.maxprocs:
+            return f"cannot start {req.least} to {req.maxprocs} processes"
+        if root.index not in req.parent or len(set(req.parent)) != len(req.parent):
+            return "the spawning group must hold the root once"
+        if any(not 0 <= p < len(self.ranks) for p in req.parent):
+            return "the spawning group names ranks the job does not have"
+        if python_arguments(req.command) is None:
+            return (
+                f"{req.command[0] if req.command else 'an empty command'!r} is not a Python "
+                "program: vpool spawns Python interpreters and .py programs"
+            )
+        if len(self.ranks) + req.maxprocs > self.size:
+            return (
+                f"the job may have {self.size} rank numbers over its run (its first ranks and "
+                f"{self.size - self.first} spawned) and has used {len(self.ranks)}"
+            )
+        return ""
 
     async def send_acks(self, rank: _Rank) -> None:
         """Acks nobody took along within ACK_DELAY go out on their own."""

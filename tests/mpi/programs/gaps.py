@@ -49,8 +49,8 @@ vector.Free()
 
 # Absent features say so the way mpi4py's suite expects of an MPI without them.
 for call in (
-    lambda: comm.Spawn(sys.executable, ["-c", "pass"], maxprocs=1),
-    lambda: comm.Create_intercomm(0, MPI.COMM_SELF, 0),
+    lambda: MPI.Open_port(),
+    lambda: MPI.Lookup_name("vpool"),
 ):
     try:
         call()
