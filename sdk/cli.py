@@ -146,13 +146,25 @@ def info(settings: Settings, as_json: bool) -> None:
     "here, with no relays to replay from) or ulfm (it is declared failed, the other ranks get "
     "MPI.ERR_PROC_FAILED and go on; the job's code is the survivors').",
 )
+@click.option(
+    "--universe",
+    "-usize",
+    type=click.IntRange(min=0),
+    default=0,
+    help="MPI.UNIVERSE_SIZE, the processes the job expects to have (as mpiexec -usize; a "
+    "hint: MPI.Comm.Spawn starts every process it asks for). Default: the ranks plus this "
+    "machine's CPUs.",
+)
 @click.argument("argv", nargs=-1, required=True, type=click.UNPROCESSED)
-def mpiexec(ranks: int, stdin: Path | None, on_failure: str, argv: tuple[str, ...]) -> None:
+def mpiexec(
+    ranks: int, stdin: Path | None, on_failure: str, universe: int, argv: tuple[str, ...]
+) -> None:
     """Run a program like `mpiexec -n N`, on this machine, without any MPI installed.
 
     ARGV is the program and its arguments (a leading `python` is optional). The ranks log
     their determinants as on a pool (not with --on-failure abort or ulfm, as on a pool);
     VPOOL_FT=0 in the environment turns that off, like `vsdk submit --no-fault-tolerance`.
+    Processes the ranks spawn (MPI.Comm.Spawn) run here too, up to 1024 over the job's run.
 
     \b
     Example:
@@ -167,9 +179,12 @@ def mpiexec(ranks: int, stdin: Path | None, on_failure: str, argv: tuple[str, ..
     # `python app.py`, `python script` (any name) and `app.py` all run under vpool's
     # interpreter (``mpiexec.rank_command``); rank 0 reads the --stdin file.
     if stdin is None:
-        exit_with(int(mpiexec_mod.run(ranks, list(argv), on_failure=on_failure) or 0))
+        code = mpiexec_mod.run(ranks, list(argv), on_failure=on_failure, universe=universe)
+        exit_with(int(code or 0))
     with open(stdin, "rb") as feed:
-        code = mpiexec_mod.run(ranks, list(argv), stdin=feed, on_failure=on_failure)
+        code = mpiexec_mod.run(
+            ranks, list(argv), stdin=feed, on_failure=on_failure, universe=universe
+        )
         exit_with(int(code or 0))
 
 

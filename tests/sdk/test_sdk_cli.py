@@ -257,8 +257,8 @@ def test_mpiexec_passes_the_program_and_args(monkeypatch: pytest.MonkeyPatch) ->
 
     calls = []
     fake = types.ModuleType("vpool.sdk.mpiexec")
-    fake.run = lambda n, argv, stdin=None, on_failure="": (
-        calls.append((n, argv, stdin, on_failure)) or 6
+    fake.run = lambda n, argv, stdin=None, on_failure="", universe=0: (
+        calls.append((n, argv, stdin, on_failure, universe)) or 6
     )  # type: ignore[attr-defined]
     monkeypatch.setitem(__import__("sys").modules, "vpool.sdk.mpiexec", fake)
     import vpool.sdk
@@ -267,11 +267,13 @@ def test_mpiexec_passes_the_program_and_args(monkeypatch: pytest.MonkeyPatch) ->
     res = run("mpiexec", "-n", "4", "python", "app.py", "-x", "--y")
     assert res.exit_code == 6
     # A leading `python` stays: mpiexec.rank_command runs it under vpool's interpreter.
-    assert calls == [(4, ["python", "app.py", "-x", "--y"], None, "transparent")]
+    assert calls == [(4, ["python", "app.py", "-x", "--y"], None, "transparent", 0)]
     res = run("mpiexec", "-n", "2", "--", "app.py")
-    assert calls[-1] == (2, ["app.py"], None, "transparent")
+    assert calls[-1] == (2, ["app.py"], None, "transparent", 0)
     res = run("mpiexec", "-n", "2", "--on-failure", "ulfm", "--", "app.py")
-    assert calls[-1] == (2, ["app.py"], None, "ulfm")
+    assert calls[-1] == (2, ["app.py"], None, "ulfm", 0)
+    res = run("mpiexec", "-n", "2", "--universe", "9", "--", "app.py")
+    assert calls[-1] == (2, ["app.py"], None, "transparent", 9)
 
 
 def test_config_shows_the_token_only_when_asked(home: Path) -> None:
