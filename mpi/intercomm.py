@@ -137,8 +137,8 @@ def split(h: Any, color: int, key: int) -> Groups | None:
 
 
 def both_in_order(h: Any, local: list[Any], remote: list[Any]) -> tuple[list[Any], int]:
-    """Values of both groups in the same order at every member (the group of the lower leader
-    first), and this member's place in it."""
+    """Values of both groups in the same order at every member (``union``'s), and this
+    member's place in it."""
     if h.group[0] < h.remote[0]:
         return local + remote, h.rank
     return remote + local, len(remote) + h.rank
@@ -158,7 +158,7 @@ def subset(h: Any, members: tuple[int, ...]) -> Groups | None:
 
 def merge(h: Any, high: bool) -> tuple[int, tuple[int, ...]]:
     """``Merge``: (context id, members) of the intracommunicator of both groups, the group that
-    passed ``high`` false first (both alike: the group of the lower leader)."""
+    passed ``high`` false first (both alike: ``union``'s order)."""
     ctx, _, remote = exchange(h, bool(high), span=2)
     theirs = bool(remote[0])
     mine_first = (not high and theirs) or (bool(high) == theirs and h.group[0] < h.remote[0])
@@ -167,7 +167,8 @@ def merge(h: Any, high: bool) -> tuple[int, tuple[int, ...]]:
 
 
 def union(local: tuple[int, ...], remote: tuple[int, ...]) -> tuple[int, ...]:
-    """Both groups in the order all their members compute alike (the lower leader's first)."""
+    """Both groups in the order all their members compute alike: first the group whose rank 0
+    has the lower world rank."""
     if set(local) & set(remote):
         raise errors.MPIException(errors.ERR_GROUP, "the local and remote groups overlap")
     return local + remote if local[0] < remote[0] else remote + local
