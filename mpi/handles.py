@@ -100,6 +100,34 @@ class Info:
     def items(self) -> Any:
         return self._items.items()
 
+    def update(self, other: Any = (), **kwds: str) -> None:
+        """As a dict's (mpi4py 4): keys and values from a mapping or pairs, then ``kwds``."""
+        self._check()
+        items = other.items() if hasattr(other, "items") else other
+        for key, value in (*items, *kwds.items()):
+            self._items[str(key)] = str(value)
+
+    def pop(self, key: str, *default: Any) -> Any:
+        self._check()
+        if key in self._items:
+            return self._items.pop(key)
+        if default:
+            return default[0]
+        raise KeyError(key)
+
+    def popitem(self) -> tuple[str, str]:
+        self._check()
+        if not self._items:
+            raise KeyError("popitem(): info is empty")
+        return self._items.popitem()
+
+    def copy(self) -> Info:
+        return self.Dup()
+
+    def clear(self) -> None:
+        self._check()
+        self._items.clear()
+
     def __bool__(self) -> bool:
         return not self._null
 
