@@ -1,10 +1,11 @@
 """Process-wide MPI state: Init/Finalize, the exit hook, Abort, clocks and processor name.
 
 ``init`` connects to the agent named by ``VPOOL_AGENT_SOCKET`` (or, without one, runs as a
-single-rank job, like an MPICH singleton) and fills in COMM_WORLD and COMM_SELF. At interpreter
-exit the hook flushes the program's output and finalizes: it waits until the relays have every
-message this rank sent, so none dies with the process. After an uncaught exception it only
-flushes: the process exits non-zero and the job fails anyway.
+single-rank job, like an MPICH singleton) and fills in COMM_WORLD (the welcome's ``world``),
+COMM_SELF and, for a spawned process, the intercommunicator to its parents (``Get_parent``).
+At interpreter exit the hook flushes the program's output and finalizes: it waits until the
+relays have every message this rank sent, so none dies with the process. After an uncaught
+exception it only flushes: the process exits non-zero and the job fails anyway.
 """
 
 from __future__ import annotations

@@ -23,6 +23,8 @@ arrive after its notice are dropped (not its revocation notices: revoking, then 
 must still revoke). A receive from ``ANY_SOURCE`` in a communicator with
 failures not acknowledged (``Comm.Ack_failed``) stays posted: waiting on it raises
 ``ERR_PROC_FAILED_PENDING`` (``ERR_PROC_FAILED`` in a blocking ``Recv``, which withdraws it).
+In a transparent job (which replays) ``Failed`` names only lost workers of reported spawns
+(``spawn``), and takes effect only at logged tests (``observe``).
 
 Revocation. A revoked communicator's p2p context is in ``revoked``: every later operation on it
 raises ``ERR_REVOKED`` (``enter``, ``send``, ``post``). The revoker sends every member a notice

@@ -15,7 +15,9 @@ sending large messages to each other cannot deadlock.
 Transport failures (agent gone, ``Stop``, ``Error``, malformed frames) end the process: an MPI
 program cannot continue without its agent, and the agent reports the job's fate. Failures of
 other ranks are the agent's ``Failed`` frames (jobs whose failure mode reports them), handed to
-the engine (``Sink.on_failed``).
+the engine (``Sink.on_failed``), as are its answers to spawns (``Spawned``, ``Sink.on_spawned``).
+The arrays indexed by rank cover the job's rank numbers (``RankWelcome.size``: the ranks it
+may spawn too).
 """
 
 from __future__ import annotations

@@ -21,6 +21,12 @@ stdin goes to rank 0 only. What a failed rank means is the job's failure mode (`
 
 Environment of the ranks as in docs/internals.md ("Rank <-> agent").
 
+Spawning (``MPI.Comm.Spawn``): the router starts every process a spawn asks for, as ranks after
+the highest so far, running this interpreter (``mpiexec_router.python_arguments``), with the
+ranks' environment and output; they end the job as ranks do, except a reported spawn's (info
+``vpool_reported``) killed by a signal, which is declared failed as in ``ulfm``. A job may spawn
+``SPAWN_SPACE`` processes over its run; ``--universe N`` is ``MPI.UNIVERSE_SIZE``.
+
 The router is ``mpiexec_router`` (its frames and socket I/O ``mpiexec_wire``).
 
     python -m vpool.sdk.mpiexec -n 4 app.py args

@@ -18,6 +18,11 @@ nothing here outlives the job, and a mailbox drops what it pushed). It keeps the
   is not a lost process). The job's code is then the survivors' (0 when they all exit 0), or the
   first failure's when every rank failed.
 
+It also plays the pool for ``MPI.Comm.Spawn``: a rank's ``SpawnRequest`` starts every process
+it asks for (``launch``, given by ``mpiexec``) as ranks after the highest so far, welcomed with
+their world, parents and parent context, and is answered ``Spawned``. A process of a reported
+spawn killed by a signal is declared failed, whatever the mode.
+
 The test bench ``tests/mpi/bench/replay_router.ReplayRouter`` extends it.
 
 Frames are pushed by the task that deposited them when the destination's connection is free
