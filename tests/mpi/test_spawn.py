@@ -87,3 +87,22 @@ def test_spawned_commands_as_the_pool_runs_them() -> None:
 def test_universe_option() -> None:
     with pytest.raises(SystemExit):
         mpiexec.main(["--universe", "-1", "app.py"])
+
+
+def test_a_replay_drops_what_the_logged_run_dropped_of_a_failed_worker() -> None:
+    from vpool.mpi.runtime import Engine
+    from vpool.protocol.messages import KIND_BUFFER, Data
+    from vpool.protocol.rank_ft import K_TEST, K_WTIME
+
+    eng = Engine(0, 0, 4)
+    # Det records as loaded: a Wtime, then failures observed (rank 2 after its message 3).
+    eng.load_cuts([[0, 1, K_WTIME, 0.5], [0, 7, K_TEST, {"failed": [[2, 3]]}], [1, 9]])
+    assert eng.cut == {2: 3}
+
+    def msg(src: int, seq: int) -> Data:
+        return Data(0, src, 0, seq, 0, 0, KIND_BUFFER, [])
+
+    assert not eng._late(msg(2, 3)) and eng._late(msg(2, 4)) and not eng._late(msg(1, 9))
+    # In a transparent job a Failed frame waits for a logged test (``observe``).
+    eng.on_failed([2, 3])
+    assert eng.heard == [2, 3] and not eng.failed
