@@ -9,7 +9,9 @@ Requests come as a ``CheckpointRequest`` frame on the data connection (the trans
 ``Transport.ckpt_request``; ``Engine.wait``/``block``/``poke`` call ``on_request`` after a read)
 and as the signal, for a rank computing without MPI calls: the handler acts only when no frame
 of the runtime (``vpool.mpi``, ``vpool.protocol``, the ``mpi4py`` shim) is on the
-interrupted stack. While the rank replays (``FT.busy``) a request waits.
+interrupted stack. While the rank replays (``FT.busy``) a request waits. While a thread marked
+by ``observe.thread`` runs (``mpi4py.futures``' manager) it is refused at once: a clone keeps
+only the forking thread, so it could not be restored.
 
 ``take`` at a safe point: the large payload being read is finished, pending determinant records
 are written, stdio flushed, what of it still sits in the stdout/stderr pipes counted
@@ -40,6 +42,7 @@ from typing import Any
 
 import msgspec
 
+from vpool.mpi import observe
 from vpool.mpi.hugepages import collapse_huge_pages
 from vpool.mpi.transport import die, open_connection, write_message
 from vpool.protocol.messages import PROTOCOL_VERSION, CkptForked, RankHello
@@ -150,6 +153,12 @@ class Checkpointer:
         if request is None or t.closed or self.control is None or self.eng.ft.busy():
             return
         t.ckpt_request = None
+        why = observe.blocking_checkpoints()
+        if why is not None:
+            # A clone keeps only the forking thread: refuse at once (the agent says why)
+            # rather than let the agent hold the rank's output until its wait runs out.
+            write_message(self.control, CkptForked(request, -1, message=why))
+            return
         if not self.take(request):
             t.ckpt_request = request  # not possible right now: a later call tries again
 

@@ -19,7 +19,10 @@ of these calls takes one number whenever it is made:
 - ``Test``/``test``, ``Testall``, ``Get_status``, ``Get_status_all`` on requests that are not
   trivially complete (outcome: success), ``Testany``, ``Waitany``, ``Get_status_any`` (the
   index), ``Testsome``, ``Waitsome``, ``Get_status_some`` (the indices);
-- ``Wtime`` and ``Get_processor_name`` (the value read).
+- ``Wtime`` and ``Get_processor_name`` (the value read);
+- an observation of the rank's own state that another thread changes (``vpool.mpi.observe``:
+  the ``mpi4py.futures`` manager thread looking at its task queue and its clock; outcome: the
+  small value seen, none when there was nothing to see, a failed test).
 
 Asynchronous sends are the sends the runtime makes during progress, not as the program-ordered
 effect of the current call: rounds of non-blocking collectives (every step of a schedule after
@@ -33,8 +36,9 @@ Det data: a msgpack array (``msgspec``) of records, written in order (records ar
 one of::
 
     [0, event, kind, value]   the outcome of decision event ``event``; ``kind``: K_MATCH,
-                              K_PROBE, K_TEST, K_ANY, K_SOME, K_WTIME, K_NAME; ``value``: a world
-                              rank, true, an index, a list of indices, a float or a string
+                              K_PROBE, K_TEST, K_ANY, K_SOME, K_WTIME, K_NAME, K_VALUE;
+                              ``value``: a world rank, true, an index, a list of indices, a
+                              float, a string or an observed value (msgpack-able)
     [1, event]                lazy record: every event <= ``event`` without an outcome record
                               was a failed test (a run of failed tests is one record, written
                               only before the next ``Data`` deposit)
@@ -84,8 +88,17 @@ import msgspec
 from vpool.protocol.errors import LocalProtocolError
 
 R_OUTCOME, R_FAILED, R_STEP, R_NOTICE = range(4)
-K_MATCH, K_PROBE, K_TEST, K_ANY, K_SOME, K_WTIME, K_NAME = range(7)
-KIND_NAMES = ("ANY_SOURCE match", "probe", "test", "any", "some", "Wtime", "processor name")
+K_MATCH, K_PROBE, K_TEST, K_ANY, K_SOME, K_WTIME, K_NAME, K_VALUE = range(8)
+KIND_NAMES = (
+    "ANY_SOURCE match",
+    "probe",
+    "test",
+    "any",
+    "some",
+    "Wtime",
+    "processor name",
+    "observed value",
+)
 
 _encode = msgspec.msgpack.encode
 _decode = msgspec.msgpack.decode

@@ -1,7 +1,8 @@
 """``mpi4py.futures`` and ``mpi4py.util.pool``/``sync`` in vpool's mpi4py shim: task farms run as
-real rank processes through ``vpool.sdk.mpiexec`` (``programs/futures_farm.py``), and, in
-process, the shim's modules against mpi4py 4.1.2's (the installed one, read as source: importing
-it would start its MPI library here)."""
+real rank processes through ``vpool.sdk.mpiexec`` (``programs/futures_farm.py``), workers that
+SIGKILL themselves (``programs/futures_lost.py``: re-dispatch, retries, all workers lost,
+elastic growth), and, in process, the shim's modules against mpi4py 4.1.2's (the installed one,
+read as source: importing it would start its MPI library here)."""
 
 from __future__ import annotations
 
@@ -25,7 +26,9 @@ SHIM = vpool.mpi.SHIM_DIR / "mpi4py"
 
 # Vendored modules with vpool's changes (listed in their headers); the others are upstream's
 # code byte for byte after the header.
-CHANGED = {"futures/_core.py", "futures/pool.py"}
+CHANGED = {"futures/__init__.py", "futures/_core.py", "futures/pool.py"}
+# Names the shim adds to a module's ``__all__`` (vpool's additions, documented in its header).
+ADDED = {"futures": ["WorkerLost"]}
 VENDORED = [
     "futures/__init__.py",
     "futures/__main__.py",
@@ -41,8 +44,10 @@ VENDORED = [
 HEADER_LINES = 2  # mpi4py's Author and Contact lines, kept before vpool's
 
 
-async def mpiexec(n: int, *argv: str) -> subprocess.CompletedProcess[bytes]:
-    cmd = [sys.executable, "-m", "vpool.sdk.mpiexec", "-n", str(n), "--", *argv]
+async def mpiexec(
+    n: int, *argv: str, opts: tuple[str, ...] = ()
+) -> subprocess.CompletedProcess[bytes]:
+    cmd = [sys.executable, "-m", "vpool.sdk.mpiexec", "-n", str(n), *opts, "--", *argv]
     env = {k: v for k, v in os.environ.items() if not k.startswith("VPOOL_")}
     with trio.fail_after(120):
         return await trio.run_process(
@@ -56,9 +61,10 @@ async def mpiexec(n: int, *argv: str) -> subprocess.CompletedProcess[bytes]:
         )
 
 
-def farm_output(n: int) -> str:
-    workers = max(n - 1, 1)
-    cause = "RemoteTraceback" if n > 1 else "NoneType"  # one rank: the tasks run in a thread
+def farm_output(n: int, spawned: int = 0) -> str:
+    workers = spawned or max(n - 1, 1)
+    # One rank and no spawned workers: the tasks run in a thread.
+    cause = "RemoteTraceback" if n > 1 or spawned else "NoneType"
     return (
         f"map {[x * x for x in range(12)]}\n"
         f"chunks {sum(x * x for x in range(100))}\n"
@@ -88,12 +94,65 @@ async def test_shared_pool_farm(n: int) -> None:
     assert out == farm_output(n), err
 
 
-async def test_a_spawning_executor_says_vpool_cannot_spawn() -> None:
+async def test_spawned_pool_farm() -> None:
     res = await mpiexec(1, "futures_farm.py", "spawn")
-    out = res.stdout.decode()
-    assert res.returncode == 0, res.stderr.decode()
-    assert out.startswith("NotImplementedError MPIPoolExecutor spawns its worker processes")
-    assert "python -m mpi4py.futures" in out
+    out, err = res.stdout.decode(), res.stderr.decode()
+    assert res.returncode == 0, f"exit {res.returncode}\n{out}\n{err}"
+    assert out == farm_output(1, spawned=3), err
+
+
+# ---- lost workers (vpool's additions) ---------------------------------------------------------
+
+
+async def lost(
+    mode: str, tmp_path: Path, n: int = 1, opts: tuple[str, ...] = (), module: bool = False
+) -> tuple[str, str]:
+    argv = ["-m", "mpi4py.futures"] if module else []
+    res = await mpiexec(n, *argv, "futures_lost.py", mode, str(tmp_path), opts=opts)
+    out, err = res.stdout.decode(), res.stderr.decode()
+    assert res.returncode == 0, f"exit {res.returncode}\n{out}\n{err}"
+    return out, err
+
+
+async def test_a_lost_spawned_worker_has_its_task_redispatched(tmp_path: Path) -> None:
+    out, err = await lost("once", tmp_path)
+    assert out == "answer True\nredispatched 1 lost 1\n", err
+    assert "mpi4py.futures: 1 tasks re-dispatched after 1 workers were lost\n" in err
+
+
+async def test_a_task_that_kills_every_worker_gets_worker_lost(tmp_path: Path) -> None:
+    out, err = await lost("always", tmp_path)
+    squares = "".join(f"{x} {x * x}\n" for x in range(8) if x != 3)
+    lines = out.splitlines(keepends=True)
+    # retries=2: three workers lost with task 3, then its future fails naming the last one.
+    assert "".join(line for line in lines if not line.startswith(("3 ", "names"))) == (
+        squares + "redispatched 2 lost 3\n"
+    ), err
+    assert "3 WorkerLost True 3\n" in lines and "names True\n" in lines, out
+
+
+async def test_the_spawned_pool_grows_back_after_a_loss(tmp_path: Path) -> None:
+    # --universe 3: one rank, so at most two workers.
+    out, err = await lost("grow", tmp_path, opts=("--universe", "3"))
+    assert out == "workers 2 2 lost 1\n", err
+
+
+async def test_mpicommexecutor_in_a_ulfm_job_redispatches(tmp_path: Path) -> None:
+    out, err = await lost("comm", tmp_path, n=4, opts=("--on-failure", "ulfm"))
+    assert out == "answer True\nredispatched 1 lost 1\n", err
+
+
+async def test_the_shared_pool_in_a_ulfm_job_redispatches(tmp_path: Path) -> None:
+    out, err = await lost("once", tmp_path, n=4, opts=("--on-failure", "ulfm"), module=True)
+    assert out == "answer True\nredispatched 1 lost 1\n", err
+
+
+async def test_all_workers_lost_breaks_the_executor(tmp_path: Path) -> None:
+    out, err = await lost("all", tmp_path, n=3, opts=("--on-failure", "ulfm"))
+    assert out == (
+        "kinds ['BrokenExecutor']\n"
+        "broken all 2 workers of the pool were lost and no other can be had\n"
+    ), err
 
 
 # ---- in process ---------------------------------------------------------------------------
@@ -152,7 +211,9 @@ def test_shim_exposes_mpi4py_names(shim: None, module: str) -> None:
     public, defined = upstream_names(path)
     mod: ModuleType = importlib.import_module(f"mpi4py.{module}")
     assert Path(mod.__file__ or "").is_relative_to(SHIM)
-    assert getattr(mod, "__all__", None) == public
+    assert getattr(mod, "__all__", None) == (
+        None if public is None else [*public, *ADDED.get(module, [])]
+    )
     missing = [name for name in sorted({*(public or ()), *defined}) if not hasattr(mod, name)]
     assert not missing
 

@@ -1,7 +1,8 @@
 """mpi4py.futures task farms. ``comm``: MPICommExecutor on COMM_WORLD, run as a program;
 ``pool``: MPIPoolExecutor, run as ``-m mpi4py.futures futures_farm.py pool`` (the other ranks
-are the shared pool's workers); ``spawn``: MPIPoolExecutor run as a program, whose workers would
-be spawned. Rank 0 prints what the tasks gave back; the workers print nothing."""
+are the shared pool's workers); ``spawn``: MPIPoolExecutor(max_workers=3) run as a program on one
+rank, whose workers are spawned. Rank 0 prints what the tasks gave back; the workers print
+nothing."""
 
 import sys
 
@@ -33,7 +34,7 @@ def fail(x):
     raise ValueError(f"bad {x}")
 
 
-def farm(executor):
+def farm(executor, spawned=False):
     world = MPI.COMM_WORLD.Get_size()
     print("map", list(executor.map(square, range(12))))
     print("chunks", sum(executor.map(square, range(100), chunksize=7)))
@@ -43,7 +44,10 @@ def farm(executor):
     done, _ = wait([executor.submit(fail, 1), *fs], return_when=FIRST_EXCEPTION)
     print("wait", len(done) >= 1)
     ranks = set(executor.map(where, range(4 * world)))
-    print("ranks", ranks <= (set(range(1, world)) if world > 1 else {0}))
+    if spawned:  # the workers' own COMM_WORLD
+        print("ranks", ranks <= set(range(executor.num_workers)))
+    else:
+        print("ranks", ranks <= (set(range(1, world)) if world > 1 else {0}))
     print("workers", executor.submit(workers).result(), executor.num_workers)
     error = executor.submit(fail, 3).exception()
     print("error", type(error).__name__, error, type(error.__cause__).__name__)
@@ -62,10 +66,8 @@ def main(mode):
         with MPIPoolExecutor() as executor:
             farm(executor)
     else:
-        try:
-            MPIPoolExecutor(max_workers=2)
-        except NotImplementedError as exc:
-            print("NotImplementedError", exc)
+        with MPIPoolExecutor(max_workers=3) as executor:
+            farm(executor, spawned=True)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,8 @@
 # Contact: dalcinl@gmail.com
 # Copyright (c) 2026, Lisandro Dalcin. BSD-3-Clause: see ../LICENSE.mpi4py.
 # Vendored from mpi4py 4.1.2 (src/mpi4py/futures/__init__.py) into vpool's mpi4py shim.
-# vpool's changes: none.
+# vpool's changes: WorkerLost (a BrokenExecutor: a task's worker was lost more times than
+# the executor retries it; _core.py) is exported too, and listed in __all__.
 """Execute computations asynchronously using MPI processes."""
 # pylint: disable=redefined-builtin
 
@@ -19,6 +20,7 @@ from ._base import (
     as_completed,
     wait,
 )
+from ._core import WorkerLost  # vpool
 from .pool import (
     MPICommExecutor,
     MPIPoolExecutor,
@@ -50,4 +52,5 @@ __all__ = [
     "get_comm_workers",
     "collect",
     "compose",
+    "WorkerLost",  # vpool
 ]

@@ -3,13 +3,10 @@
 # Copyright (c) 2026, Lisandro Dalcin. BSD-3-Clause: see ../LICENSE.mpi4py.
 # Vendored from mpi4py 4.1.2 (src/mpi4py/futures/_core.py) into vpool's mpi4py shim.
 # vpool's changes:
-# - check_dynamic_pool(), called by MPIPoolExecutor() and ProcessPoolExecutor(): vpool's MPI
-#   cannot spawn processes nor connect to a service yet (Comm.Spawn, Open_port, Lookup_name
-#   raise NotImplementedError), so an executor that would get its workers that way raises
-#   NotImplementedError at construction, saying so (mpi4py's tests skip then), instead of its
-#   manager thread dying and its futures never completing. Executors that need neither (the
-#   shared pool of `python -m mpi4py.futures`, MPICommExecutor's, ThreadPoolExecutor) are
-#   unaffected; DYNAMIC_PROCESSES is the switch for when vpool's Spawn lands.
+# - check_dynamic_pool(), called by MPIPoolExecutor(): a service pool (service=...) raises
+#   NotImplementedError at construction (vpool's MPI has no ports or name publishing), instead
+#   of its manager thread dying and its futures never completing. Spawned pools are asked of
+#   the pool through MPI.Comm.Spawn.
 # - _manager_spawn and _manager_service: a failure to spawn or connect breaks the pool
 #   (its futures fail with BrokenExecutor naming the error) instead of leaving them pending.
 # - SharedPoolCtx._initialize (a shared-pool executor with an initializer) and waitall's
@@ -17,6 +14,44 @@
 #   only an MPI_THREAD_MULTIPLE library survives, and vpool's grants THREAD_SERIALIZED (its
 #   engine is driven by one thread at a time). Several such executors started at once from
 #   different threads hung one run in two at 2 ranks (test_futures' test_initializer_4).
+# - Lost workers (client_exec rewritten; Workers replaces WorkerSet). A worker is lost when
+#   the manager's MPI calls on its intercommunicator raise ERR_PROC_FAILED(_PENDING) or
+#   ERR_REVOKED: Get_failed/Ack_failed say which (every worker of a revoked one). It leaves
+#   the pool for good, its in-flight task goes back ahead of the queue (the manager's `again`)
+#   and is sent to another worker, up to `retries` times (keyword, MPI4PY_FUTURES_RETRIES,
+#   default 3: Dask's and Ray's); then its future gets WorkerLost (a BrokenExecutor) naming
+#   the worker. A result is used once (a done future ignores a late one). When every worker is
+#   lost and none can be had, the executor breaks (BrokenExecutor, "all N workers of the pool
+#   were lost ..."). executor.redispatched/workers_lost count; a line on stderr at the end
+#   ("mpi4py.futures: N tasks re-dispatched after M workers were lost") says it to programs
+#   that do not look. Failures are reported for a spawn with info "vpool_reported" (the
+#   default of _manager_spawn) in any job, and for the ranks of a job run with --on-failure
+#   ulfm (MPICommExecutor, `python -m mpi4py.futures`). Upstream's future of a dead worker
+#   stays pending forever.
+# - Stopping: the client sends each live worker STOP_FREE (a standard send: eager) and frees
+#   the intercommunicator; the worker frees it too (server_exec returns True). Upstream's
+#   synchronous stop and Disconnect barrier would fail at a lost worker, or wait for it
+#   forever in a transparent job, where a failure is seen only at logged points.
+# - Elastic spawned pools (Grow): the first spawn is soft 1:max_workers; while tasks wait and
+#   fewer than max_workers are alive, every grow_interval seconds (keyword,
+#   MPI4PY_FUTURES_GROW_INTERVAL, default 5) the manager asks for the missing ones with a
+#   soft 0:missing spawn; each one that gives workers is another intercommunicator, synced and
+#   initialized as the first, and a worker is (intercommunicator index, rank). num_workers is
+#   the count alive now (upstream's is fixed).
+# - Determinism of a transparent master (docs/internals.md, "mpi4py.futures on the pool"): a
+#   restarted rank replays its MPI calls from its determinants, and the manager thread's calls
+#   depend on the main thread's timing (whether the task queue has an item when it looks) and
+#   the clock (when to ask for more workers). Each such look is one logged observation
+#   (vpool.mpi.observe.value, kind K_VALUE, taken under the serialized lock): live, the value
+#   seen, recorded; on replay, the logged value, and the manager waits (observe.until) until
+#   its queue holds the item the main thread, replaying, puts there. Everything else it does
+#   follows from its own state and logged MPI outcomes (probes, failures); sleeps change
+#   nothing. Not covered: cancelling a submitted future (or shutdown(cancel_futures=True))
+#   races with the manager, and several executors' manager threads (or a main thread making
+#   MPI calls while one runs) interleave their calls by timing: such a master's replay may
+#   diverge (the rank then fails as "not deterministic"). The manager thread is marked
+#   (observe.thread): checkpoints are refused while it runs, since a forked clone keeps one
+#   thread.
 """Management of MPI worker processes."""
 # pylint: disable=broad-except
 # pylint: disable=too-many-lines
@@ -204,7 +239,7 @@ class Pool:
         self.exref = weakref.ref(executor, lambda _, q=queue: q.put(None))
 
         args = (self, executor._options, *args)
-        thread = threading.Thread(target=manager, args=args)
+        thread = threading.Thread(target=_marked, args=(manager, *args))  # vpool
         self.thread = thread
 
         setup_mpi_threads()
@@ -268,6 +303,14 @@ class Pool:
         finally:
             if lock:
                 lock.release()
+
+
+def _marked(manager, *args):
+    """vpool: the manager thread runs marked as one a checkpoint cannot keep."""
+    from vpool.mpi import observe
+
+    with observe.thread("mpi4py.futures manager"):
+        manager(*args)
 
 
 def initialize(options):
@@ -346,7 +389,7 @@ def _manager_thread(pool, options):
     finalize()
 
 
-def _manager_comm(pool, options, comm, sync=True):
+def _manager_comm(pool, options, comm, sync=True, grow=None):
     assert comm != MPI.COMM_NULL  # noqa: S101
     assert comm.Is_inter()  # noqa: S101
     assert comm.Get_size() == 1  # noqa: S101
@@ -356,10 +399,15 @@ def _manager_comm(pool, options, comm, sync=True):
         client_stop(comm)
         return
     size = comm.Get_remote_size()
+    workers = Workers(size)  # vpool
+    workers.comms[0] = comm
+    pool.workers = workers
     queue = pool.setup(size)
-    workers = WorkerSet(range(size))
-    client_exec(comm, options, 0, workers, queue)
-    client_stop(comm)
+    try:
+        client_exec(comm, options, 0, workers, queue, pool, grow)
+    finally:
+        for link in workers.comms.values():
+            client_stop(link, workers)
 
 
 def _manager_spawn(pool, options):
@@ -367,12 +415,18 @@ def _manager_spawn(pool, options):
     pyargs = options.pop("python_args", None)
     nprocs = options.pop("max_workers", None)
     info = options.pop("mpi_info", None)
+    if nprocs is None:  # vpool: the most workers an elastic pool may have
+        nprocs = get_max_workers()
+    grow = None
+    if info is None:  # vpool: MPIPoolExecutor's default on vpool: elastic, reported workers
+        info = {"soft": f"1:{nprocs}", "vpool_reported": "true"}
+        grow = Grow(options, nprocs, (pyexe, pyargs, {"vpool_reported": "true"}))
     try:
         comm = serialized(client_spawn)(pyexe, pyargs, nprocs, info)
     except Exception as exc:  # vpool
         pool.broken(f"cannot spawn workers: {exc!r}")
         return
-    _manager_comm(pool, options, comm)
+    _manager_comm(pool, options, comm, grow=grow)
 
 
 def _manager_service(pool, options):
@@ -410,34 +464,19 @@ def WorkerPool(executor):
     return SpawnPool(executor)
 
 
-# vpool: Comm.Spawn and ports/name publishing raise NotImplementedError in vpool's MPI for now.
-DYNAMIC_PROCESSES = False
-
-
 def check_dynamic_pool(executor):
-    """vpool: raise NotImplementedError if the executor's workers would be spawned or connected
-    to, which vpool's MPI cannot do yet, rather than fail later in the pool's thread."""
-    if DYNAMIC_PROCESSES:
+    """vpool: raise NotImplementedError if the executor's workers would be connected to as an
+    MPI service, which vpool's MPI cannot do (no ports or name publishing), rather than fail
+    later in the pool's thread. Spawned workers are asked of the pool (``Comm.Spawn``)."""
+    if executor._make_pool is not WorkerPool:
         return
-    make_pool = executor._make_pool
-    if make_pool is WorkerPool:
-        if SharedPool is not None or getattr(_tls, "pool_given", False):
-            return
-        service = "service" in executor._options
-    elif make_pool is SpawnPool:
-        service = False
-    else:
+    if SharedPool is not None or getattr(_tls, "pool_given", False):
         return
-    if service:
+    if "service" in executor._options:
         raise NotImplementedError(
             "MPIPoolExecutor(service=...) connects to an MPI service, "
             "and vpool's MPI has no ports or name publishing"
         )
-    raise NotImplementedError(
-        f"{type(executor).__name__} spawns its worker processes, and vpool's MPI cannot "
-        "spawn processes yet: run the program with `python -m mpi4py.futures` (the other "
-        "ranks are the workers) or use MPICommExecutor"
-    )
 
 
 # ---
@@ -495,8 +534,9 @@ class SharedPoolCtx:
                 return
         comm = self.comm
         size = comm.Get_remote_size()
+        pool.workers = self.workers  # vpool
         queue = pool.setup(size)
-        client_exec(comm, options, tag, self.workers, queue)
+        client_exec(comm, options, tag, self.workers, queue, pool)  # vpool: pool
 
     def __call__(self, executor):
         assert SharedPool is self  # noqa: S101
@@ -514,7 +554,7 @@ class SharedPoolCtx:
         if self.comm != MPI.COMM_NULL and self.on_root:
             size = self.comm.Get_remote_size()
             self.counter = itertools.count(0)
-            self.workers = WorkerSet(range(size))
+            self.workers = Workers(size)  # vpool
         _set_shared_pool(self)
         return self if self.on_root else None
 
@@ -528,7 +568,7 @@ class SharedPoolCtx:
                 if next(self.counter) == 0:
                     options = {"main": False}
                     self._initialize(options, 0)
-                client_stop(comm)
+                client_stop(comm, self.workers)  # vpool: workers
             else:
                 intracomm = self.intracomm
                 set_comm_server(intracomm)
@@ -753,98 +793,397 @@ def client_init(comm, options):
     return success
 
 
-def client_exec(comm, options, tag, worker_set, task_queue):
+# vpool: lost workers, re-dispatch, elastic workers.
+
+RETRIES = 3
+GROW_INTERVAL = 5.0
+STOP_FREE = "vpool: stop, then free the intercommunicator"
+
+FAILURES = (
+    MPI.ERR_PROC_FAILED,
+    MPI.ERR_PROC_FAILED_PENDING,
+    MPI.ERR_REVOKED,
+)
+
+
+class WorkerLost(BrokenExecutor):
+    """vpool: the worker running a task was lost more times than the executor retries it
+    (``retries``, ``MPI4PY_FUTURES_RETRIES``, default 3). A `BrokenExecutor`, as the
+    ``BrokenProcessPool`` that `concurrent.futures` gives the futures of a dead worker; the
+    executor goes on with its other workers."""
+
+    def __init__(self, message, worker=None, tries=0):
+        super().__init__(message)
+        self.worker = worker
+        self.tries = tries
+
+
+def _getopt_retries(options):
+    retries = options.get("retries")
+    if retries is None:
+        retries = os_environ_get("RETRIES", RETRIES)
+    return max(int(retries), 0)
+
+
+def _getopt_grow_interval(options):
+    interval = options.get("grow_interval")
+    if interval is None:
+        interval = os_environ_get("GROW_INTERVAL", GROW_INTERVAL)
+    return max(float(interval), 0.0)
+
+
+def _is_failure(exc):
+    return isinstance(exc, MPI.Exception) and exc.Get_error_class() in FAILURES
+
+
+class Workers(WorkerSet):
+    """vpool: the idle workers (the deque, as upstream's WorkerSet) and the bookkeeping of
+    the pool's links: ``comms[k]`` is the k-th intercommunicator to workers (the first one,
+    then one per spawn that grew the pool), a worker is ``(k, rank)`` in its remote group.
+    Shared by the manager threads of a shared pool; ``epoch`` counts losses, so each thread
+    sees the losses another one found (a failure is acknowledged once per communicator)."""
+
+    def __init__(self, size=0):
+        super().__init__((0, pid) for pid in range(size))
+        self.comms = {}
+        self.alive = {(0, pid) for pid in range(size)}
+        self.dead = {}  # worker -> its name
+        self.epoch = 0
+        self.mutex = threading.Lock()
+
+    def link(self, comm):
+        """Add the workers of another intercommunicator; its index."""
+        with self.mutex:
+            k = len(self.comms)
+            self.comms[k] = comm
+            for pid in range(comm.Get_remote_size()):
+                self.alive.add((k, pid))
+                self.add((k, pid))
+        return k
+
+    def name(self, worker):
+        k, pid = worker
+        text = f"worker {pid}" if k == 0 else f"worker {pid} of spawn {k}"
+        comm = self.comms.get(k)
+        members = getattr(comm.Get_remote_group(), "_members", None) if comm else None
+        if members is not None and pid < len(members):
+            text += f" (job rank {members[pid]})"
+        return text
+
+    def lose(self, found):
+        """Workers found failed: out of the pool for good."""
+        with self.mutex:
+            new = [w for w in found if w in self.alive]
+            for worker in new:
+                self.alive.discard(worker)
+                self.dead[worker] = self.name(worker)
+                try:
+                    self.remove(worker)
+                except ValueError:
+                    pass  # busy: its manager thread re-dispatches its task
+            if new:
+                self.epoch += 1
+        return new
+
+    def failed(self, k, exc):
+        """The workers of link ``k`` known failed, after ``exc`` (acknowledged, so that
+        receives from any source work again)."""
+        comm = self.comms[k]
+        if exc.Get_error_class() == MPI.ERR_REVOKED:
+            return [(k, pid) for pid in range(comm.Get_remote_size())]
+        group = serialized(comm.Get_failed)()
+        try:
+            size = group.Get_size()
+            if not size:
+                return []
+            remote = comm.Get_remote_group()
+            ranks = MPI.Group.Translate_ranks(group, list(range(size)), remote)
+            remote.Free()
+        finally:
+            group.Free()
+        serialized(comm.Ack_failed)()
+        return [(k, pid) for pid in ranks if pid != MPI.UNDEFINED]
+
+
+class Grow:
+    """vpool: more workers for a spawned pool, asked of the pool while tasks wait and fewer
+    than ``size`` workers are alive, every ``interval`` seconds (soft spawns of 0 up to what
+    is missing; the pool grants what its free slots take)."""
+
+    def __init__(self, options, size, spawn_args):
+        self.size = size
+        self.interval = _getopt_grow_interval(options)
+        self.options = dict(options)
+        self.spawn_args = spawn_args
+        self.last = time.monotonic()
+        self.stopped = False
+
+    def wanted(self, workers):
+        return not self.stopped and len(workers.alive) < self.size
+
+    def due(self):
+        return time.monotonic() - self.last >= self.interval
+
+    def spawn(self, workers):
+        """One attempt: the workers it gave joined ``workers`` (False: none)."""
+        self.last = time.monotonic()
+        missing = self.size - len(workers.alive)
+        pyexe, pyargs, info = self.spawn_args
+        info = dict(info or {})
+        info["soft"] = f"0:{missing}"
+        try:
+            comm = serialized(client_spawn)(pyexe, pyargs, missing, info)
+        except MPI.Exception:
+            return False  # no free slot now: the soft spawn got nobody
+        finally:
+            self.last = time.monotonic()
+        options = dict(self.options)
+        comm = client_sync(comm, options)
+        if not client_init(comm, options):
+            self.stopped = True  # their initializer fails: so would the next ones'
+            client_stop(comm)
+            return False
+        workers.link(comm)
+        return True
+
+
+def _report(executor_ref, redispatched, lost):
+    executor = executor_ref() if executor_ref is not None else None
+    if executor is not None:
+        executor.redispatched = redispatched
+        executor.workers_lost = lost
+
+
+def client_exec(comm, options, tag, worker_set, task_queue, pool=None, grow=None):
     # pylint: disable=too-many-locals
     # pylint: disable=too-many-statements
+    # vpool: rewritten around lost workers (_core.py's header, docs/internals.md).
+    from vpool.mpi import observe
+
     backoff = Backoff(_getopt_backoff(options))
+    retries = _getopt_retries(options)
+    workers = worker_set
+    workers.comms.setdefault(0, comm)
+    exref = pool.exref if pool is not None else None
 
     status = MPI.Status()
-    comm_recv = serialized(comm.recv)
-    comm_isend = serialized(comm.issend)
-    comm_iprobe = serialized(comm.iprobe)
-    request_free = serialized(_get_request(comm).Free)
+    pending = {}  # worker -> (future, task, request)
+    again = collections.deque()  # tasks of lost workers, sent before the queue's
+    tries = {}  # future -> times its worker was lost
+    lost_here = []  # workers lost with a task of ours, or found failed by us
+    counts = [0]  # re-dispatches
+    seen = [workers.epoch]
+    stopping = False
 
-    pending = {}
+    def comm_of(worker):
+        return workers.comms[worker[0]]
 
-    def iprobe():
-        pid = MPI.ANY_SOURCE
-        return comm_iprobe(pid, tag, status)
+    def found(k, exc):
+        new = workers.lose(workers.failed(k, exc))
+        lost_here.extend(w for w in new if w not in lost_here)
 
-    def probe():
-        pid = MPI.ANY_SOURCE
-        backoff.reset()
-        while not comm_iprobe(pid, tag, status):
-            backoff.sleep()
+    def reclaim():
+        """Tasks of workers lost (found by this thread or another): sent again, or failed
+        once their workers were lost more than ``retries`` times."""
+        seen[0] = workers.epoch
+        for worker in [w for w in pending if w in workers.dead]:
+            future, task, request = pending.pop(worker)
+            if worker not in lost_here:
+                lost_here.append(worker)
+            try:
+                serialized(request.Free)()
+            except MPI.Exception:
+                pass
+            n = tries.get(future, 0) + 1
+            if n > retries:
+                tries.pop(future, None)
+                name = workers.dead[worker]
+                future.set_exception(
+                    WorkerLost(
+                        f"{name} was lost running this task, and so were its workers "
+                        f"the {retries} times it was sent again (retries={retries})",
+                        name,
+                        n,
+                    )
+                )
+            else:
+                tries[future] = n
+                again.append((future, task))
+                counts[0] += 1
+            del future, task, request
+        _report(exref, counts[0], len(lost_here))
 
-    def recv():
-        pid = MPI.ANY_SOURCE
+    def recv(worker):
+        k, pid = worker
         try:
-            task = comm_recv(None, pid, tag, status)
+            task = serialized(comm_of(worker).recv)(None, pid, tag, status)
+        except MPI.Exception as exc:
+            if not _is_failure(exc):
+                task = (None, exc)
+            else:
+                found(k, exc)
+                return
         except BaseException:
             task = (None, sys_exception())
-        pid = status.source
-        worker_set.add(pid)
-
-        future, request = pending.pop(pid)
-        request_free(request)
+        entry = pending.pop(worker)
+        if worker in workers.alive:
+            workers.add(worker)
+        future, request = entry[0], entry[2]
+        tries.pop(future, None)
+        try:
+            serialized(request.Free)()
+        except MPI.Exception:
+            pass
         result, exception = task
-        if exception is None:
-            future.set_result(result)
-        else:
-            future.set_exception(exception)
+        if not future.done():  # a late duplicate finds it done: used once
+            if exception is None:
+                future.set_result(result)
+            else:
+                future.set_exception(exception)
+        del result, exception, future, task, entry
 
-        del result, exception
-        del future, task
+    def poll():
+        """Receive a result, if one came (True)."""
+        for k in sorted({w[0] for w in pending}):
+            try:
+                got = serialized(workers.comms[k].iprobe)(MPI.ANY_SOURCE, tag, status)
+            except MPI.Exception as exc:
+                if not _is_failure(exc):
+                    raise
+                found(k, exc)
+                return True
+            if got:
+                recv((k, status.source))
+                return True
+        return False
 
-    def send():
+    def send(item):
         try:
-            pid = worker_set.pop()
-        except LookupError:  # pragma: no cover
-            return False
-
-        try:
-            item = task_queue.pop()
-        except LookupError:  # pragma: no cover
-            worker_set.add(pid)
-            return False
-
-        if item is None:
-            worker_set.add(pid)
-            return True
-
+            worker = workers.pop()
+        except LookupError:  # another executor's thread took it
+            if item is not None:
+                again.appendleft(item)
+            return
         future, task = item
-        if not future.set_running_or_notify_cancel():
-            worker_set.add(pid)
-            return False
-
         try:
-            request = comm_isend(task, pid, tag)
-            pending[pid] = (future, request)
+            request = serialized(comm_of(worker).issend)(task, worker[1], tag)
+        except MPI.Exception as exc:
+            if not _is_failure(exc):
+                if worker in workers.alive:
+                    workers.add(worker)
+                future.set_exception(exc)
+                return
+            again.appendleft(item)
+            found(worker[0], exc)
+            workers.lose([worker])
+            return
         except BaseException:
-            worker_set.add(pid)
+            if worker in workers.alive:
+                workers.add(worker)
             future.set_exception(sys_exception())
-
+            return
+        pending[worker] = (future, task, request)
         del future, task, item
-        return None
 
-    while True:
-        if task_queue and worker_set:
-            backoff.reset()
-            stop = send()
-            if stop:
+    def look():
+        """What the main thread and the clock decided by now, as the manager's MPI calls
+        depend on it: a logged observation (vpool.mpi.observe) in a transparent job. Bit 1:
+        the task queue has an item (looked at only when a worker is idle and no task waits
+        to be sent again); bit 2: time to ask for more workers."""
+        idle = bool(workers) and not again and not stopping
+        growing = grow is not None and grow.wanted(workers) and (not stopping or again)
+        if not idle and not growing:
+            return 0
+
+        def live():
+            queued = bool(task_queue)
+            value = 1 if idle and queued else 0
+            if growing and (queued or again) and grow.due():
+                value |= 2
+            return value or None
+
+        value = serialized(observe.value)(live) or 0
+        if value & 1:
+            observe.until(lambda: bool(task_queue))
+        return value
+
+    def give_up(message):
+        for future, _ in again:
+            future.set_exception(BrokenExecutor(message))
+        again.clear()
+        if pool is not None:
+            pool.broken(message)
+
+    try:
+        while True:
+            if workers.epoch != seen[0]:
+                reclaim()
+            if not workers.alive and not pending:
+                if grow is not None and not grow.stopped and grow.spawn(workers):
+                    continue
+                if again or not stopping:
+                    dead = len(workers.dead)
+                    give_up(
+                        f"all {dead} workers of the pool were lost and no other can be had"
+                    )
                 break
-        if pending and iprobe():
-            backoff.reset()
-            recv()
-        backoff.sleep()
-    while pending:
-        probe()
-        recv()
+            seen_value = look()
+            if seen_value & 2:
+                backoff.reset()
+                grow.spawn(workers)
+                continue
+            if workers and again:
+                backoff.reset()
+                send(again.popleft())
+                continue
+            if seen_value & 1:
+                backoff.reset()
+                try:
+                    item = task_queue.pop()
+                except LookupError:  # pragma: no cover
+                    item = False
+                if item is None:
+                    stopping = True
+                elif item is not False:
+                    future = item[0]
+                    if future.set_running_or_notify_cancel():
+                        send(item)
+                    del future
+                del item
+                continue
+            if pending and poll():
+                backoff.reset()
+                continue
+            if stopping and not pending and not again:
+                break
+            backoff.sleep()
+    finally:
+        _report(exref, counts[0], len(lost_here))
+        if counts[0]:
+            sys.stderr.write(
+                f"mpi4py.futures: {counts[0]} tasks re-dispatched after "
+                f"{len(lost_here)} workers were lost\n"
+            )
+            sys.stderr.flush()
 
 
-def client_stop(comm):
-    serialized(sendtoall)(comm, None)
-    serialized(disconnect)(comm)
+def client_stop(comm, workers=None):
+    # vpool: the live workers are told to stop and to free the intercommunicator, and so
+    # does the client: a Disconnect's barrier (and a synchronous send of the stop) would fail
+    # at a lost worker or, in a transparent job, wait for it forever. Standard sends are
+    # eager in vpool's MPI: nothing is left to wait for.
+    k = 0
+    if workers is not None:
+        k = next((k for k, c in workers.comms.items() if c is comm), 0)
+    for pid in range(comm.Get_remote_size()):
+        if workers is not None and (k, pid) not in workers.alive:
+            continue
+        try:
+            serialized(comm.send)(STOP_FREE, pid, 0)
+        except MPI.Exception as exc:
+            if not _is_failure(exc):
+                raise
+    serialized(comm.Free)()
 
 
 def server_sync(comm, sync=True):
@@ -917,11 +1256,17 @@ def server_exec(comm, options):
         task = recv()
         if task is None:
             break
+        if isinstance(task, str) and task == STOP_FREE:  # vpool
+            return True
         task = call(task)
         send(task)
+    return False
 
 
-def server_stop(comm):
+def server_stop(comm, free=False):
+    if free:  # vpool: the client lost workers and frees the intercommunicator too
+        comm.Free()
+        return
     disconnect(comm)
 
 
@@ -1267,8 +1612,8 @@ def server_main_comm(comm, sync=True):
     assert comm.Get_remote_size() == 1  # noqa: S101
     comm, options = server_sync(comm, sync)
     server_init(comm)
-    server_exec(comm, options)
-    server_stop(comm)
+    free = server_exec(comm, options)  # vpool: free
+    server_stop(comm, free)
 
 
 def server_main_spawn():

@@ -3,9 +3,12 @@
 # Copyright (c) 2026, Lisandro Dalcin. BSD-3-Clause: see ../LICENSE.mpi4py.
 # Vendored from mpi4py 4.1.2 (src/mpi4py/futures/pool.py) into vpool's mpi4py shim.
 # vpool's changes: MPIPoolExecutor() calls _core.check_dynamic_pool() once its arguments are
-# checked (raises NotImplementedError if its workers would be spawned: see _core.py);
-# MPICommExecutor makes its executor with _core._tls.pool_given set, since it gives that
-# executor its pool itself.
+# checked (raises NotImplementedError for a service pool: see _core.py); MPICommExecutor makes
+# its executor with _core._tls.pool_given set, since it gives that executor its pool itself.
+# Fault tolerance and elasticity (_core.py's header): the keywords retries and grow_interval;
+# executor.redispatched and executor.workers_lost (tasks sent again after their workers were
+# lost, and those workers); num_workers is the count of workers alive now (mpi4py's is fixed:
+# vpool's spawned pools grow and shrink).
 """Implements MPIPoolExecutor."""
 
 import collections
@@ -49,6 +52,12 @@ class MPIPoolExecutor(Executor):
             wdir: Path to set current working directory in workers.
             env: Environment variables to update ``os.environ`` in workers.
             use_pkl5: If ``True``, use out-of-band pickle for communication.
+            retries: (vpool) How many times a task whose worker was lost is
+                sent to another worker before its future gets `WorkerLost`
+                (default: ``MPI4PY_FUTURES_RETRIES`` or 3).
+            grow_interval: (vpool) Seconds between requests for more workers
+                while tasks wait and fewer than ``max_workers`` are alive
+                (spawned pools; default: ``MPI4PY_FUTURES_GROW_INTERVAL`` or 5).
 
         """
         if max_workers is not None:
@@ -67,6 +76,8 @@ class MPIPoolExecutor(Executor):
         self._broken = None
         self._lock = threading.Lock()
         self._pool = None
+        self.redispatched = 0  # vpool
+        self.workers_lost = 0  # vpool
         _core.check_dynamic_pool(self)  # vpool
 
     _make_pool = staticmethod(_core.WorkerPool)
@@ -89,6 +100,9 @@ class MPIPoolExecutor(Executor):
                 return 0
             self._bootstrap()
             self._pool.wait()
+            workers = getattr(self._pool, "workers", None)  # vpool: alive now
+            if workers is not None:
+                return len(workers.alive)
             return self._pool.size
 
     def bootup(self, wait=True):
