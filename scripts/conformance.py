@@ -9,10 +9,10 @@ running main.py unchanged. ``mpi4py.futures``' tests are in demo/futures: ``test
 ``test_futures.py`` as a program, ``test_futures_shared`` as ``-m mpi4py.futures test_futures.py``
 (the other ranks are the shared pool's workers, and only rank 0 reports).
 
-vpool's MPI spawns processes (``MPI.Comm.Spawn``), but mpi4py.futures' spawning executors do not
-use it yet, so every module but test_spawn runs with ``MPI4PY_TEST_SPAWN=0``, the suite's own
-switch for an MPI without spawn: test_util_pool skips its spawn tests (``mpi-spawn``), and
-test_futures.py leaves out its ``ProcessPool*`` classes.
+vpool's MPI spawns processes (``MPI.Comm.Spawn``), and so do mpi4py.futures' spawning executors
+(their workers are asked of the pool), so the suite runs with its spawn tests
+(``MPI4PY_TEST_SPAWN`` unset): test_util_pool's ``mpi-spawn`` ones and test_futures.py's
+``ProcessPool*`` classes too.
 
 A test counts once however many ranks ran it: failed (or error) if it failed on any rank, skipped
 and passed as rank 0 reports. Results are kept in .cache/conformance/results.json keyed by
@@ -61,14 +61,7 @@ EXTRA = {
     ),
 }
 
-# MPI4PY_TEST_SPAWN=0: see the module docstring; SPAWNING: the modules that run without it.
-ENV = {"MPI4PY_TEST_SPAWN": "0"}
-SPAWNING = {"test_spawn"}
-
-NOTES = {
-    "test_futures": "at 1 rank, test_futures.py leaves out its 7 `ProcessPool*` classes (workers "
-    "it would spawn) with MPI4PY_TEST_SPAWN=0; at more ranks it always does",
-}
+NOTES: dict[str, str] = {}
 
 CORE = [
     "test_p2p_obj",
@@ -212,7 +205,7 @@ def run_module(sdist: Path, module: str, ranks: int, timeout: float) -> dict:
         proc = subprocess.Popen(
             cmd,
             cwd=cwd,
-            env={**os.environ, **({} if module in SPAWNING else ENV)},
+            env={k: v for k, v in os.environ.items() if k != "MPI4PY_TEST_SPAWN"},
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             start_new_session=True,  # its own process group: a hang is killed with its ranks
@@ -370,8 +363,7 @@ def write_report(results: dict, path: Path) -> None:
         "on any rank; skips and passes as rank 0 reports them. *hung* means the run was killed",
         "at its timeout. `test_futures` is demo/futures/test_futures.py run as a program,",
         "`test_futures_shared` the same as `-m mpi4py.futures test_futures.py`. The suite runs",
-        "with `MPI4PY_TEST_SPAWN=0` but for `test_spawn` (mpi4py.futures does not spawn",
-        "through vpool yet).",
+        "with its spawn tests (mpi4py.futures' spawning executors ask the pool for workers).",
         "",
     ]
     whole = by_ranks.get(2, [])

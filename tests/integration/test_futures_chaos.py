@@ -1,0 +1,172 @@
+"""mpi4py.futures on a real local pool with processes SIGKILLed mid-run (issue 23).
+
+``programs/futures_chaos.py``, submitted as a scientist would (``vsdk submit app.py -n 1
+--universe 4``): an MPIPoolExecutor whose three workers are spawned by the pool (reported: a
+lost one is declared failed), N tasks whose results rank 0 checks (every task id exactly once,
+every value right) before printing the answer.
+
+- Workers SIGKILLed at random moments (seeded: ``VPOOL_CHAOS_SEED``, in the assertion
+  messages; at most two kills, each once the master has received a random amount more): the
+  job succeeds with the right answer, the tasks the victims were running were re-dispatched
+  (the program prints the count; a task lasts 0.3 s and the workers are busy until the end,
+  so every kill hits a busy worker), and the pool grew back.
+- The master SIGKILLed mid-run (a transparent job: it is restarted and replays, its
+  manager thread's looks at its queue and clock from its determinants): the output is
+  byte-identical to a fault-free run's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import pytest
+
+from tests.integration.conftest import children, cmdline_of, environ_of, stdout_of
+
+if TYPE_CHECKING:
+    from conftest import Pool
+
+pytestmark = pytest.mark.slow
+
+CHAOS = str(Path(__file__).resolve().parent / "programs" / "futures_chaos.py")
+N, WORKERS, PAUSE = 60, 3, 0.3
+
+
+def expected() -> str:
+    return f"ids once True\nvalues True\nanswer {sum((i * i + 7 * i) % 1009 for i in range(N))}\n"
+
+
+def submit(pool: Pool, *args: str) -> int:
+    res = pool.vsdk(
+        "submit",
+        CHAOS,
+        "--ranks",
+        "1",
+        "--universe",
+        str(1 + WORKERS),
+        "--json",
+        "--",
+        str(N),
+        str(WORKERS),
+        str(PAUSE),
+        *args,
+    )
+    assert res.returncode == 0, res.stderr.decode()
+    return int(json.loads(res.stdout)["id"])
+
+
+def detail(pool: Pool, job: int) -> dict | None:
+    res = pool.vsdk("status", str(job), "--json", timeout=30)
+    return json.loads(res.stdout) if res.returncode == 0 else None
+
+
+def wait_until(pool: Pool, job: int, cond, what: str, timeout: float = 240) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        got = detail(pool, job)
+        if got is not None and cond(got):
+            return got
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not after {timeout} s; last {got}\n{pool.logs()}")
+        time.sleep(0.1)
+
+
+def ended(d: dict) -> bool:
+    return d["job"]["state"] in ("succeeded", "failed", "cancelled")
+
+
+def output(pool: Pool, job: int) -> str:
+    res = pool.vsdk("logs", str(job))
+    assert res.returncode == 0, res.stderr.decode()
+    return res.stdout.decode()
+
+
+def received(pool: Pool, job: int, rank: int = 0) -> int:
+    """Bytes of messages for ``rank`` on its home relay: results the master was sent so far."""
+    total = 0
+    for seg in (pool.home / "state" / "local-pool").glob(f"relay-*/data/jobs/{job}/{rank}/*.seg"):
+        try:
+            total += seg.stat().st_size
+        except FileNotFoundError:
+            pass
+    return total
+
+
+def worker_pids(pool: Pool, job: int) -> list[int]:
+    """The spawned workers of ``job`` (``python -m mpi4py.futures.server``) running now: the
+    outermost such process of each (not its sandbox's wrappers, whose command lines do not
+    start with Python's ``-m``), not a checkpoint clone."""
+    found: dict[int, int] = {}
+    for p in pool.pids():
+        if not p["name"].startswith("agent"):
+            continue
+        todo = [p["pid"]]
+        while todo and len(found) < 10_000:
+            parent = todo.pop()
+            for child in children(parent):
+                todo.append(child)
+                env, argv = environ_of(child), cmdline_of(child)
+                if env.get(b"VPOOL_JOB") != str(job).encode():
+                    continue
+                if argv[1:3] == [b"-m", b"mpi4py.futures.server"]:
+                    found[child] = parent
+    outer = [pid for pid, parent in found.items() if parent not in found]
+    return sorted(pid for pid in outer if stdout_of(pid) != "/dev/null")
+
+
+def test_workers_killed_at_random_the_answer_is_right_and_tasks_were_redispatched(
+    pool: Pool,
+) -> None:
+    seed = int(os.environ.get("VPOOL_CHAOS_SEED", str(int(time.time()))))
+    rng = random.Random(seed)
+    job = submit(pool, "--report")
+    kills = 0
+    for _ in range(2):
+        goal = received(pool, job) + rng.randrange(1_000, 6_000)
+        deadline = time.monotonic() + 120
+        while received(pool, job) < goal:
+            assert time.monotonic() < deadline, f"seed {seed}: no progress\n{pool.logs()}"
+            time.sleep(0.01)
+        pids = worker_pids(pool, job)
+        if not pids:
+            break  # the job is ending
+        os.kill(rng.choice(pids), signal.SIGKILL)
+        kills += 1
+    d = wait_until(pool, job, ended, "job end")
+    why = f"seed {seed}, {kills} kills: {d['job']}\n{pool.logs()}"
+    assert d["job"]["state"] == "succeeded", why
+    out = output(pool, job)
+    head, _, report = out.rpartition("redispatched ")
+    assert head == expected(), f"{out}\n{why}"
+    redispatched, _, lost = report.split()
+    assert kills >= 1, why
+    assert int(lost) == kills, f"{out}\n{why}"
+    assert int(redispatched) >= kills, f"{out}\n{why}"
+
+
+def test_a_killed_futures_master_replays_and_its_output_is_identical(pool: Pool) -> None:
+    job = submit(pool)
+    d = wait_until(pool, job, ended, "fault-free run")
+    assert d["job"]["state"] == "succeeded", d
+    ref = output(pool, job)
+    assert ref == expected()
+
+    job = submit(pool)
+    # Kill it once it has taken results in (its replacement replays them, and its manager's
+    # logged looks at its queue), well before the end.
+    deadline = time.monotonic() + 120
+    while received(pool, job) < 3_000:
+        assert time.monotonic() < deadline, f"the master got no results\n{pool.logs()}"
+        time.sleep(0.01)
+    os.kill(pool.rank_pid(0, job), signal.SIGKILL)
+    d = wait_until(pool, job, ended, "job end")
+    assert d["job"]["state"] == "succeeded", (d, pool.logs())
+    kinds = [e["kind"] for e in d["events"]]
+    assert "rank_lost" in kinds and "rank_replaying" in kinds, d["events"]
+    assert output(pool, job) == ref
