@@ -1,10 +1,11 @@
 """``vpool.mpi.observe`` in process: a second thread's looks at its own state are logged
 determinants (``K_VALUE``) live and the logged values on replay (what the ``mpi4py.futures``
 manager's looks at its task queue and clock go through), and a marked thread refuses
-checkpoints."""
+checkpoints (the request is answered as failed at once)."""
 
 from __future__ import annotations
 
+import socket
 import threading
 from collections import deque
 from types import SimpleNamespace
@@ -14,6 +15,9 @@ import pytest
 
 from tests.mpi.test_ft_unit import live_ft, records, replay_ft
 from vpool.mpi import environment, observe
+from vpool.mpi.checkpoint import Checkpointer
+from vpool.mpi.transport import read_message
+from vpool.protocol.messages import CkptForked
 from vpool.protocol.rank_ft import K_TEST, K_VALUE, R_OUTCOME
 
 
@@ -89,3 +93,22 @@ def test_a_marked_thread_refuses_checkpoints() -> None:
     assert inside[0] is not None and "mpi4py.futures manager" in inside[0]
     assert "could not be restored" in inside[0]
     assert observe.blocking_checkpoints() is None
+
+
+def test_a_checkpoint_request_is_answered_as_failed_while_a_manager_runs() -> None:
+    ours, agents = socket.socketpair()
+    t = SimpleNamespace(ckpt_request=7, closed=False)
+    eng = SimpleNamespace(ft=SimpleNamespace(busy=lambda: False))
+    ckpt = Checkpointer(eng, t, "", "", "", 0)
+    ckpt.control = ours
+    try:
+        with observe.thread("mpi4py.futures manager"):
+            ckpt.on_request()  # would fork without the mark
+        msg = read_message(agents)
+        assert isinstance(msg, CkptForked)
+        assert (msg.ckpt, msg.pid) == (7, -1)
+        assert "mpi4py.futures manager" in msg.message
+        assert t.ckpt_request is None  # answered: not tried again
+    finally:
+        ours.close()
+        agents.close()
