@@ -894,11 +894,11 @@ class Workers(WorkerSet):
         group = serialized(comm.Get_failed)()
         try:
             size = group.Get_size()
-            if not size:
-                return []
-            remote = comm.Get_remote_group()
-            ranks = MPI.Group.Translate_ranks(group, list(range(size)), remote)
-            remote.Free()
+            ranks = []
+            if size:
+                remote = comm.Get_remote_group()
+                ranks = MPI.Group.Translate_ranks(group, list(range(size)), remote)
+                remote.Free()
         finally:
             group.Free()
         serialized(comm.Ack_failed)()
@@ -981,6 +981,7 @@ def client_exec(comm, options, tag, worker_set, task_queue, pool=None, grow=None
     def found(k, exc):
         new = workers.lose(workers.failed(k, exc))
         lost_here.extend(w for w in new if w not in lost_here)
+        return new
 
     def reclaim():
         """Tasks of workers lost (found by this thread or another): sent again, or failed
@@ -1050,7 +1051,8 @@ def client_exec(comm, options, tag, worker_set, task_queue, pool=None, grow=None
             except MPI.Exception as exc:
                 if not _is_failure(exc):
                     raise
-                found(k, exc)
+                if not found(k, exc) and workers.epoch == seen[0]:
+                    backoff.sleep()  # nothing new to learn: do not spin on the error
                 return True
             if got:
                 recv((k, status.source))
