@@ -45,10 +45,10 @@ HEADER_LINES = 2  # mpi4py's Author and Contact lines, kept before vpool's
 
 
 async def mpiexec(
-    n: int, *argv: str, opts: tuple[str, ...] = ()
+    n: int, *argv: str, opts: tuple[str, ...] = (), env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess[bytes]:
     cmd = [sys.executable, "-m", "vpool.sdk.mpiexec", "-n", str(n), *opts, "--", *argv]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("VPOOL_")}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VPOOL_")} | (env or {})
     with trio.fail_after(120):
         return await trio.run_process(
             cmd,
@@ -105,10 +105,15 @@ async def test_spawned_pool_farm() -> None:
 
 
 async def lost(
-    mode: str, tmp_path: Path, n: int = 1, opts: tuple[str, ...] = (), module: bool = False
+    mode: str,
+    tmp_path: Path,
+    n: int = 1,
+    opts: tuple[str, ...] = (),
+    module: bool = False,
+    env: dict[str, str] | None = None,
 ) -> tuple[str, str]:
     argv = ["-m", "mpi4py.futures"] if module else []
-    res = await mpiexec(n, *argv, "futures_lost.py", mode, str(tmp_path), opts=opts)
+    res = await mpiexec(n, *argv, "futures_lost.py", mode, str(tmp_path), opts=opts, env=env)
     out, err = res.stdout.decode(), res.stderr.decode()
     assert res.returncode == 0, f"exit {res.returncode}\n{out}\n{err}"
     return out, err
@@ -120,15 +125,21 @@ async def test_a_lost_spawned_worker_has_its_task_redispatched(tmp_path: Path) -
     assert "mpi4py.futures: 1 tasks re-dispatched after 1 workers were lost\n" in err
 
 
-async def test_a_task_that_kills_every_worker_gets_worker_lost(tmp_path: Path) -> None:
-    out, err = await lost("always", tmp_path)
+@pytest.mark.parametrize("retries", [None, 1])
+async def test_a_task_that_kills_every_worker_gets_worker_lost(
+    tmp_path: Path, retries: int | None
+) -> None:
+    env = None if retries is None else {"MPI4PY_FUTURES_RETRIES": str(retries)}
+    out, err = await lost("always", tmp_path, env=env)
     squares = "".join(f"{x} {x * x}\n" for x in range(8) if x != 3)
     lines = out.splitlines(keepends=True)
-    # retries=2: three workers lost with task 3, then its future fails naming the last one.
+    # By default 3 retries: four workers lost with task 3 (re-dispatched three times), then its
+    # future fails naming the last one.
+    n = 3 if retries is None else retries
     assert "".join(line for line in lines if not line.startswith(("3 ", "names"))) == (
-        squares + "redispatched 2 lost 3\n"
+        squares + f"redispatched {n} lost {n + 1}\n"
     ), err
-    assert "3 WorkerLost True 3\n" in lines and "names True\n" in lines, out
+    assert f"3 WorkerLost True {n + 1}\n" in lines and "names True\n" in lines, out
 
 
 async def test_the_spawned_pool_grows_back_after_a_loss(tmp_path: Path) -> None:
