@@ -126,7 +126,7 @@ class CoordinatorSettings:
         "once, its first ranks and those they spawn).",
     )
     spawn_default: int = setting(
-        0,
+        16,
         "Processes a job may spawn (MPI.Comm.Spawn, mpi4py.futures' MPIPoolExecutor) on top of "
         "its ranks, alive at once, when its submission does not say (universe 0).",
     )

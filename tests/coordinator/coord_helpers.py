@@ -272,6 +272,8 @@ def test_settings(tmp_path: Path, **overrides: Any) -> CoordinatorSettings:
         "relay_timeout": 10.0,
         "max_blob_bytes": 1 << 20,
         "max_ranks": 16,
+        # Jobs spawn nothing unless a test says so (their leases' size is then their ranks).
+        "spawn_default": 0,
         "pool_name": "test-pool",
         "max_request_bytes": 256 << 10,
     }

@@ -171,3 +171,15 @@ async def test_a_job_run_as_a_module_gives_its_ranks_the_command(pool: Pool) -> 
         sub = api.JobSubmit(ranks=1, bundle=bundle, entry="app.py", module=bad)
         r = await pool.post("/api/v1/jobs", sub, pool.user())
         assert 400 <= r.status_code < 500 and "bad_module" in r.text, (bad, r.text)
+
+
+async def test_by_default_a_job_may_spawn_the_pools_spawn_default(tmp_path: Path) -> None:
+    async with open_pool(tmp_path, spawn_default=16, max_spawned=100, max_ranks=64) as pool:
+        await pool.register_relay()
+        job = await pool.submit(2)
+        assert job.universe == 18
+        agent = await pool.enroll(slots=2)
+        leases = await pool.lease(agent)
+        assert {(x.size, tuple(x.world), x.universe) for x in leases} == {(102, (0, 1), 18)}
+    async with open_pool(tmp_path / "small", spawn_default=16, max_ranks=10) as pool:
+        assert (await pool.submit(4)).universe == 10  # never past max_ranks
