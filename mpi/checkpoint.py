@@ -163,6 +163,10 @@ class Checkpointer:
             t.ckpt_request = request  # not possible right now: a later call tries again
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        if observe.blocking_checkpoints() is not None:
+            # Another thread may be inside the runtime, reading the socket: the handler must
+            # not read under it. That thread's MPI calls take the request (and refuse it).
+            return
         f = frame
         while f is not None:
             if _in_runtime(f.f_globals.get("__name__")):
