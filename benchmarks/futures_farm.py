@@ -14,7 +14,8 @@ value. In one invocation:
    with the real mpi4py on Debian's MPICH;
 2. **vpool**: the same program and form on a local pool (``vsdk local up --agents A --relays
    1`` in a temporary VPOOL_HOME, stopped at the end), ``vsdk submit -m mpi4py.futures -n W+1
-   --wait``; reported as tasks per second and as the ratio to MPICH's;
+   --wait``; reported as tasks per second and as the ratio to MPICH's; then the same with
+   ``--on-failure abort`` (no determinant logging: what the master's protection costs);
 3. **one worker lost every ``--loss-every`` s**: the spawn form (``MPIPoolExecutor`` asks the
    pool for W workers, whose losses are reported to the master and whose in-flight tasks are
    re-dispatched), on enough tasks for the fault-free run to last about ``--loss-seconds``;
@@ -63,23 +64,30 @@ def _report(stdout: str) -> dict:
     raise RuntimeError(f"no report in the program's output: {stdout[-2000:]!r}")
 
 
-def on_pool(pool: Pool, tasks: int, workers: int, form: str, killer=None) -> dict:
-    """One run on the pool (``form``: "module" or "spawn"); ``killer(job)`` runs alongside."""
+def on_pool(
+    pool: Pool, tasks: int, workers: int, form: str, killer=None, extra: tuple[str, ...] = ()
+) -> dict:
+    """One run on the pool (``form``: "module" or "spawn"); ``killer(job)`` runs alongside;
+    ``extra``: more ``vsdk submit`` flags."""
     if form == "module":
         flags = ["-m", "mpi4py.futures", "--ranks", str(workers + 1)]
         args = [str(tasks)]
     else:
         flags = ["--ranks", "1", "--universe", str(workers + 1)]
         args = [str(tasks), "--spawn", str(workers)]
-    job = int(json.loads(pool.vsdk("submit", PROGRAM, *flags, "--json", "--", *args))["id"])
+    cmd = ("submit", PROGRAM, *flags, *extra, "--json", "--", *args)
+    job = int(json.loads(pool.vsdk(*cmd))["id"])
     stop = threading.Event()
     kills: list[float] = []
     thread = None
     if killer is not None:
         thread = threading.Thread(target=killer, args=(pool, job, stop, kills), daemon=True)
         thread.start()
+    print(
+        f"  job {job}: {form} form, {tasks} tasks{', killing' if killer else ''}", file=sys.stderr
+    )
     try:
-        out = pool.vsdk("logs", str(job), "--follow", timeout=1800, check=False)
+        out = pool.vsdk("logs", str(job), "--follow", timeout=900, check=False)
         state = json.loads(pool.vsdk("status", str(job), "--json"))
     finally:
         stop.set()
@@ -160,7 +168,7 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=23)
     ap.add_argument("--json", default="")
     opts = ap.parse_args()
-    figures: dict = {"mpich": [], "vpool": [], "steady": [], "losses": []}
+    figures: dict = {"mpich": [], "vpool": [], "unlogged": [], "steady": [], "losses": []}
     for _ in range(opts.repeat):
         figures["mpich"].append(mpich(opts.tasks, opts.workers))
     with tempfile.TemporaryDirectory(prefix="vpool-farm-") as home:
@@ -169,6 +177,11 @@ def main() -> int:
         try:
             for _ in range(opts.repeat):
                 figures["vpool"].append(on_pool(pool, opts.tasks, opts.workers, "module"))
+                figures["unlogged"].append(
+                    on_pool(
+                        pool, opts.tasks, opts.workers, "module", extra=("--on-failure", "abort")
+                    )
+                )
             form = "spawn" if can_spawn(pool, opts.workers) else "module"
             rate = on_pool(pool, opts.tasks, opts.workers, form)["tasks_per_s"]
             n = max(opts.tasks, int(rate * opts.loss_seconds))
@@ -180,6 +193,7 @@ def main() -> int:
             pool.vsdk("local", "down", check=False, timeout=120)
     m = median([r["tasks_per_s"] for r in figures["mpich"]])
     v = median([r["tasks_per_s"] for r in figures["vpool"]])
+    u = median([r["tasks_per_s"] for r in figures["unlogged"]])
     steady = median([r["seconds"] for r in figures["steady"]])
     lossy = median([r["seconds"] for r in figures["losses"]])
     last = figures["losses"][-1]
@@ -187,7 +201,8 @@ def main() -> int:
     print(f"farm of {opts.tasks} tasks, {opts.workers} workers ({opts.agents} agents, 1 relay)")
     print("| run | tasks/s | vs MPICH |\n|---|---|---|")
     print(f"| MPICH, mpiexec -n {opts.workers + 1} -m mpi4py.futures | {m:.0f} | 1.00x |")
-    print(f"| vpool, -m mpi4py.futures | {v:.0f} | {v / m:.2f}x |")
+    print(f"| vpool, -m mpi4py.futures | {v:.0f} | {v / m:.3f}x |")
+    print(f"| vpool, the same with --on-failure abort (nothing logged) | {u:.0f} | {u / m:.3f}x |")
     print(
         f"one worker lost every {opts.loss_every:g} s ({form} form, {n} tasks): "
         f"{steady:.1f} s without losses, {lossy:.1f} s with {last['kills']} losses: "
@@ -198,6 +213,7 @@ def main() -> int:
     summary = {
         "mpich_tasks_per_s": m,
         "vpool_tasks_per_s": v,
+        "vpool_unlogged_tasks_per_s": u,
         "ratio": v / m,
         "loss_form": form,
         "loss_tasks": n,
