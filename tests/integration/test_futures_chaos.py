@@ -8,8 +8,8 @@ every value right) before printing the answer.
 - Workers SIGKILLed at random moments (seeded: ``VPOOL_CHAOS_SEED``, in the assertion
   messages; at most two kills, each once the master has received a random amount more): the
   job succeeds with the right answer, the tasks the victims were running were re-dispatched
-  (the program prints the count; a task lasts 0.3 s and the workers are busy until the end,
-  so every kill hits a busy worker), and the pool grew back.
+  (the program prints the count; a task lasts 0.3 s and the workers are busy until the last
+  tasks, so the first kill, mid-run, always hits a busy worker).
 - The master SIGKILLed mid-run (a transparent job: it is restarted and replays, its
   manager thread's looks at its queue and clock from its determinants), with the tasks
   submitted at once (``map``) or one by one (``--trickle``): the output is byte-identical to a
@@ -129,13 +129,21 @@ def test_workers_killed_at_random_the_answer_is_right_and_tasks_were_redispatche
     job = submit(pool, "--report")
     kills = 0
     for _ in range(2):
-        goal = received(pool, job) + rng.randrange(1_000, 6_000)
+        # The job's results come to some 6,000 bytes: the first kill always comes before its
+        # end, the second may not (then there is none).
+        goal = received(pool, job) + rng.randrange(1_000, 3_000)
         deadline = time.monotonic() + 120
-        while received(pool, job) < goal:
+        look = time.monotonic() + 0.5
+        over = False
+        while received(pool, job) < goal and not over:
             assert time.monotonic() < deadline, f"seed {seed}: no progress\n{pool.logs()}"
+            if time.monotonic() >= look:
+                look += 0.5
+                d = detail(pool, job)
+                over = d is not None and ended(d)
             time.sleep(0.01)
         pids = worker_pids(pool, job)
-        if not pids:
+        if over or not pids:
             break  # the job is ending
         os.kill(rng.choice(pids), signal.SIGKILL)
         kills += 1
@@ -146,9 +154,11 @@ def test_workers_killed_at_random_the_answer_is_right_and_tasks_were_redispatche
     head, _, report = out.rpartition("redispatched ")
     assert head == expected(), f"{out}\n{why}"
     redispatched, _, lost = report.split()
+    # The first kill comes mid-run, where every worker is busy: it is seen, and its task was
+    # re-dispatched. A second one may come so late that the master has its last result.
     assert kills >= 1, why
-    assert int(lost) == kills, f"{out}\n{why}"
-    assert int(redispatched) >= kills, f"{out}\n{why}"
+    assert 1 <= int(lost) <= kills, f"{out}\n{why}"
+    assert int(redispatched) >= int(lost) - 1 >= 0 and int(redispatched) >= 1, f"{out}\n{why}"
 
 
 @pytest.mark.parametrize("how", ["map", "trickle"])
