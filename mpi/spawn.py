@@ -218,15 +218,16 @@ def _at_root(eng: Any, h: _Core, ctx: int, make_ask: Any) -> tuple[Any, ...]:
         reported=ask.reported,
     )
     t.send_message(request)
-    incarnation = t.incarnation
+    sock = t.sock
     while (answer := eng.answers.pop(seq, None)) is None:
         eng.block()
         t = eng.transport
         if t is None:
             return [], ask.counts, "MPI was finalized during the spawn", False, None
-        if t.incarnation != incarnation:
-            # Restored from a checkpoint taken while waiting: the new agent never saw it.
-            incarnation = t.incarnation
+        if t.sock is not sock:
+            # Restored from a checkpoint taken while waiting (the transport reopened on a new
+            # connection): the new agent never saw the request.
+            sock = t.sock
             t.send_message(request)
     if not answer.error and not answer.ranks:
         error = "no process could be started now (a soft spawn that allows none)"
