@@ -83,6 +83,12 @@ CORE = [
     "test_futures",
     "test_futures_shared",
     "test_util_pool",
+    "test_ulfm",
+    "test_spawn",
+    "test_comm_inter",
+    "test_cco_obj_inter",
+    "test_cco_buf_inter",
+    "test_cco_vec_inter",
 ]
 
 # Real MPICH (mpi4py 4.1.2's suite at 2 ranks), the yardstick of the whole-suite count.
@@ -100,19 +106,16 @@ OUT_OF_SCOPE = [
         "file system to open a file collectively on",
     ),
     (
-        "Dynamic processes (Spawn, Connect/Accept, ports, name publishing)",
-        "a job's ranks are placed and gang-scheduled by the coordinator up front; jobs cannot "
-        "grow or join each other",
+        "Joining running jobs (`Open_port`, `Comm.Accept`/`Connect`, name publishing, "
+        "`Comm.Join`)",
+        "every process of a job is started by the pool (its first ranks, and those they "
+        "`Spawn`); a job cannot join another job or a process outside the pool, which would "
+        "also be a way around the sandbox's lack of network",
     ),
     (
         "Sessions (MPI-4 `MPI.Session`, process sets) (for now)",
         "vpool provides the World model: every job starts with COMM_WORLD; `Session.Init` and "
         "communicators made from a session's process sets are not implemented yet",
-    ),
-    (
-        "User-level failure mitigation (ULFM: revoke, shrink, agree)",
-        "vpool makes failures transparent instead: a lost rank restarts and replays its logged "
-        "messages, so a program never sees a failed process",
     ),
 ]
 
