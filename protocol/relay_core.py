@@ -559,6 +559,15 @@ class RelayCore(Generic[C, R]):
         connection are dropped quietly."""
         self.link(conn).fenced.add((job, rank))
 
+    def _stop_current(self, key: Key, reason: str) -> None:
+        """The rank's current attachment ends here: unbound, told ``Stop(reason)``, and its
+        late frames on that connection dropped."""
+        att = self.attachments.get(key)
+        if att is not None:
+            self._unbind(key, att)
+            stop = Stop(job=key[0], rank=key[1], incarnation=att.incarnation, reason=reason)
+            self._fence_out(att.conn, key, stop)
+
     def _fence_out(self, conn: C, key: Key, stop: Stop) -> None:
         self.link(conn).fenced.add(key)
         self.shell.stop(conn, stop)
@@ -907,19 +916,8 @@ class RelayCore(Generic[C, R]):
         acts = self._step(key, RankEvent.DECLARED_FAILED)
         self.fence[key] = incarnation + 1
         self.shell.record_incarnation(job, rank, incarnation + 1)
-        att = self.attachments.get(key)
-        if att is not None and Act.UNBIND in acts:
-            self._unbind(key, att)
-            self._fence_out(
-                att.conn,
-                key,
-                Stop(
-                    job=job,
-                    rank=rank,
-                    incarnation=att.incarnation,
-                    reason="declared failed: the other ranks carry on without it",
-                ),
-            )
+        if Act.UNBIND in acts:
+            self._stop_current(key, "declared failed: the other ranks carry on without it")
         if Act.END_GRACE in acts:
             del self.grace[key]
         self.lost.discard(key)
@@ -936,19 +934,8 @@ class RelayCore(Generic[C, R]):
             keys |= {k for k in self.lost if k[0] == job}
             for key in sorted(keys):
                 acts = self._step(key, RankEvent.JOB_FINISHED)
-                att = self.attachments.get(key)
-                if att is not None and Act.UNBIND in acts:
-                    self._unbind(key, att)
-                    self._fence_out(
-                        att.conn,
-                        key,
-                        Stop(
-                            job=job,
-                            rank=key[1],
-                            incarnation=att.incarnation,
-                            reason="job finished",
-                        ),
-                    )
+                if Act.UNBIND in acts:
+                    self._stop_current(key, "job finished")
                 self.grace.pop(key, None)
                 self.lost.discard(key)
             self.finished.add(job)

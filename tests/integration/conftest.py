@@ -8,6 +8,7 @@ import select
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +35,22 @@ class Pool:
             stdin=subprocess.DEVNULL if stdin is None else None,
             check=False,
         )
+
+    def status(self, job: int) -> dict | None:
+        """``vsdk status JOB --json``, or None while the coordinator does not answer."""
+        res = self.vsdk("status", str(job), "--json", timeout=30)
+        return json.loads(res.stdout) if res.returncode == 0 else None
+
+    def wait(self, job: int, cond, what: str, timeout: float = 120) -> dict:
+        """The job's status once ``cond(status)`` holds; fails after ``timeout`` s."""
+        deadline = time.monotonic() + timeout
+        while True:
+            got = self.status(job)
+            if got is not None and cond(got):
+                return got
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{what}: not after {timeout} s; last {got}\n{self.logs()}")
+            time.sleep(0.05)
 
     def pids(self) -> list[dict]:
         return json.loads((self.home / "state" / "local-pool" / "pids.json").read_text())

@@ -31,22 +31,6 @@ N, ITERATIONS = "60000", "400"
 pytestmark = pytest.mark.slow
 
 
-def _status(pool: Pool, job: int) -> dict | None:
-    res = pool.vsdk("status", str(job), "--json", timeout=30)
-    return json.loads(res.stdout) if res.returncode == 0 else None
-
-
-def _wait(pool: Pool, job: int, cond, what: str, timeout: float = 120) -> dict:
-    deadline = time.monotonic() + timeout
-    while True:
-        got = _status(pool, job)
-        if got is not None and cond(got):
-            return got
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what}: not after {timeout} s; last {got}\n{pool.logs()}")
-        time.sleep(0.05)
-
-
 def _reference() -> str:
     """The program's answer, from a fault-free run under ``vsdk mpiexec``."""
     proc = subprocess.run(
@@ -110,9 +94,9 @@ def test_a_ulfm_program_shrinks_past_random_kills_and_gets_the_right_answer(
     rng = random.Random(seed)
     victims = rng.sample(range(1, 6), 2)  # rank 0 prints; any other may die
     job = _submit(fresh_pool, "ulfm", 6)
-    _wait(fresh_pool, job, lambda d: all(r["state"] == "running" for r in d["ranks"]), "running")
+    fresh_pool.wait(job, lambda d: all(r["state"] == "running" for r in d["ranks"]), "running")
     killed = _kill_at_random(fresh_pool, job, victims, rng)
-    d = _wait(fresh_pool, job, lambda d: d["job"]["state"] != "running", "the job ends", 300)
+    d = fresh_pool.wait(job, lambda d: d["job"]["state"] != "running", "the job ends", 300)
     why = f"seed {seed}, victims {victims}: {d['job']}\n{fresh_pool.logs()}"
     assert d["job"]["state"] == "succeeded", why
     assert sorted(d["job"]["failed_ranks"]) == sorted(victims), why
@@ -130,9 +114,9 @@ def test_a_ulfm_program_shrinks_past_random_kills_and_gets_the_right_answer(
 
 def test_the_same_program_in_abort_mode_fails_cleanly(fresh_pool: Pool) -> None:
     job = _submit(fresh_pool, "abort", 4)
-    _wait(fresh_pool, job, lambda d: all(r["state"] == "running" for r in d["ranks"]), "running")
+    fresh_pool.wait(job, lambda d: all(r["state"] == "running" for r in d["ranks"]), "running")
     _kill_at_random(fresh_pool, job, [2], random.Random(2))
-    d = _wait(fresh_pool, job, lambda d: d["job"]["state"] != "running", "the job ends", 120)
+    d = fresh_pool.wait(job, lambda d: d["job"]["state"] != "running", "the job ends", 120)
     assert d["job"]["state"] == "failed", d["job"]
     assert d["job"]["reason"].startswith("rank 2 lost: its process on agent"), d["job"]
     assert "killed by SIGKILL" in d["job"]["reason"]

@@ -62,22 +62,6 @@ def submit(pool: Pool, *args: str, pause: float = PAUSE) -> int:
     return int(json.loads(res.stdout)["id"])
 
 
-def detail(pool: Pool, job: int) -> dict | None:
-    res = pool.vsdk("status", str(job), "--json", timeout=30)
-    return json.loads(res.stdout) if res.returncode == 0 else None
-
-
-def wait_until(pool: Pool, job: int, cond, what: str, timeout: float = 240) -> dict:
-    deadline = time.monotonic() + timeout
-    while True:
-        got = detail(pool, job)
-        if got is not None and cond(got):
-            return got
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what}: not after {timeout} s; last {got}\n{pool.logs()}")
-        time.sleep(0.1)
-
-
 def ended(d: dict) -> bool:
     return d["job"]["state"] in ("succeeded", "failed", "cancelled")
 
@@ -139,7 +123,7 @@ def test_workers_killed_at_random_the_answer_is_right_and_tasks_were_redispatche
             assert time.monotonic() < deadline, f"seed {seed}: no progress\n{pool.logs()}"
             if time.monotonic() >= look:
                 look += 0.5
-                d = detail(pool, job)
+                d = pool.status(job)
                 over = d is not None and ended(d)
             time.sleep(0.01)
         pids = worker_pids(pool, job)
@@ -147,7 +131,7 @@ def test_workers_killed_at_random_the_answer_is_right_and_tasks_were_redispatche
             break  # the job is ending
         os.kill(rng.choice(pids), signal.SIGKILL)
         kills += 1
-    d = wait_until(pool, job, ended, "job end")
+    d = pool.wait(job, ended, "job end", 240)
     why = f"seed {seed}, {kills} kills: {d['job']}\n{pool.logs()}"
     assert d["job"]["state"] == "succeeded", why
     out = output(pool, job)
@@ -171,7 +155,7 @@ def test_a_killed_futures_master_replays_and_its_output_is_identical(pool: Pool,
     args = ["--trickle"] if how == "trickle" else []
     pause = 0.005 if how == "trickle" else PAUSE
     job = submit(pool, *args, pause=pause)
-    d = wait_until(pool, job, ended, "fault-free run")
+    d = pool.wait(job, ended, "fault-free run", 240)
     assert d["job"]["state"] == "succeeded", d
     ref = output(pool, job)
     assert ref == expected()
@@ -184,7 +168,7 @@ def test_a_killed_futures_master_replays_and_its_output_is_identical(pool: Pool,
         assert time.monotonic() < deadline, f"the master got no results\n{pool.logs()}"
         time.sleep(0.01)
     os.kill(pool.rank_pid(0, job), signal.SIGKILL)
-    d = wait_until(pool, job, ended, "job end")
+    d = pool.wait(job, ended, "job end", 240)
     assert d["job"]["state"] == "succeeded", (d, pool.logs())
     kinds = [e["kind"] for e in d["events"]]
     assert "rank_lost" in kinds and "rank_replaying" in kinds, d["events"]
