@@ -108,8 +108,9 @@ def test_a_ulfm_program_shrinks_past_random_kills_and_gets_the_right_answer(
     # Every failure was declared (and so told to the others) within seconds of the kill.
     declared = sorted(e["time"] for e in d["events"] if e["kind"] == "rank_failed")
     assert len(declared) == 2, why
-    for kill, when in zip(sorted(killed), declared, strict=True):
-        assert when - kill < 15, why
+    delays = [when - kill for kill, when in zip(sorted(killed), declared, strict=True)]
+    print(f"kill -> declared failed: {', '.join(f'{d:.2f} s' for d in delays)}")
+    assert all(d < 15 for d in delays), why
 
 
 def test_the_same_program_in_abort_mode_fails_cleanly(fresh_pool: Pool) -> None:
