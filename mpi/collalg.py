@@ -293,6 +293,23 @@ def linear_scatterv(
         out[:] = blocks[root]
 
 
+def scatter_sizes(
+    h: Any, total: memoryview | None, out: memoryview | None, sizes: list[int], tag: int
+) -> Algo:
+    """Rank 0's ``total`` cut into blocks of ``sizes`` bytes, one to each rank's ``out``:
+    a tree when the blocks are equal, else one send each (``Reduce_scatter``'s second half)."""
+    if len(set(sizes)) == 1:
+        yield from scatter(h, total, out, sizes[0], 0, tag)
+        return
+    blocks: list[memoryview] = []
+    if total is not None:
+        pos = 0
+        for n in sizes:
+            blocks.append(total[pos : pos + n])
+            pos += n
+    yield from linear_scatterv(h, blocks, out, 0, tag)
+
+
 def pairwise(h: Any, sblocks: list[memoryview], rblocks: list[memoryview], tag: int) -> Algo:
     """All-to-all: in round i send to rank+i, receive from rank-i."""
     size, rank = h.size, h.rank

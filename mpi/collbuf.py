@@ -317,15 +317,6 @@ def _reduce_then_scatter(
 
     def algo() -> Algo:
         yield from collalg.reduce(h, src, total, dt, op, 0, tag)
-        if len(set(sizes)) == 1:
-            yield from collalg.scatter(h, total, out, sizes[0], 0, tag)
-            return
-        blocks: list[memoryview] = []
-        if total is not None:
-            pos = 0
-            for n in sizes:
-                blocks.append(total[pos : pos + n])
-                pos += n
-        yield from collalg.linear_scatterv(h, blocks, out, 0, tag)
+        yield from collalg.scatter_sizes(h, total, out, sizes, tag)
 
     return launch(h, algo(), nb)

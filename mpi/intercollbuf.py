@@ -139,17 +139,7 @@ def _reduce_scatter(
     acc = yield from _reduce_to(h, src, dt, op, ltag)
     total = collalg.scratch(sum(sizes)) if acc is not None else None
     yield from _swap(h, acc, total, tag)
-    local = h.local
-    if len(set(sizes)) == 1:
-        yield from collalg.scatter(local, total, out, sizes[0], 0, ltag)
-        return
-    blocks: list[memoryview] = []
-    if total is not None:
-        pos = 0
-        for n in sizes:
-            blocks.append(total[pos : pos + n])
-            pos += n
-    yield from collalg.linear_scatterv(local, blocks, out, 0, ltag)
+    yield from collalg.scatter_sizes(h.local, total, out, sizes, ltag)
 
 
 # ---- calls ---------------------------------------------------------------------------------
