@@ -106,8 +106,7 @@ OUT_OF_SCOPE = [
         "file system to open a file collectively on",
     ),
     (
-        "Joining running jobs (`Open_port`, `Comm.Accept`/`Connect`, name publishing, "
-        "`Comm.Join`)",
+        "Joining running jobs (`Open_port`, `Comm.Accept`/`Connect`, name publishing, `Comm.Join`)",
         "every process of a job is started by the pool (its first ranks, and those they "
         "`Spawn`); a job cannot join another job or a process outside the pool, which would "
         "also be a way around the sandbox's lack of network",
