@@ -355,7 +355,9 @@ class JobsMixin(FaultsMixin):
         sign: Signer,
     ) -> None:
         job_id, size = int(job["id"]), space_of(job)
-        relays = scheduler.pick_relays(live, size, job_id)
+        # As many relays as first ranks (at most): what it spawns shares them, and a relay is
+        # believed only about the jobs it serves.
+        relays = scheduler.pick_relays(live, int(job["ranks"]), job_id)
         homes = scheduler.homes(size, len(relays))
         self.db.execute(
             "UPDATE jobs SET state = 'running', started = ?, relays = ?, waiting = '', "
