@@ -20,43 +20,13 @@ from __future__ import annotations
 from typing import Any
 
 from vpool.mpi import coll, collalg, errors
+from vpool.mpi.coll import recv_obj
 from vpool.mpi.constants import PROC_NULL, ROOT
 from vpool.mpi.envelope import as_rank
-from vpool.mpi.request import RecvOp
-from vpool.mpi.sched import Algo, loads, new_tag, run
-from vpool.mpi.serialization import pickle_
-from vpool.protocol.messages import KIND_BUFFER, KIND_PICKLE
+from vpool.mpi.sched import Algo, loads, new_tag, post_recv, run, send_bufs, send_obj
 
-# ---- messages between the groups -----------------------------------------------------------
-
-
-def send_bufs(h: Any, dst: int, tag: int, bufs: list[Any]) -> None:
-    """Send the concatenation of ``bufs`` to rank ``dst`` of the remote group."""
-    n = sum(b.nbytes if isinstance(b, memoryview) else len(b) for b in bufs)
-    h.eng.send(h.remote[dst], h.ctx + 1, tag, KIND_BUFFER, [], bufs, n)
-
-
-def send_obj(h: Any, dst: int, tag: int, obj: Any) -> None:
-    bufs, parts = pickle_.dumps(obj)
-    n = sum(parts) if parts else len(bufs[0])
-    h.eng.send(h.remote[dst], h.ctx + 1, tag, KIND_PICKLE, parts, bufs, n)
-
-
-def post_recv(h: Any, src: int, tag: int, view: memoryview | None) -> RecvOp:
-    """Receive from rank ``src`` of the remote group."""
-    op = RecvOp(h.ctx + 1, h.remote[src], tag, view, h.pw2c)
-    h.eng.post(op)
-    return op
-
-
-def recv_obj(h: Any, src: int, tag: int) -> Any:
-    return run(h, _recv_obj(h, src, tag))
-
-
-def _recv_obj(h: Any, src: int, tag: int) -> Algo:
-    op = post_recv(h, src, tag, None)
-    yield [op]
-    return loads(op)
+# ---- messages between the groups: ``sched``'s, whose ranks name a core's peers (the remote
+# group of an intercommunicator's core) -------------------------------------------------------
 
 
 def check_root(h: Any, root: Any) -> int:

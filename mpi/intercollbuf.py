@@ -22,8 +22,8 @@ from vpool.mpi import coll, collalg
 from vpool.mpi.buffers import VMsg, block, parse, parse_blocks, parse_v, parse_w, w_block
 from vpool.mpi.collbuf import launch, same_shape
 from vpool.mpi.constants import PROC_NULL, ROOT
-from vpool.mpi.intercoll import check_root, post_recv, rotation, send_bufs
-from vpool.mpi.sched import Algo, new_tag
+from vpool.mpi.intercoll import check_root, rotation
+from vpool.mpi.sched import Algo, new_tag, post_recv, send_bufs
 
 
 def _tags(h: Any) -> tuple[int, int]:

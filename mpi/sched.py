@@ -46,19 +46,20 @@ def new_tag(h: Any) -> int:
 
 
 def send_bufs(h: Any, dst: int, tag: int, bufs: list[Any]) -> None:
-    """Send the concatenation of ``bufs`` (flat byte views) without joining them."""
+    """Send the concatenation of ``bufs`` (flat byte views) without joining them, to rank
+    ``dst`` of the core's peers (its group; an intercommunicator's remote group)."""
     n = sum(b.nbytes if isinstance(b, memoryview) else len(b) for b in bufs)
-    h.eng.send(h.group[dst], h.ctx + 1, tag, KIND_BUFFER, [], bufs, n)
+    h.eng.send(h.peers[dst], h.ctx + 1, tag, KIND_BUFFER, [], bufs, n)
 
 
 def send_obj(h: Any, dst: int, tag: int, obj: Any) -> None:
     bufs, parts = pickle_.dumps(obj)
     n = sum(parts) if parts else len(bufs[0])
-    h.eng.send(h.group[dst], h.ctx + 1, tag, KIND_PICKLE, parts, bufs, n)
+    h.eng.send(h.peers[dst], h.ctx + 1, tag, KIND_PICKLE, parts, bufs, n)
 
 
 def post_recv(h: Any, src: int, tag: int, view: memoryview | None) -> RecvOp:
-    op = RecvOp(h.ctx + 1, h.group[src], tag, view, h.w2c)
+    op = RecvOp(h.ctx + 1, h.peers[src], tag, view, h.pw2c)
     h.eng.post(op)
     return op
 
