@@ -71,6 +71,7 @@ class _Core:
         "eng",
         "errh",
         "group",
+        "holes",
         "local",
         "locks",
         "name",
@@ -79,6 +80,7 @@ class _Core:
         "pw2c",
         "rank",
         "remote",
+        "shadow",
         "size",
         "topo",
         "w2c",
@@ -115,6 +117,10 @@ class _Core:
         # their tag, so overlapping non-blocking collectives never match each other's messages.
         self.cseq = 0
         self.buf: Any = None  # buffer attached for buffered sends (MPI 4.1, per communicator)
+        # FT-MPI's blank mode (``ftmpi``): the world ranks left as holes (failed members that
+        # keep their place), and the core of the live members its collectives run over.
+        self.holes: frozenset[int] = frozenset()
+        self.shadow: _Core | None = None
 
 
 def _reverse(group: tuple[int, ...], world: int) -> list[int]:
@@ -401,6 +407,11 @@ class Comm(
 
     def Dup(self, info: Any = None) -> Any:
         h = self._core()
+        if h.eng.strict and h.eng.failed:
+            from vpool.mpi import ftmpi
+
+            if ftmpi.recovering(h):  # FT-MPI: Dup of COMM_WORLD rebuilds it after failures
+                return ftmpi.recover(self)
         ctx = agree_ctx(h)
         core = _Core(h.eng, ctx, h.group)
         core.topo = h.topo

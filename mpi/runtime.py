@@ -116,6 +116,7 @@ class Engine:
         "schedules",
         "size",
         "spawns",
+        "strict",
         "syncs",
         "transport",
         "universe",
@@ -159,6 +160,9 @@ class Engine:
         # the fast paths); ``eager``: the job's failure mode reports failures (not transparent).
         self.broken = False
         self.eager = False
+        # FT-MPI's modes (``ftmpi``: blank, shrink, rebuild): a failure breaks every
+        # communicator it is a member of, until COMM_WORLD is rebuilt (``Comm.Dup``).
+        self.strict = False
         self.failed: list[int] = []  # failed world ranks, in the order they were learnt
         self.failed_set: set[int] = set()
         self.acked: dict[int, set[int]] = {}  # ctx -> failures acknowledged on that communicator
