@@ -18,7 +18,7 @@ import threading
 import time
 from typing import Any
 
-from vpool.mpi import errors
+from vpool.mpi import errors, ftmpi
 from vpool.mpi.comm import Intracomm, _Core
 from vpool.mpi.constants import THREAD_SERIALIZED
 from vpool.mpi.request import DoneOp, Request
@@ -88,6 +88,7 @@ def init() -> None:
         eng.transport = transport
         # ULFM: in a job whose failure mode reports failures, revocations act at once.
         eng.eager = transport.on_failure != "transparent"
+        eng.strict = transport.on_failure in ftmpi.FT_MODES
         eng.ckpt = checkpoint.start(eng, transport, secret)  # None unless the agent asked
         _processor = transport.processor or socket.gethostname()
         # A restarted rank reads its determinants here, before the program runs.
@@ -107,6 +108,8 @@ def init() -> None:
         eng.parent = spawn.parent_core(eng, eng.world, welcome.parent, welcome.parent_ctx)
         eng.parent.errh = default_errhandler
     COMM_WORLD._h.errh = COMM_SELF._h.errh = default_errhandler
+    if eng.strict and eng.parent is not None and ftmpi.mode(eng) == "rebuild":
+        ftmpi.join(eng, transport.welcome.parent)  # a replacement takes the rebuilt world
     _state = _RUNNING
     atexit.register(_at_exit)
 

@@ -62,6 +62,7 @@ KIND_SYNC = 0x10  # flag on Data.kind: the sender waits until the message is mat
 CTX_MATCHED = -1  # reserved context of "your synchronous message seq=tag was matched" notices
 CTX_REVOKE = -3  # reserved context of revocation notices: tag = the revoked communicator's ctx
 CTX_AGREE = -5  # reserved context of agreements (``ulfm``): never revoked, never a collective's
+CTX_REBUILD = -7  # reserved context of a spawned process's role in a rebuild job (``ftmpi``)
 PILL_TAG = -(1 << 62)  # the tag of a pill in the unexpected queue (matches any receive's tag)
 
 
@@ -521,17 +522,27 @@ class Engine:
         """The agent's ``Spawned``: kept for the ``Spawn`` of that seq (a transport callback)."""
         self.answers[msg.seq] = msg
 
-    @staticmethod
-    def _doomed(op: Any, failed: list[int]) -> bool:
+    def _doomed(self, op: Any, failed: list[int]) -> bool:
         """Can posted receive ``op`` never complete, given ``failed``? It names one, or it is
-        a collective's (odd context) in a communicator with a failed member."""
+        a collective's (odd context) in a communicator with a failed member; in FT-MPI's
+        modes (``strict``), any receive in a communicator a failure broke."""
         if op.src in failed:
             return True
         ctx = op.ctx
-        if ctx > 0 and ctx & 1:
+        if ctx < 0:
+            return False  # the runtime's own protocols: only their source's failure
+        if self.strict:
+            return self.broken_by(ctx, op.w2c, failed)
+        if ctx & 1:
             w2c = op.w2c
             return any(w2c[f] != UNDEFINED for f in failed)
         return False
+
+    def broken_by(self, ctx: int, w2c: Any, failed: list[int]) -> bool:
+        """FT-MPI's modes: whether a member of the communicator of ``ctx`` (``w2c``) is in
+        ``failed`` and not acknowledged on it (a blank communicator's holes are)."""
+        acked = self.acked.get(ctx & -2, ())
+        return any(w2c[f] != UNDEFINED and f not in acked for f in failed)
 
     def _fail(self, op: Any, code: int) -> None:
         self.ft.any_ops.pop(op, None)
@@ -568,6 +579,20 @@ class Engine:
                 self.observe()
         if self.broken and h.ctx & -2 in self.revoked:
             raise errors.MPIException(errors.ERR_REVOKED)
+        if self.strict and self.failed:
+            self.check_broken(h)
+
+    def check_broken(self, h: Any) -> None:
+        """FT-MPI's modes: a communicator a failure broke refuses every operation until
+        COMM_WORLD is rebuilt (``ftmpi``)."""
+        for w2c in (h.w2c, getattr(h, "pw2c", h.w2c)):
+            for f in self.failed:
+                if w2c[f] != UNDEFINED and f not in self.acked.get(h.ctx & -2, ()):
+                    raise errors.MPIException(
+                        errors.ERR_PROC_FAILED,
+                        f"world rank {f}, a member of the communicator, failed: recover with "
+                        "MPI.COMM_WORLD.Dup()",
+                    )
 
     def enter_collective(self, h: Any) -> None:
         """A collective on ``h`` starts: refused once revoked, or with a member failed."""

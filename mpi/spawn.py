@@ -44,7 +44,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from vpool.mpi import coll, errors, intercomm
+from vpool.mpi import coll, errors, ftmpi, intercomm
 from vpool.mpi.comm import _Core, agree_ctx
 from vpool.mpi.envelope import as_rank
 from vpool.mpi.handles import Info
@@ -171,9 +171,10 @@ Made = tuple[_Core | None, list[int], list[int], str]
 for per command, the error)."""
 
 
-def spawn(h: _Core, root: Any, make_ask: Any) -> Made:
+def spawn(h: _Core, root: Any, make_ask: Any, replaces: bool = False) -> Made:
     """The collective part of a spawn over the intracommunicator ``h``: ``make_ask()`` is
-    called at the root only (its errors raise at every member)."""
+    called at the root only (its errors raise at every member). ``replaces``: the spawn of
+    FT-MPI's rebuild, which tells the children their role itself (``ftmpi``)."""
     eng = h.eng
     r = as_rank(root)
     if not 0 <= r < h.size:
@@ -192,6 +193,8 @@ def spawn(h: _Core, root: Any, make_ask: Any) -> Made:
         return None, [], counts, error
     if reported:
         eng.watch.update(ranks)
+    if eng.strict and not replaces:
+        ftmpi.tell_children(eng, h, ranks)
     return _Core(eng, ctx, h.group, remote=tuple(ranks)), list(ranks), counts, ""
 
 
