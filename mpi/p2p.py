@@ -200,7 +200,12 @@ class CommP2P:
 
     def send(self, obj: Any, dest: int, tag: int = 0) -> None:
         h = self._h or self._core()
-        if type(dest) is int and 0 <= dest < h.psize and 0 <= tag <= TAG_UB_VALUE:
+        if (
+            type(dest) is int
+            and 0 <= dest < h.psize
+            and 0 <= tag <= TAG_UB_VALUE
+            and not h.eng.broken
+        ):
             w = h.peers[dest]
         else:
             w = _dst(h, dest)
