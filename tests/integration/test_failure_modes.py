@@ -1,7 +1,10 @@
 """Failure modes on a real local pool (``vsdk submit --on-failure``): ranks SIGKILLed at random
 while a program that recovers the ULFM way (examples/ulfm_shrink.py: revoke, agree, shrink, go
 on) runs. In "ulfm" mode it finishes with the right answer; in "abort" mode the same program
-fails cleanly, the job naming the lost rank.
+fails cleanly, the job naming the lost rank. In FT-MPI's modes (blank, shrink, rebuild) a
+program that recovers the FT-MPI way (examples/ftmpi_modes.py: rebuild ``MPI.COMM_WORLD`` with
+``Dup``, go on) finishes with the right answer too; in rebuild mode the pool starts a fresh
+process in each lost rank's place.
 
 The victims and the moments are drawn from a seeded generator (the seed is in the assertion
 messages); each kill waits until the job has made progress, so it lands mid-run.
@@ -26,15 +29,17 @@ if TYPE_CHECKING:
 
 REPO = Path(__file__).resolve().parents[2]
 PROGRAM = str(REPO / "examples" / "ulfm_shrink.py")
+FTMPI_PROGRAM = str(REPO / "examples" / "ftmpi_modes.py")
 N, ITERATIONS = "60000", "400"
+FTMPI_N = "20000"  # less work per iteration: its iterations carry more messages
 
 pytestmark = pytest.mark.slow
 
 
-def _reference() -> str:
+def _reference(program: str = PROGRAM, n: str = N) -> str:
     """The program's answer, from a fault-free run under ``vsdk mpiexec``."""
     proc = subprocess.run(
-        [sys.executable, "-m", "vpool.sdk.mpiexec", "-n", "2", "--", PROGRAM, N, ITERATIONS],
+        [sys.executable, "-m", "vpool.sdk.mpiexec", "-n", "2", "--", program, n, ITERATIONS],
         capture_output=True,
         timeout=300,
         check=False,
@@ -43,17 +48,17 @@ def _reference() -> str:
     return proc.stdout.decode()
 
 
-def _submit(pool: Pool, mode: str, ranks: int) -> int:
+def _submit(pool: Pool, mode: str, ranks: int, program: str = PROGRAM, n: str = N) -> int:
     res = pool.vsdk(
         "submit",
-        PROGRAM,
+        program,
         "--ranks",
         str(ranks),
         "--on-failure",
         mode,
         "--json",
         "--",
-        N,
+        n,
         ITERATIONS,
     )
     assert res.returncode == 0, res.stderr.decode()
@@ -128,3 +133,27 @@ def test_the_same_program_in_abort_mode_fails_cleanly(fresh_pool: Pool) -> None:
     while any(j == job for j, _, _ in fresh_pool.rank_processes()):
         assert time.monotonic() < deadline, f"ranks of job {job} still run\n{fresh_pool.logs()}"
         time.sleep(0.05)
+
+
+@pytest.mark.parametrize("mode", ["blank", "shrink", "rebuild"])
+def test_an_ftmpi_program_rebuilds_its_world_past_random_kills(fresh_pool: Pool, mode: str) -> None:
+    reference = _reference(FTMPI_PROGRAM, FTMPI_N)
+    seed = int(os.environ.get("VPOOL_CHAOS_SEED", str(int(time.time()))))
+    rng = random.Random(seed)
+    victims = rng.sample(range(5), 2)  # rank 0 too: the first live rank prints
+    job = _submit(fresh_pool, mode, 5, FTMPI_PROGRAM, FTMPI_N)
+    fresh_pool.wait(job, lambda d: all(r["state"] == "running" for r in d["ranks"]), "running")
+    _kill_at_random(fresh_pool, job, victims, rng)
+    d = fresh_pool.wait(job, lambda d: d["job"]["state"] != "running", "the job ends", 300)
+    why = f"{mode}, seed {seed}, victims {victims}: {d['job']}\n{fresh_pool.logs()}"
+    assert d["job"]["state"] == "succeeded", why
+    assert sorted(d["job"]["failed_ranks"]) == sorted(victims), why
+    states = {r["rank"]: r["state"] for r in d["ranks"]}
+    expected = {r: "failed" if r in victims else "exited" for r in range(5)}
+    if mode == "rebuild":  # a fresh process, spawned, took each lost rank's place
+        expected.update({5: "exited", 6: "exited"})
+        spawns = [e for e in d["events"] if e["kind"] == "spawn"]
+        assert len(spawns) == 2, why
+    assert states == expected, why
+    res = fresh_pool.vsdk("logs", str(job))
+    assert res.stdout.decode() == reference, why
