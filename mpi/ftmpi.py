@@ -99,7 +99,7 @@ def recover(comm: Any) -> Any:
         command = [sys.executable, *sys.orig_argv[1:]]
         k = len(lost)
         inter, ranks, _, error = spawn.spawn(
-            shrunk, 0, lambda: spawn._Ask(command, k, k, False, [k]), replaces=True
+            shrunk, 0, lambda: spawn.Ask(command, k, k, False, [k]), replaces=True
         )
         if inter is None:
             raise errors.MPIException(

@@ -101,7 +101,7 @@ def _argv(args: Any) -> list[str]:
     return [_path(a) if isinstance(a, (bytes, os.PathLike)) else str(a) for a in args]
 
 
-class _Ask:
+class Ask:
     """What the root asks for: one command, its process counts and the info keys."""
 
     def __init__(
@@ -114,16 +114,16 @@ class _Ask:
         self.counts = counts  # processes per command (``Spawn_multiple``'s errcodes)
 
 
-def ask_single(command: Any, args: Any, maxprocs: Any, info: Any) -> _Ask:
+def ask_single(command: Any, args: Any, maxprocs: Any, info: Any) -> Ask:
     maxprocs = int(maxprocs)
     if maxprocs < 1:
         raise errors.MPIException(errors.ERR_SPAWN, f"cannot start {maxprocs} processes")
     least = least_of(_info_get(info, "soft"), maxprocs)
     reported = (_info_get(info, "vpool_reported") or "").strip().lower() in _TRUE
-    return _Ask([_path(command), *_argv(args)], maxprocs, least, reported, [maxprocs])
+    return Ask([_path(command), *_argv(args)], maxprocs, least, reported, [maxprocs])
 
 
-def ask_multiple(commands: Any, args: Any, maxprocs: Any, info: Any) -> _Ask:
+def ask_multiple(commands: Any, args: Any, maxprocs: Any, info: Any) -> Ask:
     """``Spawn_multiple``'s arguments at the root (checked as mpi4py does: ``ValueError`` for
     mismatched lengths): one request."""
     if isinstance(commands, (str, bytes, os.PathLike)):
@@ -163,7 +163,7 @@ def ask_multiple(commands: Any, args: Any, maxprocs: Any, info: Any) -> _Ask:
     soft = any(a.least < a.maxprocs for a in asks)
     total = sum(counts)
     least = sum(a.least for a in asks) if soft else total
-    return _Ask(first.command, total, least, first.reported, counts)
+    return Ask(first.command, total, least, first.reported, counts)
 
 
 Made = tuple[_Core | None, list[int], list[int], str]
