@@ -22,17 +22,26 @@ parent's collective context under negative tags, which no collective of the pare
 
 The context id is also the communicator's integer handle (``toint``/``py2f``): unique among the
 communicators a process belongs to.
+
+A communicator of FT-MPI's blank mode (``blank``) keeps its failed members as holes: its size,
+ranks and group (``Get_group``, ``Compare``) still count them, its ``Dup`` has the same holes, and
+everything that communicates runs over the live members (``h.shadow``): context agreements,
+``Split``/``Split_type``, and the rooted constructors (``Create_intercomm``, ``Spawn``). The
+communicators made from one hold live members only: holes are in no ``Split``, ``Create`` or
+``Create_group`` result, nor in a Cartesian or graph topology, which cannot be made over a hole.
 """
 
 from __future__ import annotations
 
+import math
+import operator
 import threading
 import weakref
 import zlib
 from collections.abc import Sequence
 from typing import Any
 
-from vpool.mpi import coll, errors, intercomm, ops
+from vpool.mpi import blank, coll, errors, intercomm, ops
 from vpool.mpi.commattr import CommAttributes
 from vpool.mpi.commcoll import CommCollectives, InterCollectives, IntraCollectives
 from vpool.mpi.constants import (
@@ -140,9 +149,18 @@ def comm_lock(h: _Core, key: Any) -> Any:
     return lock
 
 
+def live(h: _Core) -> _Core:
+    """The core of ``h``'s live members, to communicate over: its shadow if it has holes."""
+    if h.holes:
+        assert h.shadow is not None
+        return h.shadow
+    return h
+
+
 def agree_ctx(h: _Core, span: int = 2) -> int:
-    """A context id free at every member (collective over the intracommunicator ``h``); the
-    new communicator takes ``span`` ids from it."""
+    """A context id free at every member (collective over the intracommunicator ``h``, its
+    live members if it has holes); the new communicator takes ``span`` ids from it."""
+    h = live(h)
     eng = h.eng
     ctx = coll.allreduce(h, eng.next_ctx, ops.MAX) if h.size > 1 else eng.next_ctx
     eng.next_ctx = ctx + span
@@ -413,7 +431,7 @@ class Comm(
             if ftmpi.recovering(h):  # FT-MPI: Dup of COMM_WORLD rebuilds it after failures
                 return ftmpi.recover(self)
         ctx = agree_ctx(h)
-        core = _Core(h.eng, ctx, h.group)
+        core = blank.blank_core(h.eng, ctx, h.group, h.holes)  # the same holes, if any
         core.topo = h.topo
         return type(self)._wrap(core)
 
@@ -427,7 +445,7 @@ class Comm(
         return self.Idup(info)
 
     def Split(self, color: int = 0, key: int = 0) -> Intracomm:
-        h = self._core()
+        h = live(self._core())
         eng = h.eng
         if h.size > 1:
             triples = coll.allgather(h, (color, key, eng.next_ctx))
@@ -443,7 +461,7 @@ class Comm(
     def Split_type(self, split_type: int, key: int = 0, info: Any = None) -> Intracomm:
         from vpool.mpi import environment
 
-        h = self._core()
+        h = live(self._core())
         # Every member takes part in the same collectives, UNDEFINED ones too.
         name = environment.processor_name()
         names = coll.allgather(h, name) if h.size > 1 else [name]
@@ -456,14 +474,14 @@ class Comm(
     def Create(self, group: Group) -> Any:
         h = self._core()
         ctx = agree_ctx(h)
-        members = group._m()
+        members = tuple(w for w in group._m() if w not in h.holes)
         if h.eng.rank not in members:
             return type(self)()
-        return type(self)._wrap(_Core(h.eng, ctx, tuple(members)))
+        return type(self)._wrap(_Core(h.eng, ctx, members))
 
     def Create_group(self, group: Group, tag: int = 0) -> Any:
         h = self._core()
-        members = tuple(group._m())
+        members = tuple(w for w in group._m() if w not in h.holes)
         if h.eng.rank not in members:
             return type(self)()
         # Only the group's members take part: agree among them, in the parent's contexts.
@@ -544,9 +562,9 @@ class Intracomm(IntraCollectives, PersistentIntraCollectives, Comm):
     ) -> Intercomm:
         """An intercommunicator between this communicator's group and the remote leader's
         (``intercomm.from_leaders``); ``peer_comm`` matters only at the local leader."""
-        h = self._core()
+        h, leader = blank.live_root(self._core(), local_leader)
         peer = peer_comm._h if isinstance(peer_comm, Comm) else None
-        ctx, remote = intercomm.from_leaders(h, local_leader, peer, remote_leader, tag)
+        ctx, remote = intercomm.from_leaders(h, leader, peer, remote_leader, tag)
         return Intercomm._wrap(_Core(h.eng, ctx, h.group, remote=remote))  # type: ignore[no-any-return]
 
     # Dynamic processes: spawning asks the pool for more ranks of the job (``spawn``); ports
@@ -562,9 +580,8 @@ class Intracomm(IntraCollectives, PersistentIntraCollectives, Comm):
     ) -> Intercomm:
         from vpool.mpi import spawn
 
-        made = spawn.spawn(
-            self._core(), root, lambda: spawn.ask_single(command, args, maxprocs, info)
-        )
+        h, root = blank.live_root(self._core(), root)
+        made = spawn.spawn(h, root, lambda: spawn.ask_single(command, args, maxprocs, info))
         return _spawned(made, errcodes, False)
 
     def Spawn_multiple(
@@ -578,9 +595,8 @@ class Intracomm(IntraCollectives, PersistentIntraCollectives, Comm):
     ) -> Intercomm:
         from vpool.mpi import spawn
 
-        made = spawn.spawn(
-            self._core(), root, lambda: spawn.ask_multiple(command, args, maxprocs, info)
-        )
+        h, root = blank.live_root(self._core(), root)
+        made = spawn.spawn(h, root, lambda: spawn.ask_multiple(command, args, maxprocs, info))
         return _spawned(made, errcodes, True)
 
     def Accept(self, *args: Any, **kwargs: Any) -> Intercomm:
@@ -591,9 +607,22 @@ class Intracomm(IntraCollectives, PersistentIntraCollectives, Comm):
 
     # Topology constructors live with the topologies (``topology`` imports this module).
 
+    def _no_holes(self, nodes: int, what: str) -> None:
+        """A topology takes the first ``nodes`` ranks (no reordering): ``ERR_PROC_FAILED`` at
+        every member alike if a hole is among them."""
+        h = self._core()
+        inside = sorted(h.w2c[w] for w in h.holes if h.w2c[w] < nodes)
+        if inside:
+            raise errors.MPIException(
+                errors.ERR_PROC_FAILED,
+                f"{what} of {nodes} ranks over holes (failed ranks {inside}) of the communicator",
+            )
+
     def Create_cart(self, dims: Sequence[int], periods: Any = None, reorder: bool = False) -> Any:
         from vpool.mpi import topology
 
+        dims = [operator.index(d) for d in dims]
+        self._no_holes(math.prod(dims), "a Cartesian topology")
         return topology.create_cart(self, dims, periods, reorder)
 
     def Create_graph(
@@ -601,6 +630,8 @@ class Intracomm(IntraCollectives, PersistentIntraCollectives, Comm):
     ) -> Any:
         from vpool.mpi import topology
 
+        index, edges = list(index), list(edges)
+        self._no_holes(len(topology.graph_arrays(index, edges)[0]), "a graph topology")
         return topology.create_graph(self, index, edges, reorder)
 
     def Create_dist_graph_adjacent(
@@ -614,6 +645,7 @@ class Intracomm(IntraCollectives, PersistentIntraCollectives, Comm):
     ) -> Any:
         from vpool.mpi import distgraph
 
+        self._no_holes(self.size, "a distributed graph")
         return distgraph.create_adjacent(self, sources, destinations, sourceweights, destweights)
 
     def Create_dist_graph(
@@ -627,6 +659,7 @@ class Intracomm(IntraCollectives, PersistentIntraCollectives, Comm):
     ) -> Any:
         from vpool.mpi import distgraph
 
+        self._no_holes(self.size, "a distributed graph")
         return distgraph.create(self, sources, degrees, destinations, weights)
 
     def Cart_map(self, dims: Sequence[int], periods: Any = None) -> int:

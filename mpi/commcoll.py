@@ -6,13 +6,18 @@ point-to-point) by concern: each forwards to the algorithms of ``coll`` (objects
 
 Non-blocking collectives return a request whose schedule (``sched.Schedule``) advances each
 time the request is tested or waited on.
+
+A communicator with holes (FT-MPI's blank mode: ``h.holes`` not empty) runs the functions of
+``blank`` instead, which have the signatures of ``coll``'s and ``collbuf``'s and skip the holes;
+the choice is the one test of an attribute, so other communicators pay nothing more.
+Intercommunicators never have holes.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from vpool.mpi import coll, collbuf, intercoll, intercollbuf, ops, sched
+from vpool.mpi import blank, coll, collbuf, intercoll, intercollbuf, ops, sched
 from vpool.mpi.request import Request
 
 
@@ -24,132 +29,183 @@ class CommCollectives:
     # ---- collectives: objects --------------------------------------------------------------
 
     def barrier(self) -> None:
-        coll.barrier(self._core())
+        h = self._core()
+        (blank if h.holes else coll).barrier(h)
 
     def bcast(self, obj: Any, root: int = 0) -> Any:
         from vpool.mpi.comm import comm_lock  # mpi4py's lock table (MPI._comm_lock_table)
 
         h = self._core()
         with comm_lock(h, "bcast"):
-            return coll.bcast(h, obj, root)
+            return (blank if h.holes else coll).bcast(h, obj, root)
 
     def reduce(self, sendobj: Any, op: Any = ops.SUM, root: int = 0) -> Any:
-        return coll.reduce(self._core(), sendobj, op, root)
+        h = self._core()
+        return (blank if h.holes else coll).reduce(h, sendobj, op, root)
 
     def allreduce(self, sendobj: Any, op: Any = ops.SUM) -> Any:
-        return coll.allreduce(self._core(), sendobj, op)
+        h = self._core()
+        return (blank if h.holes else coll).allreduce(h, sendobj, op)
 
     def gather(self, sendobj: Any, root: int = 0) -> Any:
-        return coll.gather(self._core(), sendobj, root)
+        h = self._core()
+        return (blank if h.holes else coll).gather(h, sendobj, root)
 
     def scatter(self, sendobj: Any, root: int = 0) -> Any:
-        return coll.scatter(self._core(), sendobj, root)
+        h = self._core()
+        return (blank if h.holes else coll).scatter(h, sendobj, root)
 
     def allgather(self, sendobj: Any) -> list[Any]:
-        return coll.allgather(self._core(), sendobj)
+        h = self._core()
+        return (blank if h.holes else coll).allgather(h, sendobj)  # type: ignore[no-any-return]
 
     def alltoall(self, sendobj: Any) -> list[Any]:
-        return coll.alltoall(self._core(), sendobj)
+        h = self._core()
+        return (blank if h.holes else coll).alltoall(h, sendobj)  # type: ignore[no-any-return]
 
     # ---- collectives: buffers --------------------------------------------------------------
 
     def Barrier(self) -> None:
-        coll.barrier(self._core())
+        h = self._core()
+        (blank if h.holes else coll).barrier(h)
 
     def Bcast(self, buf: Any, root: int = 0) -> None:
-        collbuf.Bcast(self._core(), buf, root)
+        h = self._core()
+        (blank if h.holes else collbuf).Bcast(h, buf, root)
 
     def Reduce(self, sendbuf: Any, recvbuf: Any, op: Any = ops.SUM, root: int = 0) -> None:
-        collbuf.Reduce(self._core(), sendbuf, recvbuf, op, root)
+        h = self._core()
+        (blank if h.holes else collbuf).Reduce(h, sendbuf, recvbuf, op, root)
 
     def Allreduce(self, sendbuf: Any, recvbuf: Any, op: Any = ops.SUM) -> None:
-        collbuf.Allreduce(self._core(), sendbuf, recvbuf, op)
+        h = self._core()
+        (blank if h.holes else collbuf).Allreduce(h, sendbuf, recvbuf, op)
 
     def Gather(self, sendbuf: Any, recvbuf: Any, root: int = 0) -> None:
-        collbuf.Gather(self._core(), sendbuf, recvbuf, root)
+        h = self._core()
+        (blank if h.holes else collbuf).Gather(h, sendbuf, recvbuf, root)
 
     def Gatherv(self, sendbuf: Any, recvbuf: Any, root: int = 0) -> None:
-        collbuf.Gatherv(self._core(), sendbuf, recvbuf, root)
+        h = self._core()
+        (blank if h.holes else collbuf).Gatherv(h, sendbuf, recvbuf, root)
 
     def Scatter(self, sendbuf: Any, recvbuf: Any, root: int = 0) -> None:
-        collbuf.Scatter(self._core(), sendbuf, recvbuf, root)
+        h = self._core()
+        (blank if h.holes else collbuf).Scatter(h, sendbuf, recvbuf, root)
 
     def Scatterv(self, sendbuf: Any, recvbuf: Any, root: int = 0) -> None:
-        collbuf.Scatterv(self._core(), sendbuf, recvbuf, root)
+        h = self._core()
+        (blank if h.holes else collbuf).Scatterv(h, sendbuf, recvbuf, root)
 
     def Allgather(self, sendbuf: Any, recvbuf: Any) -> None:
-        collbuf.Allgather(self._core(), sendbuf, recvbuf)
+        h = self._core()
+        (blank if h.holes else collbuf).Allgather(h, sendbuf, recvbuf)
 
     def Allgatherv(self, sendbuf: Any, recvbuf: Any) -> None:
-        collbuf.Allgatherv(self._core(), sendbuf, recvbuf)
+        h = self._core()
+        (blank if h.holes else collbuf).Allgatherv(h, sendbuf, recvbuf)
 
     def Alltoall(self, sendbuf: Any, recvbuf: Any) -> None:
-        collbuf.Alltoall(self._core(), sendbuf, recvbuf)
+        h = self._core()
+        (blank if h.holes else collbuf).Alltoall(h, sendbuf, recvbuf)
 
     def Alltoallv(self, sendbuf: Any, recvbuf: Any) -> None:
-        collbuf.Alltoallv(self._core(), sendbuf, recvbuf)
+        h = self._core()
+        (blank if h.holes else collbuf).Alltoallv(h, sendbuf, recvbuf)
 
     def Alltoallw(self, sendbuf: Any, recvbuf: Any) -> None:
-        collbuf.Alltoallw(self._core(), sendbuf, recvbuf)
+        h = self._core()
+        (blank if h.holes else collbuf).Alltoallw(h, sendbuf, recvbuf)
 
     def Reduce_scatter_block(self, sendbuf: Any, recvbuf: Any, op: Any = ops.SUM) -> None:
-        collbuf.Reduce_scatter_block(self._core(), sendbuf, recvbuf, op)
+        h = self._core()
+        (blank if h.holes else collbuf).Reduce_scatter_block(h, sendbuf, recvbuf, op)
 
     def Reduce_scatter(
         self, sendbuf: Any, recvbuf: Any, recvcounts: Any = None, op: Any = ops.SUM
     ) -> None:
-        collbuf.Reduce_scatter(self._core(), sendbuf, recvbuf, recvcounts, op)
+        h = self._core()
+        (blank if h.holes else collbuf).Reduce_scatter(h, sendbuf, recvbuf, recvcounts, op)
 
     # ---- non-blocking: the request's schedule advances whenever it is tested or waited on --
 
     def Ibarrier(self) -> Request:
         h = self._core()
+        if h.holes:
+            h = h.shadow  # a blank communicator's barrier is its live members'
         return sched.start(h, coll.barrier_algo(h, sched.new_tag(h)))  # type: ignore[no-any-return]
 
     def Ibcast(self, buf: Any, root: int = 0) -> Request:
-        return collbuf.Bcast(self._core(), buf, root, nb=True)  # type: ignore[no-any-return]
+        h = self._core()
+        algos = blank if h.holes else collbuf
+        return algos.Bcast(h, buf, root, nb=True)  # type: ignore[no-any-return]
 
     def Ireduce(self, sendbuf: Any, recvbuf: Any, op: Any = ops.SUM, root: int = 0) -> Request:
-        return collbuf.Reduce(self._core(), sendbuf, recvbuf, op, root, nb=True)  # type: ignore[no-any-return]
+        h = self._core()
+        algos = blank if h.holes else collbuf
+        return algos.Reduce(h, sendbuf, recvbuf, op, root, nb=True)  # type: ignore[no-any-return]
 
     def Iallreduce(self, sendbuf: Any, recvbuf: Any, op: Any = ops.SUM) -> Request:
-        return collbuf.Allreduce(self._core(), sendbuf, recvbuf, op, nb=True)  # type: ignore[no-any-return]
+        h = self._core()
+        algos = blank if h.holes else collbuf
+        return algos.Allreduce(h, sendbuf, recvbuf, op, nb=True)  # type: ignore[no-any-return]
 
     def Igather(self, sendbuf: Any, recvbuf: Any, root: int = 0) -> Request:
-        return collbuf.Gather(self._core(), sendbuf, recvbuf, root, nb=True)  # type: ignore[no-any-return]
+        h = self._core()
+        algos = blank if h.holes else collbuf
+        return algos.Gather(h, sendbuf, recvbuf, root, nb=True)  # type: ignore[no-any-return]
 
     def Igatherv(self, sendbuf: Any, recvbuf: Any, root: int = 0) -> Request:
-        return collbuf.Gatherv(self._core(), sendbuf, recvbuf, root, nb=True)  # type: ignore[no-any-return]
+        h = self._core()
+        algos = blank if h.holes else collbuf
+        return algos.Gatherv(h, sendbuf, recvbuf, root, nb=True)  # type: ignore[no-any-return]
 
     def Iscatter(self, sendbuf: Any, recvbuf: Any, root: int = 0) -> Request:
-        return collbuf.Scatter(self._core(), sendbuf, recvbuf, root, nb=True)  # type: ignore[no-any-return]
+        h = self._core()
+        algos = blank if h.holes else collbuf
+        return algos.Scatter(h, sendbuf, recvbuf, root, nb=True)  # type: ignore[no-any-return]
 
     def Iscatterv(self, sendbuf: Any, recvbuf: Any, root: int = 0) -> Request:
-        return collbuf.Scatterv(self._core(), sendbuf, recvbuf, root, nb=True)  # type: ignore[no-any-return]
+        h = self._core()
+        algos = blank if h.holes else collbuf
+        return algos.Scatterv(h, sendbuf, recvbuf, root, nb=True)  # type: ignore[no-any-return]
 
     def Iallgather(self, sendbuf: Any, recvbuf: Any) -> Request:
-        return collbuf.Allgather(self._core(), sendbuf, recvbuf, nb=True)  # type: ignore[no-any-return]
+        h = self._core()
+        algos = blank if h.holes else collbuf
+        return algos.Allgather(h, sendbuf, recvbuf, nb=True)  # type: ignore[no-any-return]
 
     def Iallgatherv(self, sendbuf: Any, recvbuf: Any) -> Request:
-        return collbuf.Allgatherv(self._core(), sendbuf, recvbuf, nb=True)  # type: ignore[no-any-return]
+        h = self._core()
+        algos = blank if h.holes else collbuf
+        return algos.Allgatherv(h, sendbuf, recvbuf, nb=True)  # type: ignore[no-any-return]
 
     def Ialltoall(self, sendbuf: Any, recvbuf: Any) -> Request:
-        return collbuf.Alltoall(self._core(), sendbuf, recvbuf, nb=True)  # type: ignore[no-any-return]
+        h = self._core()
+        algos = blank if h.holes else collbuf
+        return algos.Alltoall(h, sendbuf, recvbuf, nb=True)  # type: ignore[no-any-return]
 
     def Ialltoallv(self, sendbuf: Any, recvbuf: Any) -> Request:
-        return collbuf.Alltoallv(self._core(), sendbuf, recvbuf, nb=True)  # type: ignore[no-any-return]
+        h = self._core()
+        algos = blank if h.holes else collbuf
+        return algos.Alltoallv(h, sendbuf, recvbuf, nb=True)  # type: ignore[no-any-return]
 
     def Ialltoallw(self, sendbuf: Any, recvbuf: Any) -> Request:
-        return collbuf.Alltoallw(self._core(), sendbuf, recvbuf, nb=True)  # type: ignore[no-any-return]
+        h = self._core()
+        algos = blank if h.holes else collbuf
+        return algos.Alltoallw(h, sendbuf, recvbuf, nb=True)  # type: ignore[no-any-return]
 
     def Ireduce_scatter_block(self, sendbuf: Any, recvbuf: Any, op: Any = ops.SUM) -> Request:
-        return collbuf.Reduce_scatter_block(self._core(), sendbuf, recvbuf, op, nb=True)  # type: ignore[no-any-return]
+        h = self._core()
+        algos = blank if h.holes else collbuf
+        return algos.Reduce_scatter_block(h, sendbuf, recvbuf, op, nb=True)  # type: ignore[no-any-return]
 
     def Ireduce_scatter(
         self, sendbuf: Any, recvbuf: Any, recvcounts: Any = None, op: Any = ops.SUM
     ) -> Request:
         h = self._core()
-        return collbuf.Reduce_scatter(h, sendbuf, recvbuf, recvcounts, op, nb=True)  # type: ignore[no-any-return]
+        algos = blank if h.holes else collbuf
+        return algos.Reduce_scatter(h, sendbuf, recvbuf, recvcounts, op, nb=True)  # type: ignore[no-any-return]
 
     def ibarrier(self) -> Request:
         return self.Ibarrier()
@@ -161,24 +217,30 @@ class IntraCollectives:
     _core: Any
 
     def scan(self, sendobj: Any, op: Any = ops.SUM) -> Any:
-        return coll.scan(self._core(), sendobj, op, exclusive=False)
+        h = self._core()
+        return (blank if h.holes else coll).scan(h, sendobj, op, exclusive=False)
 
     def exscan(self, sendobj: Any, op: Any = ops.SUM) -> Any:
-        return coll.scan(self._core(), sendobj, op, exclusive=True)
+        h = self._core()
+        return (blank if h.holes else coll).scan(h, sendobj, op, exclusive=True)
 
     def Scan(self, sendbuf: Any, recvbuf: Any, op: Any = ops.SUM) -> None:
-        collbuf.Scan(self._core(), sendbuf, recvbuf, op, exclusive=False)
+        h = self._core()
+        (blank if h.holes else collbuf).Scan(h, sendbuf, recvbuf, op, exclusive=False)
 
     def Exscan(self, sendbuf: Any, recvbuf: Any, op: Any = ops.SUM) -> None:
-        collbuf.Scan(self._core(), sendbuf, recvbuf, op, exclusive=True)
+        h = self._core()
+        (blank if h.holes else collbuf).Scan(h, sendbuf, recvbuf, op, exclusive=True)
 
     def Iscan(self, sendbuf: Any, recvbuf: Any, op: Any = ops.SUM) -> Request:
         h = self._core()
-        return collbuf.Scan(h, sendbuf, recvbuf, op, exclusive=False, nb=True)  # type: ignore[no-any-return]
+        algos = blank if h.holes else collbuf
+        return algos.Scan(h, sendbuf, recvbuf, op, exclusive=False, nb=True)  # type: ignore[no-any-return]
 
     def Iexscan(self, sendbuf: Any, recvbuf: Any, op: Any = ops.SUM) -> Request:
         h = self._core()
-        return collbuf.Scan(h, sendbuf, recvbuf, op, exclusive=True, nb=True)  # type: ignore[no-any-return]
+        algos = blank if h.holes else collbuf
+        return algos.Scan(h, sendbuf, recvbuf, op, exclusive=True, nb=True)  # type: ignore[no-any-return]
 
 
 class InterCollectives:
