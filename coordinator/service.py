@@ -344,7 +344,11 @@ class Coordinator:
             raise BadRequest(str(exc), code="bad_requirements") from exc
         sub = msgspec.structs.replace(sub, requirements=wanted)
         await self.blobs.check_bundle(sub.bundle, sub.entry)
-        space = sub.ranks + (self.settings.max_spawned if sub.universe > sub.ranks else 0)
+        # Rank numbers to spawn into: for a job that may have more processes than ranks, and
+        # for a "rebuild" one, whose new processes in lost ranks' places are spawns (as many
+        # as were lost: its universe may be its ranks).
+        spawns = sub.universe > sub.ranks or sub.on_failure == "rebuild"
+        space = sub.ranks + (self.settings.max_spawned if spawns else 0)
         info = await self.db.call(self.store.create_job, who.name, sub, self.clock(), space)
         self.changes.fire()
         await self.schedule()

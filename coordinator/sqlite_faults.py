@@ -11,8 +11,9 @@ In a job whose failure mode reports failures (``api.REPORTING_MODES``) a lost ra
 replaced: it is declared ``failed``, and fenced at every relay of the job (``fences``: the relays
 learn of it in their heartbeat answers and confirm in their next heartbeat). Once every relay
 has confirmed, the agents of the other ranks learn of it in theirs and tell their ranks, which
-see it the ULFM way. So a failed rank that comes back (its volunteer's machine was frozen, or
-cut off) is refused everywhere before anybody acts on its failure: it is never a revenant.
+see it as the job's mode says (ULFM's way, or FT-MPI's). So a failed rank that comes back (its
+volunteer's machine was frozen, or cut off) is refused everywhere before anybody acts on its
+failure: it is never a revenant.
 """
 
 from __future__ import annotations
@@ -295,10 +296,10 @@ class FaultsMixin(ValidationMixin, CheckpointsMixin):
         """End the rank's current incarnation as lost. In a running job, the rank gets a new
         incarnation waiting for a slot (avoiding the old agent if it is ``suspect``), unless
         the job has had ``max_restarts`` restarts already or runs with fault tolerance off: then
-        the job fails. In a job whose failure mode reports failures ("ulfm") the rank is
-        declared failed instead (``_declare_failed``). A loss caused by relay ``outage`` (its
-        agent could not reach it) does not count as a restart: the replacement waits a backoff
-        instead, and the job fails only once the relay has been unreachable for
+        the job fails. In a job whose failure mode reports failures (``api.REPORTING_MODES``)
+        the rank is declared failed instead (``_declare_failed``). A loss caused by relay
+        ``outage`` (its agent could not reach it) does not count as a restart: the replacement
+        waits a backoff instead, and the job fails only once the relay has been unreachable for
         ``relay_down_timeout``. Nor does one that is not ``counted`` (a lease given back before
         it ran)."""
         with self.db.atomic():

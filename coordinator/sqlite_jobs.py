@@ -174,11 +174,12 @@ class JobsMixin(FaultsMixin):
                     "INSERT INTO ranks (job, rank, state) VALUES (?, ?, 'pending')",
                     [job_id, rank],
                 )
-            off = {
-                "transparent": "" if sub.fault_tolerance else ", fault tolerance off",
-                "abort": ", a lost rank fails the job (on-failure abort)",
-                "ulfm": ", lost ranks are reported to the program (on-failure ulfm)",
-            }[sub.on_failure]
+            if sub.on_failure in api.REPORTING_MODES:
+                off = f", lost ranks are reported to the program (on-failure {sub.on_failure})"
+            elif sub.on_failure == "abort":
+                off = ", a lost rank fails the job (on-failure abort)"
+            else:
+                off = "" if sub.fault_tolerance else ", fault tolerance off"
             if sub.checkpoint_every > 0:
                 off += f", a checkpoint every {sub.checkpoint_every:g} s"
             if sub.memory:

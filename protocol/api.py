@@ -65,10 +65,21 @@ TERMINAL_STATES: frozenset[str] = frozenset({"succeeded", "failed", "cancelled"}
 # elsewhere and replays its log, the program never notices. "abort": the job fails. "ulfm": it
 # is declared failed, fenced at the relays, and the surviving ranks are told (``Failed``), which
 # the program sees the ULFM way (``MPI.ERR_PROC_FAILED``, ``Comm.Revoke``/``Agree``/``Shrink``).
-FailureMode = Literal["transparent", "abort", "ulfm"]
-FAILURE_MODES: tuple[FailureMode, ...] = ("transparent", "abort", "ulfm")
+# "blank", "shrink", "rebuild" (FT-MPI's modes): the same as "ulfm" outside the MPI runtime; in
+# it, every operation on a communicator with a failed member fails, and ``COMM_WORLD.Dup()``
+# rebuilds the world with holes at the failed ranks, without them (renumbered), or with new
+# processes (spawned, the job's program) in their places.
+FailureMode = Literal["transparent", "abort", "ulfm", "blank", "shrink", "rebuild"]
+FAILURE_MODES: tuple[FailureMode, ...] = (
+    "transparent",
+    "abort",
+    "ulfm",
+    "blank",
+    "shrink",
+    "rebuild",
+)
 # The modes in which a lost rank is reported to the survivors instead of ending the job.
-REPORTING_MODES: frozenset[str] = frozenset({"ulfm"})
+REPORTING_MODES: frozenset[str] = frozenset({"ulfm", "blank", "shrink", "rebuild"})
 Stream = Literal["stdout", "stderr"]
 
 
@@ -493,8 +504,8 @@ class SpawnAsk(msgspec.Struct, frozen=True):
     parent: list[int]
     ctx: int
     # A lost process of this spawn is declared failed and the job's ranks told (as in the
-    # "ulfm" mode), whatever the job's failure mode: a farm's master re-dispatches the lost
-    # worker's tasks (``mpi4py.futures`` on the pool) instead of having it replayed.
+    # ``REPORTING_MODES``), whatever the job's failure mode: a farm's master re-dispatches the
+    # lost worker's tasks (``mpi4py.futures`` on the pool) instead of having it replayed.
     reported: bool = False
 
 
@@ -730,9 +741,9 @@ class RelayHeartbeat(msgspec.Struct, frozen=True):
 
 class RelayHeartbeatResponse(msgspec.Struct, frozen=True):
     finished_jobs: list[int] = []
-    # Ranks declared failed (``FailureMode`` "ulfm"): the relay refuses their incarnation
-    # ``incarnation`` and older from now on, stops the current attachment, and says so in its
-    # next heartbeat (sent at once). Repeated until it has.
+    # Ranks declared failed (``REPORTING_MODES``, reported spawns): the relay refuses their
+    # incarnation ``incarnation`` and older from now on, stops the current attachment, and says
+    # so in its next heartbeat (sent at once). Repeated until it has.
     fence: list[RankFence] = []
 
 

@@ -376,11 +376,11 @@ class Abort(_Msg, frozen=True, tag="abort"):
 
 
 class Failed(_Msg, frozen=True, tag="failed"):
-    """Agent -> rank (data connection), in a job whose failure mode reports failures (every
-    mode but "transparent"): ``ranks`` are the world ranks of the job the coordinator has
-    declared failed so far (a growing set: each frame repeats the earlier ones). A failed rank
-    is fenced at the relays before any survivor hears of it, so nothing it sends afterwards
-    reaches anybody: it never comes back."""
+    """Agent -> rank (data connection), in a job whose failure mode reports failures
+    (``api.REPORTING_MODES``) or that has reported spawns: ``ranks`` are the world ranks of the
+    job the coordinator has declared failed so far (a growing set: each frame repeats the
+    earlier ones). A failed rank is fenced at the relays before any survivor hears of it, so
+    nothing it sends afterwards reaches anybody: it never comes back."""
 
     ranks: list[int]
 

@@ -12,6 +12,7 @@ from pathlib import Path
 import click
 
 from vpool import paths
+from vpool.protocol.api import FAILURE_MODES
 from vpool.sdk import clientconfig
 from vpool.sdk.cli_common import (
     Settings,
@@ -139,12 +140,13 @@ def info(settings: Settings, as_json: bool) -> None:
 )
 @click.option(
     "--on-failure",
-    type=click.Choice(["transparent", "abort", "ulfm"]),
+    type=click.Choice(FAILURE_MODES),
     default="transparent",
     show_default=True,
     help="What a rank killed by a signal means: abort (the job ends; transparent is the same "
-    "here, with no relays to replay from) or ulfm (it is declared failed, the other ranks get "
-    "MPI.ERR_PROC_FAILED and go on; the job's code is the survivors').",
+    "here, with no relays to replay from) or ulfm, blank, shrink, rebuild (it is declared "
+    "failed, the other ranks get MPI.ERR_PROC_FAILED and recover as the mode says; the job's "
+    "code is the survivors').",
 )
 @click.option(
     "--universe",
@@ -162,7 +164,7 @@ def mpiexec(
     """Run a program like `mpiexec -n N`, on this machine, without any MPI installed.
 
     ARGV is the program and its arguments (a leading `python` is optional). The ranks log
-    their determinants as on a pool (not with --on-failure abort or ulfm, as on a pool);
+    their determinants as on a pool (not with any --on-failure but transparent, as on a pool);
     VPOOL_FT=0 in the environment turns that off, like `vsdk submit --no-fault-tolerance`.
     Processes the ranks spawn (MPI.Comm.Spawn) run here too, up to 1024 over the job's run.
 

@@ -18,6 +18,7 @@ from vpool.protocol.api import (
     FAILURE_MODES,
     MAX_JOB_MEMORY,
     MIN_JOB_MEMORY,
+    REPORTING_MODES,
     TERMINAL_STATES,
     AgentInfo,
     FailureMode,
@@ -207,9 +208,11 @@ def stream_output(
     default="transparent",
     show_default=True,
     help="What a lost rank means: transparent (it is restarted and replays, the program never "
-    "notices), abort (the job fails; the same as --no-fault-tolerance) or ulfm (it is declared "
-    "failed and the other ranks are told, as MPI.ERR_PROC_FAILED: for programs that recover "
-    "themselves with Comm.Revoke/Agree/Shrink).",
+    "notices), abort (the job fails; the same as --no-fault-tolerance), or, for programs that "
+    "recover themselves, ulfm, blank, shrink or rebuild (it is declared failed and the other "
+    "ranks get MPI.ERR_PROC_FAILED; they recover with Comm.Revoke/Agree/Shrink in ulfm, with "
+    "MPI.COMM_WORLD.Dup() in blank (a hole at the lost rank), shrink (it is removed) and "
+    "rebuild (a new process takes its place)).",
 )
 @click.option(
     "--universe",
@@ -304,9 +307,13 @@ def submit(
     Ranks are fault tolerant by default: a rank whose machine or process is lost is restarted
     and replays its logged messages. --no-fault-tolerance skips the logging (the benchmark
     benchmarks/ft_overhead.py measures what it costs) and fails the job on the first loss
-    (--on-failure abort says the same). --on-failure ulfm is for programs that handle failures
-    themselves (MPI's ULFM: a lost rank is declared failed, fenced so it can never come back,
-    and the other ranks get MPI.ERR_PROC_FAILED; the job succeeds if the survivors exit 0).
+    (--on-failure abort says the same). --on-failure ulfm, blank, shrink and rebuild are for
+    programs that handle failures themselves: a lost rank is declared failed, fenced so it can
+    never come back, and the other ranks get MPI.ERR_PROC_FAILED; the job succeeds if the
+    survivors exit 0. In ulfm they recover as MPI's ULFM says (Comm.Revoke, Agree, Shrink); in
+    blank, shrink and rebuild as FT-MPI's modes say: MPI.COMM_WORLD.Dup() rebuilds the world
+    with a hole at each lost rank, without them (renumbered), or with new processes of the
+    program in their places (spawned: they count against the pool's spawn limit).
     --checkpoint-every 600 also saves each rank every 10 minutes on machines that can (CRIU),
     so a lost rank resumes from there; it needs fault tolerance.
 
@@ -370,8 +377,8 @@ def submit(
             validate=validate,
         )
         what = f"{ranks} rank{'s' if ranks != 1 else ''}"
-        if on_failure == "ulfm":
-            what += ", failures reported to the program (ulfm)"
+        if on_failure in REPORTING_MODES:
+            what += f", failures reported to the program ({on_failure})"
         elif not fault_tolerance:
             what += ", fault tolerance off"
         if checkpoint_every > 0:

@@ -14,10 +14,12 @@ stdin goes to rank 0 only. What a failed rank means is the job's failure mode (`
   other ranks are terminated and its code is returned, with a line on stderr saying which rank;
 - ``transparent`` (the default, as for pool jobs): the same as ``abort`` here. In a pool a lost
   rank is restarted and replays its logged messages; here no relay keeps logs to replay from;
-- ``ulfm``: a rank killed by a signal is declared failed and the job goes on: the other ranks
-  are told (``MPI.ERR_PROC_FAILED`` and the rest of ULFM, ``vpool.mpi.ulfm``), a line on stderr
+- ``ulfm``, ``blank``, ``shrink``, ``rebuild``: a rank killed by a signal is declared failed and
+  the job goes on: the other ranks are told (``MPI.ERR_PROC_FAILED``, then ULFM's calls,
+  ``vpool.mpi.ulfm``, or FT-MPI's ``COMM_WORLD.Dup()``, ``vpool.mpi.ftmpi``), a line on stderr
   names it, and the job's code is the survivors' (0 when they all exit 0). A rank that exits
-  non-zero by itself, or calls ``MPI.Abort``, still ends the job.
+  non-zero by itself, or calls ``MPI.Abort``, still ends the job. A ``rebuild`` replacement is
+  a spawned process (below).
 
 Environment of the ranks as in docs/internals.md ("Rank <-> agent").
 
@@ -300,8 +302,9 @@ def main(args: Sequence[str] | None = None) -> int:
         choices=FAILURE_MODES,
         default="transparent",
         help="what a rank killed by a signal means: abort (the job ends; transparent is the "
-        "same here, with no relays to replay from) or ulfm (it is declared failed, the others "
-        "are told and go on; the job's code is the survivors')",
+        "same here, with no relays to replay from) or ulfm, blank, shrink, rebuild (it is "
+        "declared failed, the others are told and recover as the mode says; the job's code is "
+        "the survivors')",
     )
     parser.add_argument(
         "--universe",

@@ -11,12 +11,13 @@ nothing here outlives the job, and a mailbox drops what it pushed). It keeps the
 - "abort" and "transparent" (here the same: no relay keeps logs a replacement could replay):
   the first rank to exit non-zero, or to call ``MPI.Abort(code)``, ends the job, the other ranks
   are terminated and its code is the job's;
-- "ulfm": a rank killed by a signal (the local likeness of a lost machine) is declared failed:
-  every other rank is sent ``Failed`` (the ranks declared so far) and the job goes on; what it
-  sent and was not pushed yet, and whatever is sent to it, is dropped with its mailbox. A rank
-  that exits non-zero by itself, or calls ``MPI.Abort``, still ends the job (a program's error
-  is not a lost process). The job's code is then the survivors' (0 when they all exit 0), or the
-  first failure's when every rank failed.
+- "ulfm", "blank", "shrink", "rebuild" (``api.REPORTING_MODES``: here they differ only inside
+  the ranks' runtime): a rank killed by a signal (the local likeness of a lost machine) is
+  declared failed: every other rank is sent ``Failed`` (the ranks declared so far) and the job
+  goes on; what it sent and was not pushed yet, and whatever is sent to it, is dropped with its
+  mailbox. A rank that exits non-zero by itself, or calls ``MPI.Abort``, still ends the job (a
+  program's error is not a lost process). The job's code is then the survivors' (0 when they
+  all exit 0), or the first failure's when every rank failed.
 
 It also plays the pool for ``MPI.Comm.Spawn``: a rank's ``SpawnRequest`` starts every process
 it asks for (``launch``, given by ``mpiexec``) as ranks after the highest so far, welcomed with
@@ -44,7 +45,13 @@ from typing import Any
 
 import trio
 
-from vpool.protocol.api import RankLost, RelayDiverged, RelayValidated
+from vpool.protocol.api import (
+    FAILURE_MODES,
+    REPORTING_MODES,
+    RankLost,
+    RelayDiverged,
+    RelayValidated,
+)
 from vpool.protocol.errors import ErrorCode, RemoteProtocolError
 from vpool.protocol.framing import Large, Small, decode_head
 from vpool.protocol.messages import (
@@ -96,7 +103,7 @@ class _Rank:
         self.hung_up = trio.Event()  # its connection ended (or never began: process gone)
         self.exited = False
         self.finalized = False
-        self.failed = False  # declared failed (``--on-failure ulfm``)
+        self.failed = False  # declared failed (``REPORTING_MODES``, a reported spawn)
         # Control frames the core asked to send it (DetAck), and its pusher's wake-up.
         self.control: list[bytes] = []
         self.push_wanted = trio.Event()
@@ -129,9 +136,6 @@ async def read_hello(frames: SocketFrames) -> RankHello | None:
     if msg is not None and not isinstance(msg, RankHello):
         raise RemoteProtocolError(f"expected RankHello, got {type(msg).__name__}")
     return msg
-
-
-FAILURE_MODES = ("transparent", "abort", "ulfm")
 
 
 Launcher = Callable[[_Rank, list[str]], Awaitable[None]]
@@ -167,7 +171,7 @@ class _Router:
         if on_failure not in FAILURE_MODES:
             raise ValueError(f"unknown failure mode {on_failure!r}")
         self.on_failure = on_failure
-        self.failed: list[int] = []  # ranks declared failed, in order (``--on-failure ulfm``)
+        self.failed: list[int] = []  # ranks declared failed, in order (``REPORTING_MODES``)
         self.first_failure = 0  # the exit status of the first of them
         # ``size``: the job's rank numbers (``space``: the first ranks and those they may
         # spawn), which every rank's arrays cover; ``ranks``: the processes so far.
@@ -270,14 +274,11 @@ class _Router:
         """The rank's (last) process ended with ``code``: the job's fate, as mpiexec's (see
         the module docstring for the failure modes)."""
         if code != 0 and self.exit_code is None:
-            ends = (
-                ""
-                if self.on_failure == "ulfm"
-                else f": the job ends (--on-failure {self.on_failure})"
-            )
+            reports = self.on_failure in REPORTING_MODES
+            ends = "" if reports else f": the job ends (--on-failure {self.on_failure})"
             if code < 0:
                 name = _signal_name(-code)
-                if self.on_failure == "ulfm" or rank.reported:
+                if reports or rank.reported:
                     self.declare_failed(rank, 128 - code, f"was killed by signal {name}")
                 else:
                     self.fail(128 - code, f"rank {rank.index} was killed by signal {name}{ends}")
@@ -290,16 +291,15 @@ class _Router:
             self.all_exited.set()
 
     def declare_failed(self, rank: _Rank, status: int, how: str) -> None:
-        """``--on-failure ulfm``: ``rank`` is gone for good; the others are told and go on."""
+        """``REPORTING_MODES`` (or a reported spawn): ``rank`` is gone for good; the others are
+        told and go on."""
         rank.failed = True
         if not self.failed:
             self.first_failure = status
         self.failed.append(rank.index)
-        why = "a reported spawn" if rank.reported and self.on_failure != "ulfm" else None
-        self.say(
-            f"rank {rank.index} {how}: declared failed, the other ranks go on "
-            f"({why or '--on-failure ulfm'})"
-        )
+        reports = self.on_failure in REPORTING_MODES
+        why = f"--on-failure {self.on_failure}" if reports else "a reported spawn"
+        self.say(f"rank {rank.index} {how}: declared failed, the other ranks go on ({why})")
         for other in self.ranks:
             if not other.failed and not other.exited:
                 self._tell_failed(other)

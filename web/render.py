@@ -66,6 +66,9 @@ FAILURE_MODE_WORDS = {
     "transparent": "restart transparently",
     "abort": "fail the job",
     "ulfm": "report to the program (ULFM)",
+    "blank": "report to the program (FT-MPI blank)",
+    "shrink": "report to the program (FT-MPI shrink)",
+    "rebuild": "report to the program (FT-MPI rebuild)",
 }
 
 

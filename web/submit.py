@@ -66,6 +66,22 @@ ON_FAILURE_CHOICES: dict[str, tuple[str, str]] = {
         "for programs that handle failures themselves: the rank is declared failed, the others "
         "get MPI.ERR_PROC_FAILED (Comm.Revoke/Agree/Shrink) and the job succeeds if they exit 0",
     ),
+    # FT-MPI's modes: reported as in "ulfm"; the others recover with MPI.COMM_WORLD.Dup().
+    "blank": (
+        "Leave a hole (FT-MPI blank)",
+        "as ULFM, but the others recover with MPI.COMM_WORLD.Dup(): the world keeps its size "
+        "and their ranks, with a hole where the lost rank was",
+    ),
+    "shrink": (
+        "Shrink the world (FT-MPI shrink)",
+        "as ULFM, but the others recover with MPI.COMM_WORLD.Dup(): the lost rank is removed, "
+        "they are renumbered in order and the world is smaller",
+    ),
+    "rebuild": (
+        "Start a new rank in its place (FT-MPI rebuild)",
+        "as ULFM, but the others recover with MPI.COMM_WORLD.Dup(): a new process of the "
+        "program (a spawned one) takes the lost rank's number and joins them",
+    ),
 }
 RESTART = ON_FAILURE_CHOICES["transparent"][0]
 MODES: dict[str, api.FailureMode] = {mode: mode for mode in api.FAILURE_MODES}

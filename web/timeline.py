@@ -24,9 +24,11 @@ Segment states (``STATES``) and the events that start them:
   showed before), is lost or ends;
 - ``lost``: from ``rank_lost`` until the replacement incarnation is placed
   (``rank_restarted``), or until the job ends;
-- ``failed``: in a job whose failure mode reports failures (``api.REPORTING_MODES``: "ulfm"),
-  from ``rank_failed`` (the rank is declared failed: never replaced, the other ranks carry on
-  without it) until the job ends; no later event of the rank changes the row;
+- ``failed``: in a job whose failure mode reports failures (``api.REPORTING_MODES``: "ulfm",
+  "blank", "shrink", "rebuild"), from ``rank_failed`` (the rank is declared failed: never
+  restarted, the other ranks carry on without it; a "rebuild" job's new process in its place is
+  a spawned process, not this rank) until the job ends; no later event of the rank changes the
+  row;
 - ``waiting``: the replacement can only start from a checkpoint image and no agent can restore
   it (``rank_waiting_restore``), until it is placed or the job ends;
 - ``validating``: a re-execution of the rank for validation by replay, from its placement
@@ -35,7 +37,7 @@ Segment states (``STATES``) and the events that start them:
   its log, but the row says what it is for.
 
 A rank's row ends at ``rank_exited`` or, in other jobs, ``rank_failed`` (no segment after: the
-job fails with it; a survivor exiting non-zero fails a "ulfm" job too, and its ``failed``
+job fails with it; a survivor exiting non-zero fails a reporting job too, and its ``failed``
 segment of no duration is dropped). ``rank_failed`` is also a fault mark. Every row ends at
 the job's end event (``succeeded``, ``failed``, ``cancelled``). ``rank_validating`` starts an
 ended row again: validation begins once every rank exited. The current segment of an

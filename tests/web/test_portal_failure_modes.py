@@ -1,7 +1,8 @@
 """Failure modes in the portal (issue 23): the submit form's "When a rank is lost" choice
-(``on_failure``, as ``vsdk submit --on-failure``), what it refuses and how, and the page of a
-"ulfm" job whose rank was declared failed: the mode, the failed ranks, a failed badge in the
-ranks table and a failed segment on the timeline.
+(``on_failure``, as ``vsdk submit --on-failure``), what it refuses and how, and the page of a job
+whose mode reports failures ("ulfm", FT-MPI's "blank", "shrink", "rebuild") and whose rank was
+declared failed: the mode, the failed ranks, a failed badge in the ranks table and a failed
+segment on the timeline.
 
 The failed rank is made as ``tests/coordinator/test_failure_modes.py`` makes it: a fake agent
 reports the rank's process lost through the coordinator's real HTTP API."""
@@ -13,12 +14,24 @@ from html import unescape
 from pathlib import Path
 
 import httpx
+import pytest
 from coord_helpers import HELLO
 from portal_helpers import Browser, Portal, field_errors, open_portal
 
 from vpool.protocol import api
 from vpool.web import portal as web_portal
 from vpool.web.submit import ON_FAILURE_CHOICES
+
+REPORTING = [mode for mode in api.FAILURE_MODES if mode in api.REPORTING_MODES]
+# What a job's page says its mode does.
+WORDS = {
+    "transparent": "restart transparently",
+    "abort": "fail the job",
+    "ulfm": "report to the program (ULFM)",
+    "blank": "report to the program (FT-MPI blank)",
+    "shrink": "report to the program (FT-MPI shrink)",
+    "rebuild": "report to the program (FT-MPI rebuild)",
+}
 
 
 def _program() -> list:
@@ -64,19 +77,14 @@ async def test_each_choice_makes_the_job_vsdk_submit_on_failure_would(portal: Po
     assert "When a rank is lost" in form and 'name="fault_tolerance"' not in form
     assert re.findall(r'type="radio" id="on_failure-([a-z]+)"', form) == list(api.FAILURE_MODES)
     assert _checked(form) == ["transparent"]  # the default, as vsdk's
-    for label, _ in ON_FAILURE_CHOICES.values():
-        assert label in form
-    words = {
-        "transparent": "restart transparently",
-        "abort": "fail the job",
-        "ulfm": "report to the program (ULFM)",
-    }
+    for label, means in ON_FAILURE_CHOICES.values():
+        assert label in form and unescape(means) in unescape(form)
     for mode in api.FAILURE_MODES:
         job = await _submit(alice, on_failure=mode)
         info = (await portal.pool.job(job)).job
         assert (info.on_failure, info.fault_tolerance) == (mode, mode == "transparent")
         page = (await alice.get(f"/jobs/{job}")).text
-        assert _summary(page, "job-on-failure") == words[mode]
+        assert _summary(page, "job-on-failure") == WORDS[mode]
         assert 'id="job-failed-ranks"' not in page
         disabled = re.search(
             r'<button type="submit" id="checkpoint" disabled title="([^"]*)"', page
@@ -96,7 +104,7 @@ async def test_posts_of_the_old_form_keep_their_meaning(portal: Portal) -> None:
         ({"fault_tolerance": ""}, "abort"),
         ({}, "abort"),
         # The choice, when sent, is what counts.
-        ({"fault_tolerance": "on", "on_failure": "ulfm"}, "ulfm"),
+        *(({"fault_tolerance": "on", "on_failure": mode}, mode) for mode in REPORTING),
     ):
         job = await _submit(alice, **fields)
         assert (await portal.pool.job(job)).job.on_failure == mode, fields
@@ -105,7 +113,7 @@ async def test_posts_of_the_old_form_keep_their_meaning(portal: Portal) -> None:
 async def test_checkpoints_and_validation_need_lost_ranks_restarted(portal: Portal) -> None:
     alice = await portal.sign_in("alice")
     typed = {"name": "my <job>", "args": "1000 'two words'", "memory": "512M"}
-    for mode in ("abort", "ulfm"):
+    for mode in ("abort", *REPORTING):
         r = await _post(alice, {**typed, "on_failure": mode, "checkpoint_every": "60"})
         assert r.status_code == 422, r.text
         errors = field_errors(r.text)
@@ -137,13 +145,16 @@ async def test_checkpoints_and_validation_need_lost_ranks_restarted(portal: Port
 async def test_a_pool_that_validates_every_job_takes_only_restarts(tmp_path: Path) -> None:
     async with open_portal(tmp_path, validate_jobs=True) as portal:
         alice = await portal.sign_in("alice")
-        r = await _post(alice, {"on_failure": "ulfm"})
-        assert r.status_code == 422
-        assert field_errors(r.text) == {
-            "on_failure": "this pool validates every job, which replays the messages logged "
-            'only to restart lost ranks: choose "Restart it elsewhere"'
-        }
-        assert re.search(r'value="ulfm" checked aria-invalid="true" aria-describedby', r.text)
+        for mode in REPORTING:
+            r = await _post(alice, {"on_failure": mode})
+            assert r.status_code == 422
+            assert field_errors(r.text) == {
+                "on_failure": "this pool validates every job, which replays the messages logged "
+                'only to restart lost ranks: choose "Restart it elsewhere"'
+            }
+            assert re.search(
+                rf'value="{mode}" checked aria-invalid="true" aria-describedby', r.text
+            )
         await _no_jobs(portal)
 
 
@@ -156,6 +167,10 @@ async def test_hostile_choices_are_a_field_error_not_a_guess(portal: Portal) -> 
         ({"on_failure": "ulfm\x00"}, []),
         ({"on_failure": "\x00" * 5000}, []),
         ({"on_failure": ["ulfm", "abort"]}, []),
+        ({"on_failure": ["shrink", "blank"]}, []),
+        ({"on_failure": "Rebuild"}, []),
+        ({"on_failure": "shrink "}, []),
+        ({"on_failure": "respawn"}, []),  # a mode of other runtimes, not of this pool
         ({"on_failure": ["ulfm", "ulfm"]}, []),  # a browser sends one value
         ({}, [("on_failure", ("ulfm", b"ulfm", "text/plain"))]),  # a file
         ({"on_failure": "ulfm"}, [("on_failure", ("ulfm", b"ulfm", "text/plain"))]),
@@ -165,7 +180,9 @@ async def test_hostile_choices_are_a_field_error_not_a_guess(portal: Portal) -> 
         assert r.status_code == 422, (fields, r.status_code)
         errors = field_errors(r.text)
         assert errors["on_failure"] == (
-            'choose one: "Restart it elsewhere", "Fail the job" or "Tell the other ranks (ULFM)"'
+            'choose one: "Restart it elsewhere", "Fail the job", "Tell the other ranks (ULFM)", '
+            '"Leave a hole (FT-MPI blank)", "Shrink the world (FT-MPI shrink)" or "Start a new '
+            'rank in its place (FT-MPI rebuild)"'
         ), errors
         assert "Submit a job" in r.text and 'value="kept"' in r.text
         assert _checked(r.text) == []  # nothing shown as chosen that was not
@@ -177,7 +194,7 @@ async def test_hostile_choices_are_a_field_error_not_a_guess(portal: Portal) -> 
     await _no_jobs(portal)
 
 
-# -- a ulfm job's page --------------------------------------------------------------------------
+# -- the page of a job whose mode reports failures ----------------------------------------------
 
 
 def _rank_rows(html: str) -> list[str]:
@@ -195,11 +212,14 @@ def _segments(html: str, rank: int) -> list[tuple[str, str]]:
     return [(state, inc) for state, inc in found]
 
 
-async def test_a_ulfm_job_page_shows_its_failed_rank(portal: Portal) -> None:
+@pytest.mark.parametrize("mode", REPORTING)
+async def test_the_page_of_a_job_that_reports_failures_shows_its_failed_rank(
+    portal: Portal, mode: str
+) -> None:
     pool = portal.pool
     alice = await portal.sign_in("alice")
     await pool.register_relay()
-    job = await _submit(alice, on_failure="ulfm")
+    job = await _submit(alice, on_failure=mode)
     agent = await pool.enroll("agent-1", slots=3)
     leases = await pool.lease(agent)
     pool.clock.advance(1)
@@ -211,7 +231,7 @@ async def test_a_ulfm_job_page_shows_its_failed_rank(portal: Portal) -> None:
     pool.clock.advance(3)
 
     html = (await alice.get(f"/jobs/{job}")).text
-    assert _summary(html, "job-on-failure") == "report to the program (ULFM)"
+    assert _summary(html, "job-on-failure") == WORDS[mode]
     assert _summary(html, "job-failed-ranks") == "1"
     assert 'id="job-state">running<' in html
     rows = _rank_rows(html)
@@ -225,7 +245,9 @@ async def test_a_ulfm_job_page_shows_its_failed_rank(portal: Portal) -> None:
     assert _segments(html, 0)[-1] == ("running", "1")
     tip = re.search(r'data-state="failed" [^>]*><title>([^<]*)</title>', html)
     assert tip and "rank 1, incarnation 1: failed from 3.0 s to 6.0 s: " in unescape(tip.group(1))
-    assert "declared failed; the other ranks are told (on-failure ulfm)" in unescape(tip.group(1))
+    assert f"declared failed; the other ranks are told (on-failure {mode})" in unescape(
+        tip.group(1)
+    )
     assert re.search(r'class="mark mark-fault" data-rank="1"', html)
     assert 'class="swatch seg-failed"' in html  # in the legend
     assert re.search(r'<tr class="event-rank_failed marked-fault">', html)

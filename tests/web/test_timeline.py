@@ -257,11 +257,13 @@ def test_cancelled_while_queued() -> None:
     assert rows(tl, 0) == rows(tl, 1) == [("queued", 0, 3, None)]
 
 
-def test_a_rank_declared_failed_shows_failed_until_the_job_ends() -> None:
-    """In a "ulfm" job a lost rank is declared failed (``rank_failed``) and never replaced: its
-    row shows ``failed`` (with a fault mark) until the job's end, whatever comes after from the
-    failed incarnation. In other jobs ``rank_failed`` fails the job at once: nothing is drawn."""
-    declared = "rank 1 lost: declared failed; the other ranks are told (on-failure ulfm)"
+@pytest.mark.parametrize("mode", [m for m in api.FAILURE_MODES if m in api.REPORTING_MODES])
+def test_a_rank_declared_failed_shows_failed_until_the_job_ends(mode: api.FailureMode) -> None:
+    """In a job whose mode reports failures ("ulfm", "blank", "shrink", "rebuild") a lost rank
+    is declared failed (``rank_failed``) and never replaced: its row shows ``failed`` (with a
+    fault mark) until the job's end, whatever comes after from the failed incarnation. In other
+    jobs ``rank_failed`` fails the job at once: nothing is drawn."""
+    declared = f"rank 1 lost: declared failed; the other ranks are told (on-failure {mode})"
     events = [
         *STARTED,
         ev(5, "rank_failed", 1, declared),
@@ -270,11 +272,11 @@ def test_a_rank_declared_failed_shows_failed_until_the_job_ends() -> None:
         ev(9, "rank_exited", 0),
         ev(9, "succeeded"),
     ]
-    live = build(job(on_failure="ulfm"), events[:5], now=T0 + 8)
+    live = build(job(on_failure=mode), events[:5], now=T0 + 8)
     assert rows(live, 1)[-2:] == [("running", 2, 5, 1), ("failed", 5, 8, 1)]
     assert live.segments[-1].label == declared
     _check(live)
-    done = build(job("succeeded", finished=T0 + 9, on_failure="ulfm"), events, now=T0 + 30)
+    done = build(job("succeeded", finished=T0 + 9, on_failure=mode), events, now=T0 + 30)
     assert rows(done, 1)[-2:] == [("running", 2, 5, 1), ("failed", 5, 9, 1)]
     assert rows(done, 0)[-1] == ("running", 2, 9, 1)
     assert [(m.rank, m.time - T0, m.kind) for m in done.marks] == [(1, 5, "fault")]
@@ -282,14 +284,14 @@ def test_a_rank_declared_failed_shows_failed_until_the_job_ends() -> None:
     svg = str(render_svg(done))
     assert 'class="seg seg-failed" data-rank="1" data-state="failed" data-incarnation="1"' in svg
     # A failing exit (any mode) fails the job in the same instant: no failed segment.
-    for mode in api.FAILURE_MODES:
+    for each in api.FAILURE_MODES:
         exit_failed = [
             *STARTED,
             ev(5, "rank_failed", 1, "rank 1 exited with code 3"),
             ev(5, "failed"),
         ]
-        tl = build(job("failed", finished=T0 + 5, on_failure=mode), exit_failed, now=T0 + 9)
-        assert rows(tl, 1)[-1] == ("running", 2, 5, 1), mode
+        tl = build(job("failed", finished=T0 + 5, on_failure=each), exit_failed, now=T0 + 9)
+        assert rows(tl, 1)[-1] == ("running", 2, 5, 1), each
         assert "failed" not in {s.state for s in tl.segments}
 
 
