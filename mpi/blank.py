@@ -21,7 +21,8 @@ blank communicator's numbering:
   holes' blocks are left untouched, whatever counts the holes are given; the blocks a hole
   would send are skipped;
 - ``Reduce_scatter(_block)``: the holes' blocks of the result are reduced for no one; each live
-  member gets its own. Without ``recvcounts`` a hole counts for nothing.
+  member gets its own. ``recvcounts`` lay out the send buffer, so a hole's count still says how
+  many elements to skip; without ``recvcounts`` a hole counts for nothing.
 
 The functions take the blank core with the signatures of ``coll`` (objects, lower case) and
 ``collbuf`` (buffers, upper case), which ``commcoll`` calls in their place when the core has
@@ -41,9 +42,7 @@ from vpool.mpi.collbuf import in_place, launch
 from vpool.mpi.datatypes import Datatype
 from vpool.mpi.sched import Algo, new_tag
 
-if (
-    TYPE_CHECKING
-):  # ``comm`` imports this module (through ``commcoll``): no import cycle at run time
+if TYPE_CHECKING:  # not at run time: ``comm`` imports this module (through ``commcoll``)
     from vpool.mpi.comm import _Core
 
 _BLANKED_TAG = -(1 << 44)
@@ -69,7 +68,8 @@ def blanked(comm: Any, holes: Iterable[int]) -> Any:
     """A copy of the intracommunicator ``comm`` whose ranks ``holes`` are holes: FT-MPI's blank
     mode without a failure, for tests. Collective over the live members only (the holes'
     processes do not call it): they agree a context id among themselves. The holes are not
-    marked failed in the engine; point-to-point with them needs ``eng.apply_failed``."""
+    marked failed in the engine: point-to-point with them, ``Agree`` and ``Shrink`` need
+    ``eng.apply_failed`` first, as after a real failure."""
     from vpool.mpi.comm import agree_ctx_among
 
     h = comm._core()
@@ -193,12 +193,10 @@ def _v_blocks(b: Any, vm: VMsg) -> list[memoryview]:
     return [block(vm, r) for r in _live(b)]
 
 
-def _block_size(whole: Any, part: Any, size: int) -> int:
-    """Bytes per block of ``whole`` (``size`` blocks); ValueError unless ``part`` is one."""
-    bs = int(whole.view.nbytes // size)
-    if part.view.nbytes != bs:
+def _check_block(whole: Any, part: Any, size: int) -> None:
+    """ValueError unless ``part`` is the size of one of the ``size`` blocks of ``whole``."""
+    if part.view.nbytes * size != whole.view.nbytes:
         raise ValueError(f"mismatch in send count {part.items} and receive count {whole.items}")
-    return bs
 
 
 def Gather(b: Any, sendbuf: Any, recvbuf: Any, root: int, nb: bool = False) -> Any:
@@ -208,12 +206,11 @@ def Gather(b: Any, sendbuf: Any, recvbuf: Any, root: int, nb: bool = False) -> A
     mine = r = None
     if s.rank == sroot:
         r = parse_blocks(recvbuf, b.size, writable=True)
-        bs = r.view.nbytes // b.size
         if not in_place(sendbuf):
             m = parse(sendbuf, writable=False)
-            bs = _block_size(r, m, b.size)
+            _check_block(r, m, b.size)
             mine = m.view
-        blocks = _equal_blocks(b, r.view, bs)
+        blocks = _equal_blocks(b, r.view, r.view.nbytes // b.size)
     else:
         mine = parse(sendbuf, writable=False).view
     return launch(s, collalg.linear_gatherv(s, mine, blocks, sroot, new_tag(s)), nb, r)
@@ -240,12 +237,11 @@ def Scatter(b: Any, sendbuf: Any, recvbuf: Any, root: int, nb: bool = False) -> 
     out = r = None
     if s.rank == sroot:
         whole = parse_blocks(sendbuf, b.size, writable=False)
-        bs = whole.view.nbytes // b.size
         if not in_place(recvbuf):
             r = parse(recvbuf, writable=True)
-            bs = _block_size(whole, r, b.size)
+            _check_block(whole, r, b.size)
             out = r.view
-        blocks = _equal_blocks(b, whole.view, bs)
+        blocks = _equal_blocks(b, whole.view, whole.view.nbytes // b.size)
     else:
         r = parse(recvbuf, writable=True)
         out = r.view
@@ -283,12 +279,10 @@ def _allgather(s: Any, blocks: list[memoryview], tag: int) -> Algo:
 def Allgather(b: Any, sendbuf: Any, recvbuf: Any, nb: bool = False) -> Any:
     s = b.shadow
     r = parse_blocks(recvbuf, b.size, writable=True)
-    bs = r.view.nbytes // b.size
-    if in_place(sendbuf):
-        blocks = _equal_blocks(b, r.view, bs)
-    else:
+    blocks = _equal_blocks(b, r.view, r.view.nbytes // b.size)
+    if not in_place(sendbuf):
         m = parse(sendbuf, writable=False)
-        blocks = _equal_blocks(b, r.view, _block_size(r, m, b.size))
+        _check_block(r, m, b.size)
         blocks[s.rank][:] = m.view
     return launch(s, _allgather(s, blocks, new_tag(s)), nb, r)
 
