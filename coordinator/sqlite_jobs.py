@@ -390,7 +390,7 @@ class JobsMixin(FaultsMixin):
             job_id,
             now,
             "running",
-            f"placed {size} ranks on {agents} agent(s), relays {', '.join(relays)}",
+            f"placed {len(placement)} ranks on {agents} agent(s), relays {', '.join(relays)}",
         )
 
     def take_leases(self, agent_id: str, now: float) -> list[api.Lease]:

@@ -374,11 +374,11 @@ class Agent:
         # stop order, should its job end early, goes out at once too.
         self._beat.cancel()
         log.info(
-            "leased rank %d of job %d (incarnation %d, %d ranks)",
+            "leased rank %d of job %d (incarnation %d, COMM_WORLD of %d)",
             lease.rank,
             lease.job,
             lease.incarnation,
-            lease.size,
+            len(lease.world) or lease.size,
         )
         self.nursery.start_soon(self._run, rank)
 
