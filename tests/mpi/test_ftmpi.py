@@ -49,6 +49,7 @@ def _world(mode: str, n: int, lost: int) -> tuple[list[int], str]:
         ("world", 1, "world_is_rebuilt=True ", 4),
         ("twice", 2, "", 3),  # down to one live rank but in rebuild mode
         ("twice", 2, "", 4),
+        ("during", 2, "", 4),
     ],
 )
 async def test_the_world_is_rebuilt_by_the_mode(

@@ -10,6 +10,9 @@ same everywhere (the test compares them), and ``RANK`` is the rank in the rebuil
   point-to-point messages over the live ranks, a collective; in blank mode a send to the hole
   raises at once; in rebuild mode the replacement (which prints ``replacement``) takes part.
 - ``twice``: two failures one after the other (the last two ranks), two recoveries.
+- ``during``: the second failure comes as the survivors start recovering from the first:
+  ``Dup`` raises ``ERR_PROC_FAILED`` where it interrupts the recovery, and called again it
+  recovers from both.
 - ``spawn`` (rebuild mode): an ordinary ``Spawn`` still works; its child is no replacement.
 """
 
@@ -79,9 +82,18 @@ def facts(comm) -> str:
     return f"size={size} live={ranks} sum={total} ring={token} first={first}{hole}"
 
 
+def recover():
+    """``MPI.COMM_WORLD.Dup()`` until no failure interrupts it."""
+    while True:
+        try:
+            return MPI.COMM_WORLD.Dup()
+        except MPI.Exception as exc:
+            assert exc.Get_error_class() == MPI.ERR_PROC_FAILED, exc
+
+
 def replacement() -> None:
-    comm = MPI.COMM_WORLD.Dup()
     scenario = sys.argv[1]
+    comm = recover() if scenario == "during" else MPI.COMM_WORLD.Dup()
     if scenario == "twice" and comm.Get_rank() == comm.Get_size() - 1:
         # The first failure's replacement: the other dying rank goes after the first facts.
         print(f"{scenario} first {comm.Get_rank()} {facts(comm)}", flush=True)
@@ -121,6 +133,13 @@ def main(scenario: str) -> None:
         die_when_all_pass(comm, size - 2)
         assert failed(lambda: comm.recv(source=MPI.ANY_SOURCE, tag=99))
         comm = MPI.COMM_WORLD.Dup()
+        print(f"{scenario} ok {comm.Get_rank()} {facts(comm)}", flush=True)
+    elif scenario == "during":
+        die_when_all_pass(world, size - 1)
+        assert failed(lambda: world.barrier())
+        if rank == size - 2:
+            die()  # as the others start their recovery
+        comm = recover()
         print(f"{scenario} ok {comm.Get_rank()} {facts(comm)}", flush=True)
     elif scenario == "spawn":
         child = world.Spawn(sys.executable, [__file__, "child"], maxprocs=1)
