@@ -54,8 +54,10 @@ def mpi4py_sdist() -> Path:
                 "-m",
                 "pip",
                 "download",
+                # Only mpi4py as source: its build requirements (Cython...) as wheels, which
+                # pip installs to read its metadata, instead of compiling Cython for minutes.
                 "--no-binary",
-                ":all:",
+                "mpi4py",
                 "--no-deps",
                 "--dest",
                 tmp,
