@@ -1,6 +1,19 @@
 """The job timeline of the portal's job page: one row per rank over time, segments coloured by
 state, marks for checkpoints, faults and fencing.
 
+Rows (``Timeline.rows``): the job's first ranks (``JobInfo.ranks``), then the processes its ranks
+spawned (``MPI.Comm.Spawn``, mpi4py.futures; FT-MPI's "rebuild" replacements are spawns too),
+which are more ranks of the job numbered after the first ones (``JobInfo.spawned`` of them), in
+rank order: the rows of the ranks ``api.JobDetail.ranks`` lists. A spawned process's row is
+labelled with the rank that spawned it, from the job event ``spawn`` that covers it ("rank 0
+spawned ranks 4 to 5: ...", written by the coordinator's ``sqlite_spawn``), and starts at that
+event: ``queued`` until it is placed (``rank_spawned``), then as any rank. A "rebuild" job's
+new process in a failed rank's place is labelled like any spawn: neither the event nor the
+spawn request says whether a spawn replaces failed ranks (the program may spawn after a failure
+itself), so the row does not guess. At most ``MAX_ROWS`` rows are drawn, the first ranks
+always; the spawned processes past them are counted in ``Timeline.hidden`` (their events make
+no row and no mark).
+
 ``build`` turns a job's event list (``api.JobDetail.events``, written by the coordinator's
 store) into a ``Timeline``: plain msgspec Structs, so an API route can return the same model as
 JSON. ``render_svg`` draws it as an inline ``<svg>`` with no scripts and no style attributes:
@@ -9,9 +22,10 @@ the page's Content-Security-Policy allows neither, so every colour comes from a 
 
 Segment states (``STATES``) and the events that start them:
 
-- ``queued``: from the job's creation until the job is placed (job event ``running``);
-- ``starting``: an incarnation is leased to an agent (``running``, ``rank_restarted``) and has
-  not said it runs yet;
+- ``queued``: from the job's creation until the job is placed (job event ``running``); for a
+  spawned process, from its ``spawn`` until it is placed (``rank_spawned``);
+- ``starting``: an incarnation is leased to an agent (``running``, ``rank_restarted``,
+  ``rank_spawned``) and has not said it runs yet;
 - ``running``: the first incarnation runs (``rank_running``);
 - ``replaying``: a replacement that re-runs from the beginning and replays its log
   (``rank_replaying``). No event says when it caught up, so the whole run of that incarnation
@@ -61,6 +75,7 @@ sort: events of one instant keep their recorded order).
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -102,6 +117,11 @@ _MARKS: dict[str, str] = {
 _JOB_ENDS = frozenset(api.TERMINAL_STATES)
 # Rank events that apply to a row that ended: a rank is re-executed after it exited.
 _REOPENS = frozenset({"rank_validating"})
+# Rows drawn at most: the first ranks, then spawned processes up to this many rows in all (a job
+# may spawn ``max_spawned`` processes, 1024 by default, over its run).
+MAX_ROWS = 256
+# The message of a ``spawn`` event (``coordinator/sqlite_spawn.py``): root, first and last rank.
+_SPAWN = re.compile(r"rank (\d{1,9}) spawned ranks (\d{1,9}) to (\d{1,9})\b")
 
 
 def mark_kind(kind: str) -> str | None:
@@ -131,13 +151,27 @@ class Mark(msgspec.Struct, frozen=True):
     label: str
 
 
+class Row(msgspec.Struct, frozen=True):
+    """Rank ``rank``'s row: ``label`` names it ("rank 5 (spawned by rank 0)"); ``start`` is the
+    job's creation for a first rank, its spawn for a spawned process (None: no event says
+    when it was spawned); ``spawned_by`` is the rank that spawned it, if known."""
+
+    rank: int
+    label: str
+    start: float | None
+    spawned: bool = False
+    spawned_by: int | None = None
+
+
 class Timeline(msgspec.Struct, frozen=True):
     start: float
     end: float
-    ranks: int
+    ranks: int  # rows drawn: ranks 0 to ranks - 1
     segments: list[Segment]  # by rank, then start
     marks: list[Mark]  # by time
     live: bool  # the job is not over: the page should fetch it again
+    rows: list[Row] = []  # one per rank drawn, in rank order
+    hidden: int = 0  # spawned processes past ``MAX_ROWS``, not drawn
 
 
 @dataclass
@@ -152,13 +186,36 @@ class _Row:
     runs_label: str = ""
     # What a suspended row showed before (state, label), to show again once it resumes.
     before: tuple[str, str] | None = None
+    # A spawned process's row: it starts at its spawn (``born``), no event counts before.
+    spawned: bool = False
+    born: bool = True
+    spawned_by: int | None = None
+    born_at: float | None = None
+
+    def info(self) -> Row:
+        if not self.spawned:
+            return Row(rank=self.rank, label=f"rank {self.rank}", start=self.born_at)
+        by = "" if self.spawned_by is None else f" by rank {self.spawned_by}"
+        return Row(
+            rank=self.rank,
+            label=f"rank {self.rank} (spawned{by})",
+            start=self.born_at,
+            spawned=True,
+            spawned_by=self.spawned_by,
+        )
 
 
 class _Builder:
     """Replays events onto one ``_Row`` per rank, collecting closed segments and marks."""
 
-    def __init__(self, ranks: int, start: float, *, reports_failures: bool = False) -> None:
-        self.rows = [_Row(rank, "queued", start, "queued") for rank in range(ranks)]
+    def __init__(
+        self, ranks: int, start: float, *, spawned: int = 0, reports_failures: bool = False
+    ) -> None:
+        self.rows = [_Row(rank, "queued", start, "queued", born_at=start) for rank in range(ranks)]
+        self.rows += [
+            _Row(rank, None, start, "", spawned=True, born=False)
+            for rank in range(ranks, ranks + spawned)
+        ]
         self.segments: list[Segment] = []
         self.marks: list[Mark] = []
         self.over = False
@@ -176,10 +233,15 @@ class _Builder:
             "rank_reexecuted": self._rank_ended,
             "rank_suspended": self._rank_suspended,
             "rank_resumed": self._rank_resumed,
+            "rank_spawned": self._rank_spawned,
         }
 
     def event(self, e: api.JobEvent) -> None:
         rank, t = e.rank, e.time
+        if e.kind == "spawn":
+            if not self.over:
+                self._spawn(e)
+            return
         if rank is not None and not 0 <= rank < len(self.rows):
             return
         mark = _MARKS.get(e.kind)
@@ -189,11 +251,11 @@ class _Builder:
             return  # after the job's end only marks count (e.g. a late fenced exit)
         if e.kind == "queued":
             for row in self.rows:
-                if row.state == "queued":
+                if row.state == "queued" and not row.spawned:
                     row.label = e.message
         elif e.kind == "running":
             for row in self.rows:
-                if row.state == "queued":
+                if row.state == "queued" and not row.spawned:
                     self._to(row, "starting", t, e.message, 1)
         elif e.kind in _JOB_ENDS:
             for row in self.rows:
@@ -202,6 +264,10 @@ class _Builder:
         elif rank is not None:
             handler = self.handlers.get(e.kind)
             row = self.rows[rank]
+            if not row.born and e.kind == "rank_spawned":
+                self._born(row, None, t, "queued")  # its spawn event is missing
+            if not row.born:
+                return  # not spawned yet
             if row.state == "failed":
                 return  # declared failed for good: only the job's end closes the row
             if handler is not None and (row.state is not None or e.kind in _REOPENS):
@@ -214,6 +280,26 @@ class _Builder:
             if live and row.state is not None and t <= row.since:
                 self._append(row, row.since)
             self._close(row, t)
+
+    def _spawn(self, e: api.JobEvent) -> None:
+        """A ``spawn`` event: the rows of the ranks it covers start, ``queued``."""
+        found = _SPAWN.match(e.message)
+        if found is None:
+            return
+        root, first, last = (int(g) for g in found.groups())
+        by = e.rank if e.rank is not None else root
+        for rank in range(max(first, 0), min(last + 1, len(self.rows))):
+            row = self.rows[rank]
+            if not row.born:
+                self._born(row, by, e.time, e.message)
+
+    def _born(self, row: _Row, by: int | None, t: float, label: str) -> None:
+        row.born, row.spawned_by, row.born_at = True, by, t
+        row.state, row.since, row.label = "queued", t, label
+
+    def _rank_spawned(self, row: _Row, message: str, t: float) -> None:
+        if row.spawned and row.state == "queued":
+            self._to(row, "starting", t, message, 1)
 
     def _rank_running(self, row: _Row, message: str, t: float) -> None:
         self._to(row, row.runs_as, t, row.runs_label or message, row.incarnation)
@@ -307,7 +393,10 @@ def build(job: api.JobInfo, events: Sequence[api.JobEvent], now: float) -> Timel
         end = max([start, *last])
     end = max([end, start, *last]) if math.isfinite(end) else max([start, *last])
     reports = job.on_failure in api.REPORTING_MODES
-    builder = _Builder(max(0, job.ranks), start, reports_failures=reports)
+    first_ranks = max(0, job.ranks)
+    spawned = _spawned(first_ranks, job.spawned, timed)
+    drawn = min(spawned, max(0, MAX_ROWS - first_ranks))
+    builder = _Builder(first_ranks, start, spawned=drawn, reports_failures=reports)
     for e in timed:
         builder.event(e)
     builder.finish(end, live=live)
@@ -318,12 +407,26 @@ def build(job: api.JobInfo, events: Sequence[api.JobEvent], now: float) -> Timel
         segments=sorted(builder.segments, key=lambda s: (s.rank, s.start)),
         marks=builder.marks,
         live=live,
+        rows=[row.info() for row in builder.rows],
+        hidden=spawned - drawn,
     )
+
+
+def _spawned(first_ranks: int, count: int, events: Sequence[api.JobEvent]) -> int:
+    """How many processes the job spawned: ``JobInfo.spawned``, or more if its ``spawn``
+    events cover more rank numbers (a detail read as a spawn was granted)."""
+    last = first_ranks - 1
+    for e in events:
+        found = _SPAWN.match(e.message) if e.kind == "spawn" else None
+        if found is not None and int(found.group(2)) >= first_ranks:
+            last = max(last, int(found.group(3)))
+    return max(0, count, last + 1 - first_ranks)
 
 
 # -- SVG ----------------------------------------------------------------------------------------
 
-_LABEL_WIDTH = 64  # the "rank N" column
+_LABEL_WIDTH = 64  # the "rank N" column, wider for longer labels
+_CHAR_WIDTH = 6.5  # of a row label's character, at most (11px system-ui, static/timeline.css)
 _PAD = 6
 _AXIS_HEIGHT = 22
 _LEGEND_HEIGHT = 18
@@ -332,14 +435,18 @@ _SVG_NS = "http://www.w3.org/2000/svg"
 
 def render_svg(tl: Timeline, *, width: int = 900, row_height: int = 18) -> Markup:
     """``tl`` as an inline ``<svg class="timeline">``: a ``job`` row for job-wide marks, one
-    row per rank, a time axis in seconds from the job's start, and a legend. No scripts, no
-    style attributes: colours come from ``static/timeline.css``. Segments are ``<rect
-    class="seg seg-STATE" data-rank data-state data-incarnation>``, marks shapes with ``class=
-    "mark mark-KIND" data-rank`` (``data-rank="job"`` for job-wide marks), each with a
-    ``<title>`` tooltip."""
-    width = max(width, _LABEL_WIDTH + 4 * _PAD)
+    row per rank (labelled ``Row.label``; ``class="row-label spawned" data-spawned-by`` for a
+    spawned process), a line "and N more spawned processes" when rows were left out, a time
+    axis in seconds from the job's start, and a legend. No scripts, no style attributes:
+    colours come from ``static/timeline.css``. Segments are ``<rect class="seg seg-STATE"
+    data-rank data-state data-incarnation>``, marks shapes with ``class="mark mark-KIND"
+    data-rank`` (``data-rank="job"`` for job-wide marks), each with a ``<title>`` tooltip."""
+    labels = [_row(tl, rank) for rank in range(tl.ranks)]
+    longest = max((len(row.label) for row in labels), default=0)
+    label_width = max(_LABEL_WIDTH, math.ceil(longest * _CHAR_WIDTH) + _PAD)
+    width = max(width, label_width + 4 * _PAD)
     row_height = max(row_height, 8)
-    x0, plot = _LABEL_WIDTH, width - _LABEL_WIDTH - 2 * _PAD
+    x0, plot = label_width, width - label_width - 2 * _PAD
     span = tl.end - tl.start
     if not (math.isfinite(span) and span > 0):
         span = 1.0
@@ -351,15 +458,26 @@ def render_svg(tl: Timeline, *, width: int = 900, row_height: int = 18) -> Marku
     def row_y(rank: int | None) -> int:
         return top + (0 if rank is None else rank + 1) * row_height
 
-    axis_y = row_y(tl.ranks)
+    hidden = max(0, tl.hidden)
+    axis_y = row_y(tl.ranks) + (row_height if hidden else 0)
     parts: list[str] = []
     parts.append(_text("row-label", x0 - _PAD, top + row_height / 2, "job"))
-    for rank in range(tl.ranks):
-        y = row_y(rank)
-        parts.append(f'<rect class="row row-{rank % 2}" x="{x0}" y="{y}" ')
+    for row in labels:
+        y = row_y(row.rank)
+        parts.append(f'<rect class="row row-{row.rank % 2}" x="{x0}" y="{y}" ')
         parts.append(f'width="{plot}" height="{row_height}"/>')
-        parts.append(_text("row-label", x0 - _PAD, y + row_height / 2, f"rank {rank}"))
+        if row.spawned:
+            by = _attr(row.spawned_by)
+            parts.append(
+                f'<text class="row-label spawned" data-spawned-by="{by}" '
+                f'x="{x0 - _PAD:.1f}" y="{y + row_height / 2:.1f}">{escape(row.label)}</text>'
+            )
+        else:
+            parts.append(_text("row-label", x0 - _PAD, y + row_height / 2, row.label))
     parts.extend(_axis(tl, x, span, top, axis_y))
+    if hidden:  # after the ticks, so that it is drawn over them
+        more = f"and {hidden} more spawned process{'es' * (hidden != 1)}"
+        parts.append(_text("more", x0, row_y(tl.ranks) + row_height / 2, more))
     for seg in tl.segments:
         if not 0 <= seg.rank < tl.ranks:
             continue
@@ -388,8 +506,12 @@ def render_svg(tl: Timeline, *, width: int = 900, row_height: int = 18) -> Marku
     height = axis_y + _AXIS_HEIGHT + legend_height + _PAD
     faults = sum(m.kind == "fault" for m in tl.marks)
     checkpoints = sum(m.kind == "checkpoint" for m in tl.marks)
+    spawned = sum(row.spawned for row in labels)
+    among = [f"{spawned} spawned"] if spawned else []
+    among += [f"{hidden} more spawned process{'es' * (hidden != 1)} not drawn"] if hidden else []
+    which = f" ({'; '.join(among)})" if among else ""
     label = (
-        f"Job timeline: {tl.ranks} rank{'s' * (tl.ranks != 1)} over {_secs(span)}, "
+        f"Job timeline: {tl.ranks} rank{'s' * (tl.ranks != 1)}{which} over {_secs(span)}, "
         f"{faults} fault{'s' * (faults != 1)}, "
         f"{checkpoints} checkpoint{'s' * (checkpoints != 1)}"
         f"{', live' if tl.live else ''}"
@@ -414,6 +536,13 @@ def _axis(
         parts.append(f'y2="{axis_y + 4}"/>')
         parts.append(_text("tick-label", at, axis_y + 14, _tick_label(k * step, step)))
     return parts
+
+
+def _row(tl: Timeline, rank: int) -> Row:
+    """Rank ``rank``'s row; a plain one when ``tl.rows`` does not say (a hand-made timeline)."""
+    if rank < len(tl.rows) and tl.rows[rank].rank == rank:
+        return tl.rows[rank]
+    return Row(rank=rank, label=f"rank {rank}", start=tl.start)
 
 
 def _mark(mark: Mark, at: float, y: int, row_height: int, axis_y: int, start: float) -> list[str]:

@@ -15,8 +15,10 @@ import pytest
 from vpool.protocol import api
 from vpool.web.timeline import (
     MARK_KINDS,
+    MAX_ROWS,
     STATES,
     Mark,
+    Row,
     Segment,
     Timeline,
     build,
@@ -34,6 +36,7 @@ def job(
     created: float = T0,
     finished: float | None = None,
     on_failure: api.FailureMode = "transparent",
+    spawned: int = 0,
 ) -> api.JobInfo:
     return api.JobInfo(
         id=7,
@@ -47,6 +50,7 @@ def job(
         started=None,
         finished=finished,
         on_failure=on_failure,
+        spawned=spawned,
     )
 
 
@@ -295,6 +299,205 @@ def test_a_rank_declared_failed_shows_failed_until_the_job_ends(mode: api.Failur
         assert "failed" not in {s.state for s in tl.segments}
 
 
+FUTURES = "rank 0 spawned ranks 2 to 3: python -m mpi4py.futures.server"
+
+
+def test_spawned_processes_get_rows_from_their_spawn() -> None:
+    """Rank 0 spawns ranks 2 and 3 (mpi4py.futures' workers), rank 2 spawns rank 4 in turn: each
+    gets a row after the first ranks, labelled by its spawner, starting at its spawn (queued
+    until it is placed); from there its row is drawn as any rank's."""
+    events = [
+        *STARTED,
+        ev(4, "spawn", 0, FUTURES),
+        ev(5, "rank_spawned", 2, "spawned rank 2 incarnation 1 on agent agent-1"),
+        ev(5, "rank_spawned", 3, "spawned rank 3 incarnation 1 on agent agent-2"),
+        ev(6, "rank_running", 2),
+        ev(7, "rank_running", 3),
+        ev(8, "spawn", 2, "rank 2 spawned ranks 4 to 4: python worker.py"),
+        ev(9, "rank_lost", 3, "rank 3 lost: agent agent-2 stopped heartbeating"),
+        ev(10, "rank_restarted", 3, "rank 3 incarnation 2 on agent agent-1"),
+        ev(11, "rank_spawned", 4, "spawned rank 4 incarnation 1 on agent agent-1"),
+        ev(12, "rank_running", 3),
+        ev(12, "rank_replaying", 3),
+        ev(12, "rank_running", 4),
+        ev(15, "rank_exited", 4),
+        ev(16, "rank_exited", 2),
+        ev(16, "rank_exited", 3),
+        ev(17, "rank_exited", 0),
+        ev(17, "rank_exited", 1),
+        ev(17, "succeeded"),
+    ]
+    tl = build(job("succeeded", finished=T0 + 17, spawned=3), events, now=T0 + 30)
+    assert tl.ranks == 5 and tl.hidden == 0
+    assert tl.rows == [
+        Row(rank=0, label="rank 0", start=T0),
+        Row(rank=1, label="rank 1", start=T0),
+        Row(rank=2, label="rank 2 (spawned by rank 0)", start=T0 + 4, spawned=True, spawned_by=0),
+        Row(rank=3, label="rank 3 (spawned by rank 0)", start=T0 + 4, spawned=True, spawned_by=0),
+        Row(rank=4, label="rank 4 (spawned by rank 2)", start=T0 + 8, spawned=True, spawned_by=2),
+    ]
+    assert rows(tl, 0) == [("queued", 0, 1, None), ("starting", 1, 2, 1), ("running", 2, 17, 1)]
+    assert rows(tl, 2) == [("queued", 4, 5, None), ("starting", 5, 6, 1), ("running", 6, 16, 1)]
+    assert rows(tl, 3) == [
+        ("queued", 4, 5, None),
+        ("starting", 5, 7, 1),
+        ("running", 7, 9, 1),
+        ("lost", 9, 10, 1),
+        ("starting", 10, 12, 2),
+        ("replaying", 12, 16, 2),
+    ]
+    assert rows(tl, 4) == [("queued", 8, 11, None), ("starting", 11, 12, 1), ("running", 12, 15, 1)]
+    queued = [s.label for s in tl.segments if s.state == "queued"]
+    assert queued == ["submitted by alice: 2 ranks"] * 2 + [FUTURES] * 2 + [
+        "rank 2 spawned ranks 4 to 4: python worker.py"
+    ]
+    assert [(m.rank, m.time - T0, m.kind) for m in tl.marks] == [(3, 9, "fault")]
+    _check(tl)
+    assert msgspec.json.decode(msgspec.json.encode(tl), type=Timeline) == tl
+
+    _, root = _svg(tl)
+    labels = [(t.text, _classes(t)) for t in root.iter(f"{SVG}text") if "row-label" in _classes(t)]
+    assert labels == [
+        ("job", ["row-label"]),
+        ("rank 0", ["row-label"]),
+        ("rank 1", ["row-label"]),
+        ("rank 2 (spawned by rank 0)", ["row-label", "spawned"]),
+        ("rank 3 (spawned by rank 0)", ["row-label", "spawned"]),
+        ("rank 4 (spawned by rank 2)", ["row-label", "spawned"]),
+    ]
+    by = [t.get("data-spawned-by") for t in root.iter(f"{SVG}text") if "spawned" in _classes(t)]
+    assert by == ["0", "0", "2"]
+    assert "5 ranks (3 spawned)" in root.get("aria-label", "")
+    # The label column is wide enough for the longest label: the plot starts after it.
+    rects = [r for r in root.iter(f"{SVG}rect") if "row" in _classes(r)]
+    assert len(rects) == 5 and {float(r.get("x", "0")) for r in rects} == {
+        math.ceil(len("rank 2 (spawned by rank 0)") * 6.5) + 6
+    }
+    # The spawned rows' first segments start at the spawn, right of the first ranks' queued.
+    first = {
+        r.get("data-rank"): float(r.get("x", "0"))
+        for r in reversed(list(root.iter()))
+        if "seg" in _classes(r)
+    }
+    assert first["0"] < first["2"] == first["3"] < first["4"]
+
+    # While the job runs, a spawned process not placed yet is queued until now, and one whose
+    # spawn is recorded but not yet counted in the job's info has its row all the same.
+    live = build(job(spawned=0), events[:7], now=T0 + 5.5)
+    assert live.ranks == 4
+    assert rows(live, 3) == [("queued", 4, 5, None), ("starting", 5, 5.5, 1)]
+    _check(live)
+
+
+def test_a_spawned_process_without_its_spawn_event() -> None:
+    """The job's info counts spawned processes the events do not cover (odd data): their rows
+    are drawn from their first placement, or empty, labelled without a spawner."""
+    events = [
+        *STARTED,
+        ev(6, "rank_running", 2),
+        ev(7, "rank_spawned", 2),
+        ev(8, "rank_running", 2),
+    ]
+    tl = build(job(spawned=2), events, now=T0 + 9)
+    assert [(r.label, r.start, r.spawned_by) for r in tl.rows[2:]] == [
+        ("rank 2 (spawned)", T0 + 7, None),
+        ("rank 3 (spawned)", None, None),
+    ]
+    assert rows(tl, 2) == [("starting", 7, 8, 1), ("running", 8, 9, 1)]
+    assert rows(tl, 3) == []
+    _check(tl)
+
+
+def test_a_rebuild_jobs_failed_rank_and_the_process_spawned_after_it() -> None:
+    """In "rebuild" rank 1 is declared failed; the survivors spawn a new process (rank 3, from
+    the lowest survivor): the failed row shows failed until the end, the new one has a row of
+    its own from its spawn. It is labelled as spawned by rank 0: nothing in the data says a
+    spawn replaces failed ranks (an ordinary spawn after a failure looks the same)."""
+    declared = "rank 1 lost: declared failed; the other ranks are told (on-failure rebuild)"
+    spawn = "rank 0 spawned ranks 3 to 3: /usr/bin/python3 app.py --steps 10"
+    events = [
+        ev(0, "queued", message="submitted by alice: 3 ranks"),
+        ev(1, "running"),
+        *[ev(2, "rank_running", r) for r in range(3)],
+        ev(5, "rank_failed", 1, declared),
+        ev(6, "spawn", 0, spawn),
+        ev(7, "rank_spawned", 3),
+        ev(8, "rank_running", 3),
+        ev(11, "rank_failed", 3, "rank 3 lost: declared failed"),  # failed in turn
+        ev(12, "spawn_refused", 0, "rank 0: the job has spawned 1 processes, the most"),
+        ev(14, "rank_exited", 0),
+        ev(14, "rank_exited", 2),
+        ev(14, "succeeded"),
+    ]
+    j = job("succeeded", ranks=3, finished=T0 + 14, on_failure="rebuild", spawned=1)
+    tl = build(j, events, now=T0 + 20)
+    assert [r.label for r in tl.rows] == [
+        "rank 0",
+        "rank 1",
+        "rank 2",
+        "rank 3 (spawned by rank 0)",
+    ]
+    assert tl.rows[3].start == T0 + 6 and not any("place" in r.label for r in tl.rows)
+    assert rows(tl, 1)[-2:] == [("running", 2, 5, 1), ("failed", 5, 14, 1)]
+    assert rows(tl, 3) == [
+        ("queued", 6, 7, None),
+        ("starting", 7, 8, 1),
+        ("running", 8, 11, 1),
+        ("failed", 11, 14, 1),
+    ]
+    assert rows(tl, 0)[-1] == rows(tl, 2)[-1] == ("running", 2, 14, 1)
+    assert [(m.rank, m.time - T0, m.kind) for m in tl.marks] == [(1, 5, "fault"), (3, 11, "fault")]
+    _check(tl)
+    svg = str(render_svg(tl))
+    assert 'data-spawned-by="0"' in svg and ">rank 3 (spawned by rank 0)</text>" in svg
+    assert 'class="seg seg-failed" data-rank="3"' in svg
+
+
+def test_a_job_spawning_1024_processes_draws_the_first_rows_and_a_summary() -> None:
+    events = [
+        ev(0, "queued"),
+        ev(1, "running"),
+        *[ev(2, "rank_running", r) for r in range(4)],
+        ev(3, "spawn", 0, "rank 0 spawned ranks 4 to 1023: python -m mpi4py.futures.server"),
+        ev(4, "spawn", 0, "rank 0 spawned ranks 1024 to 1027: python -m mpi4py.futures.server"),
+    ]
+    for r in range(4, 1028):
+        events += [ev(5, "rank_spawned", r), ev(6, "rank_running", r)]
+    events += [ev(7, "rank_lost", 1000), ev(7, "checkpoint", 300)]  # of processes not drawn
+    tl = build(job(ranks=4, spawned=1024), events, now=T0 + 10)
+    assert (tl.ranks, tl.hidden, len(tl.rows)) == (MAX_ROWS, 1028 - MAX_ROWS, MAX_ROWS)
+    assert tl.rows[-1] == Row(
+        rank=255, label="rank 255 (spawned by rank 0)", start=T0 + 3, spawned=True, spawned_by=0
+    )
+    assert {s.rank for s in tl.segments} == set(range(MAX_ROWS)) and tl.marks == []
+    assert rows(tl, 255) == [("queued", 3, 5, None), ("starting", 5, 6, 1), ("running", 6, 10, 1)]
+    _check(tl)
+    text, root = _svg(tl, row_height=12)
+    labels = [t.text for t in root.iter(f"{SVG}text") if "row-label" in _classes(t)]
+    assert len(labels) == 1 + MAX_ROWS and labels[-1] == "rank 255 (spawned by rank 0)"
+    (more,) = [t for t in root.iter(f"{SVG}text") if "more" in _classes(t)]
+    assert more.text == "and 772 more spawned processes"
+    # The summary is a row of its own, between the last rank and the axis.
+    (axis,) = [el for el in root.iter(f"{SVG}line") if "axis" in _classes(el)]
+    last_row = max(float(r.get("y", "0")) for r in root.iter(f"{SVG}rect") if "row" in _classes(r))
+    assert last_row + 12 < float(more.get("y", "0")) < float(axis.get("y1", "0"))
+    assert float(root.get("height", "0")) < (MAX_ROWS + 2) * 12 + 120
+    assert "256 ranks (252 spawned; 772 more spawned processes not drawn) over" in root.get(
+        "aria-label", ""
+    )
+    assert 'data-rank="256"' not in text
+    # One more than fits: "process"; first ranks are always drawn, spawned ones after them.
+    one = build(job(ranks=4, spawned=MAX_ROWS - 3), events[:6], now=T0 + 10)
+    assert (one.ranks, one.hidden) == (MAX_ROWS, 1)
+    _, root = _svg(one)
+    assert [t.text for t in root.iter(f"{SVG}text") if "more" in _classes(t)] == [
+        "and 1 more spawned process"
+    ]
+    wide = build(job(ranks=300, spawned=5), [ev(0, "queued")], now=T0 + 1)
+    assert (wide.ranks, wide.hidden) == (300, 5) and not any(r.spawned for r in wide.rows)
+    _check(wide)
+
+
 def _check(tl: Timeline) -> None:
     assert tl.start <= tl.end
     for s in tl.segments:
@@ -372,6 +575,7 @@ def test_mark_kinds_of_event_kinds() -> None:
     css = (Path(__file__).parents[2] / "web" / "static" / "timeline.css").read_text()
     for state in STATES:
         assert f".timeline .seg-{state} " in css, state
+    assert mark_kind("spawn") is None and mark_kind("rank_spawned") is None
     for kind in MARK_KINDS:
         assert f".timeline .mark-{kind} " in css and f".mark-rule-{kind} " in css, kind
 
@@ -399,6 +603,13 @@ def test_garbage_events_do_not_raise() -> None:
         ev(8, "rank_validating", 1),  # after the end
         ev(9, "rank_running", 1),  # after the end
         ev(9, "failed"),
+        ev(5, "spawn", 0, "rank 0 spawned ranks 2 to 2: python x.py"),
+        ev(5, "spawn", None, "rank 1 spawned ranks 3 to 1: upside down"),
+        ev(5, "spawn", 0, "rank 0 spawned ranks 0 to 1: the job's first ranks"),
+        ev(5, "spawn", 0, f"rank 0 spawned ranks {'9' * 5000} to 3: too many digits"),
+        ev(5, "spawn", 0, "no such message"),
+        ev(6, "rank_spawned", 2),
+        ev(6, "rank_spawned", 0),  # not a spawned process
     ]
     for j in (
         job(),
@@ -408,12 +619,16 @@ def test_garbage_events_do_not_raise() -> None:
         job(ranks=-3),
         job(created=math.nan),
         job("cancelled", finished=math.inf),
+        job(spawned=-4),
+        job(ranks=0, spawned=3),
     ):
         for events in (garbage, list(reversed(garbage)), []):
             _check(build(j, events, now=T0 + 10))
     tl = build(job(), garbage, now=T0 + 10)
     assert tl.start == T0 - 50
     assert all(m.rank in (None, 0, 1) for m in tl.marks)
+    assert [r.label for r in tl.rows] == ["rank 0", "rank 1", "rank 2 (spawned by rank 0)"]
+    assert rows(tl, 2) == [("queued", 5, 6, None), ("starting", 6, 8, 1)]
 
 
 def test_events_out_of_order_are_taken_by_time() -> None:
@@ -632,3 +847,61 @@ async def test_timeline_from_the_store_shows_a_suspended_rank(tmp_path: Path) ->
     assert got[-3:] == [("running", 1, 3), ("suspended", 3, 7), ("running", 7, 8)]
     labels = [s.label for s in tl.segments if s.state == "suspended"]
     assert labels == ["rank 0 suspended on agent agent-1: the owner is using the machine"]
+
+
+async def test_timeline_from_the_store_shows_a_rebuild_jobs_spawned_process(
+    tmp_path: Path,
+) -> None:
+    """The coordinator's own events (``spawn``'s message, ``rank_spawned``) make the row."""
+    import coord_helpers as helpers  # loaded by this folder's conftest
+
+    clock = helpers.FakeClock()
+    async with helpers.open_pool(tmp_path, clock) as pool:
+        await pool.register_relay("relay-0")
+        info = await pool.submit(3, on_failure="rebuild")
+        agent = await pool.enroll("agent-1", slots=3)
+        leases = await pool.lease(agent)
+        clock.advance(1)
+        await pool.heartbeat(agent, leases)
+        clock.advance(2)
+        lost = leases[1]
+        ex = api.RankExit(job=info.id, rank=lost.rank, incarnation=1, code=-9, lost=True)
+        assert (await pool.post("/api/v1/agents/exit", ex, agent.headers)).status_code == 200
+        told = (await pool.relay_heartbeat("relay-0")).fence
+        await pool.relay_heartbeat("relay-0", fenced=told)
+        clock.advance(1)
+        survivors = [leases[0], leases[2]]
+        await pool.heartbeat(agent, survivors)
+        ask = api.SpawnAsk(
+            job=info.id,
+            rank=0,
+            incarnation=1,
+            seq=1,
+            command=["/usr/bin/python3", "app.py"],
+            maxprocs=1,
+            least=1,
+            parent=[0, 2],
+            ctx=8,
+        )
+        r = await pool.post("/api/v1/agents/spawn", ask, agent.headers)
+        assert r.status_code == 200, r.text
+        clock.advance(1)
+        (new,) = await pool.lease(agent)
+        assert new.rank == 3
+        clock.advance(1)
+        await pool.heartbeat(agent, [*survivors, new])
+        clock.advance(2)
+        for lease in [new, *survivors]:
+            assert (await pool.exit(agent, lease, 0)).status_code == 200
+        detail = pool.core.store.job_detail(info.id)
+    assert detail is not None and detail.job.state == "succeeded"
+    assert [r.rank for r in detail.ranks] == [0, 1, 2, 3]
+    t0 = detail.job.created
+    tl = build(detail.job, detail.events, now=clock())
+    assert [r.rank for r in tl.rows] == [r.rank for r in detail.ranks]
+    assert tl.rows[3].label == "rank 3 (spawned by rank 0)" and tl.rows[3].start == t0 + 4
+    got = [(s.state, s.start - t0, s.end - t0) for s in tl.segments if s.rank == 3]
+    # Placed in the instant of its spawn (a slot was free): no queued segment.
+    assert got == [("starting", 4, 6), ("running", 6, 8)]
+    assert [(s.state, s.start - t0) for s in tl.segments if s.rank == 1][-1] == ("failed", 3)
+    ET.fromstring(str(render_svg(tl)))
