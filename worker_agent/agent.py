@@ -51,6 +51,7 @@ SOCKET_NAME = "agent.sock"
 _MIN_EMPTY_POLL = 0.25  # s between two lease calls that both came back empty
 _MIN_HEARTBEAT = 0.05  # s; guards against a heartbeat interval of 0
 _FIRST_RETRY = 0.2  # s before the first retry of a heartbeat that found no coordinator
+_AFTER_STOP = 0.2  # s from a heartbeat whose answer had stop orders to the next one
 _MAX_ORDER_IDS = 1024  # checkpoint order ids remembered (to ignore a re-delivery), to ack
 
 
@@ -505,8 +506,12 @@ class Agent:
                         rank.checkpoint_wanted.set()
             if self._beat.cancelled_caught:
                 continue  # a rank started: send its heartbeat now
+            # After stop orders, ask again soon: the coordinator may follow them at once with
+            # more, such as the failure of a rank it just declared failed (a rank here that was
+            # lost), which the other ranks here must hear as soon as the relays fenced it.
+            pause = _AFTER_STOP if resp is not None and resp.stop else interval
             with trio.CancelScope() as self._beat:
-                await trio.sleep_until(sent + interval)
+                await trio.sleep_until(sent + min(pause, interval))
 
 
 # How long the lease loop waits for the first heartbeat that tells the coordinator this agent's
