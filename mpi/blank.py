@@ -38,7 +38,12 @@ from typing import TYPE_CHECKING, Any
 
 from vpool.mpi import coll, collalg, collbuf, errors
 from vpool.mpi.buffers import VMsg, block, parse, parse_blocks, parse_v, parse_w, w_block
-from vpool.mpi.collbuf import in_place, launch
+from vpool.mpi.collbuf import (
+    in_place,
+    launch,
+    reduce_scatter_block_buffers,
+    reduce_scatter_buffers,
+)
 from vpool.mpi.datatypes import Datatype
 from vpool.mpi.sched import Algo, new_tag
 
@@ -340,49 +345,22 @@ def Alltoallw(b: Any, sendbuf: Any, recvbuf: Any, nb: bool = False) -> Any:
 
 
 def Reduce_scatter_block(b: Any, sendbuf: Any, recvbuf: Any, op: Any, nb: bool = False) -> Any:
-    size = b.size
-    if in_place(sendbuf):
-        whole = parse_blocks(recvbuf, size, writable=True)
-        src, dt = whole.view, whole.datatype
-        out = whole.view[: whole.items * dt.extent]
-    else:
-        m = parse_blocks(sendbuf, size, writable=False)
-        r = parse(recvbuf, writable=True)
-        if m.items != r.items or m.view.nbytes != r.view.nbytes * size:
-            raise ValueError(f"mismatch in send count {m.items} and receive count {r.items}")
-        src, dt, out = m.view, m.datatype, r.view
-    return _reduce_scatter(b, _equal_blocks(b, src, src.nbytes // size), dt, op, out, nb)
+    src, dt, out = reduce_scatter_block_buffers(b.size, sendbuf, recvbuf)
+    return _reduce_scatter(b, _equal_blocks(b, src, src.nbytes // b.size), dt, op, out, nb)
 
 
 def Reduce_scatter(
     b: Any, sendbuf: Any, recvbuf: Any, recvcounts: Any, op: Any, nb: bool = False
 ) -> Any:
-    size, rank = b.size, b.rank
-    r = parse(recvbuf, writable=True)
-    dt = r.datatype
-    if in_place(sendbuf):
-        if recvcounts is None:
-            raise ValueError("Reduce_scatter in place needs recvcounts")
-        src = r.view
-    else:
-        s = parse(sendbuf, writable=False)
-        src, dt = s.view, s.datatype
-        if recvcounts is None:
-            recvcounts = [0 if c is None else c for c in allgather(b, r.items)]
-    counts = [int(c) for c in recvcounts]
-    if len(counts) != size:
-        raise ValueError(f"expecting {size} receive counts, got {len(counts)}")
+    src, dt, counts, out = reduce_scatter_buffers(
+        b.size,
+        b.rank,
+        sendbuf,
+        recvbuf,
+        recvcounts,
+        lambda items: [0 if c is None else c for c in allgather(b, items)],  # holes: none
+    )
     ext = dt.extent
-    if in_place(sendbuf):
-        if r.items != sum(counts):
-            raise ValueError(f"mismatch in receive count {r.items} and sum(counts) {sum(counts)}")
-        out = r.view[: counts[rank] * ext]
-    else:
-        if src.nbytes != sum(counts) * ext:
-            raise ValueError(f"mismatch in send count and sum(counts) {sum(counts)}")
-        if r.items != counts[rank]:
-            raise ValueError(f"mismatch in receive count {r.items} and counts[{rank}]")
-        out = r.view
     starts = [0]
     for c in counts:
         starts.append(starts[-1] + c * ext)

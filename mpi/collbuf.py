@@ -258,26 +258,25 @@ def Scan(h: Any, sendbuf: Any, recvbuf: Any, op: Any, exclusive: bool, nb: bool 
     return launch(h, collalg.scan(h, src, r.view, dt, op, exclusive, new_tag(h)), nb, r)
 
 
-def Reduce_scatter_block(h: Any, sendbuf: Any, recvbuf: Any, op: Any, nb: bool = False) -> Any:
-    size = h.size
+def reduce_scatter_block_buffers(size: int, sendbuf: Any, recvbuf: Any) -> tuple[Any, ...]:
+    """``Reduce_scatter_block``'s buffers, checked: (what is reduced, its datatype, where this
+    rank's block goes)."""
     if in_place(sendbuf):
         whole = parse_blocks(recvbuf, size, writable=True)
-        src, dt = whole.view, whole.datatype
-        out = whole.view[: whole.items * dt.extent]
-    else:
-        s = parse_blocks(sendbuf, size, writable=False)
-        r = parse(recvbuf, writable=True)
-        if s.items != r.items or s.view.nbytes != r.view.nbytes * size:
-            raise ValueError(f"mismatch in send count {s.items} and receive count {r.items}")
-        src, dt, out = s.view, s.datatype, r.view
-    n = src.nbytes // size
-    return _reduce_then_scatter(h, src, dt, op, [n] * size, out, nb)
+        return whole.view, whole.datatype, whole.view[: whole.items * whole.datatype.extent]
+    s = parse_blocks(sendbuf, size, writable=False)
+    r = parse(recvbuf, writable=True)
+    if s.items != r.items or s.view.nbytes != r.view.nbytes * size:
+        raise ValueError(f"mismatch in send count {s.items} and receive count {r.items}")
+    return s.view, s.datatype, r.view
 
 
-def Reduce_scatter(
-    h: Any, sendbuf: Any, recvbuf: Any, recvcounts: Any, op: Any, nb: bool = False
-) -> Any:
-    size, rank = h.size, h.rank
+def reduce_scatter_buffers(
+    size: int, rank: int, sendbuf: Any, recvbuf: Any, recvcounts: Any, gather_counts: Any
+) -> tuple[Any, ...]:
+    """``Reduce_scatter``'s buffers, checked: (what is reduced, its datatype, the count of
+    each rank's block, where this rank's block goes). ``gather_counts(items)``: every rank's
+    receive count, for ``recvcounts`` None."""
     r = parse(recvbuf, writable=True)
     dt = r.datatype
     if in_place(sendbuf):
@@ -288,9 +287,7 @@ def Reduce_scatter(
         s = parse(sendbuf, writable=False)
         src, dt = s.view, s.datatype
         if recvcounts is None:
-            from vpool.mpi import coll
-
-            recvcounts = coll.allgather(h, r.items)
+            recvcounts = gather_counts(r.items)
     counts = [int(c) for c in recvcounts]
     if len(counts) != size:
         raise ValueError(f"expecting {size} receive counts, got {len(counts)}")
@@ -305,7 +302,24 @@ def Reduce_scatter(
         if r.items != counts[rank]:
             raise ValueError(f"mismatch in receive count {r.items} and counts[{rank}]")
         out = r.view
-    return _reduce_then_scatter(h, src, dt, op, [c * ext for c in counts], out, nb)
+    return src, dt, counts, out
+
+
+def Reduce_scatter_block(h: Any, sendbuf: Any, recvbuf: Any, op: Any, nb: bool = False) -> Any:
+    src, dt, out = reduce_scatter_block_buffers(h.size, sendbuf, recvbuf)
+    n = src.nbytes // h.size
+    return _reduce_then_scatter(h, src, dt, op, [n] * h.size, out, nb)
+
+
+def Reduce_scatter(
+    h: Any, sendbuf: Any, recvbuf: Any, recvcounts: Any, op: Any, nb: bool = False
+) -> Any:
+    from vpool.mpi import coll
+
+    src, dt, counts, out = reduce_scatter_buffers(
+        h.size, h.rank, sendbuf, recvbuf, recvcounts, lambda items: coll.allgather(h, items)
+    )
+    return _reduce_then_scatter(h, src, dt, op, [c * dt.extent for c in counts], out, nb)
 
 
 def _reduce_then_scatter(
