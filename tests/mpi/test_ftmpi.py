@@ -5,29 +5,16 @@ rank processes, the last ranks SIGKILL themselves, and the survivors recover wit
 
 from __future__ import annotations
 
-import ast
-import subprocess
-import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
-import trio
+
+from .failing_runs import expected_total, mpiexec
 
 ROOT = Path(__file__).resolve().parents[2]
 PROGRAM = Path(__file__).resolve().parent / "programs" / "ftmpi_failures.py"
 EXAMPLE = ROOT / "examples" / "ftmpi_modes.py"
 MODES = ["blank", "shrink", "rebuild"]
-
-
-async def mpiexec(n: int, mode: str, *argv: str) -> tuple[int, str, str]:
-    cmd = [sys.executable, "-m", "vpool.sdk.mpiexec", "-n", str(n), "--on-failure", mode]
-    cmd += ["--", *argv]
-    with trio.fail_after(120):
-        proc = await trio.run_process(
-            cmd, stdin=subprocess.DEVNULL, capture_stdout=True, capture_stderr=True, check=False
-        )
-    return proc.returncode, proc.stdout.decode(), proc.stderr.decode()
 
 
 def _world(mode: str, n: int, lost: int) -> tuple[list[int], str]:
@@ -79,17 +66,6 @@ async def test_an_ordinary_spawn_in_a_rebuild_job_starts_no_replacement() -> Non
     assert sorted(out.splitlines()) == [f"spawn ok {r} child=size1" for r in range(3)], err
 
 
-def _expected_total(n: int, iterations: int) -> int:
-    """The example's answer in plain Python: its ``f`` and ``block_sum``, without MPI."""
-    tree = ast.parse(EXAMPLE.read_text())
-    funcs = [
-        d for d in tree.body if isinstance(d, ast.FunctionDef) and d.name in ("f", "block_sum")
-    ]
-    space: dict[str, Any] = {}
-    exec(compile(ast.Module(body=funcs, type_ignores=[]), str(EXAMPLE), "exec"), space)
-    return sum(space["block_sum"](it, 0, n) for it in range(iterations))
-
-
 @pytest.mark.parametrize(
     ("mode", "deaths"),
     [
@@ -104,7 +80,9 @@ def _expected_total(n: int, iterations: int) -> int:
 async def test_example_ftmpi_modes_gives_the_same_answer(mode: str, deaths: list[str]) -> None:
     code, out, err = await mpiexec(4, mode, str(EXAMPLE), "20000", "10", *deaths)
     assert code == 0, f"exit {code}\n{out}\n{err}"
-    assert out == f"ftmpi_modes: n=20000 iterations=10 total={_expected_total(20000, 10)}\n", err
+    assert (
+        out == f"ftmpi_modes: n=20000 iterations=10 total={expected_total(EXAMPLE, 20000, 10)}\n"
+    ), err
     assert err.count("declared failed") == len(deaths) // 2, err
     if mode == "rebuild":
         assert err.count("replacement started") == len(deaths) // 2, err

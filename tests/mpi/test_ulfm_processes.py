@@ -5,30 +5,18 @@ scenario checks on every rank), the failure modes ``abort`` and ``transparent`` 
 
 from __future__ import annotations
 
-import ast
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
 import trio
 
+from .failing_runs import expected_total, mpiexec
+
 ROOT = Path(__file__).resolve().parents[2]
 PROGRAM = Path(__file__).resolve().parent / "programs" / "ulfm_failures.py"
 EXAMPLE = ROOT / "examples" / "ulfm_shrink.py"
-
-
-async def mpiexec(n: int, mode: str | None, *argv: str) -> tuple[int, str, str]:
-    cmd = [sys.executable, "-m", "vpool.sdk.mpiexec", "-n", str(n)]
-    if mode is not None:
-        cmd += ["--on-failure", mode]
-    cmd += ["--", *argv]
-    with trio.fail_after(120):
-        proc = await trio.run_process(
-            cmd, stdin=subprocess.DEVNULL, capture_stdout=True, capture_stderr=True, check=False
-        )
-    return proc.returncode, proc.stdout.decode(), proc.stderr.decode()
 
 
 @pytest.mark.parametrize("scenario", ["recv", "revoke_die", "agree_during"])
@@ -55,17 +43,6 @@ async def test_abort_mode_ends_the_job_naming_the_dead_rank(mode: str | None) ->
     assert "not ended" not in out
 
 
-def _expected_total(n: int, iterations: int) -> int:
-    """The example's answer in plain Python: its ``f`` and ``block_sum``, without MPI."""
-    tree = ast.parse(EXAMPLE.read_text())
-    funcs = [
-        d for d in tree.body if isinstance(d, ast.FunctionDef) and d.name in ("f", "block_sum")
-    ]
-    space: dict[str, Any] = {}
-    exec(compile(ast.Module(body=funcs, type_ignores=[]), str(EXAMPLE), "exec"), space)
-    return sum(space["block_sum"](it, 0, n) for it in range(iterations))
-
-
 @pytest.mark.parametrize(
     "deaths",
     [[], ["--die", "1:3"], ["--die", "0:2", "--die", "3:5"], ["--die", "3:0", "--die", "2:9"]],
@@ -73,7 +50,9 @@ def _expected_total(n: int, iterations: int) -> int:
 async def test_example_ulfm_shrink_gives_the_same_answer(deaths: list[str]) -> None:
     code, out, err = await mpiexec(4, "ulfm", str(EXAMPLE), "20000", "10", *deaths)
     assert code == 0, f"exit {code}\n{out}\n{err}"
-    assert out == f"ulfm_shrink: n=20000 iterations=10 total={_expected_total(20000, 10)}\n", err
+    assert (
+        out == f"ulfm_shrink: n=20000 iterations=10 total={expected_total(EXAMPLE, 20000, 10)}\n"
+    ), err
     assert err.count("declared failed") == len(deaths) // 2, err
 
 
