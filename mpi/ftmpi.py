@@ -33,7 +33,8 @@ The rules, as in FT-MPI:
    are not left waiting for one (``tell_children``).
 
 A failure during a recovery fails it with ``ERR_PROC_FAILED`` like any operation; the program
-calls ``Dup`` again, which recovers from both.
+calls ``Dup`` again, which recovers from both. A replacement whose root failed before telling it
+its place ends at once, with code 0 and a line on stderr: the next recovery starts another.
 """
 
 from __future__ import annotations
@@ -148,7 +149,15 @@ def join(eng: Any, parent: list[int]) -> None:
     if not op.done:
         eng.wait(op)
     if op.error:
-        raise errors.MPIException(op.error, "the spawning rank failed before saying its role")
+        # Its root failed before telling it: the recovery that started it failed, and the
+        # survivors start others in the next one. Nothing to do here: end quietly.
+        print(
+            "vpool: this process was started to replace a lost rank, but the rank that started "
+            "it failed before giving it its place; it ends (the next recovery starts another)",
+            file=sys.stderr,
+            flush=True,
+        )
+        raise SystemExit(0)
     role = _decode(bytes(op.payload))
     if role is None:
         return
