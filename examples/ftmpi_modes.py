@@ -55,6 +55,19 @@ def resume(comm, totals):
     return it, [*[0] * it, total]  # only totals[it] matters from now on
 
 
+def recover(totals):
+    """Rebuild the world and agree where to go on; again if another rank fails meanwhile
+    (``Dup`` or the agreement then raises ``ERR_PROC_FAILED``, and calling ``Dup`` again
+    recovers from both failures)."""
+    while True:
+        try:
+            comm = MPI.COMM_WORLD.Dup()
+            return (comm, *resume(comm, totals))
+        except MPI.Exception as exc:
+            if exc.Get_error_class() != MPI.ERR_PROC_FAILED:
+                raise
+
+
 def parse(argv):
     args, deaths = [], set()
     i = 0
@@ -78,9 +91,8 @@ def main(argv):
     totals = [0]  # totals[it]: the running total before iteration it
     if MPI.Comm.Get_parent() != MPI.COMM_NULL:  # a replacement (rebuild): join the recovery
         deaths = set()
-        comm = MPI.COMM_WORLD.Dup()
+        comm, it, totals = recover([])
         print(f"rank {comm.Get_rank()}: replacement started", file=sys.stderr)
-        it, totals = resume(comm, [])
     it = len(totals) - 1
     while it < iterations:
         if (world_rank, it) in deaths:
@@ -93,9 +105,8 @@ def main(argv):
         except MPI.Exception as exc:
             if exc.Get_error_class() != MPI.ERR_PROC_FAILED:
                 raise
-            before = comm.Get_size()
-            comm = MPI.COMM_WORLD.Dup()
-            failed_at, (it, totals) = it, resume(comm, totals)
+            before, failed_at = comm.Get_size(), it
+            comm, it, totals = recover(totals)
             print(
                 f"rank {comm.Get_rank()}: iteration {failed_at} failed, world rebuilt with "
                 f"{comm.Get_size()} ranks (was {before}), going on from iteration {it}",

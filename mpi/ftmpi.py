@@ -23,7 +23,10 @@ The rules, as in FT-MPI:
    flight never match in it (FT-MPI's RESET communication mode).
 3. *Rebuild.* The survivors spawn the replacements (``spawn.spawn`` over the shrunk world: the
    pool starts them as any spawn, so they count against the job's spawn allowance) running the
-   program with this process's own command line; the root then tells each its place
+   program with this process's own command line, and agree (again ULFM's agreement) that the
+   spawn went through at every one of them, so that a failure during it cannot leave some in
+   the new world and others in the old (if it did not, the root tells the new processes to
+   end, "drop", and the recovery raises ``ERR_PROC_FAILED``); the root then tells each its place
    (``CTX_REBUILD``: the rebuilt world's ranks and context id). A replacement reads that at
    ``MPI.Init`` (``join``), before the program runs, and installs the rebuilt world as its
    ``COMM_WORLD``; its ``MPI.Comm.Get_parent()`` is the intercommunicator to the survivors, which
@@ -80,7 +83,7 @@ def recovering(h: Any) -> bool:
 
 def recover(comm: Any) -> Any:
     """FT-MPI's recovery (module docstring, 2 and 3): rebuild COMM_WORLD, return its dup."""
-    from vpool.mpi import blank, spawn, ulfm
+    from vpool.mpi import blank, ulfm
 
     h = comm._core()
     eng = h.eng
@@ -95,32 +98,63 @@ def recover(comm: Any) -> Any:
     if how == "blank":
         core = blank.blank_core(eng, ctx, h.group, h.holes | frozenset(lost))
     elif how == "rebuild" and lost:
-        shrunk = _Core(eng, ctx, survivors)
-        shrunk.errh = h.errh
-        command = [sys.executable, *sys.orig_argv[1:]]
-        k = len(lost)
-        inter, ranks, _, error = spawn.spawn(
-            shrunk, 0, lambda: spawn.Ask(command, k, k, False, [k]), replaces=True
-        )
-        if inter is None:
-            raise errors.MPIException(
-                errors.ERR_SPAWN, f"cannot start processes in place of the lost ranks: {error}"
-            )
-        # The spawn agreed its context ids among the survivors, so every one's next free id
-        # is the same: the rebuilt world's.
-        wctx = eng.next_ctx
-        eng.next_ctx = wctx + 2
-        fresh = dict(zip(lost, ranks, strict=True))
-        group = tuple(fresh.get(w, w) for w in h.group)
-        if shrunk.rank == 0:
-            payload = _encode([list(group), wctx])
-            for r in ranks:
-                eng.send_quiet(r, CTX_REBUILD, 0, KIND_BUFFER, [], [payload], len(payload))
-        core = _Core(eng, wctx, group)
+        core = _rebuilt(h, ctx, survivors, lost)
     else:
         core = _Core(eng, ctx, survivors)
     install(eng, core, h)
     return comm.Dup()
+
+
+def _rebuilt(h: Any, ctx: int, survivors: tuple[int, ...], lost: list[int]) -> _Core:
+    """Rebuild's world (module docstring, 3): spawn the replacements over the survivors, then
+    agree that the spawn went through at every survivor before anyone installs the new world.
+    A failure during the spawn may stop it at some survivors and not others; without that
+    second agreement they would go on in different worlds. When it did not go through, the
+    root tells the processes it started that they are not needed, and the recovery raises
+    ``ERR_PROC_FAILED`` everywhere (``Dup`` again recovers from both failures)."""
+    from vpool.mpi import spawn, ulfm
+
+    eng = h.eng
+    shrunk = _Core(eng, ctx, survivors)
+    shrunk.errh = h.errh
+    command = [sys.executable, *sys.orig_argv[1:]]
+    k = len(lost)
+    ranks: list[int] = []
+    error = ""
+    try:
+        inter, ranks, _, error = spawn.spawn(
+            shrunk, 0, lambda: spawn.Ask(command, k, k, False, [k]), replaces=True
+        )
+        done = inter is not None
+    except errors.MPIException:
+        done = False
+    state = run(shrunk, ulfm.agreement(shrunk, int(done)), tolerant=True)
+    if not state.flags.get(0, 0):
+        if shrunk.rank == 0 and ranks:
+            _tell(eng, ranks, "drop")
+        if error:
+            raise errors.MPIException(
+                errors.ERR_SPAWN, f"cannot start processes in place of the lost ranks: {error}"
+            )
+        raise errors.MPIException(
+            errors.ERR_PROC_FAILED,
+            "another rank failed during the recovery: call MPI.COMM_WORLD.Dup() again",
+        )
+    wctx = state.next_ctx  # free at every survivor, as the agreement says
+    eng.next_ctx = max(eng.next_ctx, wctx + 2)
+    fresh = dict(zip(lost, ranks, strict=True))
+    group = tuple(fresh.get(w, w) for w in h.group)
+    if shrunk.rank == 0:
+        _tell(eng, ranks, [list(group), wctx])
+    return _Core(eng, wctx, group)
+
+
+def _tell(eng: Any, ranks: list[int], role: Any) -> None:
+    """Tell spawned processes their role (``join``): None (an ordinary spawn), "drop" (a
+    rebuild that did not go through) or the rebuilt world's ranks and context id."""
+    payload = _encode(role)
+    for r in ranks:
+        eng.send_quiet(r, CTX_REBUILD, 0, KIND_BUFFER, [], [payload], len(payload))
 
 
 def install(eng: Any, core: _Core, old: Any) -> None:
@@ -134,11 +168,8 @@ def install(eng: Any, core: _Core, old: Any) -> None:
 
 def tell_children(eng: Any, h: Any, ranks: list[int]) -> None:
     """Rebuild jobs: the root of an ordinary spawn tells its children they replace nobody."""
-    if h.rank != 0 or mode(eng) != "rebuild":
-        return
-    payload = _encode(None)
-    for r in ranks:
-        eng.send_quiet(r, CTX_REBUILD, 0, KIND_BUFFER, [], [payload], len(payload))
+    if h.rank == 0 and mode(eng) == "rebuild":
+        _tell(eng, ranks, None)
 
 
 def join(eng: Any, parent: list[int]) -> None:
@@ -148,17 +179,18 @@ def join(eng: Any, parent: list[int]) -> None:
     eng.post(op)
     if not op.done:
         eng.wait(op)
-    if op.error:
-        # Its root failed before telling it: the recovery that started it failed, and the
-        # survivors start others in the next one. Nothing to do here: end quietly.
+    role = "drop" if op.error else _decode(bytes(op.payload))
+    if role == "drop":
+        # The recovery that started it did not go through (or its root failed before telling
+        # it): the survivors start others in the next one. Nothing to do here: end quietly.
         print(
-            "vpool: this process was started to replace a lost rank, but the rank that started "
-            "it failed before giving it its place; it ends (the next recovery starts another)",
+            "vpool: this process was started to replace a lost rank, but the recovery that "
+            "started it was interrupted by another failure; it ends (the next one starts "
+            "another)",
             file=sys.stderr,
             flush=True,
         )
         raise SystemExit(0)
-    role = _decode(bytes(op.payload))
     if role is None:
         return
     group, wctx = role
