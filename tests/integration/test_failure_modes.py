@@ -149,11 +149,16 @@ def test_an_ftmpi_program_rebuilds_its_world_past_random_kills(fresh_pool: Pool,
     assert d["job"]["state"] == "succeeded", why
     assert sorted(d["job"]["failed_ranks"]) == sorted(victims), why
     states = {r["rank"]: r["state"] for r in d["ranks"]}
-    expected = {r: "failed" if r in victims else "exited" for r in range(5)}
-    if mode == "rebuild":  # a fresh process, spawned, took each lost rank's place
-        expected.update({5: "exited", 6: "exited"})
-        spawns = [e for e in d["events"] if e["kind"] == "spawn"]
-        assert len(spawns) == 2, why
-    assert states == expected, why
+    first = {r: s for r, s in states.items() if r < 5}
+    assert first == {r: "failed" if r in victims else "exited" for r in range(5)}, why
+    spawned = {r: s for r, s in states.items() if r >= 5}
+    if mode == "rebuild":
+        # A fresh process, spawned, took each lost rank's place (one recovery may replace
+        # both; one interrupted by the second kill may have started some that were not
+        # needed, which end at once): every one exited.
+        assert len(spawned) >= len(victims), why
+        assert set(spawned.values()) == {"exited"}, why
+    else:
+        assert spawned == {}, why
     res = fresh_pool.vsdk("logs", str(job))
     assert res.stdout.decode() == reference, why
