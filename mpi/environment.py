@@ -108,7 +108,7 @@ def init() -> None:
         eng.parent = spawn.parent_core(eng, eng.world, welcome.parent, welcome.parent_ctx)
         eng.parent.errh = default_errhandler
     COMM_WORLD._h.errh = COMM_SELF._h.errh = default_errhandler
-    if eng.strict and eng.parent is not None and ftmpi.mode(eng) == "rebuild":
+    if eng.parent is not None and ftmpi.mode(eng) == "rebuild":
         ftmpi.join(eng, transport.welcome.parent)  # a replacement takes the rebuilt world
     _state = _RUNNING
     atexit.register(_at_exit)

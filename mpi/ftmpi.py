@@ -78,7 +78,7 @@ def recovering(h: Any) -> bool:
     eng = h.eng
     if h is not _world()._h:
         return False
-    return eng.broken_by(h.ctx, h.w2c, eng.failed)
+    return eng.broken_by(h.ctx, h.w2c, eng.failed) is not None
 
 
 def recover(comm: Any) -> Any:
@@ -157,11 +157,12 @@ def _tell(eng: Any, ranks: list[int], role: Any) -> None:
         eng.send_quiet(r, CTX_REBUILD, 0, KIND_BUFFER, [], [payload], len(payload))
 
 
-def install(eng: Any, core: _Core, old: Any) -> None:
-    """Make ``core`` the process's COMM_WORLD (the same ``MPI.COMM_WORLD`` object)."""
+def install(eng: Any, core: _Core, old: _Core) -> None:
+    """Make ``core`` the process's COMM_WORLD (the same ``MPI.COMM_WORLD`` object), with the
+    error handler and attributes of the ``old`` one."""
     core.name = "MPI_COMM_WORLD"
-    core.errh = old.errh if old is not None else core.errh
-    core.attrs = old.attrs if old is not None else core.attrs
+    core.errh = old.errh
+    core.attrs = old.attrs
     eng.world = core.group
     _world()._h = core
 

@@ -532,17 +532,17 @@ class Engine:
         if ctx < 0:
             return False  # the runtime's own protocols: only their source's failure
         if self.strict:
-            return self.broken_by(ctx, op.w2c, failed)
+            return self.broken_by(ctx, op.w2c, failed) is not None
         if ctx & 1:
             w2c = op.w2c
             return any(w2c[f] != UNDEFINED for f in failed)
         return False
 
-    def broken_by(self, ctx: int, w2c: Any, failed: list[int]) -> bool:
-        """FT-MPI's modes: whether a member of the communicator of ``ctx`` (``w2c``) is in
-        ``failed`` and not acknowledged on it (a blank communicator's holes are)."""
+    def broken_by(self, ctx: int, w2c: Any, failed: list[int]) -> int | None:
+        """FT-MPI's modes: the first member of the communicator of ``ctx`` (``w2c``) in
+        ``failed`` and not acknowledged on it (a blank communicator's holes are), if any."""
         acked = self.acked.get(ctx & -2, ())
-        return any(w2c[f] != UNDEFINED and f not in acked for f in failed)
+        return next((f for f in failed if w2c[f] != UNDEFINED and f not in acked), None)
 
     def _fail(self, op: Any, code: int) -> None:
         self.ft.any_ops.pop(op, None)
@@ -585,14 +585,15 @@ class Engine:
     def check_broken(self, h: Any) -> None:
         """FT-MPI's modes: a communicator a failure broke refuses every operation until
         COMM_WORLD is rebuilt (``ftmpi``)."""
-        for w2c in (h.w2c, getattr(h, "pw2c", h.w2c)):
-            for f in self.failed:
-                if w2c[f] != UNDEFINED and f not in self.acked.get(h.ctx & -2, ()):
-                    raise errors.MPIException(
-                        errors.ERR_PROC_FAILED,
-                        f"world rank {f}, a member of the communicator, failed: recover with "
-                        "MPI.COMM_WORLD.Dup()",
-                    )
+        maps = (h.w2c,) if h.pw2c is h.w2c else (h.w2c, h.pw2c)  # an intercomm's both groups
+        for w2c in maps:
+            f = self.broken_by(h.ctx, w2c, self.failed)
+            if f is not None:
+                raise errors.MPIException(
+                    errors.ERR_PROC_FAILED,
+                    f"world rank {f}, a member of the communicator, failed: recover with "
+                    "MPI.COMM_WORLD.Dup()",
+                )
 
     def enter_collective(self, h: Any) -> None:
         """A collective on ``h`` starts: refused once revoked, or with a member failed."""
