@@ -8,12 +8,20 @@ import secrets
 
 import msgspec
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from vpool.protocol.framing import PREFIX_SIZE, encode_frame, frames_in
 from vpool.protocol.messages import KIND_PICKLE, Data, decode
-from vpool.protocol.sealing import TAG_SIZE, Sealer, SealError, message_key, nonce
+from vpool.protocol.sealing import (
+    IN_PLACE_MIN,
+    SCRATCH,
+    TAG_SIZE,
+    Sealer,
+    SealError,
+    message_key,
+    nonce,
+)
 from vpool.relay.log import digest
 
 KEY = message_key("c2VjcmV0LWpvYi1rZXktb2YtMzItYnl0ZXMtZm9yLXRlc3Q")
@@ -44,7 +52,23 @@ def _sealed(msg: Data, payload: bytes) -> tuple[Data, bytearray, int]:
     return header, sealed, sh
 
 
+def _pattern(size: int) -> bytes:
+    """``size`` bytes that are not all alike (a shifted block would not open to them)."""
+    return (bytes(range(251)) * (size // 251 + 1))[:size]
+
+
+# The sizes cryptography 51 broke (it refuses overlapping buffers; frames of 64 KiB and more
+# arrive in a buffer the agent owns, which it opened in place), either way of opening.
+_SIZES = (100, 70_000, 1 << 20, IN_PLACE_MIN - 1, IN_PLACE_MIN, IN_PLACE_MIN + SCRATCH + 1)
+
+
 @given(payload=st.binary(max_size=4096), seq=st.integers(1, (1 << 48) - 1), in_place=st.booleans())
+@example(payload=_pattern(100), seq=1, in_place=True)
+@example(payload=_pattern(100), seq=1, in_place=False)
+@example(payload=_pattern(70_000), seq=1, in_place=True)
+@example(payload=_pattern(70_000), seq=1, in_place=False)
+@example(payload=_pattern(1 << 20), seq=1, in_place=True)
+@example(payload=_pattern(1 << 20), seq=1, in_place=False)
 def test_open_gives_back_the_frame_that_was_sealed(
     payload: bytes, seq: int, in_place: bool
 ) -> None:
@@ -57,6 +81,37 @@ def test_open_gives_back_the_frame_that_was_sealed(
     given_frame = sealed if in_place else bytes(sealed)  # owned, or read-only (opened as copy)
     plain = Sealer(KEY).open(header, given_frame, sh)
     assert bytes(plain) == frame
+
+
+@pytest.mark.parametrize("size", _SIZES)
+def test_one_sealer_opens_frames_of_every_size_in_place_and_not(size: int) -> None:
+    """One agent's sealer, reused (its scratch buffer with it) across sizes and both ways."""
+    sealer = Sealer(KEY)
+    for seq in (1, 2):
+        msg = _msg(seq=seq, parts=[size])
+        payload = _pattern(size)[::-1] if seq == 2 else _pattern(size)
+        frame, _ = _frame(msg, payload)
+        header, sealed, sh = _sealed(msg, payload)
+        assert bytes(sealer.open(header, bytes(sealed), sh)) == frame
+        assert bytes(sealer.open(header, sealed, sh)) == frame
+
+
+@pytest.mark.parametrize("size", [100, IN_PLACE_MIN + SCRATCH + 1])
+@pytest.mark.parametrize("where", ["first", "middle", "last", "tag"])
+def test_a_changed_byte_anywhere_in_a_large_payload_does_not_open(size: int, where: str) -> None:
+    """In place, the tag is checked only after the last chunk: a change in any chunk (or the
+    tag) still fails, in place and not."""
+    msg = _msg(parts=[size])
+    header, sealed, sh = _sealed(msg, _pattern(size))
+    start = PREFIX_SIZE + sh
+    at = {"first": start, "middle": start + size // 2, "last": start + size - 1}.get(
+        where, len(sealed) - 1
+    )
+    sealed[at] ^= 0x01
+    with pytest.raises(SealError, match="does not open"):
+        Sealer(KEY).open(header, bytes(sealed), sh)
+    with pytest.raises(SealError, match="does not open"):
+        Sealer(KEY).open(header, sealed, sh)
 
 
 def test_sealing_is_deterministic_so_the_relay_digest_still_finds_divergence() -> None:
