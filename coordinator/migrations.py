@@ -423,6 +423,21 @@ def _m17_spawn(db: sqlite_utils.Database) -> None:
         db.execute(sql)
 
 
+def _m18_restart_storms(db: sqlite_utils.Database) -> None:
+    """Restart storms (issue 34, ``scheduler.RestartPolicy``): ``ranks.quick_losses``, the
+    rank's incarnations lost soon after they were handed out, in a row; ``incarnations.failure``,
+    how one failed in words every agent would use ("" unknown), compared across incarnations
+    (``scheduler.repeated_failure``); ``integrity_failures`` of agents and relays: sealed
+    messages a relay pushed that did not open at an agent, counted against both."""
+    for sql in (
+        "ALTER TABLE ranks ADD COLUMN quick_losses INTEGER NOT NULL DEFAULT 0",
+        "ALTER TABLE incarnations ADD COLUMN failure TEXT NOT NULL DEFAULT ''",
+        "ALTER TABLE agents ADD COLUMN integrity_failures INTEGER NOT NULL DEFAULT 0",
+        "ALTER TABLE relays ADD COLUMN integrity_failures INTEGER NOT NULL DEFAULT 0",
+    ):
+        db.execute(sql)
+
+
 def new_job_uid() -> str:
     return secrets.token_hex(16)
 
@@ -450,6 +465,7 @@ MIGRATIONS: list[Callable[[sqlite_utils.Database], None]] = [
     _m15_activity,
     _m16_failure_modes,
     _m17_spawn,
+    _m18_restart_storms,
 ]
 
 

@@ -27,14 +27,22 @@ free of I/O lets them be read, and tested, on their own.
   user can act on: no relay, no agent, no agent that may run it (isolation, memory), more
   ranks than those agents have slots in all (it can never run on the pool as it is: flagged),
   or not enough free slots now.
+- Restart storms (``RestartPolicy``): a lost rank is replaced at once, but a rank lost again
+  and again soon after each start (``quick`` seconds) waits before each replacement, a delay
+  that doubles from ``backoff_first`` up to ``backoff_max``, plus up to ``jitter`` of it at
+  random (``restart_delay``). A failure its agents word the same way (``failure``: a frame
+  that did not open, a start that failed, a crash signal) that happens on two different agents,
+  or three times in a row, ends the job at once with that reason (``repeated_failure``): it is
+  the program's or the pool's, not the volunteers'.
 - Job end: a non-zero exit (or ``MPI.Abort``) fails the job with that code; every rank's
-  current incarnation exiting 0 makes it succeed; too many restarts, a relay down for too long
-  or a divergence report fail it with no exit code.
+  current incarnation exiting 0 makes it succeed; too many restarts, a repeated failure, a
+  relay down for too long or a divergence report fail it with no exit code.
 """
 
 from __future__ import annotations
 
 import math
+import signal
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -281,6 +289,71 @@ def exit_reason(rank: int, code: int, aborted: bool) -> str:
     if aborted:
         return f"rank {rank} called MPI.Abort({code})"
     return f"rank {rank} exited with code {code}"
+
+
+@dataclass(frozen=True)
+class RestartPolicy:
+    """How a running job's lost ranks are restarted (the coordinator's settings of the same
+    names): at most ``max_restarts`` in all; an incarnation lost less than ``quick`` seconds
+    after it was handed to its agent is a quick loss, and the replacement of the n-th quick
+    loss in a row (n >= 2) waits ``restart_delay(n)``."""
+
+    max_restarts: int = 50
+    backoff_first: float = 1.0
+    backoff_max: float = 60.0
+    quick: float = 60.0
+    jitter: float = 0.5
+
+
+def restart_delay(streak: int, policy: RestartPolicy, draw: float) -> float:
+    """Seconds before the replacement of a rank's ``streak``-th quick loss in a row: none for
+    the first (a volunteer leaving is no storm), then ``backoff_first`` doubling with each up
+    to ``backoff_max``, that times 1 to 1 + ``jitter`` (``draw`` in [0, 1) picks where), so
+    that the ranks of one job lost together do not all come back at the same instant."""
+    if streak < 2:
+        return 0.0
+    base = min(policy.backoff_max, policy.backoff_first * 2.0 ** min(streak - 2, 60))
+    return base * (1.0 + policy.jitter * draw)
+
+
+# Signals a rank's own code dies of (a crash, an abort, a system call the sandbox refuses),
+# which replaying it on another agent gives again. SIGKILL and SIGTERM are left out: a
+# volunteer, or the machine's out-of-memory killer, sends those.
+CRASH_SIGNALS = frozenset(
+    {signal.SIGSEGV, signal.SIGBUS, signal.SIGILL, signal.SIGFPE, signal.SIGABRT, signal.SIGSYS}
+)
+
+
+def crash_failure(code: int) -> str:
+    """The ``failure`` of a rank whose process ended with ``code`` (-N: killed by signal N),
+    when that is a crash its program would have on any agent; else ""."""
+    if code < 0 and -code in {int(s) for s in CRASH_SIGNALS}:
+        return f"killed by {signal.Signals(-code).name}"
+    return ""
+
+
+SAME_IN_A_ROW = 3  # a failure seen this many times in a row ends the job, even on one agent
+
+
+def repeated_failure(rank: int, history: Sequence[tuple[str, str]]) -> str:
+    """Why a rank's job ends now, or "" if it does not: ``history`` is (agent, failure) of
+    the rank's incarnations, newest (the one just lost) first, ``failure`` "" where it is not
+    known. It ends when the newest failure was seen before on another agent, or ends the last
+    ``SAME_IN_A_ROW`` incarnations."""
+    if not history or not history[0][1]:
+        return ""
+    agent, failure = history[0]
+    others = [a for a, f in history[1:] if f == failure and a != agent]
+    if others:
+        return f"rank {rank} failed the same way on agents {others[0]} and {agent}: {failure}"
+    row = 0
+    for _, f in history:
+        if f != failure:
+            break
+        row += 1
+    if row >= SAME_IN_A_ROW:
+        return f"rank {rank} failed the same way {row} times in a row on agent {agent}: {failure}"
+    return ""
 
 
 def left_reason(rank: int, agent: str) -> str:

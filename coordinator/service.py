@@ -98,7 +98,12 @@ class Coordinator:
             if store is not None
             else SqliteStore(
                 state / "vpool.db",
-                max_restarts=settings.max_restarts,
+                restarts=scheduler.RestartPolicy(
+                    max_restarts=settings.max_restarts,
+                    backoff_first=settings.restart_backoff_first,
+                    backoff_max=settings.restart_backoff_max,
+                    quick=settings.restart_quick,
+                ),
                 restore_wait_timeout=settings.restore_wait_timeout,
                 relay_down_timeout=settings.relay_down_timeout,
                 quotas=Quotas.of(settings),
@@ -153,6 +158,7 @@ class Coordinator:
                 state=r["state"],
                 last_seen=r["last_seen"],
                 load=msgspec.convert(r["load"], api.RelayLoad),
+                integrity_failures=r["integrity_failures"],
             )
             for r in await self.db.call(self.store.list_relays)
         ]
@@ -889,6 +895,7 @@ def agent_info(row: dict[str, Any]) -> api.AgentInfo:
         ),
         activity_reason=row["activity_reason"],
         activity_since=row["activity_since"],
+        integrity_failures=row["integrity_failures"],
     )
 
 

@@ -55,6 +55,20 @@ class CoordinatorSettings:
         "(relays keep their logs on disk, so a restarted relay loses nothing).",
     )
     max_restarts: int = setting(50, "Lost ranks a job may have restarted in all before it fails.")
+    restart_quick: float = setting(
+        60.0,
+        "Seconds after it was handed out within which losing a rank counts as a quick loss. "
+        "The first quick loss is replaced at once; each further one in a row waits "
+        "restart_backoff_first, doubling up to restart_backoff_max, plus up to half of it at "
+        "random. A failure worded the same on two agents, or three times in a row, ends the "
+        "job at once.",
+    )
+    restart_backoff_first: float = setting(
+        1.0, "Seconds the second quick loss of a rank in a row waits before its replacement."
+    )
+    restart_backoff_max: float = setting(
+        60.0, "Longest wait before a replacement, however many quick losses came before."
+    )
     restore_wait_timeout: float = setting(
         600.0,
         "Seconds a lost rank that can only restart from a checkpoint image (its home relay "
@@ -157,6 +171,13 @@ class CoordinatorSettings:
             )
         if self.max_restarts < 0:
             raise ValueError(f"max_restarts must be >= 0, not {self.max_restarts}")
+        if not 0 <= self.restart_backoff_first <= self.restart_backoff_max < math.inf:
+            raise ValueError(
+                "restart_backoff_first and restart_backoff_max must be 0 <= first <= max, not "
+                f"{self.restart_backoff_first:g} and {self.restart_backoff_max:g}"
+            )
+        if not 0 <= self.restart_quick < math.inf:
+            raise ValueError(f"restart_quick must be >= 0 s, not {self.restart_quick:g}")
         if not self.restore_wait_timeout > 0:
             raise ValueError(
                 f"restore_wait_timeout must be more than 0 s, not {self.restore_wait_timeout:g}"

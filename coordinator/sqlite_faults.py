@@ -19,6 +19,7 @@ failure: it is never a revenant.
 from __future__ import annotations
 
 import json
+import random
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -54,6 +55,7 @@ def relay_backoff(losses: int) -> float:
 class FaultsMixin(ValidationMixin, CheckpointsMixin):
     db: sqlite_utils.Database
     max_restarts: int
+    restarts: scheduler.RestartPolicy
     relay_down_timeout: float
 
     # -- start-up -----------------------------------------------------------------------------
@@ -76,12 +78,50 @@ class FaultsMixin(ValidationMixin, CheckpointsMixin):
                 # Handed back by an agent that stops cleanly: not a fault of it.
                 reason = f"{scheduler.left_reason(pr.rank, name)} ({pr.message})"
                 return self._lose(pr.job, pr.rank, reason, now, suspect=False)
-            reason = f"rank {pr.rank} lost: agent {name} reported: {pr.message}"
+            failure = pr.failure[:MAX_MESSAGE]
             job = self.job_row(pr.job)
-            if pr.relay and job is not None and pr.relay in json.loads(job["relays"]):
+            relays = json.loads(job["relays"]) if job is not None else []
+            if pr.unopened_from and pr.unopened_from in relays:
+                return self._unopened(agent_id, name, pr, failure, now)
+            reason = f"rank {pr.rank} lost: agent {name} reported: {pr.message}"
+            if pr.relay and pr.relay in relays:
                 # The relay's outage, not the agent's fault or the rank's.
                 return self._lose(pr.job, pr.rank, reason, now, suspect=False, outage=pr.relay)
-            return self._lose(pr.job, pr.rank, reason, now, suspect=True)
+            return self._lose(pr.job, pr.rank, reason, now, suspect=True, failure=failure)
+
+    def _unopened(
+        self, agent_id: str, name: str, pr: api.RankProblem, failure: str, now: float
+    ) -> bool:
+        """A sealed message that relay ``pr.unopened_from`` pushed did not open at the agent:
+        it was changed after it was sealed, by the relay or on the agent (its disk, its memory,
+        its software). Not a lost rank: counted against both, not against the job's restarts;
+        the rank is restarted (on another agent if there is one) and fetches the message again,
+        and the same failure on a second agent ends the job (the relay's copy is bad, or every
+        agent's software is)."""
+        relay = pr.unopened_from
+        self.db.execute(
+            "UPDATE agents SET integrity_failures = integrity_failures + 1 WHERE id = ?",
+            [agent_id],
+        )
+        self.db.execute(
+            "UPDATE relays SET integrity_failures = integrity_failures + 1 WHERE name = ?",
+            [relay],
+        )
+        reason = (
+            f"rank {pr.rank}: a message relay {relay} pushed did not open at agent {name} "
+            f"(counted against relay {relay} and agent {name}, not as a lost rank): "
+            f"{failure or pr.message}"
+        )
+        return self._lose(
+            pr.job,
+            pr.rank,
+            reason,
+            now,
+            suspect=True,
+            counted=False,
+            failure=failure,
+            kind="integrity_failure",
+        )
 
     def relay_lost(self, relay: str, lost: list[api.RankLost], now: float) -> bool:
         """Ranks whose connection to ``relay`` dropped and did not come back. A relay speaks
@@ -292,6 +332,8 @@ class FaultsMixin(ValidationMixin, CheckpointsMixin):
         exit_code: int | None = None,
         outage: str = "",
         counted: bool = True,
+        failure: str = "",
+        kind: str = "rank_lost",
     ) -> bool:
         """End the rank's current incarnation as lost. In a running job, the rank gets a new
         incarnation waiting for a slot (avoiding the old agent if it is ``suspect``), unless
@@ -301,13 +343,21 @@ class FaultsMixin(ValidationMixin, CheckpointsMixin):
         ``outage`` (its agent could not reach it) does not count as a restart: the replacement
         waits a backoff instead, and the job fails only once the relay has been unreachable for
         ``relay_down_timeout``. Nor does one that is not ``counted`` (a lease given back before
-        it ran)."""
+        it ran, a message that did not open: the relay's or the agent's fault).
+
+        Restart storms (``scheduler.RestartPolicy``): a quick loss after another waits
+        ``scheduler.restart_delay``; ``failure`` (how it failed, as any agent would say it)
+        is kept with the incarnation, and the same failure on two agents or three times in a
+        row ends the job (``scheduler.repeated_failure``). The event is ``kind``."""
         with self.db.atomic():
             row = self._one(
                 "SELECT r.state, r.incarnation, r.agent, r.relay_losses, r.relay_since, "
+                "r.quick_losses, r.validating, i.created, i.delivered, "
                 "j.state AS job_state, j.restarts, j.fault_tolerance, j.on_failure, "
                 "COALESCE(s.reported, 0) AS reported "
                 "FROM ranks r JOIN jobs j ON j.id = r.job LEFT JOIN spawns s ON s.id = r.spawn "
+                "LEFT JOIN incarnations i ON i.job = r.job AND i.rank = r.rank "
+                "AND i.incarnation = r.incarnation "
                 "WHERE r.job = ? AND r.rank = ?",
                 [job, rank],
             )
@@ -316,9 +366,9 @@ class FaultsMixin(ValidationMixin, CheckpointsMixin):
             incarnation = int(row["incarnation"])
             self.db.execute(
                 "UPDATE incarnations SET ended = COALESCE(ended, ?), lost = ?, "
-                "exit_code = COALESCE(exit_code, ?) WHERE job = ? AND rank = ? "
+                "exit_code = COALESCE(exit_code, ?), failure = ? WHERE job = ? AND rank = ? "
                 "AND incarnation = ?",
-                [now, reason, exit_code, job, rank, incarnation],
+                [now, reason, exit_code, failure[:MAX_MESSAGE], job, rank, incarnation],
             )
             if row["job_state"] == "running" and (
                 row["on_failure"] in api.REPORTING_MODES or row["reported"]
@@ -326,11 +376,21 @@ class FaultsMixin(ValidationMixin, CheckpointsMixin):
                 mode = "spawned with failures reported" if row["reported"] else row["on_failure"]
                 self._declare_failed(job, rank, incarnation, reason, mode, now)
                 return True
+            policy = self.restarts
             since = row["relay_since"] if row["relay_since"] is not None else now
             losses = int(row["relay_losses"]) + 1 if outage else 0
             delay = relay_backoff(losses) if outage else 0.0
+            handed = row["delivered"] if row["delivered"] is not None else row["created"]
+            quick = handed is not None and now - float(handed) < policy.quick
+            # A validation's re-execution and a relay outage have rules of their own.
+            storm = not outage and not row["validating"]
+            streak = int(row["quick_losses"]) + 1 if quick and storm else 0
+            wait = scheduler.restart_delay(streak, policy, random.random())
+            repeated = self._repeated_failure(job, rank) if storm else ""
             if not row["fault_tolerance"]:
                 why = f"{reason} (fault tolerance is off for this job)"
+            elif repeated:
+                why = repeated
             elif outage and now - since >= self.relay_down_timeout:
                 why = (
                     f"relay {outage} has been unreachable for {now - since:.0f} s "
@@ -349,7 +409,12 @@ class FaultsMixin(ValidationMixin, CheckpointsMixin):
                 )
             else:
                 why = ""
-            self._event(job, now, "rank_lost", reason, rank)
+                if wait:
+                    reason += (
+                        f" (lost {streak} times in a row soon after starting: "
+                        f"restarting in {wait:.1f} s)"
+                    )
+            self._event(job, now, kind, reason, rank)
             if row["job_state"] != "running" or why:
                 self.db.execute(
                     "UPDATE ranks SET state = 'lost' WHERE job = ? AND rank = ?", [job, rank]
@@ -358,21 +423,37 @@ class FaultsMixin(ValidationMixin, CheckpointsMixin):
                 return True
             if not outage and counted:
                 self.db.execute("UPDATE jobs SET restarts = restarts + 1 WHERE id = ?", [job])
+            delay = max(delay, wait)
             self.db.execute(
                 "UPDATE ranks SET incarnation = ?, state = 'pending', agent = NULL, "
                 "exit_code = NULL, avoid = ?, not_before = ?, relay_losses = ?, "
-                "relay_since = ? WHERE job = ? AND rank = ?",
+                "relay_since = ?, quick_losses = ? WHERE job = ? AND rank = ?",
                 [
                     incarnation + 1,
                     row["agent"] if suspect else None,
-                    now + delay if outage else None,
+                    now + delay if delay else None,
                     losses,
                     since if outage else None,
+                    streak,
                     job,
                     rank,
                 ],
             )
         return True
+
+    def _repeated_failure(self, job: int, rank: int) -> str:
+        """``scheduler.repeated_failure`` over the rank's incarnations (its current one, just
+        lost, first), with its agents' names."""
+        history = [
+            (str(r["name"] or r["agent"]), str(r["failure"]))
+            for r in self.db.query(
+                "SELECT i.agent, i.failure, a.name FROM incarnations i "
+                "LEFT JOIN agents a ON a.id = i.agent WHERE i.job = ? AND i.rank = ? "
+                "AND i.validates = 0 ORDER BY i.incarnation DESC",
+                [job, rank],
+            )
+        ]
+        return scheduler.repeated_failure(rank, history)
 
     def _declare_failed(
         self, job: int, rank: int, incarnation: int, reason: str, mode: str, now: float

@@ -19,7 +19,7 @@ from typing import Any
 import msgspec
 import sqlite_utils
 
-from vpool.coordinator import migrations
+from vpool.coordinator import migrations, scheduler
 from vpool.coordinator.errors import Conflict, Forbidden
 from vpool.coordinator.settings import CoordinatorSettings
 from vpool.coordinator.sqlite_accounts import AccountsMixin
@@ -65,6 +65,7 @@ class SqliteStore(AccountsMixin, JobsMixin, SpawnMixin, CredentialsMixin):
         path: Path | str,
         *,
         max_restarts: int = 50,
+        restarts: scheduler.RestartPolicy | None = None,
         restore_wait_timeout: float = 600.0,
         relay_down_timeout: float = 300.0,
         quotas: Quotas | None = None,
@@ -72,7 +73,8 @@ class SqliteStore(AccountsMixin, JobsMixin, SpawnMixin, CredentialsMixin):
     ) -> None:
         self.quotas = quotas or Quotas.of(CoordinatorSettings())
         self.validation = validation or Policy()
-        self.max_restarts = max_restarts
+        self.restarts = restarts or scheduler.RestartPolicy(max_restarts=max_restarts)
+        self.max_restarts = self.restarts.max_restarts
         self.restore_wait_timeout = restore_wait_timeout
         self.relay_down_timeout = relay_down_timeout
         # check_same_thread=False: calls come from trio's worker threads, serialized by the
@@ -223,7 +225,7 @@ class SqliteStore(AccountsMixin, JobsMixin, SpawnMixin, CredentialsMixin):
                 "SELECT a.id, a.name, a.slots, a.free_slots, a.last_seen, a.state, a.software, "
                 "a.criu, a.fingerprint, a.isolation, a.rank_memory, a.isolation_report, a.banned, "
                 "a.enrolled, a.join_token, a.agreed, a.agreed_streak, a.wrong, "
-                "a.activity, a.activity_reason, a.activity_since, "
+                "a.activity, a.activity_reason, a.activity_since, a.integrity_failures, "
                 "(SELECT COUNT(*) FROM ranks r WHERE r.agent = a.id "
                 "AND r.state IN ('leased', 'running')) AS active FROM agents a ORDER BY a.name"
             )

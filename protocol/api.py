@@ -128,6 +128,7 @@ class AgentInfo(msgspec.Struct, frozen=True):
     activity: str = "available"
     activity_reason: str = ""
     activity_since: float = 0.0
+    integrity_failures: int = 0  # sealed messages that did not open here (``RankProblem``)
 
     def doing(self) -> str:
         """What listings show of its activity: "-" when it is not alive (``state`` says why),
@@ -152,6 +153,7 @@ class RelayStatus(msgspec.Struct, frozen=True):
     state: str  # alive | lost
     last_seen: float
     load: RelayLoad
+    integrity_failures: int = 0  # sealed messages it pushed that did not open at an agent
 
 
 class PoolTotals(msgspec.Struct, frozen=True):
@@ -682,13 +684,21 @@ class RankProblem(msgspec.Struct, frozen=True):
     """The agent lost something a rank needs (e.g. its relay connection dropped). ``relay``
     names the relay of the job it could not reach when that is the cause: the coordinator
     restarts the rank with backoff, against the relay's outage rather than the job's restart
-    budget."""
+    budget.
+
+    ``failure``: how the rank failed in words any agent would use for the same failure (no
+    agent name, path or time; "" when the problem is not one that repeats): the coordinator
+    ends the job when a rank fails the same way on two agents (``scheduler.RestartPolicy``).
+    ``unopened_from``: the relay that pushed a sealed message that did not open here (an
+    integrity failure, counted against that relay and this agent, not as a lost rank)."""
 
     job: int
     rank: int
     incarnation: int
     message: str
     relay: str = ""
+    failure: str = ""
+    unopened_from: str = ""
 
 
 class RelayRegister(msgspec.Struct, frozen=True):

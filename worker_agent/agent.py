@@ -15,6 +15,7 @@ import random
 import socket
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import httpx
@@ -190,12 +191,37 @@ class Agent:
 
     # -- problems ---------------------------------------------------------------------------
 
-    def _problem_soon(self, rank: LocalRank, message: str, relay: str) -> None:
-        self.nursery.start_soon(self.report_problem, rank, message, relay)
+    def _problem_soon(
+        self,
+        rank: LocalRank,
+        message: str,
+        relay: str,
+        *,
+        failure: str = "",
+        unopened_from: str = "",
+    ) -> None:
+        self.nursery.start_soon(
+            partial(
+                self.report_problem,
+                rank,
+                message,
+                relay,
+                failure=failure,
+                unopened_from=unopened_from,
+            )
+        )
 
-    async def report_problem(self, rank: LocalRank, message: str, relay: str = "") -> None:
+    async def report_problem(
+        self,
+        rank: LocalRank,
+        message: str,
+        relay: str = "",
+        *,
+        failure: str = "",
+        unopened_from: str = "",
+    ) -> None:
         """Tell the coordinator once that ``rank`` cannot go on; ``relay``: the relay it could
-        not reach, if that is why."""
+        not reach, if that is why; ``failure`` and ``unopened_from``: as ``RankProblem``."""
         if rank.problem_reported or rank.ended:
             return
         rank.problem_reported = True
@@ -209,6 +235,8 @@ class Agent:
                     incarnation=lease.incarnation,
                     message=message,
                     relay=relay,
+                    failure=failure,
+                    unopened_from=unopened_from,
                 )
             )
         except CoordinatorRejected as exc:

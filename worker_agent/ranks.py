@@ -39,6 +39,7 @@ import tempfile
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import trio
 
@@ -104,6 +105,20 @@ def shim_dir() -> Path:
     return Path(vpool.mpi.__file__).parent / "shim"
 
 
+class ReportProblem(Protocol):
+    """``Agent.report_problem``: tell the coordinator once that a rank cannot go on."""
+
+    def __call__(
+        self,
+        rank: LocalRank,
+        message: str,
+        relay: str = "",
+        *,
+        failure: str = "",
+        unopened_from: str = "",
+    ) -> Awaitable[None]: ...
+
+
 @dataclass
 class RankServices:
     """What running a rank needs from the agent."""
@@ -114,7 +129,7 @@ class RankServices:
     blobs: bundle.BlobCache
     ranks: LocalRanks
     socket_path: Path
-    report_problem: Callable[[LocalRank, str, str], Awaitable[None]]
+    report_problem: ReportProblem
     # Called once the rank's process is gone and its exit is reported: its slot is free for the
     # next lease (a replacement of a lost rank, often) while the clean-up goes on.
     release_slot: Callable[[LocalRank], None] = lambda rank: None
@@ -323,7 +338,16 @@ async def run_rank(svc: RankServices, rank: LocalRank) -> None:
         except (BundleError, RelayLinkError, CoordinatorRejected) as exc:
             log.error("%s cannot start: %s", rank.label, exc)
             relay = exc.relay if isinstance(exc, RelayLinkError) else ""
-            await svc.report_problem(rank, f"{rank.label} cannot start: {exc}", relay)
+            # Worded as any agent would say it: the same failure on another agent ends the job
+            # (its bundle, its relays' answers), rather than restarting it again and again. A
+            # coordinator's refusal may be this agent's own (its token), so it is not compared.
+            same = isinstance(exc, BundleError) or (isinstance(exc, RelayLinkError) and not relay)
+            await svc.report_problem(
+                rank,
+                f"{rank.label} cannot start: {exc}",
+                relay,
+                failure=f"cannot start: {exc}" if same else "",
+            )
             return
         code, message, lost = await execute(svc, rank, prepared, restored, tried)
         await _upload_results(svc, rank, prepared, code, message, lost)
@@ -334,9 +358,12 @@ async def run_rank(svc: RankServices, rank: LocalRank) -> None:
         if not rank.problem_reported and not rank.ended:
             rank.problem_reported = True
             name = svc.settings.agent_name
-            why = "is shutting down" if _only_cancelled(exc) else f"failed: {describe(exc)}"
+            cancelled = _only_cancelled(exc)
+            why = "is shutting down" if cancelled else f"failed: {describe(exc)}"
+            # An error of the agent's that the rank brings about would be every agent's.
+            failure = "" if cancelled else f"the agent failed running it: {describe(exc)}"
             with trio.move_on_after(2, shield=True):
-                await svc.client.post_problem(_problem(rank, f"agent {name} {why}"))
+                await svc.client.post_problem(_problem(rank, f"agent {name} {why}", failure))
         raise
     finally:
         rank.ended = True
@@ -369,10 +396,14 @@ def _only_cancelled(exc: BaseException) -> bool:
     return isinstance(exc, trio.Cancelled)
 
 
-def _problem(rank: LocalRank, message: str) -> RankProblem:
+def _problem(rank: LocalRank, message: str, failure: str = "") -> RankProblem:
     lease = rank.lease
     return RankProblem(
-        job=lease.job, rank=lease.rank, incarnation=lease.incarnation, message=message
+        job=lease.job,
+        rank=lease.rank,
+        incarnation=lease.incarnation,
+        message=message,
+        failure=failure,
     )
 
 

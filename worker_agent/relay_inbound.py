@@ -46,6 +46,7 @@ class _PendingAttach:
 class InboundRouting:
     """Routing of the frames a relay sends; ``RelayLink`` holds the state below."""
 
+    name: str
     where: str
     current: Connection | None
     ranks: dict[RankKey, LocalRank]
@@ -150,8 +151,11 @@ class InboundRouting:
                 raise SealError(f"{rank.label} has no job key to open message {msg.seq} with")
             plain = rank.sealer.open(msg, frame.frame, frame.header_len)
         except SealError as exc:
-            # Changed on its way: the rank cannot go on without it. A restart fetches it again.
-            self._owner.on_problem(rank, f"{self.where}: {exc}", "")
+            # Changed on its way: the rank cannot go on without it. A restart fetches it again;
+            # the coordinator counts it against the relay and this agent.
+            self._owner.on_problem(
+                rank, f"{self.where}: {exc}", "", failure=str(exc), unopened_from=self.name
+            )
             if due := rank.outbox.credit_due(conn, frame.size):
                 conn.credit_nowait(msg.job, msg.dst, due)
             return

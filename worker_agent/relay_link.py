@@ -27,8 +27,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import trio
 
@@ -73,9 +72,22 @@ _SETTLE_POLL = 0.005
 _RECONNECT_FIRST = 0.1  # s before the first reconnection attempt, doubled up to _RECONNECT_MAX
 _RECONNECT_MAX = 2.0
 
-# (rank, message, relay): ``relay`` names the relay that could not be reached ("" when the
-# problem is another one), as ``RankProblem.relay`` tells the coordinator.
-ProblemCallback = Callable[[LocalRank, str, str], None]
+
+class ProblemCallback(Protocol):
+    """(rank, message, relay): ``relay`` names the relay that could not be reached ("" when
+    the problem is another one), ``failure`` and ``unopened_from`` as ``RankProblem`` has
+    them: how it failed in words every agent would use, the relay whose sealed message did not
+    open here."""
+
+    def __call__(
+        self,
+        rank: LocalRank,
+        message: str,
+        relay: str,
+        *,
+        failure: str = "",
+        unopened_from: str = "",
+    ) -> None: ...
 
 
 class Connection:

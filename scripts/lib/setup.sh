@@ -14,13 +14,16 @@ apt_install() {
     DEBIAN_FRONTEND=noninteractive "${sudo[@]}" apt-get install -y -q "${missing[@]}" >/dev/null
 }
 
-# make_venv EXTRAS: .venv with vpool installed editable (EXTRAS e.g. "[test]").
+# make_venv LOCK [VENV]: VENV (default .venv) holding exactly the versions LOCK pins (a file in
+# requirements/, with hashes: pip refuses anything else), then vpool itself, editable, built by
+# the locked setuptools (no build isolation: nothing unpinned is fetched to build it).
 make_venv() {
-    local python=${PYTHON:-python3}
+    local lock=$1 venv=${2:-.venv} python=${PYTHON:-python3}
     if ! "$python" -c 'import venv, ensurepip' 2>/dev/null; then
         apt_install python3-venv
     fi
-    [ -x .venv/bin/python ] || "$python" -m venv .venv
-    .venv/bin/python -m pip install -q --disable-pip-version-check --upgrade pip
-    .venv/bin/python -m pip install -q --disable-pip-version-check -e ".$1"
+    [ -x "$venv/bin/python" ] || "$python" -m venv "$venv"
+    local pip=("$venv/bin/python" -m pip install -q --disable-pip-version-check)
+    "${pip[@]}" --require-hashes -r "$lock"
+    "${pip[@]}" --no-deps --no-build-isolation -e .
 }

@@ -60,15 +60,19 @@ def run(argv: list[str | Path], *, env: dict[str, str] | None = None, timeout: f
 
 def agent_venv(tmp: Path, python: str = sys.executable) -> Path:
     """A fresh venv of ``python`` holding vpool[agent] from a wheel of this tree, and nothing
-    else."""
+    else: the agent's dependencies at the versions ``requirements/agent.txt`` pins (what was
+    tested; ``scripts/test --latest`` tries the newest), the wheel built by the test
+    environment's own (locked) setuptools."""
     src = tmp / "src"
     shutil.copytree(REPO, src, ignore=NOT_SOURCE)
-    run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", src, "-w", tmp / "wheels"])
+    build = [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation"]
+    run([*build, src, "-w", tmp / "wheels"])
     [wheel] = (tmp / "wheels").glob("vpool-*.whl")
     venv = tmp / "venv"
     run([python, "-m", "venv", venv])
     pip = [venv / "bin/python", "-m", "pip", "install", "-q", "--disable-pip-version-check"]
-    run([*pip, f"{wheel}[agent]"])
+    run([*pip, "--require-hashes", "-r", REPO / "requirements/agent.txt"])
+    run([*pip, "--no-deps", f"{wheel}[agent]"])
     return venv
 
 
