@@ -31,7 +31,7 @@ free of I/O lets them be read, and tested, on their own.
   and again soon after each start (``quick`` seconds) waits before each replacement, a delay
   that doubles from ``backoff_first`` up to ``backoff_max``, plus up to ``jitter`` of it at
   random (``restart_delay``). A failure its agents word the same way (``failure``: a frame
-  that did not open, a start that failed, a crash signal) that happens on two different agents,
+  that did not open, a start that failed, an error of the agent's) that happens on two agents,
   or three times in a row, ends the job at once with that reason (``repeated_failure``): it is
   the program's or the pool's, not the volunteers'.
 - Job end: a non-zero exit (or ``MPI.Abort``) fails the job with that code; every rank's
@@ -42,7 +42,6 @@ free of I/O lets them be read, and tested, on their own.
 from __future__ import annotations
 
 import math
-import signal
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -314,22 +313,6 @@ def restart_delay(streak: int, policy: RestartPolicy, draw: float) -> float:
         return 0.0
     base = min(policy.backoff_max, policy.backoff_first * 2.0 ** min(streak - 2, 60))
     return base * (1.0 + policy.jitter * draw)
-
-
-# Signals a rank's own code dies of (a crash, an abort, a system call the sandbox refuses),
-# which replaying it on another agent gives again. SIGKILL and SIGTERM are left out: a
-# volunteer, or the machine's out-of-memory killer, sends those.
-CRASH_SIGNALS = frozenset(
-    {signal.SIGSEGV, signal.SIGBUS, signal.SIGILL, signal.SIGFPE, signal.SIGABRT, signal.SIGSYS}
-)
-
-
-def crash_failure(code: int) -> str:
-    """The ``failure`` of a rank whose process ended with ``code`` (-N: killed by signal N),
-    when that is a crash its program would have on any agent; else ""."""
-    if code < 0 and -code in {int(s) for s in CRASH_SIGNALS}:
-        return f"killed by {signal.Signals(-code).name}"
-    return ""
 
 
 SAME_IN_A_ROW = 3  # a failure seen this many times in a row ends the job, even on one agent

@@ -736,15 +736,7 @@ class JobsMixin(FaultsMixin):
                     reason = f"rank {ex.rank} lost: agent {name} handed it back ({why})"
                 else:
                     reason = f"rank {ex.rank} lost: its process on agent {name} died ({why})"
-                return self._lose(
-                    ex.job,
-                    ex.rank,
-                    reason,
-                    now,
-                    suspect=False,
-                    exit_code=ex.code,
-                    failure=scheduler.crash_failure(ex.code),
-                )
+                return self._lose(ex.job, ex.rank, reason, now, suspect=False, exit_code=ex.code)
             self.db.execute(
                 "UPDATE incarnations SET ended = ?, exit_code = ? WHERE job = ? AND rank = ? "
                 "AND incarnation = ?",

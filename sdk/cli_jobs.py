@@ -532,10 +532,20 @@ def _agent_table(agents: list[AgentInfo]) -> str:
                 a.isolation or "not reported",
                 memory,
                 _when(a.last_seen),
-                " ".join(a.isolation_detail.split()) or "-",
+                _agent_detail(a),
             )
         )
     return _table(rows)
+
+
+def _agent_detail(a: AgentInfo) -> str:
+    """Why its isolation is not stronger, and the sealed messages that did not open there (a
+    sign of a bad relay, or of this agent's disk, memory or software)."""
+    parts = [" ".join(a.isolation_detail.split())] if a.isolation_detail.strip() else []
+    if a.integrity_failures:
+        n = a.integrity_failures
+        parts.append(f"{n} sealed message{'s' * (n != 1)} did not open here")
+    return "; ".join(parts) or "-"
 
 
 def _count(n: int, what: str) -> str:

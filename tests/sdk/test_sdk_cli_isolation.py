@@ -122,6 +122,7 @@ AGENTS = [
         isolation="none",
         isolation_detail="bwrap missing",
         rank_memory=512 * MiB,
+        integrity_failures=2,
     ),
     AgentInfo(id="agent-4", name="new", state="alive", slots=1, ranks=0, last_seen=1000.0),
 ]
@@ -153,6 +154,7 @@ def test_status_without_a_job_lists_the_agents(coord: Any) -> None:
     ]
     assert rows["laptop"][detail:] == "no cgroup: rlimits only"  # one line
     assert rows["lab-pc"][detail:] == "-"
+    assert rows["old-box"][detail:] == "bwrap missing; 2 sealed messages did not open here"
     assert "agents that have not reported their isolation get no ranks" in res.stdout
     assert "--allow-unsandboxed" in res.stdout
 
