@@ -36,7 +36,8 @@ Segment states (``STATES``) and the events that start them:
 - ``suspended``: the incarnation is frozen on its volunteer's machine, which is in use
   (``rank_suspended``), until it resumes (``rank_resumed``: the row goes back to what it
   showed before), is lost or ends;
-- ``lost``: from ``rank_lost`` until the replacement incarnation is placed
+- ``lost``: from ``rank_lost`` (or ``integrity_failure``: a message for it did not open at
+  its agent, and it is restarted elsewhere) until the replacement incarnation is placed
   (``rank_restarted``), or until the job ends;
 - ``failed``: in a job whose failure mode reports failures (``api.REPORTING_MODES``: "ulfm",
   "blank", "shrink", "rebuild"), from ``rank_failed`` (the rank is declared failed: never
@@ -61,7 +62,8 @@ Mark kinds (``MARK_KINDS``): ``checkpoint`` (a committed image), ``fault`` (``ra
 ``rank_failed``, ``checkpoint_failed``, ``restore_failed``, ``relay_down``, ``job_failed``, the
 job's ``failed`` end), ``fence`` (``rank_fenced``: a replaced incarnation's late exit),
 ``recovery`` (``relay_up``), ``warning`` (``validation_mismatch``: a re-execution differs from
-the original; ``agent_distrusted``: an agent was found wrong) and ``corrected``
+the original; ``agent_distrusted``: an agent was found wrong; ``integrity_failure``: a sealed
+message changed after it was sealed) and ``corrected``
 (``validation_corrected``: a rank's output was replaced by its re-executions'). Marks without a
 rank are job-wide and drawn on the ``job`` row; ``mark_kind`` gives an event kind's mark kind,
 for the events table to use the same classes.
@@ -112,6 +114,7 @@ _MARKS: dict[str, str] = {
     "relay_up": "recovery",
     "validation_mismatch": "warning",
     "agent_distrusted": "warning",
+    "integrity_failure": "warning",
     "validation_corrected": "corrected",
 }
 _JOB_ENDS = frozenset(api.TERMINAL_STATES)
@@ -225,6 +228,7 @@ class _Builder:
             "rank_replaying": self._rank_replaying,
             "rank_restored": self._rank_restored,
             "rank_lost": self._rank_lost,
+            "integrity_failure": self._rank_lost,
             "rank_waiting_restore": self._rank_waiting,
             "rank_restarted": self._rank_restarted,
             "rank_exited": self._rank_ended,

@@ -126,6 +126,25 @@ def test_lost_rank_restarted_and_replaying(replaying_first: bool) -> None:
     assert [(m.rank, m.time - T0, m.kind) for m in tl.marks] == [(1, 5, "fault")]
 
 
+def test_a_message_that_did_not_open_shows_its_rank_lost_with_a_warning() -> None:
+    why = "rank 1: a message relay r pushed did not open at agent a (...): message 3 ..."
+    events = [
+        *STARTED,
+        ev(5, "integrity_failure", 1, why),
+        ev(6, "rank_restarted", 1, "rank 1 incarnation 2 on agent b"),
+        ev(7, "rank_running", 1),
+    ]
+    tl = build(job(), events, now=T0 + 10)
+    assert rows(tl, 1)[2:] == [
+        ("running", 2, 5, 1),
+        ("lost", 5, 6, 1),
+        ("starting", 6, 7, 2),
+        ("running", 7, 10, 2),
+    ]
+    assert [s.label for s in tl.segments if s.state == "lost"] == [why]
+    assert [(m.rank, m.time - T0, m.kind) for m in tl.marks] == [(1, 5, "warning")]
+
+
 def test_waiting_for_a_restorer_then_restored_from_a_checkpoint() -> None:
     events = [
         *STARTED,
