@@ -433,6 +433,7 @@ def up(
         progress("starting the coordinator")
         starter.start("coordinator", coordinator_argv(lay))
         ready = starter.wait_ready(["coordinator"], timeout)["coordinator"]
+        _pin_port(lay, "coordinator")
         url = f"https://{HOST}:{int(ready['port'])}"
         progress(f"coordinator ready at {url}")
         token = _make_user(lay, exists=kept)
@@ -447,6 +448,8 @@ def up(
             starter.start(name, relay_argv(lay, name))
         progress(f"starting {relays} relay(s)")
         starter.wait_ready(relay_names, timeout)
+        for name in relay_names:
+            _pin_port(lay, name)
         for name in agent_names:
             write_config(lay, name, agent_settings(lay, name, sec, url, slots, package_index))
             starter.start(name, agent_argv(lay, name))
@@ -534,7 +537,9 @@ def restart(name: str, *, timeout: float = READY_TIMEOUT, progress: Progress = _
 def _pin_port(lay: Layout, name: str) -> None:
     """Make a server component listen where it did before (its config says port 0 on the first
     start): agents reconnect to the relay address in their leases, and clients to the
-    coordinator URL in their config."""
+    coordinator URL in their config. Done as soon as it is first ready, while its ready file
+    says the port: one that stops cleanly removes that file, and a restart must not pick a
+    new port then."""
     try:
         port = int(json.loads(lay.ready_file(name).read_text())["port"])
         config = lay.config(name)

@@ -61,19 +61,18 @@ def agent_log(pool: Pool, name: str) -> str:
 def seal_off(pool: Pool) -> None:
     """Restart both agents with ``seal_messages = false`` in their config files.
 
-    The agents are stopped (SIGTERM, as a volunteer quits), then the coordinator is killed
-    and started again before the agents are: the coordinator does not notice that an agent
-    went away in the middle of its lease long-poll (up to ``lease_wait``, 20 s), and a job
-    submitted meanwhile may have a rank leased to that dead request, lost (``no longer runs
-    it``) and restarted. Restarting the coordinator ends those requests; it keeps its
-    database. (SIGKILL, as in test_fault_tolerance: after a SIGTERM the coordinator has
-    removed its ready file, and `vsdk local restart` would start it on another port.)"""
+    The agents are stopped (SIGTERM, as a volunteer quits), then the coordinator is stopped
+    too and started again before the agents are: the coordinator does not notice that an
+    agent went away in the middle of its lease long-poll (up to ``lease_wait``, 20 s), and a
+    job submitted meanwhile may have a rank leased to that dead request, lost (``no longer
+    runs it``) and restarted. Restarting the coordinator ends those requests; it keeps its
+    database, and its port (`vsdk local up` pinned it in its config file)."""
     for name in AGENTS:
         config = pool.home / "state" / "local-pool" / name / "config.toml"
         kept = [ln for ln in config.read_text().splitlines() if not ln.startswith("seal_messages")]
         config.write_text("\n".join([*kept, "seal_messages = false", ""]))
         end_process(pool.pid_of(name), signal.SIGTERM, 60)
-    end_process(pool.pid_of("coordinator"), signal.SIGKILL, 60)
+    end_process(pool.pid_of("coordinator"), signal.SIGTERM, 60)
     for name in ("coordinator", *AGENTS):
         res = pool.vsdk("local", "restart", name)
         assert res.returncode == 0, res.stderr.decode() + pool.logs()

@@ -5,7 +5,9 @@ arrives twice is acted on once and acknowledged until the coordinator has delete
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import sqlite3
 import sys
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -147,7 +149,13 @@ async def setup(
 
 
 def _queued(pool: Any) -> list[int]:
-    return [r["id"] for r in pool.core.store.db.query("SELECT id FROM checkpoint_orders")]
+    """The orders queued now, read on a connection of the test's own: the store's connection
+    belongs to the worker thread of its limiter (``Coordinator.db``), and the agent's
+    heartbeats run transactions on it meanwhile (sqlite-utils 4 reads in a savepoint, whose
+    release here would end such a transaction under its feet)."""
+    path = pool.core.settings.state_path() / "vpool.db"
+    with contextlib.closing(sqlite3.connect(path)) as conn:
+        return [row[0] for row in conn.execute("SELECT id FROM checkpoint_orders")]
 
 
 async def _ask(s: Setup) -> int:
