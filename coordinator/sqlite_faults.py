@@ -443,17 +443,25 @@ class FaultsMixin(ValidationMixin, CheckpointsMixin):
 
     def _repeated_failure(self, job: int, rank: int) -> str:
         """``scheduler.repeated_failure`` over the rank's incarnations (its current one, just
-        lost, first), with its agents' names."""
-        history = [
-            (str(r["name"] or r["agent"]), str(r["failure"]))
-            for r in self.db.query(
+        lost, first), each agent by its name, or by name and id where two of them share a
+        name (volunteers name their machines as they like)."""
+        rows = list(
+            self.db.query(
                 "SELECT i.agent, i.failure, a.name FROM incarnations i "
                 "LEFT JOIN agents a ON a.id = i.agent WHERE i.job = ? AND i.rank = ? "
                 "AND i.validates = 0 ORDER BY i.incarnation DESC",
                 [job, rank],
             )
-        ]
-        return scheduler.repeated_failure(rank, history)
+        )
+        ids: dict[str, set[str]] = {}
+        for r in rows:
+            ids.setdefault(str(r["name"] or r["agent"]), set()).add(str(r["agent"]))
+
+        def label(r: dict[str, Any]) -> str:
+            name = str(r["name"] or r["agent"])
+            return name if len(ids[name]) == 1 else f"{name} ({r['agent']})"
+
+        return scheduler.repeated_failure(rank, [(label(r), str(r["failure"])) for r in rows])
 
     def _declare_failed(
         self, job: int, rank: int, incarnation: int, reason: str, mode: str, now: float

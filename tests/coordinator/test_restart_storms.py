@@ -182,6 +182,28 @@ async def test_the_same_failure_on_two_agents_ends_the_job_at_the_second(tmp_pat
         assert await pool.lease(agents[0], free=1) == []
 
 
+async def test_two_agents_of_one_name_are_two_agents(tmp_path: Path) -> None:
+    clock = FakeClock()
+    async with open_pool(tmp_path, clock, **_settings()) as pool:
+        await pool.register_relay("relay-0")
+        job = (await pool.submit(1)).id
+        agents = [await pool.enroll("laptop", slots=1) for _ in range(2)]
+        failure = "cannot start: the bundle's entry app.py is not in it"
+        placed = await _placed(pool, agents)
+        assert placed is not None
+        agent, lease = placed
+        await _problem(pool, agent, lease, failure=failure)
+        other, lease = await _placed_after(pool, clock, agents, 0, 0)
+        assert other is not agent
+        await _problem(pool, other, lease, failure=failure)
+        detail = await pool.job(job)
+        assert detail.job.state == "failed"
+        assert detail.job.reason == (
+            f"rank 0 failed the same way on agents laptop ({agent.id}) and laptop ({other.id}): "
+            f"{failure}"
+        )
+
+
 async def test_the_same_failure_three_times_on_a_lone_agent_ends_the_job_after_the_backoff(
     tmp_path: Path,
 ) -> None:
