@@ -54,7 +54,6 @@ def relay_backoff(losses: int) -> float:
 
 class FaultsMixin(ValidationMixin, CheckpointsMixin):
     db: sqlite_utils.Database
-    max_restarts: int
     restarts: scheduler.RestartPolicy
     relay_down_timeout: float
 
@@ -386,7 +385,7 @@ class FaultsMixin(ValidationMixin, CheckpointsMixin):
             storm = not outage and not row["validating"]
             streak = int(row["quick_losses"]) + 1 if quick and storm else 0
             wait = scheduler.restart_delay(streak, policy, random.random())
-            repeated = self._repeated_failure(job, rank) if storm else ""
+            repeated = self._repeated_failure(job, rank) if storm and failure else ""
             if not row["fault_tolerance"]:
                 why = f"{reason} (fault tolerance is off for this job)"
             elif repeated:
@@ -402,10 +401,10 @@ class FaultsMixin(ValidationMixin, CheckpointsMixin):
                     f" (relay {outage} unreachable; restarting in {delay:g} s, "
                     "not counted as a restart)"
                 )
-            elif counted and row["restarts"] >= self.max_restarts:
+            elif counted and row["restarts"] >= policy.max_restarts:
                 why = (
                     f"{reason} (not restarted: the job had {row['restarts']} restarts, "
-                    f"max_restarts is {self.max_restarts})"
+                    f"max_restarts is {policy.max_restarts})"
                 )
             else:
                 why = ""

@@ -64,7 +64,6 @@ class SqliteStore(AccountsMixin, JobsMixin, SpawnMixin, CredentialsMixin):
         self,
         path: Path | str,
         *,
-        max_restarts: int = 50,
         restarts: scheduler.RestartPolicy | None = None,
         restore_wait_timeout: float = 600.0,
         relay_down_timeout: float = 300.0,
@@ -73,8 +72,7 @@ class SqliteStore(AccountsMixin, JobsMixin, SpawnMixin, CredentialsMixin):
     ) -> None:
         self.quotas = quotas or Quotas.of(CoordinatorSettings())
         self.validation = validation or Policy()
-        self.restarts = restarts or scheduler.RestartPolicy(max_restarts=max_restarts)
-        self.max_restarts = self.restarts.max_restarts
+        self.restarts = restarts or scheduler.RestartPolicy()
         self.restore_wait_timeout = restore_wait_timeout
         self.relay_down_timeout = relay_down_timeout
         # check_same_thread=False: calls come from trio's worker threads, serialized by the

@@ -25,7 +25,7 @@ from typing import Any
 
 import sqlite_utils
 
-from vpool.coordinator import validation
+from vpool.coordinator import scheduler, validation
 from vpool.coordinator.validation import FIRST, ORIGINAL, SECOND, Run, Verdict
 from vpool.protocol import api
 
@@ -38,7 +38,7 @@ VALIDATION_MIN_WAIT = 300.0  # s: and at least this long
 class ValidationMixin:
     db: sqlite_utils.Database
     validation: validation.Policy
-    max_restarts: int
+    restarts: scheduler.RestartPolicy
 
     def _one(self, sql: str, params: Any = ()) -> dict[str, Any] | None:
         raise NotImplementedError
@@ -392,7 +392,7 @@ class ValidationMixin:
             or row["job_state"] != "running"
         ):
             return False
-        if row["restarts"] >= self.max_restarts:
+        if row["restarts"] >= self.restarts.max_restarts:
             self._end(
                 job,
                 "failed",

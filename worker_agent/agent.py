@@ -191,25 +191,9 @@ class Agent:
 
     # -- problems ---------------------------------------------------------------------------
 
-    def _problem_soon(
-        self,
-        rank: LocalRank,
-        message: str,
-        relay: str,
-        *,
-        failure: str = "",
-        unopened_from: str = "",
-    ) -> None:
-        self.nursery.start_soon(
-            partial(
-                self.report_problem,
-                rank,
-                message,
-                relay,
-                failure=failure,
-                unopened_from=unopened_from,
-            )
-        )
+    def _problem_soon(self, rank: LocalRank, message: str, relay: str, **details: str) -> None:
+        """``report_problem`` in the background (``details``: its keyword arguments)."""
+        self.nursery.start_soon(partial(self.report_problem, rank, message, relay, **details))
 
     async def report_problem(
         self,

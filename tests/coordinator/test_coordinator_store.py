@@ -112,7 +112,7 @@ def test_output_overlap_is_reassembled(tmp_path: Path) -> None:
 
 def _store_with_running_job(tmp_path: Path) -> tuple[SqliteStore, str]:
     """A store with job 1 (2 ranks) running on one agent, through the store's own calls."""
-    store = SqliteStore(tmp_path / "vpool.db", max_restarts=5)
+    store = SqliteStore(tmp_path / "vpool.db", restarts=scheduler.RestartPolicy(max_restarts=5))
     store.register_relay(api.RelayRegister(name="relay-0", host="127.0.0.1", port=1), 100.0)
     agent = store.enroll_agent("key-1", "agent-1", 4, "", 100.0, open_enrollment=True)
     hb = api.AgentHeartbeat(ranks=[], free_slots=4, isolation=SANDBOX)
