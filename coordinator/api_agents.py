@@ -53,8 +53,10 @@ async def heartbeat(request: Request) -> Response:
 @router.get("/blobs/{sha256}")
 async def blob(request: Request, sha256: str) -> Response:
     c = coordinator(request)
-    await _agent(request)
-    return FileResponse(await c.blob_path(sha256), media_type="application/octet-stream")
+    agent = await _agent(request)
+    return FileResponse(
+        await c.agent_blob_path(agent, sha256), media_type="application/octet-stream"
+    )
 
 
 @router.post("/output")

@@ -100,8 +100,8 @@ async def put_blob(request: Request, sha256: str) -> Response:
 @router.head("/blobs/{sha256}")
 async def head_blob(request: Request, sha256: str) -> Response:
     c = coordinator(request)
-    await principal(request)
-    return Response(status_code=200 if await c.has_blob(sha256) else 404)
+    who = await principal(request)
+    return Response(status_code=200 if await c.has_blob(who, sha256) else 404)
 
 
 @router.post("/jobs")

@@ -97,9 +97,11 @@ class BlobFiles:
         final.parent.mkdir(parents=True, exist_ok=True)
         os.replace(tmp, final)
 
-    async def check_bundle(self, sha256: str, entry: str) -> None:
+    async def check_bundle(self, sha256: str, entry: str, *, max_members: int = 0) -> None:
+        """Refuse (``BadRequest``) a bundle that is not a safe zip, holds more than
+        ``max_members`` members (0: any number), or whose entry is not Python source."""
         await trio.to_thread.run_sync(
-            _check_bundle, self.path(sha256), entry, limiter=self._limiter
+            _check_bundle, self.path(sha256), entry, max_members, limiter=self._limiter
         )
 
     async def check_zip(self, sha256: str) -> None:
@@ -122,7 +124,7 @@ def _check_zip(path: Path) -> None:
         raise BadRequest(f"zip member {bad[0]!r} would escape its directory", code="bad_bundle")
 
 
-def _check_bundle(path: Path, entry: str) -> None:
+def _check_bundle(path: Path, entry: str, max_members: int = 0) -> None:
     _check_zip(path)
     if not safe_member(entry):
         raise BadRequest(
@@ -130,6 +132,12 @@ def _check_bundle(path: Path, entry: str) -> None:
         )
     with zipfile.ZipFile(path) as zf:
         names = zf.namelist()
+        if max_members and len(names) > max_members:
+            raise BadRequest(
+                f"the bundle has {len(names)} members, more than this pool's limit of "
+                f"{max_members} (max_bundle_members)",
+                code="bad_bundle",
+            )
         if entry not in names:
             shown = ", ".join(n for n in names[:10] if not n.endswith("/")) or "nothing"
             raise BadRequest(
@@ -158,3 +166,9 @@ def _check_bundle(path: Path, entry: str) -> None:
         ) from exc
     except ValueError as exc:
         raise BadRequest(f"entry {entry!r} is not Python source: {exc}", code="not_python") from exc
+    except (RecursionError, MemoryError) as exc:
+        # An expression nested too deep for the compiler ("1+1+...+1", 200,000 terms).
+        raise BadRequest(
+            f"entry {entry!r} cannot be compiled: {type(exc).__name__}: {exc}",
+            code="not_python",
+        ) from exc

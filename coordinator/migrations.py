@@ -438,6 +438,28 @@ def _m18_restart_storms(db: sqlite_utils.Database) -> None:
         db.execute(sql)
 
 
+def _m19_blob_owners(db: sqlite_utils.Database) -> None:
+    """Uploads belong to the users who made them (issue 35): a blob's hash is not a
+    capability. ``blob_owners`` has a row per user who uploaded a blob (identical bytes
+    uploaded by two users are both users'); filled from the last uploader recorded and from
+    the jobs that name a blob, so that nobody loses what they could submit before."""
+    db.execute(
+        """CREATE TABLE blob_owners (
+            sha256 TEXT NOT NULL,
+            user TEXT NOT NULL,
+            PRIMARY KEY (sha256, user))"""
+    )
+    db.execute(
+        "INSERT OR IGNORE INTO blob_owners (sha256, user) "
+        "SELECT sha256, uploader FROM blobs WHERE uploader IS NOT NULL"
+    )
+    for column in ("bundle", "stdin"):
+        db.execute(
+            f"INSERT OR IGNORE INTO blob_owners (sha256, user) "
+            f"SELECT {column}, user FROM jobs WHERE {column} IS NOT NULL"
+        )
+
+
 def new_job_uid() -> str:
     return secrets.token_hex(16)
 
@@ -466,6 +488,7 @@ MIGRATIONS: list[Callable[[sqlite_utils.Database], None]] = [
     _m16_failure_modes,
     _m17_spawn,
     _m18_restart_storms,
+    _m19_blob_owners,
 ]
 
 

@@ -304,14 +304,21 @@ class Coordinator:
         await self.db.call(self.store.add_blob, digest, size, self.clock(), who.name)
         return api.BlobInfo(sha256=digest, size=size)
 
-    async def has_blob(self, sha256: str) -> bool:
+    async def has_blob(self, who: Principal, sha256: str) -> bool:
+        """Whether ``who`` uploaded blob ``sha256`` and it is still here. Another user's blob
+        is not there for ``who`` (HEAD says 404, a submit naming it is refused): hashes are
+        not capabilities, and a user who has the bytes uploads them and owns them too."""
         check_sha256(sha256)
-        known = await self.db.call(self.store.blob_size, sha256) is not None
-        return known and await self.blobs.exists(sha256)
+        owned = await self.db.call(self.store.owns_blob, who.name, sha256)
+        return owned and await self.blobs.exists(sha256)
 
-    async def blob_path(self, sha256: str) -> Path:
-        if not await self.has_blob(sha256):
-            raise NotFound(f"no blob {sha256}", code="unknown_blob")
+    async def agent_blob_path(self, agent_id: str, sha256: str) -> Path:
+        """The file of blob ``sha256`` for agent ``agent_id``, which must hold a rank of a job
+        that names it (404 otherwise, as for a blob that is not there)."""
+        check_sha256(sha256)
+        allowed = await self.db.call(self.store.agent_may_fetch, agent_id, sha256)
+        if not allowed or not await self.blobs.exists(sha256):
+            raise NotFound(f"no blob {sha256} for this agent's ranks", code="unknown_blob")
         return self.blobs.path(sha256)
 
     # -- jobs ---------------------------------------------------------------------------------
@@ -324,8 +331,9 @@ class Coordinator:
             )
         if len(sub.name) > 200:
             raise BadRequest("the job name is longer than 200 characters")
+        _check_args(sub.args)
         for blob, what in ((sub.bundle, "bundle"), (sub.stdin, "stdin")):
-            if blob is not None and not await self.has_blob(blob):
+            if blob is not None and not await self.has_blob(who, blob):
                 raise BadRequest(f"the {what} blob {blob} was not uploaded", code="unknown_blob")
         sub = _failure_mode(sub)
         sub = self._universe(sub)
@@ -349,7 +357,9 @@ class Coordinator:
         except requirements.RequirementsError as exc:
             raise BadRequest(str(exc), code="bad_requirements") from exc
         sub = msgspec.structs.replace(sub, requirements=wanted)
-        await self.blobs.check_bundle(sub.bundle, sub.entry)
+        await self.blobs.check_bundle(
+            sub.bundle, sub.entry, max_members=self.settings.max_bundle_members
+        )
         # Rank numbers to spawn into: for a job that may have more processes than ranks, and
         # for a "rebuild" one, whose new processes in lost ranks' places are spawns (as many
         # as were lost: its universe may be its ranks).
@@ -844,6 +854,32 @@ def _check_name(relay: str, name: str) -> None:
         raise Forbidden(
             f"this key is relay {relay!r}'s; it cannot speak for relay {name[:200]!r}",
             code="not_your_name",
+        )
+
+
+# A program's arguments: what ``execve`` takes on every agent (its limit is 2 MiB of
+# arguments and environment together; each string at most 128 KiB).
+MAX_ARGS = 4096
+MAX_ARGS_BYTES = 256 * 1024
+
+
+def _check_args(args: list[str]) -> None:
+    """Arguments no agent could start the program with are refused at submit (else every
+    attempt to start a rank fails the same way)."""
+    if len(args) > MAX_ARGS:
+        raise BadRequest(f"at most {MAX_ARGS} arguments, not {len(args)}", code="bad_args")
+    size = 0
+    for i, arg in enumerate(args):
+        if "\0" in arg:
+            raise BadRequest(
+                f"argument {i} holds a NUL character, which no program can be given",
+                code="bad_args",
+            )
+        size += len(arg.encode(errors="surrogateescape")) + 1
+    if size > MAX_ARGS_BYTES:
+        raise BadRequest(
+            f"the arguments take {size} bytes, more than the limit of {MAX_ARGS_BYTES}",
+            code="bad_args",
         )
 
 

@@ -91,6 +91,11 @@ class CoordinatorSettings:
     max_blob_bytes: int = setting(
         1 << 30, "Largest blob (bundle, stdin, a rank's results) accepted, per blob."
     )
+    max_bundle_members: int = setting(
+        20_000,
+        "Most files and directories a job's bundle may hold; a bundle with more is refused at "
+        "submit (agents have their own, larger, max_bundle_members).",
+    )
     max_user_blob_bytes: int = setting(
         4 << 30,
         "Bytes of uploads (bundles and stdin, each distinct blob once) a user's queued and "

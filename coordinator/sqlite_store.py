@@ -104,6 +104,33 @@ class SqliteStore(AccountsMixin, JobsMixin, SpawnMixin, CredentialsMixin):
             "uploader = COALESCE(excluded.uploader, uploader)",
             [sha256, size, now, uploader],
         )
+        if uploader is not None:
+            self.db.execute(
+                "INSERT OR IGNORE INTO blob_owners (sha256, user) VALUES (?, ?)",
+                [sha256, uploader],
+            )
+
+    def owns_blob(self, user: str, sha256: str) -> bool:
+        """Whether ``user`` uploaded blob ``sha256`` (a hash alone gives nobody a blob)."""
+        return bool(
+            self._one(
+                "SELECT 1 FROM blob_owners o JOIN blobs b ON b.sha256 = o.sha256 "
+                "WHERE o.sha256 = ? AND o.user = ?",
+                [sha256, user],
+            )
+        )
+
+    def agent_may_fetch(self, agent: str, sha256: str) -> bool:
+        """Whether ``agent`` holds a rank (an incarnation not ended) of a job whose bundle or
+        stdin is blob ``sha256``: an agent fetches what it was leased, nothing else."""
+        return bool(
+            self._one(
+                "SELECT 1 FROM incarnations i JOIN jobs j ON j.id = i.job "
+                "WHERE i.agent = ? AND i.ended IS NULL AND (j.bundle = ? OR j.stdin = ?) "
+                "LIMIT 1",
+                [agent, sha256, sha256],
+            )
+        )
 
     def check_upload(self, user: str, sha256: str, size: int) -> None:
         """Refuse (``Conflict`` quota_exceeded) an upload that would take ``user``'s uploads
@@ -146,6 +173,7 @@ class SqliteStore(AccountsMixin, JobsMixin, SpawnMixin, CredentialsMixin):
             gone = [str(r["sha256"]) for r in rows]
             for sha in gone:
                 self.db.execute("DELETE FROM blobs WHERE sha256 = ?", [sha])
+                self.db.execute("DELETE FROM blob_owners WHERE sha256 = ?", [sha])
         return gone
 
     def blob_size(self, sha256: str) -> int | None:

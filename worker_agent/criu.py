@@ -34,6 +34,7 @@ from pathlib import Path
 import trio
 
 from vpool.niceness import nice_command
+from vpool.worker_agent import privileged
 from vpool.worker_agent.errors import AgentError
 from vpool.worker_agent.restore_init import PIDFILE_NAME, RESTORE_LOG_NAME, log_tail
 
@@ -161,7 +162,9 @@ class PagesPipe:
 
 
 async def criu_check(criu: str = "criu") -> str:
-    """CRIU's version (e.g. "4.1.1") when ``criu check`` passes here, else "" (logged why)."""
+    """CRIU's version (e.g. "4.1.1") when ``criu check`` passes here, else "" (logged why).
+    ``criu`` is looked up on ``privileged.FIXED_PATH``, as every use of it is."""
+    criu = privileged.which(criu) or criu
     try:
         with trio.fail_after(30):
             version = await trio.run_process(
@@ -319,9 +322,10 @@ async def dump(
 ) -> float:
     """``criu dump`` process ``pid`` (a process group leader) into ``images_dir``.
 
-    ``enter``: a host pid whose PID and mount namespaces CRIU runs in (``nsenter``), ``pid``
-    being a pid of that namespace: the clone of a restored rank lives in the rank's namespace,
-    and CRIU cannot dump it from outside (its files are on the namespace's mounts).
+    ``enter``: a host pid whose namespaces CRIU runs in (``privileged``: from the agent's own
+    files, never the rank's), ``pid`` being a pid of that namespace: the clone of a sandboxed
+    or restored rank lives in the rank's namespaces, and CRIU cannot dump it from outside
+    (its files are on the namespace's mounts).
     CRIU kills the process once it is dumped. ``nice``: CRIU runs that much nicer than the
     agent (``vpool.niceness``). Returns the seconds it took; raises CriuError.
     """
@@ -329,18 +333,23 @@ async def dump(
     log_file = (log_dir if log_dir is not None else images_dir) / DUMP_LOG_NAME
     pass_fds: list[int] = []
     images_arg, log_arg = str(images_dir), str(log_file.absolute())
+    program: privileged.Program | None = None
     if enter is not None:
         # CRIU runs in the rank's namespaces, mount namespace included (its files are the
-        # sandbox's), where the agent's directories do not exist: it reaches them through
+        # sandbox's), where every path is the rank's to plant: ``ns_exec`` runs it from the
+        # agent's own files (``privileged``), and it reaches the agent's directories through
         # descriptors opened here, as /proc/self/fd/N (a magic link: it leads to the
         # directory whatever the mount namespace).
+        try:
+            program = await trio.to_thread.run_sync(privileged.resolve, criu)
+        except privileged.UntrustedProgram as exc:
+            raise CriuError(f"will not run {criu} in a rank's namespaces: {exc}") from exc
         images_fd = os.open(images_dir, os.O_RDONLY | os.O_DIRECTORY)
         log_fd = os.open(log_file.parent, os.O_RDONLY | os.O_DIRECTORY)
         pass_fds = [images_fd, log_fd]
         images_arg = f"/proc/self/fd/{images_fd}"
         log_arg = f"/proc/self/fd/{log_fd}/{log_file.name}"
-    command = [
-        criu,
+    args = [
         "dump",
         "-t",
         str(pid),
@@ -348,16 +357,22 @@ async def dump(
         images_arg,
         "-o",
         log_arg,
+        # Not /etc/criu/default.conf, ~/.criu/default.conf or $CRIU_CONFIG_FILE: only what
+        # is said here (in a rank's view, the rank could have written them).
+        "--no-default-config",
         # Cgroups differ between machines; the restored rank joins its agent's instead.
         "--manage-cgroups=ignore",
         # The clone's session is its agent's (the rank's): the restore puts it in the
         # restoring agent's session instead of making one (restore_init).
         "--shell-job",
     ]
-    if enter is not None:
-        # Every namespace of the rank's: CRIU then has none of them to dump (it could not:
-        # the rank is not the init of its PID namespace), only the process.
-        command = ["nsenter", "-t", str(enter), "-p", "-m", "-n", "-i", "-u", *command]
+    # Every namespace of the rank's: CRIU then has none of them to dump (it could not:
+    # the rank is not the init of its PID namespace), only the process.
+    command = (
+        program.ns_exec_argv(enter, args)
+        if program is not None
+        else [privileged.which(criu) or criu, *args]
+    )
     command = nice_command(command, nice)
     started = time.monotonic()
     try:
@@ -368,6 +383,7 @@ async def dump(
                 capture_stderr=True,
                 check=False,
                 pass_fds=pass_fds,
+                env={"PATH": privileged.FIXED_PATH},
             )
     except OSError as exc:
         raise CriuError(f"cannot run {criu}: {exc}") from exc
@@ -378,6 +394,8 @@ async def dump(
     finally:
         for fd in pass_fds:
             os.close(fd)
+    if program is not None and result.returncode == privileged.EXIT_REFUSED:
+        raise CriuError(f"criu dump of {pid} refused: {_text(result.stderr)[-1000:]}")
     if result.returncode != 0:
         raise CriuError(
             f"criu dump of {pid} failed (exit {result.returncode}): "
@@ -410,7 +428,7 @@ def restore_command(
         "-m",
         "vpool.worker_agent.restore_init",
         "--criu",
-        criu,
+        privileged.which(criu) or criu,
         "--images",
         str(images_dir),
         "--status",

@@ -32,6 +32,7 @@ from types import FrameType
 PIDFILE_NAME = "restored.pid"
 RESTORE_LOG_NAME = "restore.log"
 RESTORE_FAILED = 2
+FIXED_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"  # privileged's
 _FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
 
 
@@ -87,10 +88,13 @@ def main(argv: list[str] | None = None) -> int:
         # Into this process's session (the agent's), as it was dumped: one scheduler
         # autogroup with the agent's other ranks and its niced checkpoint chores.
         "--shell-job",
+        # Only what is said here: no configuration file, no environment of the agent's.
+        "--no-default-config",
     ]
     try:
         criu = subprocess.run(
             command,
+            env={"PATH": FIXED_PATH},
             stdin=subprocess.DEVNULL,
             stdout=sys.stderr,
             stderr=sys.stderr,

@@ -30,6 +30,7 @@ import json
 import os
 import subprocess
 import sys
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -61,6 +62,11 @@ _ETC = (
 )
 _USR_LINKS = ("bin", "sbin", "lib", "lib32", "lib64", "libx32")
 _PRIVATE = ("/tmp", "/dev/shm")  # the rank's own tmpfs
+# Host-wide kernel settings and triggers under /proc, read-only in the view: a rank is uid 0
+# without capabilities, and writes there check file modes only (a core_pattern of
+# "|program" would run as root on the host at the next crash).
+_PROC_READ_ONLY = ("/proc/sys", "/proc/sysrq-trigger", "/proc/irq", "/proc/bus", "/proc/fs")
+BOOT_ID = "/proc/sys/kernel/random/boot_id"  # the agent's own, not the machine's
 
 # Asked of the rank interpreter: the directories its installation spans.
 _PATHS_QUERY = """
@@ -169,6 +175,8 @@ def _write_etc(etc_dir: Path) -> None:
         "group": f"rank:x:{gid}:\n" + ("" if gid == 65534 else "nogroup:x:65534:\n"),
         "hosts": f"127.0.0.1 localhost {HOSTNAME}\n::1 localhost\n",
         "hostname": f"{HOSTNAME}\n",
+        # Fixed per agent: nothing to tell one boot of the volunteer's machine from another.
+        "boot_id": f"{uuid.uuid5(uuid.NAMESPACE_URL, f'vpool-rank:{etc_dir}')}\n",
     }
     for name, text in files.items():
         path = etc_dir / name
@@ -193,7 +201,13 @@ def command(
     """The ``bwrap`` command line that runs ``argv`` (pid 1) in a rank's sandbox.
 
     ``privileged``: the init keeps its capabilities (a restore: CRIU runs in there); else it
-    has none. ``tmp_size``: bytes of ``/tmp`` and of ``/dev/shm`` each (0: no bound).
+    has only ``CAP_SETPCAP``, with which ``sandbox_init --drop-bounding`` empties the bounding
+    set before it drops it too (as root: bwrap leaves the bounding set full).
+
+    The view is read-only but for the rank's directory, ``/tmp`` and ``/dev/shm``
+    (``--remount-ro /``): nothing can be planted where a privileged helper that enters the
+    rank's namespaces would look (``privileged``), and ``/proc``'s host-wide settings are
+    read-only too. ``tmp_size``: bytes of ``/tmp`` and of ``/dev/shm`` each (0: no bound).
     ``seccomp_fd``: a descriptor holding the filter's BPF program; ``info_fd``: bwrap writes
     ``{"child-pid": N}`` there, N the init's host pid."""
     cmd = [
@@ -213,10 +227,21 @@ def command(
     ]
     if os.getuid() != 0:
         cmd.append("--unshare-user")
-    cmd += ["--cap-add", "ALL"] if privileged else ["--cap-drop", "ALL"]
+    if privileged:
+        cmd += ["--cap-add", "ALL"]
+    else:
+        cmd += ["--cap-drop", "ALL"]
+        if os.getuid() == 0:
+            cmd += ["--cap-add", "CAP_SETPCAP"]  # for sandbox_init --drop-bounding only
     # The private file systems first: an installation that lives under /tmp (a checkout, a
     # CI clone) is bound on top of the rank's /tmp, not hidden by it.
-    cmd += ["--proc", "/proc", "--dev", "/dev"]
+    cmd += ["--proc", "/proc"]
+    for path in _PROC_READ_ONLY:
+        if os.path.exists(path):
+            cmd += ["--ro-bind", path, path]
+    if os.path.exists(BOOT_ID):
+        cmd += ["--ro-bind", str(view.etc_dir / "boot_id"), BOOT_ID]
+    cmd += ["--dev", "/dev"]
     for place in _PRIVATE:
         if tmp_size > 0:
             cmd += ["--size", str(tmp_size)]
@@ -249,6 +274,8 @@ def command(
         cmd += ["--ro-bind", str(mounts.io_dir), IO_DIR]
     if mounts.env_dir is not None:
         cmd += ["--ro-bind", str(mounts.env_dir), ENV_DIR]
+    # Last: the root and /dev read-only (the mounts made above keep their own flags).
+    cmd += ["--remount-ro", "/dev", "--remount-ro", "/"]
     cmd += ["--chdir", f"{RANK_DIR}/work"]
     if seccomp_fd is not None:
         cmd += ["--seccomp", str(seccomp_fd)]
@@ -281,6 +308,8 @@ def init_argv(
         argv += ["--stdin", STDIN]
     if sched_idle:
         argv.append("--sched-idle")
+    if os.getuid() == 0:
+        argv.append("--drop-bounding")  # with the CAP_SETPCAP ``command`` leaves it
     return [*argv, "--", *program]
 
 

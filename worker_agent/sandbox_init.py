@@ -35,6 +35,8 @@ from types import FrameType
 
 _FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 _PR_SET_NO_NEW_PRIVS = 38
+_PR_CAPBSET_DROP = 24
+_LINUX_CAPABILITY_VERSION_3 = 0x20080522
 EXIT_CANNOT_START = 127
 
 
@@ -51,6 +53,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--data", type=int, default=0)
     parser.add_argument("--nproc", type=int, default=0)
     parser.add_argument("--sched-idle", action="store_true")
+    # As root: empty the capability bounding set with the CAP_SETPCAP bwrap left this
+    # process, then drop every capability (the rank, uid 0, can never regain any by exec).
+    parser.add_argument("--drop-bounding", action="store_true")
     parser.add_argument("program", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
     program = args.program[1:] if args.program[:1] == ["--"] else args.program
@@ -58,6 +63,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("no program given")
     status = os.fdopen(args.status_fd, "w", buffering=1)
     os.set_inheritable(args.status_fd, False)
+    if args.drop_bounding:
+        _drop_bounding_set()
 
     rank = os.fork()
     if rank == 0:
@@ -136,6 +143,27 @@ def _say(status: object, line: str) -> None:
         status.write(line + "\n")  # type: ignore[attr-defined]
     except OSError:
         pass  # the agent is gone; the rank's end is all that is left to do
+
+
+def _drop_bounding_set() -> None:
+    """Empty the capability bounding set, then this process's own capabilities."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    with open("/proc/sys/kernel/cap_last_cap") as f:
+        last = int(f.read())
+    for cap in range(last + 1):
+        _prctl(_PR_CAPBSET_DROP, cap)
+
+    class Header(ctypes.Structure):
+        _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+
+    class Data(ctypes.Structure):
+        _fields_ = [(n, ctypes.c_uint32) for n in ("effective", "permitted", "inheritable")]
+
+    header, data = Header(_LINUX_CAPABILITY_VERSION_3, 0), (Data * 2)()
+    if libc.capset(ctypes.byref(header), data) != 0:
+        raise OSError(ctypes.get_errno(), "capset failed")
 
 
 def _prctl(option: int, value: int) -> None:

@@ -25,7 +25,7 @@ from pathlib import Path
 import trio
 
 from vpool.sizes import format_size
-from vpool.worker_agent import cgroups, criu, sandbox, seccomp
+from vpool.worker_agent import cgroups, criu, privileged, sandbox, seccomp
 from vpool.worker_agent.errors import AgentError
 from vpool.worker_agent.settings import AgentSettings
 
@@ -291,7 +291,7 @@ async def start_restore(
                 "-m",
                 "vpool.worker_agent.restore_init",
                 "--criu",
-                criu,
+                privileged.which(criu) or criu,
                 "--images",
                 f"{inside}/images",
                 "--status",
@@ -301,7 +301,7 @@ async def start_restore(
             ],
             name=name,
             limits=limits,
-            env={k: os.environ[k] for k in ("PATH", "LANG") if k in os.environ},
+            env={"PATH": privileged.FIXED_PATH},
             cwd=mounts.rank_dir,
             stdout=log,
             stderr=subprocess.STDOUT,
@@ -371,8 +371,8 @@ def find_isolation(settings: AgentSettings) -> Isolation:
     except Exception as exc:  # libseccomp missing or refusing: no filter, no sandbox
         return Isolation(reason=f"cannot build the seccomp filter: {exc}")
     extra = []
-    criu_path = shutil.which(settings.criu)
-    if criu_path:
+    criu_path = privileged.which(settings.criu)
+    if criu_path and os.path.exists(criu_path):
         # Dumps run CRIU inside the rank's namespaces, where it must find itself.
         extra.append(os.path.dirname(os.path.realpath(criu_path)))
     try:

@@ -62,12 +62,22 @@ EXPECTED: dict[str, tuple[str, Callable[[Any], bool]]] = {
     "connect_outside": ("connect to another host", lambda v: v == "ENETUNREACH"),
     "write_system": ("write to /usr", lambda v: v in ("EROFS", "EACCES")),
     "write_work": ("write to its own work directory", lambda v: v == "ok"),
+    "write_root": ("plant /etc/ld.so.preload", lambda v: v in ("EROFS", "EACCES")),
+    "write_kernel_settings": ("write /proc/sys (core_pattern)", lambda v: v in ("EROFS", "EACCES")),
+    "write_sysrq": ("write /proc/sysrq-trigger", lambda v: v in ("EROFS", "EACCES", "ENOENT")),
+    "host_boot_id": ("read the machine's boot_id", lambda v: v is False),
     "new_user_namespace": ("make a user namespace", lambda v: v == "EPERM"),
     "ptrace": ("use ptrace", lambda v: v == "EPERM"),
     "mount": ("mount a file system", lambda v: v == "EPERM"),
     "keyctl": ("use the kernel keyring", lambda v: v == "EPERM"),
     "netlink_socket": ("open a netlink socket", lambda v: v == "EAFNOSUPPORT"),
     "capabilities": ("hold capabilities", lambda v: v == "0000000000000000"),
+    # Run as root, the bounding set is the host's to empty; an unprivileged agent's ranks are
+    # in a user namespace of their own, whose capabilities mean nothing outside it.
+    "bounding_set": (
+        "keep a capability bounding set",
+        lambda v: v == "0000000000000000" or os.getuid() != 0,
+    ),
     "no_new_privs": ("gain privileges (no_new_privs)", lambda v: v == "1"),
     "seccomp": ("run without the seccomp filter", lambda v: v == "2"),
 }
@@ -169,9 +179,17 @@ def _targets(settings: AgentSettings) -> dict[str, Any]:
             "agent_files": str(settings.work_path / "agent.sock"),
         },
         "agent_pid": os.getpid(),
+        "boot_id": _host_boot_id(),
         "coordinator_host": url.hostname or "127.0.0.1",
         "coordinator_port": url.port or 443,
     }
+
+
+def _host_boot_id() -> str:
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return ""
 
 
 async def _probe(

@@ -67,6 +67,18 @@ def _read(path: str) -> Callable[[], object]:
     return call
 
 
+def _rewrite(path: str) -> Callable[[], None]:
+    """Write a setting's own value back (changes nothing where it is allowed)."""
+
+    def call() -> None:
+        with open(path, "rb") as f:
+            value = f.read()
+        with open(path, "wb") as f:
+            f.write(value)
+
+    return call
+
+
 def _status(field: str) -> str:
     with open("/proc/self/status") as f:
         for line in f:
@@ -92,6 +104,7 @@ def confinement() -> dict[str, str]:
     """What the process itself holds: capabilities, no_new_privs, seccomp mode."""
     return {
         "capabilities": _status("CapEff"),
+        "bounding_set": _status("CapBnd"),
         "no_new_privs": _status("NoNewPrivs"),
         "seccomp": _status("Seccomp"),
     }
@@ -114,6 +127,14 @@ def probe(targets: dict[str, Any]) -> dict[str, Any]:
     seen["connect_outside"] = _errno_of(_connect("192.0.2.1", 80))
     seen["write_system"] = _errno_of(lambda: open("/usr/.vpool-probe", "w").close())
     seen["write_work"] = _errno_of(lambda: open("probe.txt", "w").close())
+    # Where a privileged helper entering the sandbox would look: the loader's preload list.
+    seen["write_root"] = _errno_of(lambda: open("/etc/ld.so.preload", "w").close())
+    seen["write_kernel_settings"] = _errno_of(_rewrite("/proc/sys/kernel/core_pattern"))
+    seen["write_sysrq"] = _errno_of(lambda: open("/proc/sysrq-trigger", "w").close())
+    seen["host_boot_id"] = _exception_of(_read("/proc/sys/kernel/random/boot_id"))
+    if seen["host_boot_id"] == "ok":
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            seen["host_boot_id"] = f.read().strip() == targets.get("boot_id")
     seen["new_user_namespace"] = _errno_of(_libc_call("unshare", _CLONE_NEWUSER))
     seen["ptrace"] = _errno_of(_libc_call("ptrace", 0, 0, 0, 0))
     seen["mount"] = _errno_of(_libc_call("mount", b"none", b"/tmp", b"tmpfs", 0, None))

@@ -9,10 +9,12 @@ from pathlib import Path
 import pytest
 from coord_helpers import FakeClock, open_pool
 
+from vpool.coordinator.access import Principal
 from vpool.coordinator.errors import BadRequest
 from vpool.protocol import api
 
 KEEP = 3600.0
+ALICE = Principal("alice", "user", 0)
 
 
 async def test_unused_uploads_go_after_blob_keep(tmp_path: Path) -> None:
@@ -30,8 +32,8 @@ async def test_unused_uploads_go_after_blob_keep(tmp_path: Path) -> None:
         await pool.upload(b"uploaded twice")  # new again
         clock.advance(KEEP * 0.2)
         assert await core.collect_blobs() == 1
-        assert not await core.has_blob(orphan) and not core.blobs.path(orphan).exists()
-        assert all([await core.has_blob(s) for s in [*used, again]])
+        assert not await core.has_blob(ALICE, orphan) and not core.blobs.path(orphan).exists()
+        assert all([await core.has_blob(ALICE, s) for s in [*used, again]])
         r = await pool.client.head(f"/api/v1/blobs/{orphan}", headers=pool.user())
         assert r.status_code == 404
         # A submission that checked the blob before it went is refused in its transaction.
@@ -40,7 +42,7 @@ async def test_unused_uploads_go_after_blob_keep(tmp_path: Path) -> None:
         clock.advance(KEEP)
         late = await pool.upload(b"uploaded just now")
         assert await core.collect_blobs() == 1  # the re-uploaded one, unused in the end
-        assert await core.has_blob(late)
+        assert await core.has_blob(ALICE, late)
         clock.advance(KEEP + 1)
-        assert await core.collect_blobs() == 1 and not await core.has_blob(late)
-        assert all([await core.has_blob(s) for s in used])
+        assert await core.collect_blobs() == 1 and not await core.has_blob(ALICE, late)
+        assert all([await core.has_blob(ALICE, s) for s in used])

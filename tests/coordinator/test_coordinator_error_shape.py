@@ -10,6 +10,7 @@ import pytest
 import trio
 from coord_helpers import Pool, make_zip, relay_headers, sha
 
+from vpool.coordinator.access import Principal
 from vpool.protocol import api
 from vpool.protocol.tokens import sign_possession
 
@@ -255,7 +256,7 @@ async def test_client_gone_mid_upload_is_a_4xx_not_an_internal_error(
     await app(scope, receive, send)
     start = next(m for m in sent if m["type"] == "http.response.start")
     assert 400 <= start["status"] < 500
-    assert not await pool.core.has_blob(sha256)
+    assert not await pool.core.has_blob(Principal("alice", "user", 0), sha256)
     assert "internal error" not in caplog.text
 
 

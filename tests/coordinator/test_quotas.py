@@ -173,7 +173,9 @@ async def test_submissions_past_max_queued_jobs_are_refused(tmp_path: Path) -> N
         message = _quota_error(await _submit(pool, bundle), "max_queued_jobs (2)")
         assert "you have 2 jobs queued or running" in message
         assert len((await pool.client.get("/api/v1/jobs", headers=pool.user())).json()) == 2
-        # Another user's jobs are not counted against alice, nor hers against them.
+        # Another user's jobs are not counted against alice, nor hers against them (bob
+        # uploads the same bundle: a blob is the uploader's).
+        assert await pool.upload(make_zip({"app.py": HELLO}), user="bob") == bundle
         assert (await _submit(pool, bundle, user="bob")).status_code == 201
 
         [lease] = await pool.lease(agent)
@@ -198,13 +200,16 @@ async def test_submissions_past_max_user_blob_bytes_are_refused(tmp_path: Path) 
         assert "queued and running jobs would hold" in message
         # A blob her jobs hold already adds nothing.
         again = decode(await _submit(pool, bundle, big), api.JobInfo)
-        # Another user's uploads are his own.
+        # Another user's uploads are his own (the same bytes, uploaded by him).
+        for blob in (app, bytes([0]) * 600):
+            await pool.upload(blob, user="bob")
         assert (await _submit(pool, bundle, big, user="bob")).status_code == 201
 
         # A job that could never fit says so. (Its two blobs could not even wait for a job
         # together: one is named by a job already.)
         half = b"h" * (limit // 2 + 1)
         stdin = await pool.upload(half, user="carol")
+        await pool.upload(app, user="carol")
         assert (await _submit(pool, bundle, stdin, user="carol")).status_code == 201
         bundle2 = await pool.upload(make_zip({"app.py": HELLO, "pad": half}), user="carol")
         message = _quota_error(

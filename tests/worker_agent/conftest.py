@@ -15,10 +15,11 @@ import hashlib
 import io
 import json
 import os
+import socket
 import textwrap
 import time
 import zipfile
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,7 @@ from vpool.protocol import api, pki, tokens
 from vpool.protocol.framing import FrameDecoder, encode_frame, raw_frame_parts
 from vpool.protocol.messages import Message
 from vpool.tls import server_context
+from vpool.worker_agent import sandboxed
 from vpool.worker_agent.agent import AgentStarted, run_agent
 from vpool.worker_agent.local_ranks import LocalRanks
 from vpool.worker_agent.proxy import RankProxy
@@ -621,3 +623,31 @@ async def proxy(nursery: trio.Nursery, tmp_path: Path) -> tuple[LocalRanks, Path
         RankProxy(ranks, processor="host", max_payload=1 << 20).serve, tmp_path / "a.sock"
     )
     return ranks, path
+
+
+# -- a real sandbox (bwrap) -------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def iso(tmp_path_factory: pytest.TempPathFactory) -> sandboxed.Isolation:
+    work = tmp_path_factory.mktemp("agent")
+    found = sandboxed.find_isolation(AgentSettings(work_dir=str(work)))
+    if not found.on:
+        pytest.skip(f"no sandbox here: {found.reason}")
+    return found
+
+
+@pytest.fixture
+def rank_dir(tmp_path: Path) -> Iterator[tuple[Path, Path]]:
+    d = tmp_path / "rank"
+    (d / "work").mkdir(parents=True)
+    (d / "home").mkdir()
+    sock_path = Path(os.environ.get("XDG_RUNTIME_DIR") or "/tmp") / f"vpool-t-{os.getpid()}.sock"
+    server = socket.socket(socket.AF_UNIX)
+    server.bind(str(sock_path))
+    server.listen()
+    try:
+        yield d, sock_path
+    finally:
+        server.close()
+        sock_path.unlink(missing_ok=True)

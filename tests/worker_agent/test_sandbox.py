@@ -6,44 +6,16 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import trio
 
 from vpool.worker_agent import criu, sandbox, sandboxed
-from vpool.worker_agent.settings import AgentSettings
 
 pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bwrap is not installed")
-
-
-@pytest.fixture(scope="module")
-def iso(tmp_path_factory: pytest.TempPathFactory) -> sandboxed.Isolation:
-    work = tmp_path_factory.mktemp("agent")
-    found = sandboxed.find_isolation(AgentSettings(work_dir=str(work)))
-    if not found.on:
-        pytest.skip(f"no sandbox here: {found.reason}")
-    return found
-
-
-@pytest.fixture
-def rank_dir(tmp_path: Path) -> Iterator[tuple[Path, Path]]:
-    d = tmp_path / "rank"
-    (d / "work").mkdir(parents=True)
-    (d / "home").mkdir()
-    sock_path = Path(os.environ.get("XDG_RUNTIME_DIR") or "/tmp") / f"vpool-t-{os.getpid()}.sock"
-    server = socket.socket(socket.AF_UNIX)
-    server.bind(str(sock_path))
-    server.listen()
-    try:
-        yield d, sock_path
-    finally:
-        server.close()
-        sock_path.unlink(missing_ok=True)
 
 
 async def run(

@@ -70,6 +70,9 @@ def test_a_sandboxed_rank_is_as_confined_after_a_restore(tmp_path: Path) -> None
     assert found["checkpoints"] == "ok", found
     assert found["restored"] == {
         "capabilities": "0000000000000000",
+        "bounding_set": "0000000000000000"
+        if os.getuid() == 0
+        else found["restored"]["bounding_set"],
         "no_new_privs": "1",
         "seccomp": "2",
     }
@@ -100,7 +103,12 @@ def test_a_probe_not_refused_makes_the_level_none() -> None:
         mount="EPERM",
         keyctl="EPERM",
         netlink_socket="EAFNOSUPPORT",
+        write_root="EROFS",
+        write_kernel_settings="EROFS",
+        write_sysrq="ENOENT",
+        host_boot_id=False,
         capabilities="0000000000000000",
+        bounding_set="0000000000000000",
         no_new_privs="1",
         seccomp="2",
     )
@@ -108,7 +116,9 @@ def test_a_probe_not_refused_makes_the_level_none() -> None:
     assert selftest.judge(good, full) == ("sandbox", "", [])
     level, detail, _ = selftest.judge(good, cgroups.Support(0, frozenset(), "no cgroupfs"))
     assert (level, detail) == ("sandbox-rlimits", "no cgroup: no cgroupfs")
-    for name, value in (("connect_outside", "ok"), ("other_processes", [57]), ("seccomp", "0")):
+    wrong = [("connect_outside", "ok"), ("other_processes", [57]), ("seccomp", "0")]
+    wrong += [("write_root", "ok"), ("write_kernel_settings", "ok"), ("host_boot_id", True)]
+    for name, value in wrong:
         level, detail, failed = selftest.judge({**good, name: value}, full)
         assert (level, failed) == ("none", [name]), detail
     missing = {k: v for k, v in good.items() if k != "ptrace"}
