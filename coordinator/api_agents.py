@@ -15,6 +15,8 @@ from vpool.coordinator.transport import (
     declared_length,
     decode,
     empty,
+    presented,
+    presented_now,
     reply,
 )
 from vpool.protocol import api
@@ -23,19 +25,22 @@ router = APIRouter(prefix="/api/v1/agents")
 
 
 async def _agent(request: Request) -> str:
-    return await coordinator(request).agent(bearer(request))
+    core, token = coordinator(request), bearer(request)
+    return await presented(request, lambda: core.agent(token))
 
 
 @router.post("/enroll")
 async def enroll(request: Request) -> Response:
     req = await decode(request, api.EnrollRequest)
-    return reply(await coordinator(request).enroll(req))
+    core = coordinator(request)
+    return reply(await presented(request, lambda: core.enroll(req)))
 
 
 @router.post("/lease")
 async def lease(request: Request) -> Response:
     c = coordinator(request)
-    agent = c.agent_id(bearer(request))
+    token = bearer(request)
+    agent = presented_now(request, lambda: c.agent_id(token))
     req = await decode(request, api.LeaseRequest)
     await c.agent_seen(agent, req.free_slots)
     return reply(await c.lease(agent, req))
@@ -44,7 +49,8 @@ async def lease(request: Request) -> Response:
 @router.post("/heartbeat")
 async def heartbeat(request: Request) -> Response:
     c = coordinator(request)
-    agent = c.agent_id(bearer(request))
+    token = bearer(request)
+    agent = presented_now(request, lambda: c.agent_id(token))
     hb = await decode(request, api.AgentHeartbeat)
     await c.agent_seen(agent, hb.free_slots)
     return reply(await c.heartbeat(agent, hb))

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request, Response
 
-from vpool.coordinator.transport import bearer, coordinator, decode, empty, reply
+from vpool.coordinator.transport import bearer, coordinator, decode, empty, presented, reply
 from vpool.protocol import api
 
 router = APIRouter(prefix="/api/v1/relays")
@@ -13,7 +13,8 @@ router = APIRouter(prefix="/api/v1/relays")
 
 async def _relay(request: Request) -> str:
     """The name of the relay the request's key belongs to."""
-    return await coordinator(request).relay(bearer(request))
+    core, token = coordinator(request), bearer(request)
+    return await presented(request, lambda: core.relay(token))
 
 
 @router.post("/register")

@@ -25,6 +25,7 @@ from starlette.requests import ClientDisconnect
 from vpool import __version__
 from vpool.coordinator import api_agents, api_jobs, api_relays, scheduler
 from vpool.coordinator.errors import CoordinatorError
+from vpool.coordinator.guesses import TooManyGuesses
 from vpool.coordinator.service import Coordinator
 from vpool.coordinator.settings import CoordinatorSettings
 from vpool.coordinator.transport import reply
@@ -113,7 +114,10 @@ def _answer(request: Request, status: int, code: str, message: str) -> Response:
 def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(CoordinatorError)
     async def coordinator_error(request: Request, exc: CoordinatorError) -> Response:
-        return _answer(request, exc.status, exc.code, exc.message)
+        answer = _answer(request, exc.status, exc.code, exc.message)
+        if isinstance(exc, TooManyGuesses):
+            answer.headers["Retry-After"] = str(int(exc.retry_after))
+        return answer
 
     @app.exception_handler(session.SignInRequired)
     async def sign_in(request: Request, exc: session.SignInRequired) -> RedirectResponse:

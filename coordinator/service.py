@@ -27,6 +27,7 @@ from vpool.coordinator import keys, scheduler
 from vpool.coordinator.access import Action, Principal, check_job, check_operator, jobs_owner
 from vpool.coordinator.blobs import BlobFiles, check_sha256
 from vpool.coordinator.errors import BadRequest, Conflict, Forbidden, NotFound, Unauthorized
+from vpool.coordinator.guesses import GuessLimiter
 from vpool.coordinator.results import build_results_zip
 from vpool.coordinator.settings import CoordinatorSettings
 from vpool.coordinator.sqlite_store import SqliteStore
@@ -118,6 +119,7 @@ class Coordinator:
         self.store.startup(clock())
         self.db = Database(self.store)
         self.blobs = BlobFiles(state / "blobs")
+        self.guesses = GuessLimiter(settings.guess_limit, settings.guess_window)
         self.work = Signal()
         self._blobs_collected = -math.inf
         self.changes = Signal()

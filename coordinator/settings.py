@@ -156,6 +156,14 @@ class CoordinatorSettings:
     public_url: str = setting(
         "", "URL clients use to reach this coordinator (shown on the web portal's pool page)."
     )
+    guess_limit: int = setting(
+        30,
+        "Wrong credentials (API tokens, session cookies, join tokens, agent and relay keys) "
+        "one client address may present within guess_window seconds; past it, every "
+        "credential it presents gets 429 until the oldest wrong one is guess_window old "
+        "(0: no limit).",
+    )
+    guess_window: float = setting(60.0, "Seconds over which guess_limit counts (see there).")
     max_request_bytes: int = setting(
         64 << 20, "Largest JSON request body (e.g. an agent's output batch)."
     )

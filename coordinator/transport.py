@@ -3,8 +3,8 @@ out, bounded bodies and forms that time out when they stall, bearer credentials.
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator
-from contextlib import aclosing
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator
+from contextlib import aclosing, contextmanager
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgspec
@@ -13,7 +13,7 @@ from fastapi import Request, Response
 from starlette.datastructures import FormData
 from starlette.formparsers import FormParser, MultiPartException, MultiPartParser
 
-from vpool.coordinator.errors import BadRequest, Stalled, TooLarge, Unauthorized
+from vpool.coordinator.errors import BadRequest, Forbidden, Stalled, TooLarge, Unauthorized
 
 if TYPE_CHECKING:
     from vpool.coordinator.access import Principal
@@ -111,7 +111,41 @@ async def decode(request: Request, type_: type[T]) -> T:
 
 async def principal(request: Request) -> Principal:
     """The user a JSON API request is made by (its bearer token)."""
-    return await coordinator(request).principal(bearer(request))
+    core, token = coordinator(request), bearer(request)  # none presented: not a guess
+    return await presented(request, lambda: core.principal(token))
+
+
+def client_address(request: Request) -> str:
+    return request.client.host if request.client is not None else ""
+
+
+async def presented(request: Request, check: Callable[[], Awaitable[T]]) -> T:
+    """``check()`` of a credential the request presents, counted against its address's
+    wrong guesses (``guesses``): refused with 429 while the address has used them up."""
+    with _guessing(request):
+        return await check()
+
+
+def presented_now(request: Request, check: Callable[[], T]) -> T:
+    """``presented`` for a check that needs no waiting (a signature)."""
+    with _guessing(request):
+        return check()
+
+
+@contextmanager
+def _guessing(request: Request) -> Iterator[None]:
+    core = coordinator(request)
+    address, now = client_address(request), core.clock()
+    core.guesses.check(address, now)
+    try:
+        yield
+    except Unauthorized:
+        core.guesses.failed(address, now)
+        raise
+    except Forbidden as exc:
+        if exc.code == "bad_join_token":
+            core.guesses.failed(address, now)
+        raise
 
 
 def bearer(request: Request) -> str:

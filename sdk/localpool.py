@@ -191,12 +191,18 @@ class _Starter:
         self.procs: list[tuple[str, subprocess.Popen[bytes]]] = []
         self.env = _child_env()
 
-    def start(self, name: str, argv: list[str]) -> subprocess.Popen[bytes]:
+    def start(self, name: str, argv: list[str], *, again: bool = False) -> subprocess.Popen[bytes]:
+        """Start component ``name``; ``again`` (a restart) appends to its log, which holds
+        why it ended the first time, after a line that says when it restarted."""
         log = self.lay.log_file(name)
         log.parent.mkdir(parents=True, exist_ok=True)
         self.lay.ready_file(name).parent.mkdir(parents=True, exist_ok=True)
         self.lay.ready_file(name).unlink(missing_ok=True)
-        with open(log, "wb") as out:
+        with open(log, "ab" if again else "wb") as out:
+            if again:
+                when = time.strftime("%Y-%m-%d %H:%M:%S %z")
+                out.write(f"\n--- vsdk local restart {name} at {when} ---\n".encode())
+                out.flush()
             try:
                 proc = subprocess.Popen(
                     argv,
@@ -522,7 +528,7 @@ def restart(name: str, *, timeout: float = READY_TIMEOUT, progress: Progress = _
     _pin_port(lay, name)
     starter = _Starter(lay, progress)
     progress(f"restarting {name}")
-    starter.start(name, rec.cmdline)
+    starter.start(name, rec.cmdline, again=True)
     try:
         starter.wait_ready([name], timeout)
         (fresh,) = starter.recorded()

@@ -25,7 +25,7 @@ from markupsafe import Markup
 from vpool.coordinator.api_jobs import results_file
 from vpool.coordinator.errors import CoordinatorError, Unauthorized
 from vpool.coordinator.service import Coordinator
-from vpool.coordinator.transport import coordinator
+from vpool.coordinator.transport import coordinator, presented
 from vpool.coordinator.transport import form as read_form
 from vpool.protocol import api
 from vpool.protocol.lines import LineAssembler
@@ -139,7 +139,7 @@ async def login(request: Request) -> Response:
         return _login_page(request, next_path, error="Paste your API token.", status=422)
     core = coordinator(request)
     try:
-        cookie, _, _ = await core.sign_in(token)
+        cookie, _, _ = await presented(request, lambda: core.sign_in(token))
     except Unauthorized:
         return _login_page(
             request, next_path, error="This token is unknown or was revoked.", status=401

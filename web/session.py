@@ -21,7 +21,7 @@ from starlette.datastructures import FormData
 from vpool.coordinator.access import Principal
 from vpool.coordinator.errors import Forbidden, Unauthorized
 from vpool.coordinator.keys import new_session_secret
-from vpool.coordinator.transport import coordinator
+from vpool.coordinator.transport import coordinator, presented
 
 SESSION_COOKIE = "vpool_session"
 LOGIN_COOKIE = "vpool_login"
@@ -47,7 +47,8 @@ async def viewer(request: Request) -> Viewer:
     cookie = request.cookies.get(SESSION_COOKIE, "")
     if cookie:
         try:
-            who, csrf = await coordinator(request).session(cookie)
+            core = coordinator(request)
+            who, csrf = await presented(request, lambda: core.session(cookie))
             return Viewer(who=who, csrf=csrf)
         except Unauthorized:
             pass

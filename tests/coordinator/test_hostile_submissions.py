@@ -10,10 +10,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from coord_helpers import HELLO, Pool, decode, make_zip, open_pool
+from coord_helpers import HELLO, FakeClock, Pool, decode, make_zip, open_pool
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from vpool.coordinator.access import Principal
 from vpool.coordinator.errors import BadRequest
+from vpool.coordinator.guesses import GuessLimiter, TooManyGuesses
 from vpool.coordinator.migrations import _m19_blob_owners
 from vpool.coordinator.service import MAX_ARGS, MAX_ARGS_BYTES
 from vpool.protocol import api
@@ -143,3 +145,53 @@ async def test_blob_owners_come_from_the_jobs_and_uploads_before(tmp_path: Path)
             api.JobDetail,
         )
         assert info.job.id == job.id
+
+
+async def test_credential_guesses_are_rate_limited(tmp_path: Path) -> None:
+    clock = FakeClock()
+    async with open_pool(tmp_path, clock, guess_limit=5, guess_window=60.0) as pool:
+        alice = pool.user("alice")
+        assert (await pool.client.get("/api/v1/jobs", headers=alice)).status_code == 200
+        guess = {"Authorization": "Bearer " + "A" * 43}
+        for _ in range(5):
+            r = await pool.client.get("/api/v1/jobs", headers=guess)
+            assert r.status_code == 401
+        # Used up: every credential from this address waits, the right one too.
+        for headers in (guess, alice):
+            r = await pool.client.get("/api/v1/jobs", headers=headers)
+            assert r.status_code == 429 and r.json()["error"]["code"] == "too_many_guesses"
+            assert r.headers["retry-after"] == "60"
+        # No credential at all is not a guess: it is told what is missing, as ever.
+        assert (await pool.client.get("/api/v1/jobs")).status_code == 401
+        # Agents' tokens, relays' keys and join tokens count as well.
+        agent_guess = {"Authorization": "Bearer not-an-agent-token"}
+        r = await pool.client.post("/api/v1/agents/lease", content=b"{}", headers=agent_guess)
+        assert r.status_code == 429
+        clock.advance(30)
+        r = await pool.client.get("/api/v1/jobs", headers=alice)
+        assert r.status_code == 429 and r.headers["retry-after"] == "30"
+        clock.advance(30)
+        assert (await pool.client.get("/api/v1/jobs", headers=alice)).status_code == 200
+
+
+async def test_join_token_guesses_count(tmp_path: Path) -> None:
+    async with open_pool(tmp_path, guess_limit=3, open_enrollment=False) as pool:
+        key = Ed25519PrivateKey.generate()
+        for _ in range(3):
+            r = await pool.enroll_request(key, join_token="wrong-" + "x" * 40)
+            assert r.status_code == 403 and r.json()["error"]["code"] == "bad_join_token"
+        r = await pool.enroll_request(key, join_token="wrong-" + "y" * 40)
+        assert r.status_code == 429
+
+
+def test_the_guess_table_is_bounded() -> None:
+    limiter = GuessLimiter(3, 60.0, max_addresses=100)
+    for i in range(1000):
+        limiter.failed(f"10.0.{i // 256}.{i % 256}", now=float(i))
+    assert len(limiter._failures) == 100
+    limiter.check("10.0.0.1", now=1000.0)  # forgotten: the oldest went first
+    for _ in range(3):
+        limiter.failed("10.0.3.231", now=1000.0)
+    with pytest.raises(TooManyGuesses):
+        limiter.check("10.0.3.231", now=1000.0)
+    limiter.check("10.0.3.231", now=1060.0)  # the window passed

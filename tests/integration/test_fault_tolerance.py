@@ -173,12 +173,18 @@ def test_restarted_relay_or_coordinator_loses_nothing(pool4: Pool, component: st
     job = submit(pool4, HEAT, 8, "3000")
     wait_until(pool4, job, all_running, "all ranks running")
     wait_until(pool4, job, lambda d: ended(d) or b"step " in output(pool4, job), "first steps")
+    log = pool4.home / "state" / "local-pool" / "logs" / f"{component}.log"
     os.kill(pool4.pid_of(component), signal.SIGKILL)
+    before = log.read_bytes()
     res = pool4.vsdk("local", "restart", component)
     assert res.returncode == 0, res.stderr.decode()
     d = wait_until(pool4, job, ended, "job end", timeout=180)
     assert d["job"]["state"] == "succeeded", (d, pool4.logs())
     assert output(pool4, job) == ref
+    # The log of the run that was killed is kept, the restarted one's after it.
+    after = log.read_bytes()
+    assert before and after.startswith(before), (len(before), len(after))
+    assert f"--- vsdk local restart {component} at ".encode() in after[len(before) :]
 
 
 def test_a_long_relay_outage_is_waited_out_without_spending_restarts(pool4: Pool) -> None:
