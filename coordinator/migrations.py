@@ -460,6 +460,13 @@ def _m19_blob_owners(db: sqlite_utils.Database) -> None:
         )
 
 
+def _m20_lease_offers(db: sqlite_utils.Database) -> None:
+    """``incarnations.offers``: how many times a lease was handed out. One the coordinator
+    handed out but whose agent never reported it (the answer lost on its way) is handed out
+    again, once, before its rank counts as lost (``JobsMixin.agent_heartbeat``)."""
+    db.execute("ALTER TABLE incarnations ADD COLUMN offers INTEGER NOT NULL DEFAULT 1")
+
+
 def new_job_uid() -> str:
     return secrets.token_hex(16)
 
@@ -489,6 +496,7 @@ MIGRATIONS: list[Callable[[sqlite_utils.Database], None]] = [
     _m17_spawn,
     _m18_restart_storms,
     _m19_blob_owners,
+    _m20_lease_offers,
 ]
 
 

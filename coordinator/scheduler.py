@@ -75,6 +75,9 @@ SUSPEND_GRACE_BEATS = 2
 # What a pool that never moves suspended ranks (``suspend_limit`` 0) tells its agents:
 # ``AgentHeartbeatResponse.suspend_limit`` 0 means "the agent's own default" on the wire.
 SUSPEND_NEVER = 10 * 365 * 86400.0
+# Times a lease is handed out before a rank whose agent never reported it counts as lost:
+# once more after an answer lost on its way (``JobsMixin.agent_heartbeat``).
+LEASE_OFFERS = 2
 
 
 def suspend_backstop(limit: float, heartbeat_interval: float) -> float | None:

@@ -576,7 +576,8 @@ class JobsMixin(FaultsMixin):
             missing = [
                 r
                 for r in self.db.query(
-                    "SELECT r.job, r.rank, r.incarnation FROM ranks r JOIN incarnations i "
+                    "SELECT r.job, r.rank, r.incarnation, r.state, i.offers FROM ranks r "
+                    "JOIN incarnations i "
                     "ON i.job = r.job AND i.rank = r.rank AND i.incarnation = r.incarnation "
                     "WHERE r.agent = ? AND r.state IN ('leased', 'running') "
                     "AND i.delivered < ? ORDER BY r.job, r.rank",
@@ -587,6 +588,29 @@ class JobsMixin(FaultsMixin):
             if missing:
                 name = self._agent_name(agent_id)
                 for r in missing:
+                    if (
+                        activity == "available"
+                        and r["state"] == "leased"
+                        and r["offers"] < scheduler.LEASE_OFFERS
+                    ):
+                        # Never heard of at the agent: the answer that carried the lease was
+                        # lost (an agent reports a rank from the moment it gets it). Handed
+                        # out again, not restarted as lost.
+                        self.db.execute(
+                            "UPDATE incarnations SET delivered = NULL, offers = offers + 1 "
+                            "WHERE job = ? AND rank = ? AND incarnation = ?",
+                            [r["job"], r["rank"], r["incarnation"]],
+                        )
+                        self._event(
+                            r["job"],
+                            now,
+                            "lease_offered_again",
+                            f"rank {r['rank']} incarnation {r['incarnation']}: agent {name} "
+                            "never reported its lease; offered again",
+                            r["rank"],
+                        )
+                        changed = True
+                        continue
                     reason = (
                         scheduler.left_reason(r["rank"], name)
                         if activity == "leaving"

@@ -12,6 +12,7 @@ import contextlib
 import logging
 import os
 import random
+import resource
 import socket
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -564,6 +565,19 @@ def drop_scratch(settings: AgentSettings) -> None:
         settings.scratch_path.rmdir()
 
 
+def _open_files_to_the_hard_limit() -> None:
+    """Every rank's connections, relay links and pipes count against the agent's descriptors:
+    take up to 65,536 of what the system allows (the soft limit is often 1,024). Ranks have
+    their own limit (``rank_open_files``)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = 65536 if hard == resource.RLIM_INFINITY else min(hard, 65536)
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+        except (OSError, ValueError) as exc:
+            log.debug("open files stay at %d: %s", soft, exc)
+
+
 async def run_agent(
     settings: AgentSettings,
     *,
@@ -577,6 +591,7 @@ async def run_agent(
     ``reload`` reads the settings again from their file (``vpool-agent prefs``)."""
     key = identity.load_or_create_key(settings.identity_path)
     settings.work_path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    _open_files_to_the_hard_limit()
     swept = await trio.to_thread.run_sync(cgroups.sweep)
     if swept:
         log.info("removed the empty cgroups of %d agent(s) that are gone", len(swept))

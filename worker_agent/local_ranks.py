@@ -222,6 +222,11 @@ class LocalRank:
         # Per destination the highest Data seq forwarded to a relay (a checkpoint waits until
         # the relays acknowledged what the rank says it sent).
         self.deposited: dict[int, int] = {}
+        # What the rank sent, as the agent checks it before forwarding anything (``proxy``):
+        # per destination the highest seq it sent, and one past the highest determinant index.
+        self.sent_seq: dict[int, int] = {}
+        self.sent_dets = 0
+        self.orphan_reports = 0  # connections of orphaned clones open (``proxy``)
         # Checkpoints: the image this incarnation was restored from (-1: none); the rank's
         # control connection and what arrives on it (CkptForked); a checkpoint asked by the
         # coordinator.

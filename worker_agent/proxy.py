@@ -59,6 +59,14 @@ Spawner = Callable[[SpawnAsk], Awaitable[SpawnAnswer]]
 log = logging.getLogger("vpool.agent")
 
 HELLO_TIMEOUT = 10.0
+# Connections that have not said hello yet, per sandbox (PID namespace) of the process that
+# made them and in all: past either, a new one is closed at once. Every rank reaches the
+# socket, so one that floods it (58,000 idle connections ran the agent out of descriptors)
+# would otherwise starve the agent and its other ranks.
+MAX_UNGREETED_PER_PEER = 8
+MAX_UNGREETED = 256
+# Reports of orphaned checkpoint clones one rank may have open at once.
+MAX_ORPHAN_REPORTS = 4
 RANK_SOCKET_BUFFER = 4 * 1024 * 1024
 # Longest unix socket path (sun_path is 108 bytes on Linux, including the NUL).
 _MAX_SOCKET_PATH = 107
@@ -150,6 +158,8 @@ class RankProxy:
         self.local_delivery = local_delivery
         # Asks the coordinator for a rank's MPI.Comm.Spawn (None: spawning is refused).
         self.spawner = spawner
+        self._ungreeted: dict[str, int] = {}  # per peer (its PID namespace)
+        self._refused_connections = 0
 
     async def serve(
         self, path: Path, *, task_status: trio.TaskStatus[Path] = trio.TASK_STATUS_IGNORED
@@ -171,8 +181,25 @@ class RankProxy:
             except OSError:
                 pass  # a smaller buffer only costs throughput
         async with stream:
+            peer = _peer_namespace(stream)
+            if (
+                self._ungreeted.get(peer, 0) >= MAX_UNGREETED_PER_PEER
+                or sum(self._ungreeted.values()) >= MAX_UNGREETED
+            ):
+                self._refused_connections += 1
+                if self._refused_connections in (1, 10, 100, 1000) or not (
+                    self._refused_connections % 10000
+                ):
+                    log.warning(
+                        "closed %d rank connections at once: too many not greeted yet "
+                        "(the latest from %s)",
+                        self._refused_connections,
+                        peer,
+                    )
+                return
             reader = FrameStream(stream, max_payload=self.max_payload)
             session = Session("rank", "server")
+            self._ungreeted[peer] = self._ungreeted.get(peer, 0) + 1
             try:
                 greeted = await self._greet(stream, reader, session)
             except ProtocolError as exc:
@@ -182,6 +209,12 @@ class RankProxy:
             except (trio.BrokenResourceError, trio.TooSlowError) as exc:
                 log.debug("rank connection dropped before its hello: %s", exc)
                 return
+            finally:
+                left = self._ungreeted[peer] - 1
+                if left:
+                    self._ungreeted[peer] = left
+                else:
+                    del self._ungreeted[peer]
             if greeted is None:
                 return
             rank, orphan = greeted
@@ -189,7 +222,18 @@ class RankProxy:
                 await self._control_loop(reader, rank, stream)
                 return
             if orphan:
-                await self._orphan_report(reader, rank, stream)
+                if rank.orphan_reports >= MAX_ORPHAN_REPORTS:
+                    await _refuse(
+                        stream,
+                        ErrorCode.ALREADY_CONNECTED,
+                        f"{rank.label} has {MAX_ORPHAN_REPORTS} clone reports open already",
+                    )
+                    return
+                rank.orphan_reports += 1
+                try:
+                    await self._orphan_report(reader, rank, stream)
+                finally:
+                    rank.orphan_reports -= 1
                 return
             try:
                 async with trio.open_nursery() as nursery:
@@ -378,6 +422,7 @@ class RankProxy:
                             f"{rank.label} sent a sealed Data frame: ranks send plaintext",
                             code=ErrorCode.UNEXPECTED_MESSAGE,
                         )
+                    _check_seq(rank, msg)
                     link = route[msg.dst]
                     if frame.payload_len + TAG_SIZE > link.max_payload:
                         raise ProtocolError(
@@ -413,6 +458,7 @@ class RankProxy:
                             f"{rank.label}" + ("" if route else ", which has no relays"),
                             code=ErrorCode.NOT_YOURS,
                         )
+                    _check_det(rank, msg)
                     if rank.stop_reason is not None:
                         continue
                     try:
@@ -529,6 +575,35 @@ async def _deliver_locally(
     )
 
 
+def _check_seq(rank: LocalRank, msg: Data) -> None:
+    """A rank's ``Data`` continues its channel as the relay will accept it: seq 1 up to one
+    past the highest the relays held (``replay_sent``, a replaying rank re-sends) or the rank
+    sent, so that a gap is this rank's error here and never reaches the relay, which would
+    close the connection every rank of this agent shares."""
+    last = max(rank.sent_seq.get(msg.dst, 0), rank.replay_sent.get(msg.dst, 0))
+    if not 1 <= msg.seq <= last + 1:
+        raise ProtocolError(
+            f"{rank.label} sent message {msg.seq} to rank {msg.dst} after {last}: a gap in "
+            "its channel",
+            code=ErrorCode.SEQ_GAP,
+        )
+    if msg.seq > rank.sent_seq.get(msg.dst, 0):
+        rank.sent_seq[msg.dst] = msg.seq
+
+
+def _check_det(rank: LocalRank, msg: Det) -> None:
+    """A rank's determinant follows those its home relay holds (``replay_dets``) or it sent,
+    as ``_check_seq`` does for messages."""
+    limit = max(rank.sent_dets, rank.replay_dets)
+    if not 0 <= msg.index <= limit:
+        raise ProtocolError(
+            f"{rank.label} sent determinant {msg.index}, the next is {limit}: a gap in its "
+            "determinant log",
+            code=ErrorCode.DET_GAP,
+        )
+    rank.sent_dets = max(rank.sent_dets, msg.index + 1)
+
+
 def _unlink(path: Path) -> None:
     path.unlink(missing_ok=True)
 
@@ -539,6 +614,21 @@ async def _refuse(stream: trio.SocketStream, code: str, message: str) -> None:
         await stream.send_all(encode_frame(Error(code=code, message=message)))
     except (trio.BrokenResourceError, trio.ClosedResourceError):
         pass  # the rank is gone already; nobody to explain it to
+
+
+def _peer_namespace(stream: trio.SocketStream) -> str:
+    """Who made a connection: the PID namespace of its process, a sandboxed rank's sandbox
+    (which it cannot leave); the process itself when it shares the agent's namespace."""
+    pid = _peer_pid(stream)
+    if pid is None:
+        return "unknown"
+    try:
+        namespace = os.readlink(f"/proc/{pid}/ns/pid")
+        if namespace != os.readlink("/proc/self/ns/pid"):
+            return namespace
+    except OSError:
+        pass
+    return f"pid {pid}"  # an unsandboxed rank: each process counts on its own
 
 
 def _peer_pid(stream: trio.SocketStream) -> int | None:

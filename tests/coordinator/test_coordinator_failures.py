@@ -224,3 +224,29 @@ async def test_monitor_loop_runs_the_checks(pool: Pool) -> None:
     detail = await pool.job(job.id)
     assert [x.state for x in detail.ranks] == ["pending", "pending"]
     assert sum(e.kind == "rank_lost" for e in detail.events) == 2
+
+
+async def test_a_lease_its_agent_never_heard_of_is_offered_again_once(pool: Pool) -> None:
+    """The answer carrying a lease can be lost on its way (an agent reports a rank from the
+    moment it gets one): past the grace, a rank still 'leased' that its agent does not report
+    is handed out again to the same agent, once, before it counts as lost."""
+    await pool.register_relay()
+    agent = await pool.enroll(slots=1)
+    job = await pool.submit(1)
+    [lost_on_the_way] = await pool.lease(agent)
+    pool.clock.advance(11)
+    await pool.heartbeat(agent, [], free=1)  # never heard of it
+    detail = await pool.job(job.id)
+    assert [e.kind for e in detail.events if e.kind in ("rank_lost", "lease_offered_again")] == [
+        "lease_offered_again"
+    ]
+    assert (detail.ranks[0].incarnation, detail.ranks[0].state) == (1, "leased")
+    [again] = await pool.lease(agent)
+    assert again == lost_on_the_way  # the same lease, token and all
+    pool.clock.advance(11)
+    await pool.heartbeat(agent, [], free=1)  # lost again: now the rank is
+    detail = await pool.job(job.id)
+    lost = [e.message for e in detail.events if e.kind == "rank_lost"]
+    assert lost == ["rank 0 lost: agent agent-1 no longer runs it"]
+    [(rank, incarnation)] = [(x.rank, x.incarnation) for x in await pool.lease(agent)]
+    assert (rank, incarnation) == (0, 2)

@@ -402,6 +402,38 @@ RANK_PROGRAM = textwrap.dedent(
             while not isinstance(recv().message, m.Ack):
                 pass
         send(m.Finalize())
+    elif mode in ("seqgap", "detgap"):
+        # A first message in order, then a gap: the agent refuses the gap itself.
+        send(m.Data(job=w.job, src=w.rank, dst=1, seq=1, ctx=0, tag=0), b"in order")
+        send(m.Det(job=w.job, rank=w.rank, index=0, data=b"d0"))
+        if mode == "seqgap":
+            send(m.Data(job=w.job, src=w.rank, dst=1, seq=1000, ctx=0, tag=0), b"gap")
+        else:
+            send(m.Det(job=w.job, rank=w.rank, index=57, data=b"gap"))
+        f = recv()
+        while not isinstance(f.message, m.Error):
+            f = recv()
+        say(refused=f.message.code)
+    elif mode == "flood":
+        # Idle connections to the agent's socket, more than it would keep: it closes all but
+        # a few at once.
+        import select, socket as socketlib
+        n = int(sys.argv[2])
+        conns = []
+        for _ in range(n):
+            c = socketlib.socket(socketlib.AF_UNIX)
+            c.connect(os.environ["VPOOL_AGENT_SOCKET"])
+            conns.append(c)
+        poller = select.poll()
+        for c in conns:
+            poller.register(c, select.POLLIN)
+        # Well within the agent's hello timeout (10 s), after which it closes any anyway.
+        closed, deadline = set(), time.monotonic() + 5
+        while len(closed) < n - 8 and time.monotonic() < deadline:
+            closed.update(fd for fd, _ in poller.poll(100))
+        say(flooded=n, closed=len(closed))
+        f = recv()
+        say(got=type(f.message).__name__)
     elif mode == "forged":
         send(m.Data(job=w.job, src=w.rank + 1, dst=0, seq=1, ctx=0, tag=0), b"x")
         f = recv()

@@ -17,6 +17,7 @@ from vpool.protocol.messages import (
     Attached,
     Credit,
     Data,
+    Det,
     Detach,
     Error,
     Hello,
@@ -24,6 +25,7 @@ from vpool.protocol.messages import (
     Stop,
     Welcome,
 )
+from vpool.worker_agent import proxy
 
 from .conftest import AGENT_TOKEN, FakeCoordinator, FakeRelay, RelayConn, RunningAgent, lease_for
 from .conftest import lines as json_lines
@@ -200,3 +202,59 @@ async def test_payload_over_the_relays_limit_is_refused_to_that_rank_only(
     msg, _, _ = await conn.receive()
     assert msg == Detach(job=7, rank=0)  # no Data got through; the connection lives on
     assert coordinator.problems == []
+
+
+@pytest.mark.parametrize("mode", ["seqgap", "detgap"])
+async def test_a_gap_ends_the_rank_not_the_shared_relay_connection(
+    agent: RunningAgent, coordinator: FakeCoordinator, relay: FakeRelay, mode: str
+) -> None:
+    """Issue 35: a rank that skips a message seq or a determinant index had the relay close
+    the agent's connection, which every rank of the agent shares (again after each
+    reconnect). The agent refuses the gap itself: the rank is told, nothing of the gap
+    reaches the relay, and the connection carries on."""
+    coordinator.add_lease(lease_for(coordinator, relay, args=[mode]))
+    conn = await _open_relay(relay)
+    await _attach(conn)
+    data, _, _ = await conn.receive()
+    assert isinstance(data, Data) and data.seq == 1
+    det, _, _ = await conn.receive()
+    assert isinstance(det, Det) and det.index == 0
+    done = await coordinator.wait_for(lambda: coordinator.exit_of(7, 0))
+    assert done.code == 0
+    code = "seq_gap" if mode == "seqgap" else "det_gap"
+    assert {"refused": code} in json_lines(coordinator.output_of(7, 0))
+    detach, _, _ = await conn.receive()
+    assert detach == Detach(job=7, rank=0)  # the gap never reached the relay
+    # The same connection serves the agent's next rank.
+    coordinator.add_lease(lease_for(coordinator, relay, job=8, args=["proxy", "1"]))
+    attach = await _attach(conn, job=8)
+    assert attach.home
+    msg, _, _ = await conn.receive()
+    assert isinstance(msg, Data) and (msg.job, msg.seq) == (8, 1)
+
+
+async def test_a_connection_flood_leaves_the_agent_and_its_other_ranks_be(
+    agent: RunningAgent, coordinator: FakeCoordinator, relay: FakeRelay
+) -> None:
+    """Issue 35: a rank opening tens of thousands of idle connections to the agent's socket
+    ran the agent out of descriptors, and it exited. Past a few not yet greeted per sandbox
+    (per process, unsandboxed) the agent closes new ones at once; a victim rank starts and
+    talks meanwhile."""
+    n = 900  # within the rank's own rank_open_files (1024); ranks' other processes flood too
+    coordinator.add_lease(lease_for(coordinator, relay, args=["flood", str(n)]))
+    conn = await _open_relay(relay)
+    await _attach(conn)
+    flooded = await coordinator.wait_for(
+        lambda: [x for x in json_lines(coordinator.output_of(7, 0)) if "flooded" in x],
+        seconds=60,
+    )
+    assert flooded[0]["closed"] >= n - proxy.MAX_UNGREETED_PER_PEER, flooded
+    # The flood is still held open (all but a few closed by the agent): a victim runs.
+    coordinator.add_lease(lease_for(coordinator, relay, job=8, args=["proxy", "1"]))
+    await _attach(conn, job=8)
+    msg, _, _ = await conn.receive()
+    assert isinstance(msg, Data) and (msg.job, msg.seq) == (8, 1)
+    coordinator.stop(7, 0, reason="enough")
+    done = await coordinator.wait_for(lambda: coordinator.exit_of(7, 0))
+    assert done.message == "stopped: enough"
+    assert not agent.finished.is_set()  # the agent is up
