@@ -104,6 +104,8 @@ def _plantable() -> str:
     for path in ("/", "/etc"):
         try:
             flags = os.statvfs(path).f_flag
+        except FileNotFoundError:
+            continue  # no /etc, on a read-only root: none can be made
         except OSError as exc:
             return f"cannot inspect the rank's {path}: {exc}"
         if not flags & os.ST_RDONLY:
