@@ -19,6 +19,7 @@ from pathlib import Path, PurePosixPath
 
 import trio
 
+from vpool.worker_agent import rank_tree
 from vpool.worker_agent.errors import BundleError, BundleRejected
 
 _SHA256 = re.compile(r"[0-9a-f]{64}")
@@ -137,32 +138,13 @@ def extract_bundle(
 
 
 def snapshot(root: Path) -> Snapshot:
-    """Size and mtime of every regular file under ``root``, to tell what a rank changed."""
+    """Size and mtime of every regular file under ``root``, to tell what a rank changed
+    (``rank_tree.walk``: however deep the rank made it; ``TooDeep`` past ``MAX_DEPTH``)."""
     out: Snapshot = {}
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = [d for d in dirnames if d != "__pycache__"]
-        for name in filenames:
-            full = Path(dirpath, name)
-            try:
-                st = full.lstat()
-            except OSError:
-                continue
-            if stat.S_ISREG(st.st_mode):
-                out[full.relative_to(root).as_posix()] = (st.st_size, st.st_mtime_ns)
+    for rel, st in rank_tree.walk(root, skip_dirs=frozenset({"__pycache__"})):
+        if stat.S_ISREG(st.st_mode):
+            out[rel] = (st.st_size, st.st_mtime_ns)
     return out
-
-
-def tree_size(root: Path) -> int:
-    """Bytes allocated to the files under ``root`` (blocks, so sparse files count as what
-    they take of the disk); links are not followed."""
-    total = 0
-    for dirpath, _, filenames in os.walk(root):
-        for name in filenames:
-            try:
-                total += os.lstat(os.path.join(dirpath, name)).st_blocks * 512
-            except OSError:
-                continue
-    return total
 
 
 def results_zip(root: Path, before: Snapshot, *, max_bytes: int) -> tuple[bytes | None, list[str]]:

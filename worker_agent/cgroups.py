@@ -768,6 +768,15 @@ def _set_limits(
         applied[limit] = got
         if got != value:
             problems.append(f"{group}/{name} reads back {got} after {value} was written")
+        if limit == "cpu":
+            # The ranks' parent too: CPU is shared out between siblings first, and the base
+            # at the default weight would get a busy rank a quarter of a CPU against the
+            # volunteer's processes (issue 35). The agent, in the base's leaf on v2, yields
+            # as well: it only serves the ranks.
+            try:
+                _write(group.parent / name, str(value))
+            except OSError as exc:
+                problems.append(f"cannot set {group.parent}/{name} to {value}: {exc}")
     return applied, problems
 
 

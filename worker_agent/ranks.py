@@ -31,7 +31,6 @@ import dataclasses
 import functools
 import logging
 import os
-import shutil
 import signal
 import ssl
 import subprocess
@@ -44,6 +43,7 @@ from typing import Protocol
 import trio
 
 from vpool import paths
+from vpool.niceness import run_niced
 from vpool.protocol.api import (
     Lease,
     OutputBatch,
@@ -58,7 +58,15 @@ from vpool.protocol.messages import Stop
 from vpool.protocol.rank_link import restarted
 from vpool.reasons import describe
 from vpool.sizes import format_size
-from vpool.worker_agent import bundle, cgroups, desktop, restore, sandbox, sandboxed
+from vpool.worker_agent import (
+    bundle,
+    cgroups,
+    desktop,
+    rank_tree,
+    restore,
+    sandbox,
+    sandboxed,
+)
 from vpool.worker_agent.checkpoints import Capability, Checkpointer, checkpoint_signal
 from vpool.worker_agent.checkpoints import checkpoints_enabled as _ckpt_disabled_because
 from vpool.worker_agent.ckpt_workers import CkptWorkers
@@ -87,7 +95,8 @@ _PIPE_GRACE = 5.0
 # detaches (each may wait LOCAL_SETTLE for what it gave other ranks to be logged), files.
 _SHIELDED_CLEANUP = 8.0
 EXIT_BAD_BUNDLE = 126  # as a shell says of a program it cannot run
-_DISK_EVERY = 2.0  # s between looks at a sandboxed rank's disk use
+_DISK_EVERY = 2.0  # s between looks at a sandboxed rank's disk use, at least
+_DISK_WORK_RATIO = 20  # and at least 20 times as long as the last look took
 # The rank's secret, in its directory until the runtime reads (and deletes) it.
 SECRET_FILE = ".vpool-secret"
 # Signals a process gets for its own faults: its exit is the program's error, not a loss.
@@ -255,12 +264,14 @@ async def prepare(svc: RankServices, lease: Lease) -> Prepared:
         work, home = rank_dir / "work", rank_dir / "home"
         work.mkdir()
         home.mkdir()
+        # What the rank may hold on disk bounds what its bundle may extract to: a zip bomb is
+        # refused before it fills the volunteer's disk, not after.
+        most = settings.max_bundle_bytes
+        if svc.isolation.on and settings.rank_disk:
+            most = min(most, settings.rank_disk)
         await trio.to_thread.run_sync(
             lambda: bundle.extract_bundle(
-                zip_path,
-                work,
-                max_bytes=settings.max_bundle_bytes,
-                max_members=settings.max_bundle_members,
+                zip_path, work, max_bytes=most, max_members=settings.max_bundle_members
             )
         )
         before = await trio.to_thread.run_sync(bundle.snapshot, work)
@@ -519,7 +530,8 @@ async def execute(
                 watch.start_soon(_stop_when_asked, rank, launched, settings.stop_grace)
                 watch.start_soon(checkpointer.run)
                 if box is not None and box.limits.disk:
-                    watch.start_soon(_watch_disk, prepared.rank_dir, box)
+                    nice = svc.settings.checkpoint_nice
+                    watch.start_soon(_watch_disk, prepared.rank_dir, box, nice)
                 await launched.wait()
                 checkpointer.close()  # no new checkpoint of a process that is gone
                 returncode = launched.returncode()
@@ -556,8 +568,8 @@ async def execute(
     if not limit and box is not None and box.limits.disk and returncode != 0:
         # A write past RLIMIT_FSIZE fails (EFBIG; Python ignores SIGXFSZ) and the program
         # ends with its own error before the next look at its disk.
-        used = await trio.to_thread.run_sync(bundle.tree_size, prepared.rank_dir)
-        if used >= box.limits.disk:
+        why = await trio.to_thread.run_sync(_over_disk, prepared.rank_dir, box.limits.disk)
+        if why:
             limit = f"exceeded its disk limit of {format_size(box.limits.disk)}"
     if limit and rank.stop_reason is None:
         # The program's doing, not a loss: a replacement would hit the same limit.
@@ -665,21 +677,37 @@ def _inside(prepared: Prepared) -> str:
     return str(Path(sandbox.RANK_DIR) / prepared.entry.relative_to(prepared.rank_dir))
 
 
-async def _watch_disk(rank_dir: Path, box: sandboxed.Sandboxed) -> None:
-    """End the rank once its directory holds more than its disk limit (a single file is
-    bounded by RLIMIT_FSIZE already; this bounds their sum, checked every few seconds)."""
+async def _watch_disk(rank_dir: Path, box: sandboxed.Sandboxed, nice: int) -> None:
+    """End the rank once its directory takes more than its disk limit (a single file is
+    bounded by RLIMIT_FSIZE already; this bounds their sum, every entry counted at least
+    ``rank_tree.INODE_BYTES``). The walk runs ``nice`` steps nicer than the agent, and the
+    longer it takes, the less often it runs: a rank's 300,000 files must not cost its agent a
+    core."""
     limit = box.limits.disk
     while True:
-        used = await trio.to_thread.run_sync(bundle.tree_size, rank_dir)
-        if used > limit:
-            box.killed_for = (
-                f"exceeded its disk limit of {format_size(limit)} "
-                f"({format_size(used)} in its work directory)"
-            )
+        started = trio.current_time()
+        why = await trio.to_thread.run_sync(run_niced, lambda: _over_disk(rank_dir, limit), nice)
+        if why:
+            box.killed_for = f"exceeded its disk limit of {format_size(limit)} ({why})"
             log.warning("stopping %s: %s", box.pid, box.killed_for)
             box.signal(signal.SIGKILL)
             return
-        await trio.sleep(_DISK_EVERY)
+        took = trio.current_time() - started
+        await trio.sleep(max(_DISK_EVERY, _DISK_WORK_RATIO * took))
+
+
+def _over_disk(rank_dir: Path, limit: int) -> str:
+    """Why the tree under ``rank_dir`` is past ``limit`` ("" if it is not)."""
+    try:
+        used = rank_tree.usage(rank_dir, stop_past=limit)
+    except rank_tree.TooDeep as exc:
+        return str(exc)
+    if used.charged <= limit:
+        return ""
+    return (
+        f"{format_size(used.bytes)} in {used.entries} files and directories in its work "
+        "directory, or more"
+    )
 
 
 async def _report_start(svc: RankServices, rank: LocalRank, tried: list[RestoreAttempt]) -> None:
@@ -779,15 +807,20 @@ async def _upload_results(
     lease, settings, client = rank.lease, svc.settings, svc.client
     # A lost rank's files are nobody's results (its replacement makes them again): its exit
     # report goes at once, so the replacement starts sooner.
-    data, skipped = (
-        (None, [])
-        if lost
-        else await trio.to_thread.run_sync(
-            lambda: bundle.results_zip(
-                prepared.work, prepared.before, max_bytes=settings.max_results_bytes
+    try:
+        data, skipped = (
+            (None, [])
+            if lost
+            else await trio.to_thread.run_sync(
+                lambda: bundle.results_zip(
+                    prepared.work, prepared.before, max_bytes=settings.max_results_bytes
+                )
             )
         )
-    )
+    except rank_tree.TooDeep as exc:
+        data, skipped = None, []
+        note = f"no results: the rank's directory is too deep to read ({exc})"
+        message = f"{message}; {note}" if message else note
     if skipped:
         note = (
             f"results over {settings.max_results_bytes} bytes: left out {len(skipped)} "
@@ -843,4 +876,4 @@ async def _post_exit(svc: RankServices, rank: LocalRank, code: int, message: str
 
 
 async def _remove(path: Path) -> None:
-    await trio.to_thread.run_sync(lambda: shutil.rmtree(path, ignore_errors=True))
+    await trio.to_thread.run_sync(rank_tree.remove, path)
