@@ -43,11 +43,16 @@ def test_the_recursive_standard_library_fails_on_what_a_rank_can_make(tmp_path: 
     seen = sum(len(files) for _, _, files in os.walk(long))
     assert seen == 0  # bottom.txt is past PATH_MAX: not seen, no error
     assert any(rel.endswith("bottom.txt") for rel, _ in rank_tree.walk(long))
-    if sys.version_info >= (3, 12):
-        return  # os.walk no longer recurses from Python 3.12
-    with pytest.raises(RecursionError):
-        for _ in os.walk(short):
-            pass
+    try:
+        if sys.version_info < (3, 12):  # os.walk no longer recurses from Python 3.12
+            with pytest.raises(RecursionError):
+                for _ in os.walk(short):
+                    pass
+    finally:
+        # Not left to pytest, whose clean-up of old temporary directories recurses too.
+        rank_tree.remove(short)
+        rank_tree.remove(long)
+    assert not short.exists() and not long.exists()
 
 
 def test_a_deep_tree_is_walked_measured_and_removed(tmp_path: Path) -> None:
