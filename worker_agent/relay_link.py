@@ -607,6 +607,8 @@ class RelayLink(InboundRouting):
         if self.ranks.get(key) is not rank:
             return  # never attached, or a newer incarnation took its place (the relay knows)
         await self._settle_local(rank)
+        if self.ranks.get(key) is not rank:
+            return  # the link failed meanwhile (``_fail`` let go of every rank)
         del self.ranks[key]
         self.attached.pop(key, None)
         self._unacked.pop(key, None)

@@ -434,6 +434,77 @@ RANK_PROGRAM = textwrap.dedent(
         say(flooded=n, closed=len(closed))
         f = recv()
         say(got=type(f.message).__name__)
+    elif mode == "fuzz":
+        # Seeded random traffic, well-formed (in-order and repeated messages and determinants,
+        # spawn requests, side connections), with one hostile frame at a random point, of the
+        # kind the seed picks; then on until the agent closes the connection, or N frames.
+        import random, socket as socketlib
+        seed, n = int(sys.argv[2]), int(sys.argv[3])
+        rng = random.Random(seed)
+        kinds = ["seqgap", "detgap", "forged", "stranger", "baddst", "garbage", "ckpt", "zero"]
+        hostile, hostile_at = kinds[seed % len(kinds)], rng.randint(5, 60)
+        side, seqs, dets, sent = [], {}, 0, 0
+        def step(i):
+            global dets
+            dst = rng.randint(0, w.size - 1)
+            last = seqs.get(dst, 0)
+            if i == hostile_at:
+                data = dict(job=w.job, src=w.rank, dst=dst, seq=last + 1, ctx=0, tag=i)
+                if hostile == "seqgap":
+                    send(m.Data(**{**data, "seq": last + rng.randint(2, 10**6)}), b"gap")
+                elif hostile == "detgap":
+                    send(m.Det(job=w.job, rank=w.rank, index=dets + rng.randint(1, 99), data=b""))
+                elif hostile == "forged":
+                    send(m.Data(**{**data, "src": (w.rank + 1) % w.size}), b"forged")
+                elif hostile == "stranger":
+                    send(m.Data(**{**data, "job": w.job + 1}), b"stranger")
+                elif hostile == "baddst":
+                    send(m.Data(**{**data, "dst": rng.choice([-1, w.size, 10**9])}), b"dst")
+                elif hostile == "garbage":
+                    sock.sendall(rng.randbytes(rng.randint(1, 64)))
+                elif hostile == "ckpt":
+                    send(m.CkptForked(ckpt=i, pid=rng.randint(-1, 40)))
+                else:
+                    send(m.Data(**{**data, "seq": 0}), b"zero")
+            else:
+                pick = rng.random()
+                if pick < 0.6:
+                    seq = last + 1 if rng.random() < 0.9 or not last else last
+                    body = rng.randbytes(rng.choice([0, 10, 1000, 70000]))
+                    send(m.Data(job=w.job, src=w.rank, dst=dst, seq=seq, ctx=0, tag=i), body)
+                    seqs[dst] = max(last, seq)
+                elif pick < 0.85:
+                    send(m.Det(job=w.job, rank=w.rank, index=dets, data=b"d"))
+                    dets += 1
+                elif pick < 0.95:
+                    c = socketlib.socket(socketlib.AF_UNIX)
+                    try:
+                        c.connect(os.environ["VPOOL_AGENT_SOCKET"])
+                        side.append(c)
+                    except OSError:
+                        pass
+                else:
+                    send(m.SpawnRequest(
+                        seq=i, command=["x"], maxprocs=rng.randint(-1, 5), least=0, parent=[],
+                        ctx=0,
+                    ))
+        for i in range(n):
+            try:
+                step(i)
+            except OSError:
+                break  # the agent closed the connection under the write
+            sent = i + 1
+            try:
+                sock.setblocking(False)
+                if sock.recv(1 << 16, socketlib.MSG_PEEK) == b"":
+                    break  # the agent is done with this rank
+            except BlockingIOError:
+                pass
+            except OSError:
+                break
+            finally:
+                sock.setblocking(True)
+        say(fuzzed=sent, hostile=hostile, at=hostile_at)
     elif mode == "forged":
         send(m.Data(job=w.job, src=w.rank + 1, dst=0, seq=1, ctx=0, tag=0), b"x")
         f = recv()

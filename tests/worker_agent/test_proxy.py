@@ -258,3 +258,76 @@ async def test_a_connection_flood_leaves_the_agent_and_its_other_ranks_be(
     done = await coordinator.wait_for(lambda: coordinator.exit_of(7, 0))
     assert done.message == "stopped: enough"
     assert not agent.finished.is_set()  # the agent is up
+
+
+async def test_hostile_ranks_beside_a_victim(
+    agent: RunningAgent, coordinator: FakeCoordinator, relay: FakeRelay
+) -> None:
+    """Issue 35, "ranks are untrusted at the agent": eight ranks send seeded random traffic,
+    each with one hostile frame of its own kind (a message or determinant gap, a forged
+    sender, another job's, a destination outside the job, garbage bytes, a checkpoint frame
+    on the data connection, seq 0) at a random point, and side connections, while a victim
+    rank of another job runs on the same agent and the same relay connection. The victim ends
+    normally, the agent stays up, and the relay gets nothing it would refuse: in every
+    channel each seq is at most one past the highest before, in every determinant log each
+    index too, and nothing of another job or from another sender."""
+    fuzzers = {20 + i: i for i in range(8)}
+    for job, seed in fuzzers.items():
+        coordinator.add_lease(
+            lease_for(coordinator, relay, job=job, size=3, args=["fuzz", str(seed), "2000"])
+        )
+    coordinator.add_lease(lease_for(coordinator, relay, job=8, args=["proxy", "1"]))
+    conn = await _open_relay(relay)
+    channels: dict[tuple[int, int, int], int] = {}
+    det_logs: dict[tuple[int, int], int] = {}
+
+    async def serve_as_relay() -> None:
+        while True:
+            msg, _, _ = await conn.receive(seconds=120)
+            if isinstance(msg, Attach):
+                claims = msg.token.split("-")  # rank-token-JOB-RANK
+                await conn.send(Attached(job=int(claims[2]), rank=int(claims[3]), incarnation=1))
+            elif isinstance(msg, Data) and msg.job == 8:
+                pushed = Data(job=8, src=1, dst=0, seq=1, ctx=0, tag=9, kind=1, parts=[3])
+                await conn.send(pushed, b"abc")
+                await conn.send(Ack(job=8, src=0, dst=1, seq=1))
+            elif isinstance(msg, Data):
+                assert msg.job in fuzzers and msg.src == 0, msg
+                assert 0 <= msg.dst < 3 and msg.seq >= 1, msg
+                key = (msg.job, msg.src, msg.dst)
+                assert msg.seq <= channels.get(key, 0) + 1, (msg, channels.get(key))
+                channels[key] = max(channels.get(key, 0), msg.seq)
+            elif isinstance(msg, Det):
+                assert msg.job in fuzzers and msg.rank == 0 and msg.index >= 0, msg
+                key2 = (msg.job, msg.rank)
+                assert msg.index <= det_logs.get(key2, 0), (msg, det_logs.get(key2))
+                det_logs[key2] = max(det_logs.get(key2, 0), msg.index + 1)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(serve_as_relay)
+        done = await coordinator.wait_for(lambda: coordinator.exit_of(8, 0), seconds=60)
+        assert done.code == 0
+        for job in fuzzers:
+            await coordinator.wait_for(lambda job=job: coordinator.exit_of(job, 0), seconds=60)
+        nursery.cancel_scope.cancel()
+    assert {"other": "Ack", "fields": [8, 0, 1, 1]} in json_lines(coordinator.output_of(8, 0))
+    reports = [
+        next(x for x in json_lines(coordinator.output_of(job, 0)) if "fuzzed" in x)
+        for job in fuzzers
+    ]
+    # Every hostile frame was sent, and its rank was cut off soon after (its writes go into
+    # socket buffers until it sees the end).
+    assert all(r["at"] < r["fuzzed"] < 2000 for r in reports), reports
+    assert {r["hostile"] for r in reports} == {
+        "seqgap",
+        "detgap",
+        "forged",
+        "stranger",
+        "baddst",
+        "garbage",
+        "ckpt",
+        "zero",
+    }
+    assert channels and det_logs  # the well-formed part got through
+    assert not agent.finished.is_set()
+    assert not conn.closed.is_set()
