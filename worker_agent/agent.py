@@ -382,6 +382,7 @@ class Agent:
             existing.request_stop(f"replaced by incarnation {lease.incarnation}")
         rank = LocalRank(lease)
         rank.seal = self.settings.seal_messages and rank.sealer is not None
+        rank.max_payload = self.services.limits_for(lease).memory
         self.ranks.add(rank)
         self.busy += 1
         # A held heartbeat covers only the ranks it lists: report the new one now, so that its

@@ -227,6 +227,9 @@ class LocalRank:
         self.sent_seq: dict[int, int] = {}
         self.sent_dets = 0
         self.orphan_reports = 0  # connections of orphaned clones open (``proxy``)
+        # The largest payload the agent takes from this rank: what its memory limit allows
+        # (0: the relays' own limit). A frame is held whole before it is forwarded.
+        self.max_payload = 0
         # Checkpoints: the image this incarnation was restored from (-1: none); the rank's
         # control connection and what arrives on it (CkptForked); a checkpoint asked by the
         # coordinator.

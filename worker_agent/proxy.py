@@ -221,6 +221,14 @@ class RankProxy:
             if rank.control is stream:
                 await self._control_loop(reader, rank, stream)
                 return
+            if rank.max_payload and rank.max_payload < self.max_payload:
+                # A rank cannot have a message larger than its memory limit in its memory:
+                # one announced larger is refused at its prefix, before the agent holds any
+                # of it (a rank held to 256 MiB sent a 700 MiB frame: the agent peaked at
+                # 3.5 GiB).
+                reader.scanner.set_limits(
+                    max_header=reader.scanner.max_header, max_payload=rank.max_payload
+                )
             if orphan:
                 if rank.orphan_reports >= MAX_ORPHAN_REPORTS:
                     await _refuse(

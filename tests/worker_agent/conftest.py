@@ -505,6 +505,19 @@ RANK_PROGRAM = textwrap.dedent(
             finally:
                 sock.setblocking(True)
         say(fuzzed=sent, hostile=hostile, at=hostile_at)
+    elif mode == "bigframe":
+        # One message announced larger than the rank's memory limit (its bytes never made):
+        # the prefix, the header and a first MiB of payload; then what the agent answers.
+        size = int(sys.argv[2])
+        header = framing.encode_frame(
+            m.Data(job=w.job, src=w.rank, dst=1, seq=1, ctx=0, tag=0)
+        )[framing.PREFIX_SIZE:]
+        try:
+            sock.sendall(framing.frame_prefix(len(header), size) + header + bytes(1 << 20))
+        except OSError:
+            pass
+        f = recv()
+        say(refused=f.message.code)
     elif mode == "forged":
         send(m.Data(job=w.job, src=w.rank + 1, dst=0, seq=1, ctx=0, tag=0), b"x")
         f = recv()

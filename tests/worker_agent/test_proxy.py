@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import os
 
+import msgspec
 import pytest
 import trio
 
@@ -331,3 +332,20 @@ async def test_hostile_ranks_beside_a_victim(
     assert channels and det_logs  # the well-formed part got through
     assert not agent.finished.is_set()
     assert not conn.closed.is_set()
+
+
+async def test_a_frame_larger_than_the_ranks_memory_is_refused_at_its_prefix(
+    agent: RunningAgent, coordinator: FakeCoordinator, relay: FakeRelay
+) -> None:
+    """Issue 35: a rank held to 256 MiB sent one 700 MiB frame and its agent peaked at 3.5
+    GiB. A rank cannot have a message larger than its memory limit: the agent refuses one
+    announced larger before it reads any of it."""
+    lease = lease_for(coordinator, relay, args=["bigframe", str(700 << 20)])
+    coordinator.add_lease(msgspec.structs.replace(lease, memory=256 << 20))
+    conn = await _open_relay(relay)
+    await _attach(conn)
+    done = await coordinator.wait_for(lambda: coordinator.exit_of(7, 0))
+    assert done.code == 0
+    assert {"refused": "frame_too_large"} in json_lines(coordinator.output_of(7, 0))
+    detach, _, _ = await conn.receive()
+    assert detach == Detach(job=7, rank=0)  # nothing of it reached the relay
