@@ -59,6 +59,7 @@ DUMP_TIMEOUT = 120.0
 ACK_TIMEOUT = 120.0  # s the relays may take to acknowledge what the rank sent
 STORE_TIMEOUT = 300.0  # s for CkptEnd -> CkptStored
 _ACK_POLL = 0.01
+CLONE_LET_GO = 2.0  # s a clone may take to close its agent connections before it is dumped
 # s to wait for the orphaned clone's own CkptForked when the rank died with a request out
 ORPHAN_REPORT_WAIT = 2.0
 # s a failed periodic checkpoint waits for its rank's exit before it is reported
@@ -482,6 +483,8 @@ class Checkpointer:
             dumps.append(seconds)
 
         started = trio.current_time()
+        if taking.clone > 0:
+            await _clone_let_go(taking.clone)
         # Dumped, packed and sent by a worker process (``ckpt_workers``), not in the agent.
         size = await svc.checkpoint_workers().run(
             task, dumped=dumped, acked=functools.partial(self._acked_in_time, ready)
@@ -566,6 +569,38 @@ def _home_relay(lease: Lease) -> RelayInfo | None:
     """The relay whose store keeps the rank's images; None for a rank given no relays (it
     runs, ``ranks`` checked its homes, but has nowhere to store)."""
     return lease.relays[lease.homes[lease.rank]] if lease.relays else None
+
+
+async def _clone_let_go(pid: int, wait: float = CLONE_LET_GO) -> None:
+    """Until the clone (host pid ``pid``) holds no unix socket, at most ``wait`` s: it closes
+    its connections to the agent right after the fork, but an idle-class process on a busy
+    machine may not have run since, and CRIU refuses a socket whose peer is outside the dump
+    ("External socket is used"). A program's own unix sockets only cost it the wait."""
+    deadline = trio.current_time() + wait
+    while trio.current_time() < deadline:
+        if not await trio.to_thread.run_sync(_holds_unix_socket, pid):
+            return
+        await trio.sleep(0.01)
+
+
+def _holds_unix_socket(pid: int) -> bool:
+    try:
+        unix = {
+            line.split()[6]
+            for line in Path(f"/proc/{pid}/net/unix").read_text().splitlines()[1:]
+            if len(line.split()) >= 7
+        }
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return False  # gone: the dump will say so
+    for fd in fds:
+        try:
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if link.startswith("socket:[") and link[8:-1] in unix:
+            return True
+    return False
 
 
 def _kill(pid: int | None) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import socket
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -18,6 +19,7 @@ import trio
 
 from vpool.protocol import api
 from vpool.protocol.messages import PROTOCOL_VERSION, CheckpointRequest, CkptForked, RankHello
+from vpool.worker_agent import checkpoints
 from vpool.worker_agent.checkpoints import Capability, Checkpointer
 from vpool.worker_agent.local_ranks import LocalRank, LocalRanks
 from vpool.worker_agent.output import OutputPump
@@ -184,3 +186,16 @@ async def test_periodic_checkpoint_lost_with_its_ending_rank_is_not_a_failure(
         else:
             [failed] = d.client.failed
             assert "criu" in failed.message
+
+
+def test_a_clone_holding_a_unix_socket_is_waited_for() -> None:
+    """CRIU refuses a clone that still holds its connection to the agent ("External socket
+    is used"): the agent waits for the clone to let go first (it does right after the fork,
+    but an idle-class process on a busy machine may not have run yet)."""
+    a, b = socket.socketpair()
+    try:
+        assert checkpoints._holds_unix_socket(os.getpid())
+    finally:
+        a.close()
+        b.close()
+    assert not checkpoints._holds_unix_socket(2**22 + 1)  # no such process: nothing to wait for
