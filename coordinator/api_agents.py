@@ -43,7 +43,7 @@ async def lease(request: Request) -> Response:
     agent = presented_now(request, lambda: c.agent_id(token))
     req = await decode(request, api.LeaseRequest)
     await c.agent_seen(agent, req.free_slots)
-    return reply(await c.lease(agent, req))
+    return reply(await c.lease(agent, req, gone=request.is_disconnected))
 
 
 @router.post("/heartbeat")

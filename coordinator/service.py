@@ -15,7 +15,7 @@ import logging
 import math
 import re
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -556,11 +556,21 @@ class Coordinator:
         claims = AgentClaims(agent=agent_id, expires=self.clock() + scheduler.AGENT_TOKEN_LIFETIME)
         return sign_token(claims, self.key)
 
-    async def lease(self, agent_id: str, req: api.LeaseRequest) -> api.LeaseResponse:
+    async def lease(
+        self,
+        agent_id: str,
+        req: api.LeaseRequest,
+        gone: Callable[[], Awaitable[bool]] | None = None,
+    ) -> api.LeaseResponse:
+        """The agent's leases, waiting up to ``req.wait`` for some. ``gone``: whether the
+        asker went away meanwhile (an agent restarted while its long-poll waited): then
+        nothing is taken, else the leases would go to a connection nobody reads."""
         deadline = trio.current_time() + max(0.0, min(req.wait, self.settings.max_wait))
         while True:
             work = self.work.current()
             await self.schedule()
+            if gone is not None and await gone():
+                return api.LeaseResponse(leases=[])
             leases = await self.db.call(self.store.take_leases, agent_id, self.clock())
             if leases or trio.current_time() >= deadline:
                 await self.db.call(self.store.touch_agent, agent_id, self.clock(), None)

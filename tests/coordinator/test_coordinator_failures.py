@@ -250,3 +250,19 @@ async def test_a_lease_its_agent_never_heard_of_is_offered_again_once(pool: Pool
     assert lost == ["rank 0 lost: agent agent-1 no longer runs it"]
     [(rank, incarnation)] = [(x.rank, x.incarnation) for x in await pool.lease(agent)]
     assert (rank, incarnation) == (0, 2)
+
+
+async def test_a_long_poll_whose_agent_went_away_takes_no_lease(pool: Pool) -> None:
+    """An agent restarted while its lease long-poll waited: the leases placed meanwhile go to
+    its next poll, not to the connection nobody reads (``Coordinator.lease(gone=...)``)."""
+    await pool.register_relay()
+    agent = await pool.enroll(slots=1)
+    job = await pool.submit(1)
+
+    async def gone() -> bool:
+        return True
+
+    answer = await pool.core.lease(agent.id, api.LeaseRequest(free_slots=1, wait=0), gone=gone)
+    assert answer.leases == []
+    [lease] = await pool.lease(agent)
+    assert (lease.job, lease.rank, lease.incarnation) == (job.id, 0, 1)
