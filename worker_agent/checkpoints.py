@@ -59,6 +59,7 @@ DUMP_TIMEOUT = 120.0
 ACK_TIMEOUT = 120.0  # s the relays may take to acknowledge what the rank sent
 STORE_TIMEOUT = 300.0  # s for CkptEnd -> CkptStored
 _ACK_POLL = 0.01
+CONTROL_WAIT = 10.0  # s an ordered checkpoint waits for the rank's control connection
 CLONE_LET_GO = 2.0  # s a clone may take to close its agent connections before it is dumped
 # s to wait for the orphaned clone's own CkptForked when the rank died with a request out
 ORPHAN_REPORT_WAIT = 2.0
@@ -197,6 +198,11 @@ class Checkpointer:
                     return
                 ordered = self.rank.checkpoint_wanted.is_set()
                 self.rank.checkpoint_wanted = trio.Event()
+                if ordered and self.rank.control is None and not self.unable_at_all():
+                    # Ordered as soon as the rank ran: its runtime opens the control
+                    # connection right after its data connection, on a busy machine later.
+                    with trio.move_on_after(CONTROL_WAIT):
+                        await _first(self.rank.control_opened, self.ended)
                 started = trio.current_time()
                 await self.take(ordered=ordered)
                 if every > 0:
@@ -208,6 +214,10 @@ class Checkpointer:
         down with it is not reported as failed."""
         self.closing = True
         self.ended.set()
+
+    def unable_at_all(self) -> str:
+        """Why the rank can never take a checkpoint ("" = it may, once connected)."""
+        return checkpoints_enabled(self.svc.capability, self.rank.lease)
 
     def unable(self) -> str:
         """Why the rank cannot take a checkpoint now ("" = it can)."""

@@ -235,6 +235,7 @@ class LocalRank:
         # coordinator.
         self.restored_from = -1
         self.control: trio.abc.SendStream | None = None
+        self.control_opened = trio.Event()  # set once the rank opened its control connection
         self.control_send, self.control_recv = trio.open_memory_channel[Message](16)
         self.checkpoint_wanted = trio.Event()
         self.checkpointer: Checkpointer | None = None  # while the process runs

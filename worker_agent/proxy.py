@@ -288,6 +288,7 @@ class RankProxy:
                 )
                 return None
             rank.control = stream
+            rank.control_opened.set()
         else:
             if rank.hello_seen:
                 await _refuse(
