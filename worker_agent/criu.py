@@ -197,6 +197,12 @@ async def criu_check(criu: str = "criu") -> str:
     if match is None:
         log.warning("checkpoints disabled: no version in %r", _text(version.stdout))
         return ""
+    try:
+        # What a dump of a sandboxed rank runs as root: said now, not at every checkpoint.
+        await trio.to_thread.run_sync(privileged.resolve, criu)
+    except privileged.UntrustedProgram as exc:
+        log.warning("checkpoints disabled: %s", exc)
+        return ""
     return match.group(1)
 
 

@@ -535,3 +535,16 @@ def test_numpy_200mb_timings(tmp_path: Path, processes: list[subprocess.Popen[by
     restored = json.loads((checkpoint.rank_dir / "work" / "restored.json").read_text())
     assert restored["data_ok"] is True
     print("timings (s, image MB):", {k: round(v, 2) for k, v in checkpoint.timings.items()})
+
+
+@needs_criu
+async def test_criu_check_refuses_a_criu_others_could_replace(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A dump of a sandboxed rank runs CRIU as root: one in a directory others can write
+    (tmp_path is under /tmp) disables checkpoints at start, saying why."""
+    copy = tmp_path / "criu"
+    shutil.copy(CRIU, copy)
+    copy.chmod(0o755)
+    assert await criu.criu_check(str(copy)) == ""
+    assert "writable by others" in caplog.text
