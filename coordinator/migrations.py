@@ -467,6 +467,14 @@ def _m20_lease_offers(db: sqlite_utils.Database) -> None:
     db.execute("ALTER TABLE incarnations ADD COLUMN offers INTEGER NOT NULL DEFAULT 1")
 
 
+def _m21_failure_claims(db: sqlite_utils.Database) -> None:
+    """A validated job's rank that exits non-zero is re-executed on another agent before the
+    job fails (issue 35): ``ranks.claimed_exit`` is the code its agent reported,
+    ``ranks.claimed_by`` that agent, until the re-execution confirms or refutes it."""
+    db.execute("ALTER TABLE ranks ADD COLUMN claimed_exit INTEGER")
+    db.execute("ALTER TABLE ranks ADD COLUMN claimed_by TEXT")
+
+
 def new_job_uid() -> str:
     return secrets.token_hex(16)
 
@@ -497,6 +505,7 @@ MIGRATIONS: list[Callable[[sqlite_utils.Database], None]] = [
     _m18_restart_storms,
     _m19_blob_owners,
     _m20_lease_offers,
+    _m21_failure_claims,
 ]
 
 

@@ -761,6 +761,9 @@ class JobsMixin(FaultsMixin):
                 else:
                     reason = f"rank {ex.rank} lost: its process on agent {name} died ({why})"
                 return self._lose(ex.job, ex.rank, reason, now, suspect=False, exit_code=ex.code)
+            claim = "" if row["state"] == "killed" else self._failure_claim(agent_id, ex, row, now)
+            if claim is None:
+                return True  # re-executed elsewhere before the job fails
             self.db.execute(
                 "UPDATE incarnations SET ended = ?, exit_code = ? WHERE job = ? AND rank = ? "
                 "AND incarnation = ?",
@@ -777,7 +780,7 @@ class JobsMixin(FaultsMixin):
                 [ex.code, ex.job, ex.rank],
             )
             if ex.code != 0 or ex.aborted:
-                reason = scheduler.exit_reason(ex.rank, ex.code, ex.aborted)
+                reason = scheduler.exit_reason(ex.rank, ex.code, ex.aborted) + claim
                 detail = f"{reason}: {ex.message}" if ex.message else reason
                 self._event(ex.job, now, "rank_failed", detail, ex.rank)
                 if ex.code == scheduler.EXIT_CANNOT_START and ex.message:
@@ -789,6 +792,63 @@ class JobsMixin(FaultsMixin):
             self._event(ex.job, now, "rank_exited", f"rank {ex.rank} exited with code 0", ex.rank)
             self._maybe_all_exited(ex.job, now)
             return True
+
+    def _failure_claim(
+        self, agent_id: str, ex: api.RankExit, row: dict[str, Any], now: float
+    ) -> str | None:
+        """A validated job does not take one agent's word that its rank failed (a rogue could
+        fail an honest run at will): the first non-zero exit of a rank is re-executed on
+        another agent, replaying its log, and None is returned. The re-execution's exit
+        decides: the same failure fails the job (the returned words say it was confirmed), a
+        clean exit proves the first agent wrong (it loses its validation streak, as an agent
+        found wrong by validation does). "" when there is nothing to weigh."""
+        failed = ex.code != 0 or ex.aborted
+        claimed, claimant = row.get("claimed_exit"), row.get("claimed_by")
+        job = self.job_row(ex.job)
+        if job is None or not job["validate"]:
+            return ""
+        name = self._agent_name(agent_id)
+        if claimant is None:
+            if not failed:
+                return ""
+            self.db.execute(
+                "UPDATE ranks SET claimed_exit = ?, claimed_by = ? WHERE job = ? AND rank = ?",
+                [ex.code, agent_id, ex.job, ex.rank],
+            )
+            said = scheduler.exit_reason(ex.rank, ex.code, ex.aborted)
+            self._lose(
+                ex.job,
+                ex.rank,
+                f"{said} on agent {name}: a validated job's failure is re-executed on another "
+                "agent before the job fails",
+                now,
+                suspect=True,
+                counted=False,
+                kind="rank_failure_challenged",
+            )
+            return None
+        self.db.execute(
+            "UPDATE ranks SET claimed_exit = NULL, claimed_by = NULL WHERE job = ? AND rank = ?",
+            [ex.job, ex.rank],
+        )
+        first = self._agent_name(str(claimant))
+        if not failed:
+            self.db.execute(
+                "UPDATE agents SET wrong = wrong + 1, agreed_streak = 0 WHERE id = ?",
+                [claimant],
+            )
+            self._event(
+                ex.job,
+                now,
+                "validation_wrong",
+                f"rank {ex.rank}: agent {first} reported exit code {claimed}, its re-execution "
+                f"on agent {name} exited 0: agent {first} was wrong",
+                ex.rank,
+            )
+            return ""
+        if ex.code == claimed:
+            return f" (confirmed by its re-execution on agent {name})"
+        return f" (agent {first} reported code {claimed} for it)"
 
     # -- helpers ------------------------------------------------------------------------------
 

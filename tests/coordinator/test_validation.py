@@ -369,3 +369,60 @@ async def test_a_reexecution_that_never_ends_is_replaced(pool: Pool) -> None:
     assert lease3.incarnation == lease.incarnation + 1
     await replay(pool, t, lease3, TRUE)
     assert (await pool.job(job)).job.state == "succeeded"
+
+
+async def _failed_on_a(pool: Pool, code: int) -> tuple[int, Agent, Agent, api.Lease]:
+    """A validated job whose only rank agent-a reports exited with ``code``; agent-b idle."""
+    await pool.register_relay("relay-0")
+    a = await pool.enroll("agent-a", slots=1)
+    job = await pool.submit(1, validate=True)
+    [lease] = await pool.lease(a)
+    await pool.heartbeat(a, [lease])
+    b = await pool.enroll("agent-b", slots=1)
+    r = await pool.exit(a, lease, code=code)
+    assert r.status_code == 200, r.text
+    return job.id, a, b, lease
+
+
+async def test_a_failure_one_agent_reports_is_re_executed_and_a_false_one_distrusted(
+    tmp_path: Path,
+) -> None:
+    """Issue 35: a rogue reporting exit 3 for an honest run failed a validated job at once.
+    Now the rank is re-executed on another agent first; its clean exit proves the report
+    false, and the reporter loses its validation streak."""
+    async with open_pool(tmp_path) as pool:
+        job, a, b, _ = await _failed_on_a(pool, 3)
+        detail = await pool.job(job)
+        assert detail.job.state == "running"
+        challenged = [e.message for e in detail.events if e.kind == "rank_failure_challenged"]
+        assert challenged == [
+            "rank 0 exited with code 3 on agent agent-a: a validated job's failure is "
+            "re-executed on another agent before the job fails"
+        ]
+        assert await pool.lease(a) == []  # not on the agent that reported it
+        [again] = await pool.lease(b)
+        assert (again.rank, again.incarnation) == (0, 2)
+        await pool.heartbeat(b, [again])
+        assert (await pool.exit(b, again, code=0)).status_code == 200
+        detail = await pool.job(job)
+        assert detail.job.state != "failed", detail.job
+        wrong = [e.message for e in detail.events if e.kind == "validation_wrong"]
+        assert wrong == [
+            "rank 0: agent agent-a reported exit code 3, its re-execution on agent agent-b "
+            "exited 0: agent agent-a was wrong"
+        ]
+        row = pool.core.store._one("SELECT wrong, agreed_streak FROM agents WHERE id = ?", [a.id])
+        assert row is not None and (row["wrong"], row["agreed_streak"]) == (1, 0)
+
+
+async def test_a_failure_its_re_execution_confirms_fails_the_job(tmp_path: Path) -> None:
+    async with open_pool(tmp_path) as pool:
+        job, _, b, _ = await _failed_on_a(pool, 3)
+        [again] = await pool.lease(b)
+        await pool.heartbeat(b, [again])
+        assert (await pool.exit(b, again, code=3)).status_code == 200
+        detail = await pool.job(job)
+        assert (detail.job.state, detail.job.exit_code) == ("failed", 3)
+        assert detail.job.reason == (
+            "rank 0 exited with code 3 (confirmed by its re-execution on agent agent-b)"
+        )
