@@ -11,6 +11,7 @@ from fastapi.responses import FileResponse
 from vpool.coordinator.transport import (
     bearer,
     chunks,
+    client_address,
     coordinator,
     declared_length,
     decode,
@@ -42,7 +43,7 @@ async def lease(request: Request) -> Response:
     token = bearer(request)
     agent = presented_now(request, lambda: c.agent_id(token))
     req = await decode(request, api.LeaseRequest)
-    await c.agent_seen(agent, req.free_slots)
+    await c.agent_seen(agent, req.free_slots, client_address(request))
     return reply(await c.lease(agent, req, gone=request.is_disconnected))
 
 
@@ -52,7 +53,7 @@ async def heartbeat(request: Request) -> Response:
     token = bearer(request)
     agent = presented_now(request, lambda: c.agent_id(token))
     hb = await decode(request, api.AgentHeartbeat)
-    await c.agent_seen(agent, hb.free_slots)
+    await c.agent_seen(agent, hb.free_slots, client_address(request))
     return reply(await c.heartbeat(agent, hb))
 
 

@@ -468,11 +468,14 @@ def _m20_lease_offers(db: sqlite_utils.Database) -> None:
 
 
 def _m21_failure_claims(db: sqlite_utils.Database) -> None:
-    """A validated job's rank that exits non-zero is re-executed on another agent before the
-    job fails (issue 35): ``ranks.claimed_exit`` is the code its agent reported,
-    ``ranks.claimed_by`` that agent, until the re-execution confirms or refutes it."""
+    """Validation's gaps (issue 35). A validated job's rank that exits non-zero is re-executed
+    on another agent before the job fails: ``ranks.claimed_exit`` is the code its agent
+    reported, ``ranks.claimed_by`` that agent, until the re-execution confirms or refutes it.
+    ``agents.address``: the address the agent last called from, whose network (/24, /48)
+    keeps re-executors apart from the agents they check (``validation.network``)."""
     db.execute("ALTER TABLE ranks ADD COLUMN claimed_exit INTEGER")
     db.execute("ALTER TABLE ranks ADD COLUMN claimed_by TEXT")
+    db.execute("ALTER TABLE agents ADD COLUMN address TEXT NOT NULL DEFAULT ''")
 
 
 def new_job_uid() -> str:

@@ -248,9 +248,13 @@ class Coordinator:
             raise Unauthorized(exc.message, code=exc.code) from exc
         return claims.agent
 
-    async def agent_seen(self, agent_id: str, free_slots: int | None = None) -> str:
-        """Record a sign of life of an enrolled agent."""
-        if not await self.db.call(self.store.touch_agent, agent_id, self.clock(), free_slots):
+    async def agent_seen(
+        self, agent_id: str, free_slots: int | None = None, address: str = ""
+    ) -> str:
+        """Record a sign of life of an enrolled agent (calling from ``address``)."""
+        if not await self.db.call(
+            self.store.touch_agent, agent_id, self.clock(), free_slots, address
+        ):
             raise Unauthorized(
                 f"agent {agent_id} is not enrolled here; enroll again", code="unknown_agent"
             )

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import random
+import secrets
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -35,6 +36,7 @@ from vpool.protocol.tokens import RankClaims
 
 Signer = Callable[[RankClaims], str]
 MAX_MESSAGE = 2000
+_random = secrets.SystemRandom()  # re-executors: unpredictable to whoever would be one
 
 
 # A rank lost because its agent could not reach a relay of its job is restarted after
@@ -585,7 +587,9 @@ class FaultsMixin(ValidationMixin, CheckpointsMixin):
             round_ = int(p["validating"])
             if round_:
                 # A re-execution for validation: an unrelated agent, from the beginning.
-                plan = Plan(scheduler.pick_agent(self._unrelated(job, rank, round_, fit), None), [])
+                # Drawn at random: a colluder cannot make itself the pick by its free slots.
+                unrelated = [a for a, n in self._unrelated(job, rank, round_, fit).items() if n]
+                plan = Plan(_random.choice(unrelated) if unrelated else None, [])
                 if plan.agent is None:
                     self._validation_waits(job, rank, round_)
             else:

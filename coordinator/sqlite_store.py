@@ -229,9 +229,12 @@ class SqliteStore(AccountsMixin, JobsMixin, SpawnMixin, CredentialsMixin):
                 )
         return agent_id
 
-    def touch_agent(self, agent_id: str, now: float, free_slots: int | None) -> bool:
-        """Record a sign of life; False if the agent is unknown or banned. An agent lost or
-        gone that is heard from again is alive, and its activity counts from now."""
+    def touch_agent(
+        self, agent_id: str, now: float, free_slots: int | None, address: str = ""
+    ) -> bool:
+        """Record a sign of life (from ``address``, when known); False if the agent is
+        unknown or banned. An agent lost or gone that is heard from again is alive, and its
+        activity counts from now."""
         with self.db.atomic():
             if not self._one(
                 "SELECT id FROM agents WHERE id = ? AND state != 'banned'", [agent_id]
@@ -240,8 +243,16 @@ class SqliteStore(AccountsMixin, JobsMixin, SpawnMixin, CredentialsMixin):
             self.db.execute(
                 "UPDATE agents SET last_seen = ?, state = 'alive', "
                 "activity_since = CASE WHEN state = 'alive' THEN activity_since ELSE ? END, "
-                "free_slots = COALESCE(?, free_slots) WHERE id = ?",
-                [now, now, None if free_slots is None else max(0, free_slots), agent_id],
+                "free_slots = COALESCE(?, free_slots), "
+                "address = CASE WHEN ? = '' THEN address ELSE ? END WHERE id = ?",
+                [
+                    now,
+                    now,
+                    None if free_slots is None else max(0, free_slots),
+                    address,
+                    address,
+                    agent_id,
+                ],
             )
         return True
 

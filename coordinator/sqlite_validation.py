@@ -185,19 +185,25 @@ class ValidationMixin:
             [job, rank, round_],
         ):
             ran.add(str(row["agent"]))
-        groups = self._groups(ran)
+        taken = {mark for marks in self._groups(ran).values() for mark in marks}
         mine = self._groups(fit)
-        return {a: n for a, n in fit.items() if mine.get(a) not in set(groups.values())}
+        return {a: n for a, n in fit.items() if not mine.get(a, set()) & taken}
 
-    def _groups(self, agents: Iterable[str]) -> dict[str, str]:
+    def _groups(self, agents: Iterable[str]) -> dict[str, set[str]]:
+        """Per agent, who stands behind it: its join token's group and its network."""
         ids = list(agents)
         if not ids:
             return {}
         marks = ", ".join("?" * len(ids))
-        return {
-            str(r["id"]): validation.group(str(r["id"]), r["join_token"])
-            for r in self.db.query(f"SELECT id, join_token FROM agents WHERE id IN ({marks})", ids)
-        }
+        found: dict[str, set[str]] = {}
+        for r in self.db.query(
+            f"SELECT id, join_token, address FROM agents WHERE id IN ({marks})", ids
+        ):
+            agent = str(r["id"])
+            found[agent] = {validation.group(agent, r["join_token"])}
+            if net := validation.network(str(r["address"] or "")):
+                found[agent].add(f"network {net}")
+        return found
 
     def _validation_waits(self, job: int, rank: int, round_: int) -> None:
         """No free agent unrelated to the rank's earlier runs: the job says so."""

@@ -13,8 +13,10 @@ alone, from its log, on another volunteer, without its peers.
 - **Which ranks** (``chance``): a rank any of whose agents has fewer than ``trusted_after``
   agreements in a row is always re-executed; otherwise with probability ``trusted_after`` /
   streak, never below ``min_rate``. An agent found wrong starts its streak again.
-- **Where** (``related``): never on an agent that ran the rank, nor on one admitted by the same
-  join token as one of those (one person's machines are one vote).
+- **Where** (``SqliteValidation._unrelated``): never on an agent that ran the rank, nor on one
+  admitted by the same join token as one of those (one person's machines are one vote), nor
+  on one calling from the same network (``network``: /24, /48); drawn at random among the rest
+  (a colluder cannot place itself by its free slots).
 - **Compared** (``Run``): the messages the re-execution sends (its relays compare each with the
   logged one and report, ``api.RelayValidated``), its stdout (a digest of all of it) and its
   exit code. Stderr and result files are not compared: they name paths of the machine.
@@ -28,6 +30,7 @@ alone, from its log, on another volunteer, without its peers.
 from __future__ import annotations
 
 import enum
+import ipaddress
 from dataclasses import dataclass
 
 ORIGINAL, FIRST, SECOND = 0, 1, 2  # ``validations.round``: the original run, then re-executions
@@ -55,6 +58,22 @@ def group(agent_id: str, join_token: int | None) -> str:
     """Who stands behind an agent: the join token that admitted it (one person may run many
     machines with one token), or the agent itself when it needed none."""
     return f"token {join_token}" if join_token is not None else f"agent {agent_id}"
+
+
+def network(address: str) -> str:
+    """The network an agent calls from, as validation keeps agents apart: its /24 (IPv4) or
+    /48 (IPv6); "" when unknown or a loopback address (every agent of a pool on one machine
+    shares it: no signal)."""
+    try:
+        ip = ipaddress.ip_address(address)
+    except ValueError:
+        return ""
+    if ip.is_loopback:
+        return ""
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    prefix = 24 if ip.version == 4 else 48
+    return str(ipaddress.ip_network(f"{ip}/{prefix}", strict=False))
 
 
 @dataclass(frozen=True)

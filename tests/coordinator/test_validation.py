@@ -5,10 +5,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import httpx
+import msgspec
 import pytest
 from coord_helpers import HELLO, Agent, Pool, decode, make_zip, open_pool, relay_headers
 
-from vpool.coordinator import keys, validation
+from vpool.coordinator import keys, sqlite_faults, validation
+from vpool.coordinator.app import create_app
 from vpool.coordinator.validation import Policy, Run, Verdict
 from vpool.protocol import api
 from vpool.protocol.tokens import RankClaims, verify_token
@@ -426,3 +429,68 @@ async def test_a_failure_its_re_execution_confirms_fails_the_job(tmp_path: Path)
         assert detail.job.reason == (
             "rank 0 exited with code 3 (confirmed by its re-execution on agent agent-b)"
         )
+
+
+def test_network_of_an_address() -> None:
+    assert validation.network("203.0.113.77") == "203.0.113.0/24"
+    assert validation.network("2001:db8:aa:1::5") == "2001:db8:aa::/48"
+    assert validation.network("::ffff:203.0.113.9") == "203.0.113.0/24"
+    assert validation.network("127.0.0.1") == validation.network("::1") == ""  # no signal
+    assert validation.network("") == validation.network("not an address") == ""
+
+
+async def test_two_colluders_among_ten_agents(tmp_path: Path) -> None:
+    """Issue 35: two colluding volunteers with two join tokens got a forged result
+    validated. A re-executor is never of the original's network (/24), whatever token
+    admitted it, and is drawn at random among the agents unrelated to the original: over
+    many draws, the colluder is never one, and the honest agents all are."""
+    async with open_pool(tmp_path) as pool:
+        await pool.register_relay("relay-0")
+        colluder = await pool.enroll("agent-c1", slots=1)
+        job = await pool.submit(1, validate=True)
+        [lease] = await pool.lease(colluder)
+        await pool.heartbeat(colluder, [lease])
+        partner = await pool.enroll("agent-c2", slots=1)
+        honest = [await pool.enroll(f"agent-h{i}", slots=1) for i in range(8)]
+        addresses = [
+            (colluder, "198.51.100.10"),
+            (partner, "198.51.100.200"),  # the same /24, another join token
+            *[(h, f"203.0.{113 + i}.7") for i, h in enumerate(honest)],
+        ]
+
+        def called_from() -> None:
+            """Where each agent calls from (a real coordinator takes it from each request;
+            this test's all come from 127.0.0.1)."""
+            for agent, address in addresses:
+                pool.core.store.db.execute(
+                    "UPDATE agents SET address = ? WHERE id = ?", [address, agent.id]
+                )
+
+        called_from()
+        await pool.output(colluder, lease, "stdout", 0, FORGED)
+        assert (await pool.exit(colluder, lease)).status_code == 200
+        assert await pool.lease(partner) == []  # never the colluder's partner
+        v, _ = await reexecution(pool, honest)
+        # Were another re-executor needed: any honest agent but the one drawn already.
+        called_from()
+        fit = {a.id: 1 for a in [colluder, partner, *honest]}
+        unrelated = pool.core.store._unrelated(job.id, 0, 1, fit)
+        assert set(unrelated) == {h.id for h in honest if h is not v}
+        # The draw is random among the honest: over many, every one of them comes up.
+        seen = {sqlite_faults._random.choice(sorted(unrelated)) for _ in range(400)}
+        assert seen == set(unrelated)
+
+
+async def test_an_agents_address_is_where_it_calls_from(tmp_path: Path) -> None:
+    async with open_pool(tmp_path) as pool:
+        agent = await pool.enroll("agent-a", slots=1)
+        app = create_app(pool.core.settings, coordinator=pool.core)
+        transport = httpx.ASGITransport(app=app, client=("203.0.113.5", 40000))
+        async with httpx.AsyncClient(transport=transport, base_url="http://coordinator") as c:
+            hb = api.AgentHeartbeat(ranks=[], free_slots=1)
+            body = msgspec.json.encode(hb)
+            r = await c.post("/api/v1/agents/heartbeat", content=body, headers=agent.headers)
+            assert r.status_code == 200, r.text
+        row = pool.core.store._one("SELECT address FROM agents WHERE id = ?", [agent.id])
+        assert row is not None and row["address"] == "203.0.113.5"
+        assert validation.network(row["address"]) == "203.0.113.0/24"
