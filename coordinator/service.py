@@ -475,9 +475,13 @@ class Coordinator:
                 more = False
             else:
                 records, more = await self.db.call(
-                    self.store.output_page, job_id, after, rank, OUTPUT_PAGE_RECORDS
+                    self.store.output_page,
+                    job_id,
+                    after,
+                    rank,
+                    OUTPUT_PAGE_RECORDS,
+                    OUTPUT_PAGE_BYTES,
                 )
-            records, trimmed = _trim(records, OUTPUT_PAGE_BYTES)
             terminal = job.state in api.TERMINAL_STATES
             settle = 0.0 if not terminal else await self.settle_time(job)
             ended = terminal and settle <= 0
@@ -488,7 +492,7 @@ class Coordinator:
                 return api.OutputPage(
                     records=records,
                     next=records[-1].id if records else after,
-                    complete=ended and not (more or trimmed),
+                    complete=ended and not more,
                     state=job.state,
                     waiting=job.waiting,
                     never_fits=job.never_fits,
@@ -949,13 +953,3 @@ def agent_info(row: dict[str, Any]) -> api.AgentInfo:
         activity_since=row["activity_since"],
         integrity_failures=row["integrity_failures"],
     )
-
-
-def _trim(records: list[api.OutputRecord], max_bytes: int) -> tuple[list[api.OutputRecord], bool]:
-    """Keep a page's JSON reasonable: stop once ``max_bytes`` of data are in (at least one)."""
-    total = 0
-    for i, record in enumerate(records):
-        total += len(record.data)
-        if total > max_bytes and i > 0:
-            return records[:i], True
-    return records, False

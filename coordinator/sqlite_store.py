@@ -415,20 +415,31 @@ class SqliteStore(AccountsMixin, JobsMixin, SpawnMixin, CredentialsMixin):
         return room
 
     def output_page(
-        self, job: int, after: int, rank: int | None, limit: int
+        self, job: int, after: int, rank: int | None, limit: int, max_bytes: int = 0
     ) -> tuple[list[api.OutputRecord], bool]:
-        """Records with id > ``after`` (at most ``limit``) and whether more remain."""
+        """Records with id > ``after`` (at most ``limit``, and no more than ``max_bytes`` of
+        data but for the first) and whether more remain. Rows past the bound are never read:
+        a page of a job with 48 MiB of output holds what it shows, not the whole of it."""
         sql = "SELECT id, rank, stream, data FROM output WHERE job = ? AND id > ?"
         params: list[Any] = [job, after]
         if rank is not None:
             sql += " AND rank = ?"
             params.append(rank)
-        rows = list(self.db.query(sql + " ORDER BY id LIMIT ?", [*params, limit + 1]))
-        records = [
-            api.OutputRecord(id=r["id"], rank=r["rank"], stream=r["stream"], data=r["data"])
-            for r in rows[:limit]
-        ]
-        return records, len(rows) > limit
+        records: list[api.OutputRecord] = []
+        total = 0
+        more = False
+        cursor = self.db.execute(sql + " ORDER BY id LIMIT ?", [*params, limit + 1])
+        try:
+            for r in cursor:
+                size = len(r[3])
+                if len(records) == limit or (max_bytes and records and total + size > max_bytes):
+                    more = True
+                    break
+                total += size
+                records.append(api.OutputRecord(id=r[0], rank=r[1], stream=r[2], data=r[3]))
+        finally:
+            cursor.close()
+        return records, more
 
     def running_ranks(self, job: int) -> int:
         row = self._one(

@@ -40,6 +40,8 @@ router.include_router(credentials.router)
 
 JOBS_PER_PAGE = 25
 FIRST_OUTPUT_RECORDS = 20_000  # rendered into the job page; the rest comes live
+FIRST_OUTPUT_BYTES = 1 << 20  # and no more output than this in it
+OUTPUT_PAGE_BYTES = 1 << 20  # output read at once for a live feed
 MAX_STREAM = 600.0  # seconds an event stream lasts; the browser reconnects (and re-authenticates)
 STATES: tuple[api.JobState, ...] = ("queued", "running", "succeeded", "failed", "cancelled")
 
@@ -54,7 +56,7 @@ def make_feeds(core: Coordinator) -> feed.Feeds:
         return await core.db.call(core.store.job_detail, job)
 
     async def output(job: int, after: int, limit: int) -> tuple[list[api.OutputRecord], bool]:
-        return await visible_output(core, job, after, None, limit)
+        return await visible_output(core, job, after, None, limit, OUTPUT_PAGE_BYTES)
 
     async def settled(job: api.JobInfo) -> bool:
         return await core.settle_time(job) <= 0
@@ -84,7 +86,7 @@ def live_panel(detail: api.JobDetail, now: float) -> str:
 
 
 async def visible_output(
-    core: Coordinator, job: int, after: int, rank: int | None, limit: int
+    core: Coordinator, job: int, after: int, rank: int | None, limit: int, max_bytes: int
 ) -> tuple[list[api.OutputRecord], bool]:
     """The output page the portal may show: the job's state is read in the same database
     call, before its output, so a job that is withheld at the read shows nothing."""
@@ -93,7 +95,7 @@ async def visible_output(
         info = core.store.job_info(job)
         if info is None or info.output_withheld():
             return [], False
-        return core.store.output_page(job, after, rank, limit)
+        return core.store.output_page(job, after, rank, limit, max_bytes)
 
     return await core.db.call(read)
 
@@ -236,7 +238,9 @@ async def job_page(
     detail = await core.job_detail(v.who, job_id)
     if rank is not None and not 0 <= rank < detail.job.ranks:
         rank = None
-    records, more = await visible_output(core, job_id, 0, rank, FIRST_OUTPUT_RECORDS)
+    records, more = await visible_output(
+        core, job_id, 0, rank, FIRST_OUTPUT_RECORDS, FIRST_OUTPUT_BYTES
+    )
     cursor = records[-1].id if records else 0
     # Ended, and every stopped rank has reported: no more output can come.
     terminal = detail.job.state in api.TERMINAL_STATES and await core.settle_time(detail.job) <= 0

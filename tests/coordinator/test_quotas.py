@@ -287,3 +287,31 @@ def test_an_older_database_counts_the_output_its_jobs_stored(
         (3, 0, None),
     ]
     store.close()
+
+
+async def test_output_pages_read_no_more_than_their_bytes(tmp_path: Path) -> None:
+    """Issue 35: eight portal views of a job with 48 MiB of output took the coordinator from
+    175 MiB to 1.24 GiB. A page stops reading rows once it holds its bytes (the first record
+    always comes, however large); what remains is said."""
+    async with open_pool(tmp_path, max_request_bytes=8 << 20) as pool:
+        await pool.register_relay()
+        agent = await pool.enroll(slots=1)
+        job = await pool.submit(1)
+        [lease] = await pool.lease(agent)
+        await pool.heartbeat(agent, [lease])
+        chunk = b"x" * (1 << 20)
+        for i in range(6):
+            r = await pool.output(agent, lease, "stdout", i << 20, chunk)
+            assert r.status_code == 200, r.text
+        store = pool.core.store
+        records, more = store.output_page(job.id, 0, None, 1000, 3 << 20)
+        assert [len(r.data) for r in records] == [1 << 20] * 3 and more
+        records, more = store.output_page(job.id, records[-1].id, None, 1000, 3 << 20)
+        assert len(records) == 3 and not more
+        records, more = store.output_page(job.id, 0, None, 1000, 1000)  # smaller than one
+        assert len(records) == 1 and more
+        records, more = store.output_page(job.id, 0, None, 2)  # by count, as before
+        assert len(records) == 2 and more
+        page = await pool.client.get(f"/api/v1/jobs/{job.id}/output", headers=pool.user())
+        body = page.json()
+        assert len(body["records"]) == 4 and not body["complete"]  # OUTPUT_PAGE_BYTES: 4 MiB

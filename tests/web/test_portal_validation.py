@@ -180,7 +180,7 @@ async def test_a_validated_job_page_as_validation_goes(portal: Portal) -> None:
     assert said and said.group(1).startswith("validating: rank 0 waits for a free agent")
     assert _rank_cells(html) == ["running"]
     assert "pi = " not in _output(html) and 'id="output-withheld"' in html
-    assert (await web_portal.visible_output(pool.core, job, 0, None, 100)) == ([], False)
+    assert (await web_portal.visible_output(pool.core, job, 0, None, 100, 1 << 20)) == ([], False)
     v, lease2 = await _reexecution(pool, await _validators(pool))
     html = (await alice.get(f"/jobs/{job}")).text
     said = live.search(html)
