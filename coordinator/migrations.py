@@ -472,10 +472,15 @@ def _m21_failure_claims(db: sqlite_utils.Database) -> None:
     on another agent before the job fails: ``ranks.claimed_exit`` is the code its agent
     reported, ``ranks.claimed_by`` that agent, until the re-execution confirms or refutes it.
     ``agents.address``: the address the agent last called from, whose network (/24, /48)
-    keeps re-executors apart from the agents they check (``validation.network``)."""
+    keeps re-executors apart from the agents they check (``validation.network``).
+    ``results.files``, ``validations.files``: the digest of a run's result files."""
     db.execute("ALTER TABLE ranks ADD COLUMN claimed_exit INTEGER")
     db.execute("ALTER TABLE ranks ADD COLUMN claimed_by TEXT")
     db.execute("ALTER TABLE agents ADD COLUMN address TEXT NOT NULL DEFAULT ''")
+    # The digest of a run's result files (``results.files_digest``), compared by validation.
+    db.execute("ALTER TABLE results ADD COLUMN files TEXT NOT NULL DEFAULT ''")
+    db.execute("ALTER TABLE validations ADD COLUMN files TEXT NOT NULL DEFAULT ''")
+    db.execute("ALTER TABLE validations ADD COLUMN blob TEXT")  # a re-execution's results zip
 
 
 def new_job_uid() -> str:

@@ -3,6 +3,7 @@ uploaded), ``rank-N.stdout`` and ``rank-N.stderr`` its output streams."""
 
 from __future__ import annotations
 
+import hashlib
 import shutil
 import tempfile
 import zipfile
@@ -44,3 +45,23 @@ def _copy_members(source: Path, out: zipfile.ZipFile, prefix: str) -> None:
                 continue
             with src.open(info) as member, out.open(prefix + info.filename, "w") as dst:
                 shutil.copyfileobj(member, dst, 1 << 20)
+
+
+def files_digest(path: Path) -> str:
+    """What a rank's results zip holds, as validation compares it: a digest of every file's
+    name and content (not the zip's own bytes, whose timestamps and compression differ between
+    two runs of the same program). "" for a zip that cannot be read."""
+    digest = hashlib.sha256()
+    try:
+        with zipfile.ZipFile(path) as zf:
+            for info in sorted(zf.infolist(), key=lambda i: i.filename):
+                if info.is_dir():
+                    continue
+                content = hashlib.sha256()
+                with zf.open(info) as f:
+                    while chunk := f.read(1 << 20):
+                        content.update(chunk)
+                digest.update(info.filename.encode() + b"\0" + content.digest())
+    except (zipfile.BadZipFile, OSError, RuntimeError, NotImplementedError):
+        return ""
+    return digest.hexdigest()

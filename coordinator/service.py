@@ -28,7 +28,7 @@ from vpool.coordinator.access import Action, Principal, check_job, check_operato
 from vpool.coordinator.blobs import BlobFiles, check_sha256
 from vpool.coordinator.errors import BadRequest, Conflict, Forbidden, NotFound, Unauthorized
 from vpool.coordinator.guesses import GuessLimiter
-from vpool.coordinator.results import build_results_zip
+from vpool.coordinator.results import build_results_zip, files_digest
 from vpool.coordinator.settings import CoordinatorSettings
 from vpool.coordinator.sqlite_store import SqliteStore
 from vpool.coordinator.store import Database, Quotas, Store
@@ -717,7 +717,8 @@ class Coordinator:
         except BadRequest as exc:
             raise BadRequest(exc.message, code="bad_results") from exc
         await self.db.call(self.store.add_blob, sha, size, self.clock())
-        await self.db.call(self.store.add_result, agent_id, job, rank, incarnation, sha)
+        files = await trio.to_thread.run_sync(files_digest, self.blobs.path(sha))
+        await self.db.call(self.store.add_result, agent_id, job, rank, incarnation, sha, files)
         return api.BlobInfo(sha256=sha, size=size)
 
     # -- relays -------------------------------------------------------------------------------

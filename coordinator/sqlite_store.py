@@ -474,16 +474,29 @@ class SqliteStore(AccountsMixin, JobsMixin, SpawnMixin, CredentialsMixin):
             buf += data
         return {key: bytes(value) for key, value in streams.items()}
 
-    def add_result(self, agent_id: str, job: int, rank: int, incarnation: int, blob: str) -> None:
+    def add_result(
+        self, agent_id: str, job: int, rank: int, incarnation: int, blob: str, files: str = ""
+    ) -> None:
+        """A run's results zip ``blob`` whose files have digest ``files``
+        (``results.files_digest``)."""
         with self.db.atomic():
             self._check_runs(agent_id, job, rank, incarnation)
             if not self._is_current(job, rank, incarnation):
                 return  # a replaced incarnation's results are not the job's
-            if self._validating_round(job, rank, incarnation):
-                return  # a re-execution for validation: its files are not compared nor kept
+            round_ = self._validating_round(job, rank, incarnation)
+            if round_:
+                # A re-execution for validation: its files are compared, and become the
+                # rank's if the original's are found wrong (``_replace_results``).
+                self.db.execute(
+                    "UPDATE validations SET files = ?, blob = ? WHERE job = ? AND rank = ? "
+                    "AND round = ?",
+                    [files, blob, job, rank, round_],
+                )
+                return
             self.db.execute(
-                "INSERT OR REPLACE INTO results (job, rank, incarnation, blob) VALUES (?, ?, ?, ?)",
-                [job, rank, incarnation, blob],
+                "INSERT OR REPLACE INTO results (job, rank, incarnation, blob, files) "
+                "VALUES (?, ?, ?, ?, ?)",
+                [job, rank, incarnation, blob, files],
             )
 
     def job_results(self, job: int) -> dict[int, str]:

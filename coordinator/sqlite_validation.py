@@ -94,7 +94,7 @@ class ValidationMixin:
             agents = self._original_agents(job_id, rank)
             self.db.execute(
                 "INSERT OR REPLACE INTO validations (job, rank, round, incarnation, agents, "
-                "exit_code, stdout, exited) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                "exit_code, stdout, exited, files) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 [
                     job_id,
                     rank,
@@ -104,6 +104,7 @@ class ValidationMixin:
                     r["exit_code"],
                     self._stdout_digest(job_id, rank),
                     now,
+                    self._files_digest(job_id, rank, int(r["incarnation"])),
                 ],
             )
             streak = min((self._streak(a) for a in agents), default=0)
@@ -235,8 +236,8 @@ class ValidationMixin:
     ) -> None:
         self.db.execute(
             "UPDATE validations SET incarnation = ?, agents = ?, exit_code = NULL, "
-            "stdout = NULL, relays = '{}', exited = NULL WHERE job = ? AND rank = ? "
-            "AND round = ?",
+            "stdout = NULL, relays = '{}', exited = NULL, files = '', blob = NULL "
+            "WHERE job = ? AND rank = ? AND round = ?",
             [incarnation, json.dumps([agent]), job, rank, round_],
         )
         # A lost re-execution of this round printed for nothing; earlier rounds' output may
@@ -259,6 +260,14 @@ class ValidationMixin:
         self._set_summary(job, f"validating: rank {rank} {what} on agent {name}")
 
     # -- what re-executions say ---------------------------------------------------------------
+
+    def _files_digest(self, job: int, rank: int, incarnation: int) -> str:
+        """The digest of the result files incarnation ``incarnation`` uploaded ("": none)."""
+        row = self._one(
+            "SELECT files FROM results WHERE job = ? AND rank = ? AND incarnation = ?",
+            [job, rank, incarnation],
+        )
+        return str(row["files"]) if row else ""
 
     def _validating_round(self, job: int, rank: int, incarnation: int) -> int:
         row = self._one(
@@ -521,6 +530,7 @@ class ValidationMixin:
         elif verdict is Verdict.ORIGINAL_OUTPUT_WRONG:
             self._judged(v_agents + t_agents, o_agents, job, rank, now)
             self._replace_stdout(job, rank, int(runs[FIRST]["incarnation"]))
+            self._replace_results(job, rank, runs[FIRST])
             self._event(
                 job,
                 now,
@@ -633,6 +643,16 @@ class ValidationMixin:
             [int(new["n"] if new else 0) - int(old["n"] if old else 0), job],
         )
 
+    def _replace_results(self, job: int, rank: int, agreed: dict[str, Any]) -> None:
+        """The rank's result files become those of the re-execution the others agreed with
+        (none, if it made none): the original's were found wrong."""
+        self.db.execute("DELETE FROM results WHERE job = ? AND rank = ?", [job, rank])
+        if agreed["blob"]:
+            self.db.execute(
+                "INSERT INTO results (job, rank, incarnation, blob, files) VALUES (?, ?, ?, ?, ?)",
+                [job, rank, agreed["incarnation"], agreed["blob"], agreed["files"]],
+            )
+
     def _stdout_digest(self, job: int, rank: int) -> str:
         return self._digest(
             "SELECT data FROM output WHERE job = ? AND rank = ? AND stream = 'stdout' "
@@ -688,4 +708,6 @@ def _run(row: dict[str, Any], original: Run | None = None) -> Run:
     code = NOT_FINISHED if row["exit_code"] is None else int(row["exit_code"])
     if original is not None and code not in (NOT_FINISHED, original.exit_code):
         disagreed = ""
-    return Run(exit_code=code, stdout=row["stdout"] or "", messages=disagreed)
+    return Run(
+        exit_code=code, stdout=row["stdout"] or "", messages=disagreed, files=row["files"] or ""
+    )

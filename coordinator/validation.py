@@ -18,8 +18,9 @@ alone, from its log, on another volunteer, without its peers.
   on one calling from the same network (``network``: /24, /48); drawn at random among the rest
   (a colluder cannot place itself by its free slots).
 - **Compared** (``Run``): the messages the re-execution sends (its relays compare each with the
-  logged one and report, ``api.RelayValidated``), its stdout (a digest of all of it) and its
-  exit code. Stderr and result files are not compared: they name paths of the machine.
+  logged one and report, ``api.RelayValidated``), its stdout (a digest of all of it), its
+  result files (a digest of each file's name and content, ``results.files_digest``) and its
+  exit code. Stderr is not compared: it names paths of the machine.
 - **Decided** (``decide``): the re-execution agrees with the original, or a third execution, on
   an agent related to neither, decides. The original wrong on output only: the rank's output
   and exit code become the agreed ones. The original wrong on messages: its peers computed with
@@ -84,6 +85,7 @@ class Run:
     exit_code: int
     stdout: str  # hex digest of its whole stdout
     messages: str = ""
+    files: str = ""  # digest of its result files (``results.files_digest``; "": none)
 
     def same(self, other: Run) -> bool:
         """Two executions agree: same exit code, same stdout, and messages that agreed with
@@ -95,6 +97,7 @@ class Run:
         return (
             self.exit_code == other.exit_code
             and self.stdout == other.stdout
+            and self.files == other.files
             and bool(self.messages) == bool(other.messages)
         )
 
@@ -129,4 +132,6 @@ def differences(original: Run, other: Run) -> str:
         what.append(f"its exit code ({other.exit_code}, not {original.exit_code})")
     if other.stdout != original.stdout:
         what.append("its stdout")
+    if other.files != original.files:
+        what.append("its result files")
     return ", ".join(what) or "nothing"

@@ -3,6 +3,8 @@ the real HTTP API; the rules alone are tested at the end."""
 
 from __future__ import annotations
 
+import io
+import zipfile
 from pathlib import Path
 
 import httpx
@@ -494,3 +496,75 @@ async def test_an_agents_address_is_where_it_calls_from(tmp_path: Path) -> None:
         row = pool.core.store._one("SELECT address FROM agents WHERE id = ?", [agent.id])
         assert row is not None and row["address"] == "203.0.113.5"
         assert validation.network(row["address"]) == "203.0.113.0/24"
+
+
+async def _results(pool: Pool, agent: Agent, lease: api.Lease, files: dict[str, bytes]) -> None:
+    url = f"/api/v1/agents/results/{lease.job}/{lease.rank}/{lease.incarnation}"
+    r = await pool.client.put(url, content=make_zip(files), headers=agent.headers)
+    assert r.status_code == 200, r.text
+
+
+async def _job_files(pool: Pool, job: int) -> dict[str, bytes]:
+    r = await pool.client.get(f"/api/v1/jobs/{job}/results", headers=pool.user())
+    assert r.status_code == 200, r.text
+    with zipfile.ZipFile(io.BytesIO(r.content)) as zf:
+        return {n: zf.read(n) for n in zf.namelist() if n.startswith("rank-0/")}
+
+
+async def test_forged_result_files_are_caught_and_replaced(tmp_path: Path) -> None:
+    """Issue 35: forged result files were delivered from a job marked "re-executed and
+    confirmed". A run's files are compared by digest (name and content of each): a
+    re-execution whose files differ disagrees, and the agreed run's files become the rank's."""
+    async with open_pool(tmp_path) as pool:
+        await pool.register_relay("relay-0")
+        a = await pool.enroll("agent-a", slots=1)
+        job = await pool.submit(1, validate=True)
+        [lease] = await pool.lease(a)
+        await pool.heartbeat(a, [lease])
+        others = [await pool.enroll(f"agent-{c}", slots=1) for c in "bc"]
+        await pool.output(a, lease, "stdout", 0, TRUE)
+        await _results(pool, a, lease, {"result.txt": b"forged 42"})
+        assert (await pool.exit(a, lease)).status_code == 200
+        honest = {"result.txt": b"true 12"}
+        v, lease2 = await reexecution(pool, others)
+        await _results(pool, v, lease2, honest)
+        await replay(pool, v, lease2, TRUE)
+        t, lease3 = await reexecution(pool, [o for o in others if o is not v])
+        await _results(pool, t, lease3, honest)
+        await replay(pool, t, lease3, TRUE)
+        detail = await pool.job(job.id)
+        assert detail.job.state == "succeeded", detail
+        corrected = [e.message for e in detail.events if e.kind == "validation_corrected"]
+        assert corrected and "result files" in " ".join(
+            e.message for e in detail.events if e.kind.startswith("validation")
+        ), detail.events
+        assert await _job_files(pool, job.id) == {"rank-0/result.txt": b"true 12"}
+
+
+async def test_the_same_result_files_agree_whatever_their_zips(tmp_path: Path) -> None:
+    """Two runs' files are the same when their names and contents are: the zips' own bytes
+    (timestamps, compression) differ between machines."""
+    async with open_pool(tmp_path) as pool:
+        await pool.register_relay("relay-0")
+        a = await pool.enroll("agent-a", slots=1)
+        job = await pool.submit(1, validate=True)
+        [lease] = await pool.lease(a)
+        await pool.heartbeat(a, [lease])
+        [b] = [await pool.enroll("agent-b", slots=1)]
+        await pool.output(a, lease, "stdout", 0, TRUE)
+        await _results(pool, a, lease, {"out/result.txt": b"true 12", "log.txt": b"ok"})
+        assert (await pool.exit(a, lease)).status_code == 200
+        v, lease2 = await reexecution(pool, [b])
+        other = io.BytesIO()
+        with zipfile.ZipFile(other, "w", zipfile.ZIP_STORED) as zf:
+            for name, data in (("log.txt", b"ok"), ("out/result.txt", b"true 12")):
+                zf.writestr(zipfile.ZipInfo(name, date_time=(2001, 2, 3, 4, 5, 6)), data)
+        url = f"/api/v1/agents/results/{job.id}/0/{lease2.incarnation}"
+        r = await pool.client.put(url, content=other.getvalue(), headers=v.headers)
+        assert r.status_code == 200, r.text
+        await replay(pool, v, lease2, TRUE)
+        detail = await pool.job(job.id)
+        assert detail.job.state == "succeeded", detail.events
+        assert not [e for e in detail.events if e.kind == "validation_corrected"]
+        files = await _job_files(pool, job.id)
+        assert files == {"rank-0/out/result.txt": b"true 12", "rank-0/log.txt": b"ok"}
