@@ -518,6 +518,19 @@ RANK_PROGRAM = textwrap.dedent(
             pass
         f = recv()
         say(refused=f.message.code)
+    elif mode == "deeptree":
+        # 1,100 nested directories and 3,000 empty files in its directory, then a clean exit.
+        fd = os.open(".", os.O_RDONLY)
+        for _ in range(1100):
+            os.mkdir("d", dir_fd=fd)
+            child = os.open("d", os.O_RDONLY, dir_fd=fd)
+            os.close(fd)
+            fd = child
+        os.close(fd)
+        os.mkdir("many")
+        for i in range(3000):
+            open(f"many/{i}", "w").close()
+        say(made="deep")
     elif mode == "forged":
         send(m.Data(job=w.job, src=w.rank + 1, dst=0, seq=1, ctx=0, tag=0), b"x")
         f = recv()

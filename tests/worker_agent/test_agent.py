@@ -245,3 +245,20 @@ def test_socket_path_too_long_moves_to_a_private_short_dir(tmp_path: Path) -> No
     assert (path.parent.stat().st_mode & 0o777) == 0o700
     assert choose_socket_path(deep) == path  # stable for one work_dir
     assert choose_socket_path(deep / "other") != path
+
+
+async def test_a_rank_that_leaves_a_deep_tree_ends_as_it_exited_and_leaves_nothing(
+    agent: RunningAgent, coordinator: FakeCoordinator, settings: AgentSettings
+) -> None:
+    """Issue 35: 1,100 nested directories made the agent's walk raise RecursionError: the
+    rank counted as lost, its job burned its restarts and 51 rank directories stayed on the
+    agent's disk. Now its results are read and its directory removed however deep."""
+    coordinator.add_lease(lease_for(coordinator, None, args=["deeptree"]))
+    done = await coordinator.wait_for(lambda: coordinator.exit_of(7, 0), seconds=60)
+    assert (done.code, done.lost) == (0, False), done
+    assert {"made": "deep"} in lines(coordinator.output_of(7, 0))
+    ranks = settings.rank_root_path
+    with trio.fail_after(20):
+        while ranks.exists() and any(ranks.iterdir()):  # noqa: ASYNC110 - a directory: no event
+            await trio.sleep(0.05)
+    assert coordinator.problems == []
