@@ -80,8 +80,10 @@ def start(eng: Any, transport: Any, secret: str) -> Checkpointer | None:
         raise
     path = os.environ.get("VPOOL_AGENT_SOCKET", "")
     ckpt = Checkpointer(eng, transport, path, secret, rank_dir, num, timeout, orphan_wait)
-    ckpt.connect_control(-1)
+    # The handler first: once the control connection is up the agent may signal (an ordered
+    # checkpoint waits for it), and the signal's default action ends the process.
     ckpt.install()
+    ckpt.connect_control(-1)
     return ckpt
 
 
