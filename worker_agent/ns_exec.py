@@ -37,6 +37,7 @@ _CLONE_NEWIPC = 0x08000000
 _CLONE_NEWPID = 0x20000000
 _CLONE_NEWNET = 0x40000000
 _PR_SET_PDEATHSIG = 1
+# ``privileged.FIXED_PATH``: this script runs by its path with -I -S and imports no vpool module.
 FIXED_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 EXIT_REFUSED = 126
 _libc = ctypes.CDLL(None, use_errno=True)

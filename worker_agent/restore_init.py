@@ -25,14 +25,16 @@ import sys
 from pathlib import Path
 from types import FrameType
 
-# Standard library only: this runs on every restore and should start fast (no trio).
+from vpool.worker_agent import privileged
+
+# The standard library and ``privileged`` (a small module) only: this runs on every restore
+# and should start fast (no trio).
 
 # CRIU writes the restored process's pid (inside the new namespace) here, in the images
 # directory; ``criu.restored_host_pid`` maps it to the agent's view.
 PIDFILE_NAME = "restored.pid"
 RESTORE_LOG_NAME = "restore.log"
 RESTORE_FAILED = 2
-FIXED_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"  # privileged's
 _FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
 
 
@@ -94,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         criu = subprocess.run(
             command,
-            env={"PATH": FIXED_PATH},
+            env={"PATH": privileged.FIXED_PATH},
             stdin=subprocess.DEVNULL,
             stdout=sys.stderr,
             stderr=sys.stderr,

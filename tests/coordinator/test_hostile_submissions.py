@@ -13,10 +13,10 @@ import pytest
 from coord_helpers import HELLO, FakeClock, Pool, decode, make_zip, open_pool
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+from vpool.coordinator import migrations
 from vpool.coordinator.access import Principal
 from vpool.coordinator.errors import BadRequest
 from vpool.coordinator.guesses import GuessLimiter, TooManyGuesses
-from vpool.coordinator.migrations import _m19_blob_owners
 from vpool.coordinator.service import MAX_ARGS, MAX_ARGS_BYTES
 from vpool.protocol import api
 
@@ -134,7 +134,7 @@ async def test_blob_owners_come_from_the_jobs_and_uploads_before(tmp_path: Path)
         db.execute("DROP TABLE blob_owners")
         # The stdin's uploader is unknown (a result's blob, say): its job names it.
         db.execute("UPDATE blobs SET uploader = NULL WHERE sha256 = ?", [row["stdin"]])
-        _m19_blob_owners(db)
+        migrations.MIGRATIONS[18](db)  # the 19th: blob owners
         for sha in (row["bundle"], row["stdin"]):
             r = await pool.client.head(f"/api/v1/blobs/{sha}", headers=pool.user("dave"))
             assert r.status_code == 200

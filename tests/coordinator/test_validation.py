@@ -376,17 +376,23 @@ async def test_a_reexecution_that_never_ends_is_replaced(pool: Pool) -> None:
     assert (await pool.job(job)).job.state == "succeeded"
 
 
-async def _failed_on_a(pool: Pool, code: int) -> tuple[int, Agent, Agent, api.Lease]:
-    """A validated job whose only rank agent-a reports exited with ``code``; agent-b idle."""
+async def _running_on_a(pool: Pool) -> tuple[int, Agent, api.Lease]:
+    """A validated job of one rank, running on agent-a."""
     await pool.register_relay("relay-0")
     a = await pool.enroll("agent-a", slots=1)
     job = await pool.submit(1, validate=True)
     [lease] = await pool.lease(a)
     await pool.heartbeat(a, [lease])
+    return job.id, a, lease
+
+
+async def _failed_on_a(pool: Pool, code: int) -> tuple[int, Agent, Agent, api.Lease]:
+    """A validated job whose only rank agent-a reports exited with ``code``; agent-b idle."""
+    job, a, lease = await _running_on_a(pool)
     b = await pool.enroll("agent-b", slots=1)
     r = await pool.exit(a, lease, code=code)
     assert r.status_code == 200, r.text
-    return job.id, a, b, lease
+    return job, a, b, lease
 
 
 async def test_a_failure_one_agent_reports_is_re_executed_and_a_false_one_distrusted(
@@ -516,11 +522,7 @@ async def test_forged_result_files_are_caught_and_replaced(tmp_path: Path) -> No
     confirmed". A run's files are compared by digest (name and content of each): a
     re-execution whose files differ disagrees, and the agreed run's files become the rank's."""
     async with open_pool(tmp_path) as pool:
-        await pool.register_relay("relay-0")
-        a = await pool.enroll("agent-a", slots=1)
-        job = await pool.submit(1, validate=True)
-        [lease] = await pool.lease(a)
-        await pool.heartbeat(a, [lease])
+        job, a, lease = await _running_on_a(pool)
         others = [await pool.enroll(f"agent-{c}", slots=1) for c in "bc"]
         await pool.output(a, lease, "stdout", 0, TRUE)
         await _results(pool, a, lease, {"result.txt": b"forged 42"})
@@ -532,25 +534,21 @@ async def test_forged_result_files_are_caught_and_replaced(tmp_path: Path) -> No
         t, lease3 = await reexecution(pool, [o for o in others if o is not v])
         await _results(pool, t, lease3, honest)
         await replay(pool, t, lease3, TRUE)
-        detail = await pool.job(job.id)
+        detail = await pool.job(job)
         assert detail.job.state == "succeeded", detail
         corrected = [e.message for e in detail.events if e.kind == "validation_corrected"]
         assert corrected and "result files" in " ".join(
             e.message for e in detail.events if e.kind.startswith("validation")
         ), detail.events
-        assert await _job_files(pool, job.id) == {"rank-0/result.txt": b"true 12"}
+        assert await _job_files(pool, job) == {"rank-0/result.txt": b"true 12"}
 
 
 async def test_the_same_result_files_agree_whatever_their_zips(tmp_path: Path) -> None:
     """Two runs' files are the same when their names and contents are: the zips' own bytes
     (timestamps, compression) differ between machines."""
     async with open_pool(tmp_path) as pool:
-        await pool.register_relay("relay-0")
-        a = await pool.enroll("agent-a", slots=1)
-        job = await pool.submit(1, validate=True)
-        [lease] = await pool.lease(a)
-        await pool.heartbeat(a, [lease])
-        [b] = [await pool.enroll("agent-b", slots=1)]
+        job, a, lease = await _running_on_a(pool)
+        b = await pool.enroll("agent-b", slots=1)
         await pool.output(a, lease, "stdout", 0, TRUE)
         await _results(pool, a, lease, {"out/result.txt": b"true 12", "log.txt": b"ok"})
         assert (await pool.exit(a, lease)).status_code == 200
@@ -559,12 +557,12 @@ async def test_the_same_result_files_agree_whatever_their_zips(tmp_path: Path) -
         with zipfile.ZipFile(other, "w", zipfile.ZIP_STORED) as zf:
             for name, data in (("log.txt", b"ok"), ("out/result.txt", b"true 12")):
                 zf.writestr(zipfile.ZipInfo(name, date_time=(2001, 2, 3, 4, 5, 6)), data)
-        url = f"/api/v1/agents/results/{job.id}/0/{lease2.incarnation}"
+        url = f"/api/v1/agents/results/{job}/0/{lease2.incarnation}"
         r = await pool.client.put(url, content=other.getvalue(), headers=v.headers)
         assert r.status_code == 200, r.text
         await replay(pool, v, lease2, TRUE)
-        detail = await pool.job(job.id)
+        detail = await pool.job(job)
         assert detail.job.state == "succeeded", detail.events
         assert not [e for e in detail.events if e.kind == "validation_corrected"]
-        files = await _job_files(pool, job.id)
+        files = await _job_files(pool, job)
         assert files == {"rank-0/out/result.txt": b"true 12", "rank-0/log.txt": b"ok"}
