@@ -483,6 +483,29 @@ def _m21_failure_claims(db: sqlite_utils.Database) -> None:
     db.execute("ALTER TABLE validations ADD COLUMN blob TEXT")  # a re-execution's results zip
 
 
+def _m22_validation_stderr(db: sqlite_utils.Database) -> None:
+    """Validation compares stderr too (issue 35): ``validation_output`` keeps both streams of
+    a re-execution (``stream``), ``validations.stderr`` the digest of a run's stderr with its
+    paths normalised (``validation.StderrPaths``)."""
+    db.execute("ALTER TABLE validations ADD COLUMN stderr TEXT")
+    db.execute("ALTER TABLE validation_output RENAME TO validation_output_old")
+    db.execute(
+        """CREATE TABLE validation_output (
+            job INTEGER NOT NULL,
+            rank INTEGER NOT NULL,
+            incarnation INTEGER NOT NULL,
+            stream TEXT NOT NULL,
+            offset INTEGER NOT NULL,
+            data BLOB NOT NULL,
+            PRIMARY KEY (job, rank, incarnation, stream, offset))"""
+    )
+    db.execute(
+        "INSERT INTO validation_output (job, rank, incarnation, stream, offset, data) "
+        "SELECT job, rank, incarnation, 'stdout', offset, data FROM validation_output_old"
+    )
+    db.execute("DROP TABLE validation_output_old")
+
+
 def new_job_uid() -> str:
     return secrets.token_hex(16)
 
@@ -514,6 +537,7 @@ MIGRATIONS: list[Callable[[sqlite_utils.Database], None]] = [
     _m19_blob_owners,
     _m20_lease_offers,
     _m21_failure_claims,
+    _m22_validation_stderr,
 ]
 
 

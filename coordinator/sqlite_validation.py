@@ -6,13 +6,14 @@ A re-execution is an incarnation of the rank like any replacement: a signed toke
 ``RankClaims.validating``, so relays compare everything it sends with the log and let nothing
 new through), the rank's home relay, a lease that starts it from the beginning (never from a
 checkpoint image, which the original's agent made). Its loss is a loss like any other: another
-re-execution takes its place, counted against the job's restarts. Its stdout goes to
-``validation_output``, never to the job's output; its result files are not kept.
+re-execution takes its place, counted against the job's restarts. Its stdout and stderr go
+to ``validation_output``, never to the job's output; its result files are not kept unless the
+original is found wrong.
 
 Bookkeeping: ``validations`` round 0 records the original run of each rank (its agents, exit
-code and stdout digest) when validation starts; rounds 1 and 2 the re-executions (agent,
-incarnation, exit code, stdout digest, each relay's verdict). ``ranks.validating`` is the
-round in progress (0: none); ``ranks.validation`` what came of it.
+code, stdout, stderr and result files digests) when validation starts; rounds 1 and 2 the
+re-executions (agent, incarnation, exit code, the same digests, each relay's verdict).
+``ranks.validating`` is the round in progress (0: none); ``ranks.validation`` what came of it.
 """
 
 from __future__ import annotations
@@ -94,7 +95,7 @@ class ValidationMixin:
             agents = self._original_agents(job_id, rank)
             self.db.execute(
                 "INSERT OR REPLACE INTO validations (job, rank, round, incarnation, agents, "
-                "exit_code, stdout, exited, files) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                "exit_code, stdout, exited, files, stderr) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 [
                     job_id,
                     rank,
@@ -105,6 +106,13 @@ class ValidationMixin:
                     self._stdout_digest(job_id, rank),
                     now,
                     self._files_digest(job_id, rank, int(r["incarnation"])),
+                    self._stderr_digest(
+                        row,
+                        rank,
+                        "SELECT data FROM output WHERE job = ? AND rank = ? AND "
+                        "stream = 'stderr' ORDER BY offset",
+                        [job_id, rank],
+                    ),
                 ],
             )
             streak = min((self._streak(a) for a in agents), default=0)
@@ -236,7 +244,7 @@ class ValidationMixin:
     ) -> None:
         self.db.execute(
             "UPDATE validations SET incarnation = ?, agents = ?, exit_code = NULL, "
-            "stdout = NULL, relays = '{}', exited = NULL, files = '', blob = NULL "
+            "stdout = NULL, stderr = NULL, relays = '{}', exited = NULL, files = '', blob = NULL "
             "WHERE job = ? AND rank = ? AND round = ?",
             [incarnation, json.dumps([agent]), job, rank, round_],
         )
@@ -277,14 +285,12 @@ class ValidationMixin:
         return int(row["validates"]) if row else 0
 
     def _add_validation_output(self, chunk: api.OutputChunk, limit: int) -> None:
-        """A re-execution's stdout (its stderr is not compared): bytes beyond what is stored,
-        at most ``limit`` in all (the job's output quota)."""
-        if chunk.stream != "stdout":
-            return
-        key = [chunk.job, chunk.rank, chunk.incarnation]
+        """A re-execution's stdout or stderr: bytes beyond what is stored, at most ``limit``
+        per stream (the job's output quota)."""
+        key = [chunk.job, chunk.rank, chunk.incarnation, chunk.stream]
         last = self._one(
             "SELECT offset, length(data) AS n FROM validation_output WHERE job = ? AND rank = ? "
-            "AND incarnation = ? ORDER BY offset DESC LIMIT 1",
+            "AND incarnation = ? AND stream = ? ORDER BY offset DESC LIMIT 1",
             key,
         )
         end = int(last["offset"]) + int(last["n"]) if last else 0
@@ -294,13 +300,13 @@ class ValidationMixin:
         data = chunk.data[skip:][: max(0, limit - end)]
         if data:
             self.db.execute(
-                "INSERT OR IGNORE INTO validation_output (job, rank, incarnation, offset, data) "
-                "VALUES (?, ?, ?, ?, ?)",
+                "INSERT OR IGNORE INTO validation_output (job, rank, incarnation, stream, "
+                "offset, data) VALUES (?, ?, ?, ?, ?, ?)",
                 [*key, end, data],
             )
 
     def _validator_exited(self, agent_id: str, ex: api.RankExit, round_: int, now: float) -> bool:
-        """A re-execution exited (not lost): record its exit code and stdout digest, and
+        """A re-execution exited (not lost): record its exit code and output digests, and
         decide if every relay's verdict is in."""
         self.db.execute(
             "UPDATE incarnations SET ended = ?, exit_code = ? WHERE job = ? AND rank = ? "
@@ -311,15 +317,20 @@ class ValidationMixin:
             "UPDATE ranks SET state = 'exited', exit_code = ? WHERE job = ? AND rank = ?",
             [ex.code, ex.job, ex.rank],
         )
-        stdout = self._digest(
+        streams = (
             "SELECT data FROM validation_output WHERE job = ? AND rank = ? AND incarnation = ? "
-            "ORDER BY offset",
-            [ex.job, ex.rank, ex.incarnation],
+            "AND stream = ? ORDER BY offset"
+        )
+        stdout = self._digest(streams, [ex.job, ex.rank, ex.incarnation, "stdout"])
+        job = self.job_row(ex.job)
+        assert job is not None
+        stderr = self._stderr_digest(
+            job, ex.rank, streams, [ex.job, ex.rank, ex.incarnation, "stderr"]
         )
         self.db.execute(
-            "UPDATE validations SET exit_code = ?, stdout = ?, exited = ? WHERE job = ? "
-            "AND rank = ? AND round = ?",
-            [ex.code, stdout, now, ex.job, ex.rank, round_],
+            "UPDATE validations SET exit_code = ?, stdout = ?, stderr = ?, exited = ? "
+            "WHERE job = ? AND rank = ? AND round = ?",
+            [ex.code, stdout, stderr, now, ex.job, ex.rank, round_],
         )
         self._event(
             ex.job,
@@ -529,7 +540,7 @@ class ValidationMixin:
             )
         elif verdict is Verdict.ORIGINAL_OUTPUT_WRONG:
             self._judged(v_agents + t_agents, o_agents, job, rank, now)
-            self._replace_stdout(job, rank, int(runs[FIRST]["incarnation"]))
+            self._replace_output(job, rank, int(runs[FIRST]["incarnation"]))
             self._replace_results(job, rank, runs[FIRST])
             self._event(
                 job,
@@ -537,8 +548,8 @@ class ValidationMixin:
                 "validation_corrected",
                 f"rank {rank}: two re-executions (agents {names[FIRST]}, {names[SECOND]}) "
                 f"agree, and differ from the original on agent {names[ORIGINAL]} in "
-                f"{validation.differences(first, original)}: the rank's stdout and exit code "
-                "are theirs",
+                f"{validation.differences(first, original)}: the rank's output, result files "
+                "and exit code are theirs",
                 rank,
             )
             self._rank_validated(
@@ -618,24 +629,21 @@ class ValidationMixin:
         self._set_summary(job, text)
         self._end(job, "succeeded", 0, f"every rank exited with code 0; {text}", now)
 
-    def _replace_stdout(self, job: int, rank: int, incarnation: int) -> None:
+    def _replace_output(self, job: int, rank: int, incarnation: int) -> None:
+        """The rank's stdout and stderr become those of re-execution ``incarnation``."""
         old = self._one(
-            "SELECT COALESCE(SUM(length(data)), 0) AS n FROM output WHERE job = ? AND rank = ? "
-            "AND stream = 'stdout'",
+            "SELECT COALESCE(SUM(length(data)), 0) AS n FROM output WHERE job = ? AND rank = ?",
             [job, rank],
         )
+        self.db.execute("DELETE FROM output WHERE job = ? AND rank = ?", [job, rank])
         self.db.execute(
-            "DELETE FROM output WHERE job = ? AND rank = ? AND stream = 'stdout'", [job, rank]
-        )
-        self.db.execute(
-            "INSERT INTO output (job, rank, stream, offset, data) SELECT job, rank, 'stdout', "
+            "INSERT INTO output (job, rank, stream, offset, data) SELECT job, rank, stream, "
             "offset, data FROM validation_output WHERE job = ? AND rank = ? AND incarnation = ? "
-            "ORDER BY offset",
+            "ORDER BY offset, stream",
             [job, rank, incarnation],
         )
         new = self._one(
-            "SELECT COALESCE(SUM(length(data)), 0) AS n FROM output WHERE job = ? AND rank = ? "
-            "AND stream = 'stdout'",
+            "SELECT COALESCE(SUM(length(data)), 0) AS n FROM output WHERE job = ? AND rank = ?",
             [job, rank],
         )
         self.db.execute(
@@ -659,6 +667,11 @@ class ValidationMixin:
             "ORDER BY offset",
             [job, rank],
         )
+
+    def _stderr_digest(self, job: dict[str, Any], rank: int, sql: str, params: list[Any]) -> str:
+        """The digest of the stderr the rows ``sql`` selects, its paths normalised."""
+        paths = validation.StderrPaths(str(job["job_uid"] or job["id"]), rank)
+        return paths.digest(row["data"] for row in self.db.query(sql, params))
 
     def _digest(self, sql: str, params: list[Any]) -> str:
         """SHA-256 (hex) of the ``data`` of the rows ``sql`` selects, in order."""
@@ -709,5 +722,9 @@ def _run(row: dict[str, Any], original: Run | None = None) -> Run:
     if original is not None and code not in (NOT_FINISHED, original.exit_code):
         disagreed = ""
     return Run(
-        exit_code=code, stdout=row["stdout"] or "", messages=disagreed, files=row["files"] or ""
+        exit_code=code,
+        stdout=row["stdout"] or "",
+        messages=disagreed,
+        files=row["files"] or "",
+        stderr=row["stderr"] or "",
     )

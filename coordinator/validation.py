@@ -19,8 +19,9 @@ alone, from its log, on another volunteer, without its peers.
   (a colluder cannot place itself by its free slots).
 - **Compared** (``Run``): the messages the re-execution sends (its relays compare each with the
   logged one and report, ``api.RelayValidated``), its stdout (a digest of all of it), its
-  result files (a digest of each file's name and content, ``results.files_digest``) and its
-  exit code. Stderr is not compared: it names paths of the machine.
+  result files (a digest of each file's name and content, ``results.files_digest``), its
+  stderr (a digest after ``StderrPaths`` put the paths that name the machine in the sandbox's
+  terms: the rank's directory and its environment's) and its exit code.
 - **Decided** (``decide``): the re-execution agrees with the original, or a third execution, on
   an agent related to neither, decides. The original wrong on output only: the rank's output
   and exit code become the agreed ones. The original wrong on messages: its peers computed with
@@ -31,7 +32,10 @@ alone, from its log, on another volunteer, without its peers.
 from __future__ import annotations
 
 import enum
+import hashlib
 import ipaddress
+import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 ORIGINAL, FIRST, SECOND = 0, 1, 2  # ``validations.round``: the original run, then re-executions
@@ -77,6 +81,69 @@ def network(address: str) -> str:
     return str(ipaddress.ip_network(f"{ip}/{prefix}", strict=False))
 
 
+RANK_DIR = b"/vpool/rank/"  # ``worker_agent.sandbox.RANK_DIR``, as a sandboxed rank sees it
+ENV_DIR = b"/vpool/env/"  # ``worker_agent.sandbox.ENV_DIR``
+_BOUNDARY = re.compile(rb"[\s'\"]")  # what ends a path in text (``\s``: the regex's space)
+LONGEST_LINE = 1 << 20  # bytes: a longer line is normalised in pieces of this size
+
+
+class StderrPaths:
+    """What of a rank's stderr names the machine it ran on, put in the sandbox's terms, so
+    that two honest executions of a rank on different volunteers print the same stderr: a
+    traceback names ``/vpool/rank/work/app.py`` sandboxed, and
+    ``<rank_root>/<job>-<rank>-<incarnation>-<random>/work/app.py`` unsandboxed (the
+    incarnation differs between an original and its re-execution too); a package of the
+    job's environment ``/vpool/env/`` or ``<agent work dir>/envs/<key>/site/``. Only those
+    change: any other difference is a difference.
+
+    Linear in the text whatever it holds (it is the program's, so anyone's): the distinctive
+    part of a path is found first, then its head, back to the space or quote before it."""
+
+    def __init__(self, job_key: str, rank: int) -> None:
+        rank_dir = rb"/" + re.escape(f"{job_key}-{rank}-".encode()) + rb"[0-9]+-[^/\s'\"]+/"
+        self._parts = [
+            (re.compile(rank_dir), RANK_DIR),
+            (re.compile(rb"/envs/[0-9a-f]+/site/"), ENV_DIR),
+        ]
+
+    def line(self, text: bytes) -> bytes:
+        for part, replacement in self._parts:
+            text = _replace_paths(text, part, replacement)
+        return text
+
+    def digest(self, chunks: Iterable[bytes]) -> str:
+        """SHA-256 (hex) of the stream ``chunks`` make, normalised a line at a time (a path
+        never spans lines; memory stays bounded by ``LONGEST_LINE``)."""
+        digest = hashlib.sha256()
+        held = b""
+        for chunk in chunks:
+            held += chunk
+            cut = held.rfind(b"\n") + 1
+            if not cut and len(held) > LONGEST_LINE:
+                cut = len(held)
+            if cut:
+                digest.update(self.line(held[:cut]))
+                held = held[cut:]
+        digest.update(self.line(held))
+        return digest.hexdigest()
+
+
+def _replace_paths(text: bytes, part: re.Pattern[bytes], replacement: bytes) -> bytes:
+    """``text`` with each absolute path that ``part`` ends (from its first ``/``) replaced."""
+    out: list[bytes] = []
+    done = 0
+    for m in part.finditer(text):
+        head = text[done : m.start()]
+        boundary = _BOUNDARY.search(head[::-1])  # the nearest space or quote before it
+        word = len(head) - boundary.start() if boundary else 0
+        slash = head.find(b"/", word)
+        start = done + (slash if slash >= 0 else len(head))
+        out += [text[done:start], replacement]
+        done = m.end()
+    out.append(text[done:])
+    return b"".join(out)
+
+
 @dataclass(frozen=True)
 class Run:
     """One execution of a rank as validation sees it. ``messages``: "" when every message it
@@ -86,6 +153,7 @@ class Run:
     stdout: str  # hex digest of its whole stdout
     messages: str = ""
     files: str = ""  # digest of its result files (``results.files_digest``; "": none)
+    stderr: str = ""  # hex digest of its whole stderr, its paths normalised (``StderrPaths``)
 
     def same(self, other: Run) -> bool:
         """Two executions agree: same exit code, same stdout, and messages that agreed with
@@ -98,6 +166,7 @@ class Run:
             self.exit_code == other.exit_code
             and self.stdout == other.stdout
             and self.files == other.files
+            and self.stderr == other.stderr
             and bool(self.messages) == bool(other.messages)
         )
 
@@ -134,4 +203,6 @@ def differences(original: Run, other: Run) -> str:
         what.append("its stdout")
     if other.files != original.files:
         what.append("its result files")
+    if other.stderr != original.stderr:
+        what.append("its stderr")
     return ", ".join(what) or "nothing"

@@ -21,6 +21,21 @@ from vpool.protocol.tokens import RankClaims, verify_token
 TRUE, FORGED = b"pi = 3.14159\n", b"pi = 3.0\n"
 
 
+def warning(lease: api.Lease, rank_root: str | None = None) -> bytes:
+    """The stderr of an honest run: a warning naming the program's path as the rank saw it,
+    sandboxed (``rank_root`` None) or in an agent's own rank directory, and a package of its
+    environment."""
+    if rank_root is None:
+        app, env = "/vpool/rank/work/app.py", "/vpool/env/numpy/core.py"
+    else:
+        rank_dir = f"{rank_root}/{lease.job_uid}-{lease.rank}-{lease.incarnation}-k2x_9abc"
+        app, env = (
+            f"{rank_dir}/work/app.py",
+            f"{rank_root}/../envs/0123abcd4567ef89/site/numpy/core.py",
+        )
+    return f'{app}:3: UserWarning: slow\n  from "{env}" line 7\n'.encode()
+
+
 async def original_run(
     pool: Pool, stdout: bytes = TRUE, others: str = "bc", ranks: int = 1
 ) -> tuple[int, Agent, list[Agent]]:
@@ -34,7 +49,7 @@ async def original_run(
     await pool.heartbeat(a, leases)
     more = [await pool.enroll(f"agent-{c}", slots=1) for c in others]
     for lease in leases:
-        await pool.output(a, lease, "stdout", 0, stdout)
+        await prints(pool, a, lease, stdout, "/home/alice/.vpool/ranks")
         r = await pool.exit(a, lease)
         assert r.status_code == 200, r.text
     return job.id, a, more
@@ -54,13 +69,29 @@ async def reexecution(pool: Pool, agents: list[Agent]) -> tuple[Agent, api.Lease
     return agent, lease
 
 
-async def replay(
-    pool: Pool, agent: Agent, lease: api.Lease, stdout: bytes, *, agreed: bool = True, code: int = 0
+async def prints(
+    pool: Pool, agent: Agent, lease: api.Lease, stdout: bytes, rank_root: str | None = None
 ) -> None:
-    """The re-execution prints ``stdout`` and exits with ``code``; the relay says whether
-    its messages had the logged content."""
+    """An honest run's output: ``stdout``, and ``warning`` on stderr."""
     await pool.output(agent, lease, "stdout", 0, stdout)
-    await pool.output(agent, lease, "stderr", 0, b"a path of this machine\n")
+    await pool.output(agent, lease, "stderr", 0, warning(lease, rank_root))
+
+
+async def replay(
+    pool: Pool,
+    agent: Agent,
+    lease: api.Lease,
+    stdout: bytes,
+    *,
+    agreed: bool = True,
+    code: int = 0,
+    stderr: bytes | None = None,
+) -> None:
+    """The re-execution prints ``stdout`` (and ``stderr``: by default, the honest warning,
+    sandboxed) and exits with ``code``; the relay says whether its messages had the logged
+    content."""
+    await pool.output(agent, lease, "stdout", 0, stdout)
+    await pool.output(agent, lease, "stderr", 0, warning(lease) if stderr is None else stderr)
     r = await pool.exit(agent, lease, code=code)
     assert r.status_code == 200, r.text
     await verdict(pool, lease, agreed)
@@ -122,7 +153,7 @@ async def test_the_verdict_may_come_before_the_exit(pool: Pool) -> None:
     v, lease = await reexecution(pool, others)
     await verdict(pool, lease, True)
     assert (await pool.job(job)).job.state == "running"  # its exit is still to come
-    await pool.output(v, lease, "stdout", 0, TRUE)
+    await prints(pool, v, lease, TRUE)
     await pool.exit(v, lease)
     assert (await pool.job(job)).job.state == "succeeded"
 
@@ -222,7 +253,7 @@ async def test_agents_of_the_same_join_token_are_related(tmp_path: Path) -> None
         await pool.heartbeat(a, [lease])
         sibling = await pool.enroll("agent-a2", slots=4, join_token=tokens[0])
         stranger = await pool.enroll("agent-b", slots=1, join_token=tokens[1])
-        await pool.output(a, lease, "stdout", 0, TRUE)
+        await prints(pool, a, lease, TRUE)
         await pool.exit(a, lease)
         # agent-a2 has the most free slots, but alice's machines are one vote.
         v, lease2 = await reexecution(pool, [sibling, stranger])
@@ -238,9 +269,9 @@ async def test_a_lost_reexecution_goes_to_another_unrelated_agent(pool: Pool) ->
     r = await pool.post("/api/v1/agents/exit", ex, v.headers)
     assert r.status_code == 200
     t, lease3 = await reexecution(pool, [o for o in others if o is not v])
-    await pool.output(t, lease3, "stdout", 0, TRUE)
+    await prints(pool, t, lease3, TRUE)
     # The lost one's late output and verdict change nothing.
-    await pool.output(v, lease, "stdout", 0, FORGED)
+    await prints(pool, v, lease, FORGED)
     await verdict(pool, lease, False)
     await replay(pool, t, lease3, TRUE)
     detail = await pool.job(job)
@@ -257,7 +288,7 @@ async def test_trusted_agents_are_sampled_less(tmp_path: Path) -> None:
         )
         job = await pool.submit(1, validate=True)
         [lease] = await pool.lease(a)
-        await pool.output(a, lease, "stdout", 0, TRUE)
+        await prints(pool, a, lease, TRUE)
         await pool.exit(a, lease)
         detail = await pool.job(job.id)
         # Sampled with probability 1e-9: not re-executed, and the job says so.
@@ -475,7 +506,7 @@ async def test_two_colluders_among_ten_agents(tmp_path: Path) -> None:
                 )
 
         called_from()
-        await pool.output(colluder, lease, "stdout", 0, FORGED)
+        await prints(pool, colluder, lease, FORGED)
         assert (await pool.exit(colluder, lease)).status_code == 200
         assert await pool.lease(partner) == []  # never the colluder's partner
         v, _ = await reexecution(pool, honest)
@@ -524,7 +555,7 @@ async def test_forged_result_files_are_caught_and_replaced(tmp_path: Path) -> No
     async with open_pool(tmp_path) as pool:
         job, a, lease = await _running_on_a(pool)
         others = [await pool.enroll(f"agent-{c}", slots=1) for c in "bc"]
-        await pool.output(a, lease, "stdout", 0, TRUE)
+        await prints(pool, a, lease, TRUE)
         await _results(pool, a, lease, {"result.txt": b"forged 42"})
         assert (await pool.exit(a, lease)).status_code == 200
         honest = {"result.txt": b"true 12"}
@@ -549,7 +580,7 @@ async def test_the_same_result_files_agree_whatever_their_zips(tmp_path: Path) -
     async with open_pool(tmp_path) as pool:
         job, a, lease = await _running_on_a(pool)
         b = await pool.enroll("agent-b", slots=1)
-        await pool.output(a, lease, "stdout", 0, TRUE)
+        await prints(pool, a, lease, TRUE)
         await _results(pool, a, lease, {"out/result.txt": b"true 12", "log.txt": b"ok"})
         assert (await pool.exit(a, lease)).status_code == 200
         v, lease2 = await reexecution(pool, [b])
@@ -566,3 +597,71 @@ async def test_the_same_result_files_agree_whatever_their_zips(tmp_path: Path) -
         assert not [e for e in detail.events if e.kind == "validation_corrected"]
         files = await _job_files(pool, job)
         assert files == {"rank-0/out/result.txt": b"true 12", "rank-0/log.txt": b"ok"}
+
+
+async def stderr_of(pool: Pool, job: int) -> bytes:
+    r = await pool.client.get(f"/api/v1/jobs/{job}/output?after=0", headers=pool.user())
+    page = decode(r, api.OutputPage)
+    return b"".join(rec.data for rec in page.records if rec.stream == "stderr")
+
+
+async def test_forged_stderr_is_caught_and_replaced(tmp_path: Path) -> None:
+    """Issue 35: a forged stderr was delivered from a job marked "re-executed and confirmed".
+    Stderr is compared too (its paths normalised): the forgery is outvoted, and the rank's
+    output becomes the agreed run's, both streams."""
+    async with open_pool(tmp_path) as pool:
+        job, a, lease = await _running_on_a(pool)
+        others = [await pool.enroll(f"agent-{c}", slots=1) for c in "bc"]
+        await pool.output(a, lease, "stdout", 0, TRUE)
+        forged = b"WARNING: results unreliable, rerun with --unsafe\n"
+        await pool.output(a, lease, "stderr", 0, forged)
+        assert (await pool.exit(a, lease)).status_code == 200
+        v, lease2 = await reexecution(pool, others)
+        await replay(pool, v, lease2, TRUE)
+        detail = await pool.job(job)
+        assert any(
+            e.kind == "validation_mismatch" and "its stderr" in e.message for e in detail.events
+        ), detail.events
+        t, lease3 = await reexecution(pool, [o for o in others if o is not v])
+        await replay(pool, t, lease3, TRUE)
+        detail = await pool.job(job)
+        assert detail.job.state == "succeeded", detail.job.reason
+        assert detail.ranks[0].validation == "corrected"
+        assert await stdout_of(pool, job) == TRUE
+        assert await stderr_of(pool, job) == warning(lease2)
+        assert trust(pool, a) == (0, 0, 1)
+
+
+def test_stderr_paths_name_the_sandbox_not_the_machine() -> None:
+    paths = validation.StderrPaths("0f3a", 2)
+    ranks = "/home/bob/.local/share/vpool/ranks"
+    line = (
+        f'  File "{ranks}/0f3a-2-7-x_1y2z3w/work/app.py", line 3\n'
+        f"x={ranks}/0f3a-2-12-abcdefgh/home/out.txt /srv/envs/00ff/site/np/core.py\n"
+    ).encode()
+    assert paths.line(line) == (
+        b'  File "/vpool/rank/work/app.py", line 3\n'
+        b"x=/vpool/rank/home/out.txt /vpool/env/np/core.py\n"
+    )
+    # Another rank's or another job's directory, or any other path, is left as it is: a
+    # difference there is a difference.
+    for other in (f"{ranks}/0f3a-3-1-abc/work/a.py", f"{ranks}/0f3b-2-1-abc/a.py", "/etc/passwd"):
+        assert paths.line(other.encode()) == other.encode()
+    # The digest is over lines, whatever the chunks (a path split between two chunks).
+    whole = line * 3
+    chunks = [whole[i : i + 7] for i in range(0, len(whole), 7)]
+    assert paths.digest(chunks) == paths.digest([whole]) == paths.digest([paths.line(whole)])
+    assert paths.digest([b"/vpool/rank/work/app.py\n"]) != paths.digest([b"/tmp/app.py\n"])
+
+
+def test_stderr_paths_stay_linear_on_hostile_text() -> None:
+    """The program writes its stderr: a line of 200,000 path components and no match, or a
+    match after each, is normalised in one pass (a backtracking pattern took minutes)."""
+    paths = validation.StderrPaths("0f3a", 2)
+    many = b"/a" * 200_000 + b"/0f3a-2-"
+    assert paths.line(many) == many
+    hits = b"/r/0f3a-2-1-x/" * 50_000
+    assert paths.line(hits) == b"/vpool/rank/" * 50_000
+    # A line with no newline is normalised in bounded pieces.
+    endless = [b"/b" * 65_536] * 40
+    assert len(paths.digest(endless)) == 64
