@@ -47,6 +47,7 @@ def _job(core: Coordinator, ranks: int, lines: int, events: int) -> int:
     """A running job with ``lines`` lines of output and ``events`` events, written straight
     to the store (as agents and relays would have)."""
     store, now = core.store, core.clock()
+    store.add_blob("0" * 64, 0, now, "alice")  # the bundle, as uploaded (never read here)
     sub = api.JobSubmit(ranks=ranks, bundle="0" * 64, entry="app.py", name=f"{ranks} ranks")
     job = store.create_job("alice", sub, now - 600)
     db = store.db  # type: ignore[attr-defined]

@@ -22,7 +22,7 @@ from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from vpool import __version__
+from vpool import __version__, heap
 from vpool.coordinator import api_agents, api_jobs, api_relays, scheduler
 from vpool.coordinator.errors import CoordinatorError
 from vpool.coordinator.guesses import TooManyGuesses
@@ -70,6 +70,8 @@ def create_app(
         period = max(0.2, min(1.0, settings.heartbeat_interval / 2))
         async with trio.open_nursery() as nursery:
             nursery.start_soon(lambda: scheduler.monitor(core, period=period))
+            # Pages of output freed after a view stay in glibc's heaps otherwise.
+            nursery.start_soon(heap.keep_trimmed)
             try:
                 yield
             finally:

@@ -15,7 +15,9 @@ fault-free path pays one append and one pop per frame. After a re-attachment
 messages the relay says it holds: the relay compares a re-sent message with its logged copy, and
 that check is what catches a replaying incarnation that diverged under a seq its predecessor
 logged (found by tests/protocol/test_ft_model.py). A checkpoint waits until the relays hold what
-the image says was sent (``holds_data``, ``holds_dets``).
+the image says was sent (``holds_data``, ``holds_dets``). What a rank's ``RankLink``s hold, in
+bytes, is counted in one ``Held`` per rank: the agent stops reading the rank while that is over
+its budget (``worker_agent.local_ranks.LocalRank.room_for``).
 
 ``Delivery``, one per rank: what was delivered to it, so a re-attachment resumes after it
 (``Attach.received``, ``Attach.dets_from``): per source the highest ``Data`` seq given to the
@@ -30,7 +32,7 @@ from __future__ import annotations
 
 import enum
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from vpool.protocol.framing import Buffer
 
@@ -58,17 +60,62 @@ def restarted(incarnation: int) -> bool:
     return incarnation > FIRST_INCARNATION
 
 
+def frame_bytes(parts: list[Buffer]) -> int:
+    return sum(len(p) for p in parts)
+
+
+class Held:
+    """The bytes of one rank's frames its ``RankLink``s keep, over all its relay links;
+    ``released`` is called whenever some go (the agent wakes a rank waiting for room)."""
+
+    __slots__ = ("bytes", "released")
+
+    def __init__(self, released: Callable[[], None] | None = None) -> None:
+        self.bytes = 0
+        self.released = released
+
+    def add(self, n: int) -> None:
+        self.bytes += n
+
+    def release(self, n: int) -> None:
+        if n:
+            self.bytes -= n
+            if self.released is not None:
+                self.released()
+
+
 class RankLink:
     """Unacknowledged ``Data`` per destination and ``Det``s of one rank on one relay link."""
 
-    __slots__ = ("data", "dets", "home", "local")
+    __slots__ = ("data", "dets", "held", "home", "local", "nbytes")
 
-    def __init__(self, *, home: bool) -> None:
+    def __init__(self, *, home: bool, held: Held | None = None) -> None:
         self.home = home  # the rank's home relay: its determinants go here
         self.data: dict[int, deque[Frame]] = {}
         self.dets: deque[Frame] = deque()
         # Per destination, the highest seq the agent also delivered to it itself.
         self.local: dict[int, int] = {}
+        # The rank's count, shared by its links (None: nothing counted; the parts need not
+        # be buffers then, as in the model of tests/protocol/test_ft_model.py).
+        self.held = held
+        self.nbytes = 0  # what this one holds
+
+    def _kept(self, parts: list[Buffer]) -> None:
+        if self.held is not None:
+            n = frame_bytes(parts)
+            self.nbytes += n
+            self.held.add(n)
+
+    def _let_go(self, n: int) -> None:
+        if self.held is not None:
+            self.nbytes -= n
+            self.held.release(n)
+
+    def clear(self) -> None:
+        """The link lets go of everything (the rank detached, or the link failed)."""
+        self.data.clear()
+        self.dets.clear()
+        self._let_go(self.nbytes)
 
     # -- out: what the rank deposits ---------------------------------------------------------
 
@@ -79,6 +126,7 @@ class RankLink:
         if queue is None:
             queue = self.data[dst] = deque()
         queue.append((seq, parts))
+        self._kept(parts)
         if local:
             self.local[dst] = seq
 
@@ -92,6 +140,7 @@ class RankLink:
 
     def det_sent(self, index: int, parts: list[Buffer]) -> None:
         self.dets.append((index, parts))
+        self._kept(parts)
 
     # -- in: what the relay acknowledges -------------------------------------------------------
 
@@ -99,14 +148,24 @@ class RankLink:
         """Everything of channel (this rank, ``dst``) up to ``seq`` is in the relay's log."""
         queue = self.data.get(dst)
         if queue:
+            gone = 0
+            counted = self.held is not None
             while queue and queue[0][0] <= seq:
-                queue.popleft()
+                parts = queue.popleft()[1]
+                if counted:
+                    gone += frame_bytes(parts)
+            self._let_go(gone)
 
     def dets_acked(self, count: int) -> None:
         """Determinants ``0 .. count-1`` are durable at the home relay."""
         dets = self.dets
+        gone = 0
+        counted = self.held is not None
         while dets and dets[0][0] < count:
-            dets.popleft()
+            parts = dets.popleft()[1]
+            if counted:
+                gone += frame_bytes(parts)
+        self._let_go(gone)
 
     # -- a re-attachment ------------------------------------------------------------------
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import NamedTuple
 
 import trio
@@ -73,6 +73,10 @@ class FrameStream:
         sock = getattr(stream, "socket", None)
         self._recv_into = getattr(sock, "recv_into", None)
         self._ready: deque[RawFrame] = deque()
+        # Called with a large frame's size once its prefix is in, before a buffer is taken for
+        # it: the agent waits there until the rank's budget has room (``LocalRank.room_for``).
+        self.admit: Callable[[int], Awaitable[None]] | None = None
+        self._large: Large | None = None  # a large frame's prefix, held for ``admit``
         # trio's clock at the latest read that brought bytes (-inf before any): what a
         # liveness watch (``protocol.liveness``) counts as hearing from the peer.
         self.last_read = -math.inf
@@ -82,11 +86,18 @@ class FrameStream:
         scanner = self.scanner
         out: list[RawFrame] = []
         while True:
-            while (event := scanner.next_event()) is not None:
+            while (event := self._large or scanner.next_event()) is not None:
                 if type(event) is Small:
                     out.append((event.header_len, bytes(event.frame)))
                 elif type(event) is Large:
-                    scanner.claim(bytearray(event.head.nbytes + event.payload_len), whole=True)
+                    size = event.head.nbytes + event.payload_len
+                    if self.admit is not None:
+                        self._large = event  # kept across a return or a cancellation
+                        if out:
+                            return out  # the frames before it go first
+                        await self.admit(size)
+                        self._large = None
+                    scanner.claim(bytearray(size), whole=True)
                 else:
                     target = event.target
                     assert isinstance(target, bytearray)

@@ -35,7 +35,7 @@ from vpool.protocol.api import (
 from vpool.protocol.rank_link import replaces
 from vpool.reasons import describe
 from vpool.worker_agent import cgroups, control, identity, sandbox, sandboxed, selftest
-from vpool.worker_agent.bundle import BlobCache
+from vpool.worker_agent.bundle import BlobCache, DiskRoom
 from vpool.worker_agent.checkpoints import Capability, Checkpointer, find_capability
 from vpool.worker_agent.coordinator import CoordinatorClient
 from vpool.worker_agent.environments import Environments
@@ -167,6 +167,7 @@ class Agent:
             capability=self.capability,
             ssl_context=ssl_context,
             environments=self.environments,
+            disk_room=DiskRoom(settings.disk_keep_free),
         )
         self.proxy = RankProxy(
             self.ranks,
@@ -383,6 +384,7 @@ class Agent:
         rank = LocalRank(lease)
         rank.seal = self.settings.seal_messages and rank.sealer is not None
         rank.max_payload = self.services.limits_for(lease).memory
+        rank.budget = rank.max_payload or self.settings.max_payload
         self.ranks.add(rank)
         self.busy += 1
         # A held heartbeat covers only the ranks it lists: report the new one now, so that its

@@ -8,19 +8,21 @@ The blocking parts (hashing, unzipping, zipping) run in worker threads.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import os
 import re
 import stat
 import zipfile
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path, PurePosixPath
 
 import trio
 
+from vpool import sizes
 from vpool.worker_agent import rank_tree
-from vpool.worker_agent.errors import BundleError, BundleRejected
+from vpool.worker_agent.errors import BundleError, BundleRejected, NoRoom
 
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 _FILE_LIMITER = trio.CapacityLimiter(4)
@@ -88,31 +90,86 @@ def safe_member_path(name: str) -> PurePosixPath:
     return path
 
 
+def extracted_size(zip_path: Path, *, max_bytes: int, max_members: int = 100_000) -> int:
+    """What ``zip_path`` extracts to, in bytes, its members checked (raises
+    ``BundleRejected``: the same bundle would fail the same way on any agent)."""
+    zf = _open_zip(zip_path)
+    with zf:
+        return _checked_size(zf.infolist(), max_bytes=max_bytes, max_members=max_members)
+
+
+def _open_zip(zip_path: Path) -> zipfile.ZipFile:
+    try:
+        return zipfile.ZipFile(zip_path)
+    except (zipfile.BadZipFile, OSError) as exc:
+        raise BundleRejected(f"the bundle is not a zip file: {exc}") from exc
+
+
+def _checked_size(members: list[zipfile.ZipInfo], *, max_bytes: int, max_members: int) -> int:
+    if len(members) > max_members:
+        raise BundleRejected(
+            f"the bundle has {len(members)} members, more than the limit of {max_members}"
+        )
+    total = 0
+    for info in members:
+        safe_member_path(info.filename)
+        if stat.S_ISLNK(info.external_attr >> 16):
+            raise BundleRejected(f"bundle member {info.filename!r} is a symbolic link")
+        total += info.file_size
+    if total > max_bytes:
+        raise BundleRejected(
+            f"the bundle extracts to {total} bytes, more than the limit of {max_bytes}"
+        )
+    return total
+
+
+class DiskRoom:
+    """What the agent's extractions may take of the volunteer's disk, all ranks together:
+    a bundle is extracted only if the file system would keep ``keep_free`` bytes free after
+    it and after every extraction under way (each reserves its size until it is done);
+    otherwise ``NoRoom``, and the rank runs on another agent (a per-rank bound alone let two
+    ranks of one job extract 1 GiB each). ``keep_free`` 0: no bound beyond the per-rank
+    ones."""
+
+    def __init__(
+        self, keep_free: int = 0, statvfs: Callable[[Path], os.statvfs_result] = os.statvfs
+    ) -> None:
+        self.keep_free = keep_free
+        self.reserved = 0
+        self._statvfs = statvfs
+
+    def free(self, where: Path) -> int:
+        st = self._statvfs(where)
+        return st.f_bavail * st.f_frsize
+
+    @contextlib.contextmanager
+    def reserve(self, where: Path, nbytes: int) -> Iterator[None]:
+        """Hold ``nbytes`` of ``where``'s file system while they are written (raises
+        ``NoRoom``)."""
+        if self.keep_free:
+            free = self.free(where) - self.reserved
+            if free - nbytes < self.keep_free:
+                raise NoRoom(
+                    f"no room for its bundle here: it extracts to {sizes.format_size(nbytes)} and "
+                    f"the volunteer keeps {sizes.format_size(self.keep_free)} of this disk free "
+                    f"({sizes.format_size(max(free, 0))} free)"
+                )
+        self.reserved += nbytes
+        try:
+            yield
+        finally:
+            self.reserved -= nbytes
+
+
 def extract_bundle(
     zip_path: Path, dest: Path, *, max_bytes: int, max_members: int = 100_000
 ) -> None:
     """Extract ``zip_path`` into the (existing, empty) directory ``dest`` (raises
     ``BundleRejected``: the same bundle would fail the same way on any agent)."""
-    try:
-        zf = zipfile.ZipFile(zip_path)
-    except (zipfile.BadZipFile, OSError) as exc:
-        raise BundleRejected(f"the bundle is not a zip file: {exc}") from exc
+    zf = _open_zip(zip_path)
     with zf:
         members = zf.infolist()
-        if len(members) > max_members:
-            raise BundleRejected(
-                f"the bundle has {len(members)} members, more than the limit of {max_members}"
-            )
-        total = 0
-        for info in members:
-            safe_member_path(info.filename)
-            if stat.S_ISLNK(info.external_attr >> 16):
-                raise BundleRejected(f"bundle member {info.filename!r} is a symbolic link")
-            total += info.file_size
-        if total > max_bytes:
-            raise BundleRejected(
-                f"the bundle extracts to {total} bytes, more than the limit of {max_bytes}"
-            )
+        _checked_size(members, max_bytes=max_bytes, max_members=max_members)
         try:
             for info in members:
                 target = dest.joinpath(*safe_member_path(info.filename).parts)

@@ -54,6 +54,11 @@ class BundleRejected(BundleError):
     pass
 
 
+class NoRoom(AgentError):
+    """This agent cannot take the rank now (its volunteer's disk is too full for its
+    bundle): the rank runs elsewhere, and the job is not at fault."""
+
+
 class RelayLinkError(AgentError):
     """``relay``: the relay's name when the trouble is reaching it (no answer, a dropped
     connection that did not come back), which the coordinator treats as the relay's outage

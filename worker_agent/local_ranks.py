@@ -20,7 +20,7 @@ import trio
 from vpool.protocol.api import Lease, RankState
 from vpool.protocol.framing import Buffer, encode_frame
 from vpool.protocol.messages import Abort, Failed, Message
-from vpool.protocol.rank_link import Delivery, is_current
+from vpool.protocol.rank_link import Delivery, Held, is_current
 from vpool.protocol.sealing import Sealer, message_key
 
 if TYPE_CHECKING:
@@ -230,6 +230,13 @@ class LocalRank:
         # The largest payload the agent takes from this rank: what its memory limit allows
         # (0: the relays' own limit). A frame is held whole before it is forwarded.
         self.max_payload = 0
+        # What the agent holds of the rank's frames until the relays log them (bytes, over
+        # all its links), and the most it holds before it stops reading the rank
+        # (``room_for``): the rank's memory limit, or the agent's ``max_payload`` without one
+        # (0: no bound). The volunteer's machine pays for no more than the rank could hold.
+        self.held = Held(self._released)
+        self.budget = 0
+        self._room = trio.Event()
         # Checkpoints: the image this incarnation was restored from (-1: none); the rank's
         # control connection and what arrives on it (CkptForked); a checkpoint asked by the
         # coordinator.
@@ -275,6 +282,17 @@ class LocalRank:
     @property
     def label(self) -> str:
         return f"rank {self.lease.rank} of job {self.lease.job}"
+
+    def _released(self) -> None:
+        self._room.set()
+
+    async def room_for(self, nbytes: int) -> None:
+        """Wait until the agent may take ``nbytes`` more of the rank's frames: while what it
+        holds and ``nbytes`` would pass the budget, until the relays acknowledge some. With
+        nothing held, any frame the rank may send goes (one as large as the budget too)."""
+        while self.budget and self.held.bytes and self.held.bytes + nbytes > self.budget:
+            self._room = trio.Event()
+            await self._room.wait()
 
     def tell_failed(self, ranks: list[int]) -> None:
         """Tell the rank which ranks of its job are declared failed (``messages.Failed``: in a

@@ -411,8 +411,13 @@ class RankProxy:
         job, me, size = rank.lease.job, rank.lease.rank, rank.lease.size
         route = rank.route
         local = self.local_delivery
+        # The agent holds a rank's frames until its relays log them: past the rank's budget
+        # it reads no more of them (the rank's sends block, as on a full socket), and a large
+        # frame waits at its prefix for room before a buffer is taken for it.
+        reader.admit = rank.room_for
         try:
             while True:
+                await rank.room_for(0)
                 frame = await reader.receive()
                 if frame is None:
                     return True

@@ -76,6 +76,7 @@ from vpool.worker_agent.errors import (
     BundleError,
     BundleRejected,
     CoordinatorRejected,
+    NoRoom,
     RelayLinkError,
 )
 from vpool.worker_agent.local_ranks import LocalRank, LocalRanks
@@ -154,6 +155,8 @@ class RankServices:
     limits: sandboxed.RankLimits = field(default_factory=sandboxed.RankLimits)
     # The environments jobs need, built here once each.
     environments: Environments | None = None
+    # What extractions may take of the volunteer's disk, every rank's together.
+    disk_room: bundle.DiskRoom = field(default_factory=bundle.DiskRoom)
     # The processes that dump and upload checkpoints (``checkpoint_workers``).
     _ckpt_workers: CkptWorkers | None = None
 
@@ -269,11 +272,14 @@ async def prepare(svc: RankServices, lease: Lease) -> Prepared:
         most = settings.max_bundle_bytes
         if svc.isolation.on and settings.rank_disk:
             most = min(most, settings.rank_disk)
-        await trio.to_thread.run_sync(
-            lambda: bundle.extract_bundle(
-                zip_path, work, max_bytes=most, max_members=settings.max_bundle_members
-            )
+        members = settings.max_bundle_members
+        size = await trio.to_thread.run_sync(
+            lambda: bundle.extracted_size(zip_path, max_bytes=most, max_members=members)
         )
+        with svc.disk_room.reserve(ranks_dir, size):  # the agent's bound, every rank's together
+            await trio.to_thread.run_sync(
+                lambda: bundle.extract_bundle(zip_path, work, max_bytes=most, max_members=members)
+            )
         before = await trio.to_thread.run_sync(bundle.snapshot, work)
         if lease.job_uid:
             # Travels with the rank directory in checkpoints: a restored rank's results are
@@ -346,7 +352,7 @@ async def run_rank(svc: RankServices, rank: LocalRank) -> None:
             log.error("%s cannot start: %s", rank.label, exc)
             await _post_exit(svc, rank, EXIT_BAD_BUNDLE, f"rank {lease.rank} cannot start: {exc}")
             return
-        except (BundleError, RelayLinkError, CoordinatorRejected) as exc:
+        except (BundleError, RelayLinkError, CoordinatorRejected, NoRoom) as exc:
             log.error("%s cannot start: %s", rank.label, exc)
             relay = exc.relay if isinstance(exc, RelayLinkError) else ""
             # Worded as any agent would say it: the same failure on another agent ends the job

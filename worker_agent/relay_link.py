@@ -410,6 +410,8 @@ class RelayLink(InboundRouting):
         victims = [r for r in self.ranks.values() if not r.ended and not r.finalized]
         self.ranks.clear()
         self.attached.clear()
+        for store in self._unacked.values():
+            store.clear()  # its ranks' budgets are free again (``LocalRank.room_for``)
         self._unacked.clear()
         self._owner.forget(self)
         if not report:
@@ -484,6 +486,11 @@ class RelayLink(InboundRouting):
                 del self._pending[key]
         return pending
 
+    def _forget_unacked(self, key: RankKey) -> None:
+        store = self._unacked.pop(key, None)
+        if store is not None:
+            store.clear()
+
     async def attach(self, rank: LocalRank, *, home: bool) -> Attached:
         """Bind ``rank`` to this link and wait for the relay's ``Attached``; retried on the next
         connection if this one drops meanwhile. A home attachment resumes after
@@ -491,7 +498,10 @@ class RelayLink(InboundRouting):
         counters for a restored one)."""
         key = rank.key
         if self.ranks.get(key) is not rank:
-            self._unacked[key] = RankLink(home=home)  # an older incarnation's are not ours
+            self._forget_unacked(key)
+            # An older incarnation's are not ours; what the rank's links hold counts against
+            # its budget (``LocalRank.room_for``).
+            self._unacked[key] = RankLink(home=home, held=rank.held)
             # Nor are the frames the relay still sends to the older one until it reads this
             # Attach: routed again once it answers (``_resolve``).
             self.attached.pop(key, None)
@@ -516,7 +526,7 @@ class RelayLink(InboundRouting):
                 continue  # reconnecting: attach on the next connection
             if self.ranks.get(key) is rank:
                 del self.ranks[key]
-                self._unacked.pop(key, None)
+                self._forget_unacked(key)
             raise RelayLinkError(
                 f"cannot attach {rank.label} to {self.where}: {result}"
                 if result != "no answer"
@@ -611,7 +621,7 @@ class RelayLink(InboundRouting):
             return  # the link failed meanwhile (``_fail`` let go of every rank)
         del self.ranks[key]
         self.attached.pop(key, None)
-        self._unacked.pop(key, None)
+        self._forget_unacked(key)
         if self.broken is not None or not self._ready:
             return
         try:

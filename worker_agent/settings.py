@@ -87,6 +87,12 @@ class AgentSettings:
     max_bundle_members: int = setting(
         100_000, "Most files and directories a bundle may hold (zip bomb guard)."
     )
+    disk_keep_free: int = setting(
+        2 * 1024**3,
+        "Bytes of the disk holding the ranks' directories the agent keeps free: a bundle that "
+        "would extract beyond it (with the extractions under way) is not extracted here, and "
+        "its rank runs on another agent; 0 = no bound beyond each rank's.",
+    )
     package_index: str = setting(
         "",
         "Package index jobs' environments are installed from (a URL for pip --index-url; "

@@ -577,7 +577,9 @@ def test_a_relay_honouring_any_delivered_notice_starves_the_next_incarnation() -
     why, trace = counterexample_trace(
         PROGRAMS["all_any"], Config(agents=2, delivered_by_attachment=False)
     )
-    assert "got 2#2 after" in why or "deadlock" in why or "consumed" in why
+    # The search is random: the starved message may be any sender's (seen: "rank 2.2 got
+    # 0#2 after {1: 2}" as well as "got 2#2 after").
+    assert re.search(r"got \d+#2 after", why) or "deadlock" in why or "consumed" in why, why
     print(why, trace, sep="\n")
 
 

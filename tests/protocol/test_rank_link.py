@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from vpool.protocol.rank_link import Delivery, RankLink, is_current, replaces, restarted
+from vpool.protocol.rank_link import Delivery, Held, RankLink, is_current, replaces, restarted
 
 
 def test_acks_release_frames_and_resend_takes_every_unacked_message() -> None:
@@ -137,3 +137,26 @@ def test_every_delivery_pair_is_a_rule() -> None:
         d = Delivery({0: 2})
         assert d.take(via, 0, place_seq[place]) is rule
         assert d.received[0] == (place_seq[place] if rule is Take.GIVE else 2)
+
+
+def test_held_counts_the_bytes_kept_over_every_link_of_a_rank() -> None:
+    """What the agent holds of a rank's frames until logged (its budget, issue 35): added as
+    frames are kept, released as acks come and when a link lets go of everything."""
+    released: list[int] = []
+    held = Held(lambda: released.append(held.bytes))
+    home, other = RankLink(home=True, held=held), RankLink(home=False, held=held)
+    home.deposited(1, 1, [b"a" * 10, b"b" * 5])
+    home.deposited(1, 2, [b"c" * 20])
+    home.det_sent(0, [b"d" * 3])
+    other.deposited(2, 1, [b"e" * 100])
+    assert held.bytes == 138 and (home.nbytes, other.nbytes) == (38, 100)
+    home.acked(1, 1)
+    assert held.bytes == 123 and released == [123]
+    home.acked(1, 1)  # again: nothing to release, nobody woken
+    assert released == [123]
+    assert home.resend(dets_logged=1) == [[b"c" * 20]]  # the logged determinant goes
+    assert held.bytes == 120
+    other.clear()
+    assert held.bytes == 20 and len(other) == 0
+    home.acked(1, 2)
+    assert held.bytes == 0 and home.nbytes == 0 and released[-1] == 0

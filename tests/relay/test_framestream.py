@@ -114,3 +114,48 @@ async def test_a_socket_receives_into_the_scanner_and_frames_decode() -> None:
     assert type(got[0].message) is Credit and got[0].payload_len == 0
     assert [f.payload_len for f in got[1:]] == [10, LARGE * 4 + 7, 0, 200]
     assert all(type(f.message) is Data and f.size == len(f.frame) for f in got[1:])
+
+
+@settings(max_examples=40)
+@given(sizes, st.lists(st.integers(0, 10**6), max_size=30), st.integers(0, 3))
+def test_admit_sees_each_large_frame_first_and_changes_nothing(
+    sizes: list[int], cuts: list[int], cancel_every: int
+) -> None:
+    """``admit`` (the agent's budget) is awaited with each large frame's size before a buffer
+    is taken for it, after the frames before it were given out; cancelled there (a rank's
+    connection torn down), the reader picks up where it was."""
+    frames = frames_of(sizes)
+
+    async def main() -> tuple[list[bytes], list[tuple[str, int]]]:
+        reader = FrameStream(Chunks(split(b"".join(frames), cuts)), max_payload=1 << 30)
+        seen: list[tuple[str, int]] = []
+        calls = 0
+
+        async def admit(size: int) -> None:
+            nonlocal calls
+            calls += 1
+            seen.append(("admit", size))
+            await trio.lowlevel.checkpoint()
+            if cancel_every and calls % (cancel_every + 1) == 0:
+                await trio.sleep_forever()  # cancelled below, then asked again
+
+        reader.admit = admit
+        got: list[bytes] = []
+        while True:
+            with trio.move_on_after(0.01 if cancel_every else 60):
+                batch = await reader.receive_frames()
+                if not batch:
+                    return got, seen
+                for _, frame in batch:
+                    seen.append(("frame", len(frame)))
+                    got.append(bytes(frame))
+
+    got, seen = trio.run(main)
+    assert got == frames
+    large = [len(f) for f, size in zip(frames, sizes, strict=True) if size > LARGE]
+    admitted = [n for what, n in seen if what == "admit"]
+    assert sorted(set(admitted)) == sorted(set(large))
+    # Each large frame comes out right after it was admitted, never before.
+    for i, (what, n) in enumerate(seen):
+        if what == "frame" and n in large:
+            assert ("admit", n) in seen[:i]

@@ -402,6 +402,17 @@ RANK_PROGRAM = textwrap.dedent(
             while not isinstance(recv().message, m.Ack):
                 pass
         send(m.Finalize())
+    elif mode == "deposit":
+        # N messages of S bytes to rank 1, as fast as the agent takes them; then the Ack of
+        # the last one (the relay's log holds them all).
+        n, size = int(sys.argv[2]), int(sys.argv[3])
+        payload = bytes(size)
+        for seq in range(1, n + 1):
+            send(m.Data(job=w.job, src=w.rank, dst=1, seq=seq, ctx=0, tag=0), payload)
+        while not (isinstance(f := recv().message, m.Ack) and f.seq == n):
+            pass
+        say(acked=n)
+        send(m.Finalize())
     elif mode in ("seqgap", "detgap"):
         # A first message in order, then a gap: the agent refuses the gap itself.
         send(m.Data(job=w.job, src=w.rank, dst=1, seq=1, ctx=0, tag=0), b"in order")

@@ -10,6 +10,7 @@ import zipfile
 from pathlib import Path
 
 import httpx
+import pytest
 import trio
 
 from vpool.worker_agent.agent import run_agent
@@ -153,6 +154,21 @@ async def test_unsafe_bundle_fails_the_rank_once_not_as_lost(
     assert (done.code, done.lost) == (126, False)
     assert "'..'" in done.message and done.message.startswith("rank 0 cannot start")
     assert coordinator.problems == []
+
+
+@pytest.mark.parametrize("settings", [{"disk_keep_free": 1 << 60}], indirect=True)
+async def test_no_room_on_the_volunteers_disk_hands_the_rank_back(
+    agent: RunningAgent, coordinator: FakeCoordinator, settings: AgentSettings
+) -> None:
+    """A bundle the volunteer's disk has no room for (beyond what it keeps free) is not
+    extracted: the rank is reported lost here, not failed (another agent may have room)."""
+    coordinator.add_lease(lease_for(coordinator, None))
+    [problem] = await coordinator.wait_for(lambda: coordinator.problems)
+    assert (problem.job, problem.rank) == (7, 0)
+    assert "no room for its bundle here" in problem.message
+    assert problem.failure == ""  # not the job's fault: it runs elsewhere
+    assert coordinator.exits == []
+    assert not list(settings.rank_root_path.glob("*/work"))  # nothing extracted, nothing left
 
 
 async def test_heartbeat_reports_ranks_and_refreshes_token(

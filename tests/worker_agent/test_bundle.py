@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import os
 import stat
 import zipfile
 from pathlib import Path
@@ -9,8 +10,15 @@ from pathlib import Path
 import pytest
 import trio
 
-from vpool.worker_agent.bundle import BlobCache, extract_bundle, results_zip, snapshot
-from vpool.worker_agent.errors import BundleError, BundleRejected
+from vpool.worker_agent.bundle import (
+    BlobCache,
+    DiskRoom,
+    extract_bundle,
+    extracted_size,
+    results_zip,
+    snapshot,
+)
+from vpool.worker_agent.errors import BundleError, BundleRejected, NoRoom
 
 from .conftest import make_bundle
 
@@ -59,6 +67,38 @@ def test_extract_enforces_member_limit(tmp_path: Path) -> None:
         extract_bundle(zip_path, tmp_path / "out", max_bytes=1 << 20, max_members=10)
     extract_bundle(zip_path, tmp_path / "ok", max_bytes=1 << 20, max_members=11)
     assert len(list((tmp_path / "ok").iterdir())) == 11
+
+
+def test_extractions_keep_the_volunteers_disk_free_all_ranks_together(tmp_path: Path) -> None:
+    """Issue 35: extraction was bounded per rank only; two ranks of one job extracted a 1 GiB
+    bomb each. The agent's ``DiskRoom`` holds every extraction under way against what the
+    volunteer keeps free."""
+    free = [10 << 30]  # what the file system says is free
+
+    def statvfs(_: Path) -> os.statvfs_result:
+        return os.statvfs_result((4096, 1, 0, 0, free[0], 0, 0, 0, 0, 255))
+
+    room = DiskRoom(keep_free=2 << 30, statvfs=statvfs)
+    with room.reserve(tmp_path, 5 << 30):
+        assert room.reserved == 5 << 30
+        # 10 GiB free, 5 being written, 2 kept free: 3 GiB left for another extraction.
+        with pytest.raises(NoRoom, match=r"no room for its bundle here: it extracts to 3\.5 GiB"):
+            with room.reserve(tmp_path, 7 << 29):
+                pass
+        with room.reserve(tmp_path, 3 << 30):
+            assert room.reserved == 8 << 30
+    assert room.reserved == 0  # released when done, whatever happened
+    free[0] = 1 << 30
+    with pytest.raises(NoRoom, match="keeps 2 GiB of this disk free \\(1 GiB free\\)"):
+        with room.reserve(tmp_path, 1):
+            pass
+    with DiskRoom(keep_free=0, statvfs=statvfs).reserve(tmp_path, 1 << 40):
+        pass  # 0: no agent-wide bound
+    # The size an extraction reserves is the members' total, checked as extraction checks it.
+    path = _zip(tmp_path, {"a": "x" * 1000, "d/b": "y" * 24})
+    assert extracted_size(path, max_bytes=1024) == 1024
+    with pytest.raises(BundleRejected, match="more than the limit"):
+        extracted_size(path, max_bytes=1023)
 
 
 def test_extract_and_results(tmp_path: Path) -> None:

@@ -349,3 +349,44 @@ async def test_a_frame_larger_than_the_ranks_memory_is_refused_at_its_prefix(
     assert {"refused": "frame_too_large"} in json_lines(coordinator.output_of(7, 0))
     detach, _, _ = await conn.receive()
     assert detach == Detach(job=7, rank=0)  # nothing of it reached the relay
+
+
+async def test_the_agent_holds_no_more_of_a_ranks_messages_than_its_budget(
+    agent: RunningAgent, coordinator: FakeCoordinator, relay: FakeRelay
+) -> None:
+    """Issue 35: the agent keeps a rank's messages until the relay logs them, and held as much
+    as the rank sent. Now it stops reading the rank once what it holds reaches the rank's
+    memory limit (64 MiB here: 15 frames of 4 MiB and their headers), and reads on as the
+    relay acknowledges."""
+    frame = 4 << 20
+    lease = lease_for(coordinator, relay, args=["deposit", "24", str(frame)])
+    coordinator.add_lease(msgspec.structs.replace(lease, memory=64 << 20))
+    conn = await _open_relay(relay)
+    await _attach(conn)
+    sizes: list[int] = []
+
+    async def take(count: int) -> None:
+        while len(sizes) < count:
+            msg, _, raw = await conn.receive()
+            if isinstance(msg, Data):
+                assert msg.seq == len(sizes) + 1
+                sizes.append(len(raw))
+
+    with trio.fail_after(30):
+        await take(15)
+    assert sum(sizes) <= 64 << 20 < sum(sizes) + sizes[-1]
+    # Nothing more comes while the relay acknowledges nothing (before the fix, all 24 did).
+    with trio.move_on_after(1):
+        await take(16)
+    assert len(sizes) == 15
+    await conn.send(Ack(job=7, src=0, dst=1, seq=5))  # 5 logged: room for 5 more
+    with trio.fail_after(30):
+        await take(20)
+    await conn.send(Ack(job=7, src=0, dst=1, seq=20))
+    with trio.fail_after(30):
+        await take(24)
+    await conn.send(Ack(job=7, src=0, dst=1, seq=24))
+    done = await coordinator.wait_for(lambda: coordinator.exit_of(7, 0))
+    assert done.code == 0
+    assert {"acked": 24} in json_lines(coordinator.output_of(7, 0))
+    assert coordinator.problems == []
