@@ -52,3 +52,11 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 def pytest_configure(config: pytest.Config) -> None:
     quickmode.pytest_configure(config)
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    # Where the run's time goes (scripts/test-times reads the JUnit XML scripts/test writes):
+    # the fixtures each test uses, so time can be summed per pool fixture.
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    names = [n for n in getattr(item, "fixturenames", ()) if n not in params]
+    item.user_properties.append(("fixtures", " ".join(sorted(names))))
