@@ -639,7 +639,7 @@ class ValidationMixin:
         self.db.execute(
             "INSERT INTO output (job, rank, stream, offset, data) SELECT job, rank, stream, "
             "offset, data FROM validation_output WHERE job = ? AND rank = ? AND incarnation = ? "
-            "ORDER BY offset, stream",
+            "ORDER BY rowid",  # as they arrived
             [job, rank, incarnation],
         )
         new = self._one(

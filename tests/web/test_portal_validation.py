@@ -105,15 +105,28 @@ async def test_a_pool_that_validates_every_job_says_so_on_the_form(tmp_path: Pat
 # -- a validated job's pages --------------------------------------------------------------------
 
 
+def _warning(lease: api.Lease, rank_dir: str | None = None) -> bytes:
+    """What the program prints on stderr: a warning naming its own path, as seen in the
+    sandbox (``rank_dir`` None) or in an unsandboxed agent's directory for the rank."""
+    where = rank_dir or "/vpool/rank"
+    return f"{where}/work/app.py:3: UserWarning: slow\n".encode()
+
+
 async def _original_run(pool: Pool, stdout: bytes) -> tuple[int, Agent, api.Lease]:
-    """A validated one-rank job run by agent-a, which printed ``stdout`` and has not exited."""
+    """A validated one-rank job run by agent-a (unsandboxed), which printed ``stdout`` and
+    its warning, and has not exited."""
     await pool.register_relay("relay-0")
     a = await pool.enroll("agent-a", slots=1)
     job = await pool.submit(1, validate=True)
     [lease] = await pool.lease(a)
     await pool.heartbeat(a, [lease])
     await pool.output(a, lease, "stdout", 0, stdout)
+    await pool.output(a, lease, "stderr", 0, _warning(lease, _unsandboxed(lease)))
     return job.id, a, lease
+
+
+def _unsandboxed(lease: api.Lease) -> str:
+    return f"/home/alice/.vpool/ranks/{lease.job_uid}-{lease.rank}-{lease.incarnation}-x1y2z3"
 
 
 async def _validators(pool: Pool) -> list[Agent]:
@@ -132,10 +145,10 @@ async def _reexecution(pool: Pool, agents: list[Agent]) -> tuple[Agent, api.Leas
 
 
 async def _replay(pool: Pool, agent: Agent, lease: api.Lease, stdout: bytes) -> None:
-    """The re-execution prints ``stdout`` (and a stderr line that is never shown), exits 0,
-    and the relay finds its messages as logged."""
+    """The re-execution prints ``stdout`` and the warning (sandboxed: paths of its own), exits
+    0, and the relay finds its messages as logged."""
     await pool.output(agent, lease, "stdout", 0, stdout)
-    await pool.output(agent, lease, "stderr", 0, b"a path of the validator\n")
+    await pool.output(agent, lease, "stderr", 0, _warning(lease))
     r = await pool.exit(agent, lease)
     assert r.status_code == 200, r.text
     report = api.RelayValidated(
@@ -196,7 +209,8 @@ async def test_a_validated_job_page_as_validation_goes(portal: Portal) -> None:
     assert "validated: rank(s) 0 re-executed and confirmed" in done.group(1)
     assert _rank_cells(html) == [f"agreed by {detail.ranks[0].validated_by}"]
     assert detail.ranks[0].validated_by.startswith("agent agent-")
-    assert _output(html) == TRUE.decode()  # the validator's stderr is never the job's
+    # The original's output, both streams: the validator's (its paths) is never the job's.
+    assert _output(html) == (TRUE + _warning(lease, _unsandboxed(lease))).decode()
     assert 'id="output-withheld"' not in html and "this is all of its output" in html
     assert 'class="seg seg-validating"' in html
     listing = (await alice.get("/jobs")).text
@@ -223,7 +237,7 @@ async def test_a_corrected_rank_and_its_warnings_on_the_page(portal: Portal) -> 
     detail = await pool.job(job)
     assert detail.job.state == "succeeded", detail.job.reason
     html = (await alice.get(f"/jobs/{job}")).text
-    assert _output(html) == TRUE.decode()
+    assert _output(html) == (TRUE + _warning(lease2)).decode()  # the agreed run's, both
     [cell] = _rank_cells(html)
     assert cell.startswith("corrected by agents agent-")
     assert 'class="badge validation-corrected"' in html
