@@ -20,7 +20,6 @@ import argparse
 import datetime as dt
 import json
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -32,22 +31,14 @@ import msgspec
 import trio
 
 from vpool import heap, tls
-from vpool.coordinator import keys
+from vpool.coordinator import keys, pooldir
 from vpool.coordinator.service import Coordinator
 from vpool.coordinator.settings import CoordinatorSettings
-from vpool.protocol import api, pki
+from vpool.protocol import api
 
 CHUNK = 16 * 1024
 SETTLE = heap.PERIOD + 2.0
 DEADLINE = 60.0
-
-
-def _command() -> list[str]:
-    script = Path(sys.executable).with_name("vpool-coordinator")
-    if script.exists():
-        return [str(script)]
-    found = shutil.which("vpool-coordinator")
-    return [found] if found else [sys.executable, "-m", "vpool.coordinator.cli"]
 
 
 def _state(tmp: Path, mib: int) -> tuple[str, str, int, int]:
@@ -85,25 +76,19 @@ def _state(tmp: Path, mib: int) -> tuple[str, str, int, int]:
     return token, cookie, jobs[0], jobs[1]
 
 
-def _pool_files(tmp: Path) -> tuple[Path, Path]:
-    now = dt.datetime.now(dt.UTC)
-    ca_cert, ca_key = pki.make_ca("bench", now=now)
-    cert, key = pki.issue_server_cert(
-        ca_cert,
-        ca_key,
-        common_name="coordinator",
-        dns_names=["localhost"],
-        ip_addresses=["127.0.0.1"],
-        now=now,
+def _pool(tmp: Path) -> pooldir.PoolDir:
+    """The pool's files as ``vpool-coordinator init --public-url https://127.0.0.1`` makes
+    them (CA, certificate, settings), its state in ``tmp/state``."""
+    pool = pooldir.PoolDir(tmp / "pool")
+    pooldir.make_pool(
+        pool,
+        public_url="https://127.0.0.1",
+        host="127.0.0.1",
+        pool_name="bench",
+        state_dir=tmp / "state",
+        now=dt.datetime.now(dt.UTC),
     )
-    for name, data in (("ca.pem", ca_cert), ("cert.pem", cert), ("key.pem", key)):
-        (tmp / name).write_bytes(data)
-    config = tmp / "coordinator.toml"
-    config.write_text(
-        f'host = "127.0.0.1"\nport = 0\nstate_dir = "{tmp / "state"}"\n'
-        f'tls_cert = "{tmp / "cert.pem"}"\ntls_key = "{tmp / "key.pem"}"\n'
-    )
-    return config, tmp / "ca.pem"
+    return pool
 
 
 def _memory(pid: int) -> dict[str, int]:
@@ -177,13 +162,17 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as name:
         tmp = Path(name)
-        config, ca = _pool_files(tmp)
+        pool = _pool(tmp)
         token, cookie, small, big = _state(tmp, args.mib)
         env = {k: v for k, v in os.environ.items() if not k.startswith("VPOOL_")}
         env["VPOOL_HOME"] = str(tmp / "home")
+        # Port 0, and the URL the ready file gives (not the public URL's port 443).
+        env["VPOOL_COORDINATOR_PORT"] = "0"
+        env["VPOOL_COORDINATOR_PUBLIC_URL"] = ""
         ready = tmp / "ready.json"
+        serve = Path(sys.executable).with_name("vpool-coordinator")
         proc = subprocess.Popen(
-            [*_command(), "serve", "--config", str(config), "--ready-file", str(ready)],
+            [str(serve), "serve", "--config", str(pool.settings), "--ready-file", str(ready)],
             env=env,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
@@ -195,7 +184,8 @@ def main() -> None:
                     sys.exit("the coordinator did not start")
                 time.sleep(0.05)
             url = json.loads(ready.read_text())["url"]
-            with httpx.Client(base_url=url, verify=tls.client_context(ca), timeout=60) as client:
+            verify = tls.client_context(pool.ca_cert)
+            with httpx.Client(base_url=url, verify=verify, timeout=60) as client:
                 client.cookies.set("vpool_session", cookie)
                 _view(client, token, small)  # warm: imports, templates, caches
                 base = _views(proc.pid, client, token, small, args.views)

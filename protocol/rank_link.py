@@ -87,7 +87,7 @@ class Held:
 class RankLink:
     """Unacknowledged ``Data`` per destination and ``Det``s of one rank on one relay link."""
 
-    __slots__ = ("data", "dets", "held", "home", "local", "nbytes")
+    __slots__ = ("data", "dets", "held", "home", "local")
 
     def __init__(self, *, home: bool, held: Held | None = None) -> None:
         self.home = home  # the rank's home relay: its determinants go here
@@ -98,24 +98,30 @@ class RankLink:
         # The rank's count, shared by its links (None: nothing counted; the parts need not
         # be buffers then, as in the model of tests/protocol/test_ft_model.py).
         self.held = held
-        self.nbytes = 0  # what this one holds
 
     def _kept(self, parts: list[Buffer]) -> None:
         if self.held is not None:
-            n = frame_bytes(parts)
-            self.nbytes += n
-            self.held.add(n)
+            self.held.add(frame_bytes(parts))
 
-    def _let_go(self, n: int) -> None:
+    def _drop_through(self, queue: deque[Frame], last: int) -> None:
+        """Drop the frames of ``queue`` numbered up to ``last``, counting their bytes out."""
+        gone = 0
+        while queue and queue[0][0] <= last:
+            parts = queue.popleft()[1]
+            if self.held is not None:
+                gone += frame_bytes(parts)
         if self.held is not None:
-            self.nbytes -= n
-            self.held.release(n)
+            self.held.release(gone)
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes of the frames this link keeps (its part of ``held``)."""
+        return sum(frame_bytes(p) for q in (*self.data.values(), self.dets) for _, p in q)
 
     def clear(self) -> None:
         """The link lets go of everything (the rank detached, or the link failed)."""
-        self.data.clear()
-        self.dets.clear()
-        self._let_go(self.nbytes)
+        for queue in (*self.data.values(), self.dets):
+            self._drop_through(queue, queue[-1][0] if queue else 0)
 
     # -- out: what the rank deposits ---------------------------------------------------------
 
@@ -148,24 +154,11 @@ class RankLink:
         """Everything of channel (this rank, ``dst``) up to ``seq`` is in the relay's log."""
         queue = self.data.get(dst)
         if queue:
-            gone = 0
-            counted = self.held is not None
-            while queue and queue[0][0] <= seq:
-                parts = queue.popleft()[1]
-                if counted:
-                    gone += frame_bytes(parts)
-            self._let_go(gone)
+            self._drop_through(queue, seq)
 
     def dets_acked(self, count: int) -> None:
         """Determinants ``0 .. count-1`` are durable at the home relay."""
-        dets = self.dets
-        gone = 0
-        counted = self.held is not None
-        while dets and dets[0][0] < count:
-            parts = dets.popleft()[1]
-            if counted:
-                gone += frame_bytes(parts)
-        self._let_go(gone)
+        self._drop_through(self.dets, count - 1)
 
     # -- a re-attachment ------------------------------------------------------------------
 

@@ -286,11 +286,16 @@ class LocalRank:
     def _released(self) -> None:
         self._room.set()
 
-    async def room_for(self, nbytes: int) -> None:
-        """Wait until the agent may take ``nbytes`` more of the rank's frames: while what it
-        holds and ``nbytes`` would pass the budget, until the relays acknowledge some. With
+    def full(self, nbytes: int = 0) -> bool:
+        """Whether what the agent holds and ``nbytes`` more would pass the budget. With
         nothing held, any frame the rank may send goes (one as large as the budget too)."""
-        while self.budget and self.held.bytes and self.held.bytes + nbytes > self.budget:
+        held = self.held.bytes
+        return bool(self.budget and held and held + nbytes > self.budget)
+
+    async def room_for(self, nbytes: int) -> None:
+        """Wait until the agent may take ``nbytes`` more of the rank's frames (``full``),
+        until the relays acknowledge some."""
+        while self.full(nbytes):
             self._room = trio.Event()
             await self._room.wait()
 

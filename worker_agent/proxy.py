@@ -417,7 +417,8 @@ class RankProxy:
         reader.admit = rank.room_for
         try:
             while True:
-                await rank.room_for(0)
+                if rank.full():  # checked first: no coroutine per frame on the way out
+                    await rank.room_for(0)
                 frame = await reader.receive()
                 if frame is None:
                     return True
