@@ -61,6 +61,9 @@ STORE_TIMEOUT = 300.0  # s for CkptEnd -> CkptStored
 _ACK_POLL = 0.01
 CONTROL_WAIT = 10.0  # s an ordered checkpoint waits for the rank's control connection
 CLONE_LET_GO = 2.0  # s a clone may take to close its agent connections before it is dumped
+# Dumps of one checkpoint CRIU may refuse for a socket the clone opened after it was let go.
+DUMP_TRIES = 3
+_EXTERNAL_SOCKET = "External socket is used"  # CRIU's words (criu/sk-unix.c)
 # s to wait for the orphaned clone's own CkptForked when the rank died with a request out
 ORPHAN_REPORT_WAIT = 2.0
 # s a failed periodic checkpoint waits for its rank's exit before it is reported
@@ -493,12 +496,31 @@ class Checkpointer:
             dumps.append(seconds)
 
         started = trio.current_time()
-        if taking.clone > 0:
-            await _clone_let_go(taking.clone)
-        # Dumped, packed and sent by a worker process (``ckpt_workers``), not in the agent.
-        size = await svc.checkpoint_workers().run(
-            task, dumped=dumped, acked=functools.partial(self._acked_in_time, ready)
-        )
+        for attempt in range(1, DUMP_TRIES + 1):
+            if taking.clone > 0:
+                await _clone_let_go(taking.clone)
+            try:
+                # Dumped, packed and sent by a worker process (``ckpt_workers``), not in the
+                # agent.
+                size = await svc.checkpoint_workers().run(
+                    task, dumped=dumped, acked=functools.partial(self._acked_in_time, ready)
+                )
+                break
+            except criu.CriuError as exc:
+                if attempt == DUMP_TRIES or not _socket_in_the_way(exc, taking.clone):
+                    raise
+                # Refused before any page was written (nothing was sent to the store): the
+                # clone opened a socket after it was let go, which an orphaned clone does
+                # when its rank dies then (``RankHello.orphan``). It closes it soon.
+                log.info(
+                    "checkpoint %d of %s: the clone held a socket at the dump; again (%d/%d)",
+                    taking.ckpt,
+                    rank.label,
+                    attempt + 1,
+                    DUMP_TRIES,
+                )
+                await _remove(Path(task.scratch))
+                (Path(task.scratch) / "images").mkdir(parents=True)
         log.info(
             "checkpoint %d of %s: %s, dump %.2f s, %.1f MB in %.2f s",
             taking.ckpt,
@@ -591,6 +613,11 @@ async def _clone_let_go(pid: int, wait: float = CLONE_LET_GO) -> None:
         if not await trio.to_thread.run_sync(_holds_unix_socket, pid):
             return
         await trio.sleep(0.01)
+
+
+def _socket_in_the_way(exc: criu.CriuError, clone: int) -> bool:
+    """Whether CRIU refused the live clone ``clone`` only for a unix socket it held."""
+    return clone > 0 and _EXTERNAL_SOCKET in str(exc) and os.path.exists(f"/proc/{clone}")
 
 
 def _holds_unix_socket(pid: int) -> bool:

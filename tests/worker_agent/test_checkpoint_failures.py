@@ -54,13 +54,13 @@ def checkpointer(
     """A Checkpointer of ``rank`` behind the proxy at ``path``, with no usable CRIU (its dumps
     fail, which the failure report says), and the fake coordinator client it reports to."""
     client = _Client()
+    defaults = {
+        "criu": str(tmp_path / "no-criu"),
+        "checkpoint_scratch": str(tmp_path / "scratch"),
+        "work_dir": str(tmp_path / "w"),
+    }
     svc = RankServices(
-        settings=AgentSettings(
-            criu=str(tmp_path / "no-criu"),
-            checkpoint_scratch=str(tmp_path / "scratch"),
-            work_dir=str(tmp_path / "w"),
-            **settings,
-        ),
+        settings=AgentSettings(**(defaults | settings)),
         client=client,  # type: ignore[arg-type]
         links=None,  # type: ignore[arg-type]
         blobs=None,  # type: ignore[arg-type]
@@ -116,7 +116,9 @@ class Dumping:
 
 
 @contextlib.asynccontextmanager
-async def dumping(proxy: tuple[LocalRanks, Path], tmp_path: Path) -> AsyncIterator[Dumping]:
+async def dumping(
+    proxy: tuple[LocalRanks, Path], tmp_path: Path, **settings: Any
+) -> AsyncIterator[Dumping]:
     ranks, path = proxy
     rank = LocalRank(LEASE)
     ranks.add(rank)
@@ -130,7 +132,7 @@ async def dumping(proxy: tuple[LocalRanks, Path], tmp_path: Path) -> AsyncIterat
         rank.pid = rank_proc.pid
         data, _ = await _connect(path, RankHello(PROTOCOL_VERSION, rank.secret))
         control, _ = await _connect(path, RankHello(PROTOCOL_VERSION, rank.secret, control=True))
-        ckpt, client = checkpointer(ranks, path, rank, tmp_path)
+        ckpt, client = checkpointer(ranks, path, rank, tmp_path, **settings)
         try:
             yield Dumping(rank_proc, clone, data, control, ckpt, client)
         finally:
@@ -199,3 +201,39 @@ def test_a_clone_holding_a_unix_socket_is_waited_for() -> None:
         a.close()
         b.close()
     assert not checkpoints._holds_unix_socket(2**22 + 1)  # no such process: nothing to wait for
+
+
+# A criu that refuses every dump as CRIU refuses a process holding a unix socket whose peer is
+# outside the dump (or, with "other", for another reason), and counts its runs.
+_REFUSING_CRIU = """#!/bin/sh
+echo run >> {runs}
+while [ $# -gt 0 ]; do
+    if [ "$1" = -o ]; then log=$2; fi
+    shift
+done
+echo "Error (criu/sk-unix.c:874): unix: {why}" > "$log"
+exit 1
+"""
+
+
+@pytest.mark.parametrize(
+    ("why", "runs"),
+    [("External socket is used. Consider using --ext-unix-sk option.", 3), ("other", 1)],
+    ids=["socket", "other"],
+)
+async def test_a_dump_refused_for_a_socket_is_tried_again(
+    proxy: tuple[LocalRanks, Path], tmp_path: Path, why: str, runs: int
+) -> None:
+    """An orphaned clone connects to the agent when its rank dies (``RankHello.orphan``), which
+    may be after the agent saw it hold no socket and before CRIU seized it: CRIU refuses it then
+    ("External socket is used"), before writing any page. The agent dumps it again (at most
+    ``DUMP_TRIES`` times); any other refusal is final at once."""
+    fake = tmp_path / "criu"
+    fake.write_text(_REFUSING_CRIU.format(runs=tmp_path / "runs", why=why))
+    fake.chmod(0o755)
+    async with dumping(proxy, tmp_path, criu=str(fake)) as d:
+        assert await take_once(d.ckpt, d.forked) is False
+        assert (tmp_path / "runs").read_text().split() == ["run"] * runs
+        [failed] = d.client.failed
+        assert why.split(".")[0] in failed.message, failed.message
+        assert not any((tmp_path / "scratch").iterdir())
