@@ -60,3 +60,19 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     params = getattr(getattr(item, "callspec", None), "params", {})
     names = [n for n in getattr(item, "fixturenames", ()) if n not in params]
     item.user_properties.append(("fixtures", " ".join(sorted(names))))
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # The slow tier: mutation searches (marked ``search``) run when asked for (-m search),
+    # under scripts/test --all, or when scripts/test found the files they guard changed
+    # (VPOOL_TEST_SEARCH=1); otherwise they are skipped, saying so. Their kept
+    # counterexamples are checked on every run.
+    if "search" in (config.getoption("markexpr") or "") or os.environ.get("VPOOL_TEST_SEARCH"):
+        return
+    skip = pytest.mark.skip(
+        reason="a mutation search (slow tier): -m search, scripts/test --all, or a change to "
+        "the files it guards runs it; its kept counterexample is checked on every run"
+    )
+    for item in items:
+        if "search" in item.keywords:
+            item.add_marker(skip)

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import msgspec
 import pytest
 
 BIN = Path(sys.executable).parent
@@ -36,10 +37,29 @@ class Pool:
             check=False,
         )
 
-    def status(self, job: int) -> dict | None:
-        """``vsdk status JOB --json``, or None while the coordinator does not answer."""
-        res = self.vsdk("status", str(job), "--json", timeout=30)
-        return json.loads(res.stdout) if res.returncode == 0 else None
+    def status(self, job: int | None = None) -> dict | None:
+        """What ``vsdk status [JOB] --json`` prints, or None while the coordinator does not
+        answer. Asked through the SDK's ``Client`` in this process: a wait that started a
+        ``vsdk`` process every 50 ms took a core from the pool it waited for (the CLI itself
+        is tested once, in test_local_pool.py)."""
+        from vpool.sdk.client import Client
+        from vpool.sdk.errors import VsdkError
+
+        try:
+            with Client.from_config(self.home / "config" / "client.toml", timeout=30) as client:
+                if job is not None:
+                    got: object = client.status(job)
+                else:
+                    got = {"pool": client.pool_info(), "agents": client.agents()}
+        except (VsdkError, OSError):
+            return None
+        return json.loads(msgspec.json.encode(got))
+
+    def detail(self, job: int | None = None) -> dict:
+        """``status``, which must answer."""
+        got = self.status(job)
+        assert got is not None, f"the coordinator does not answer\n{self.logs()}"
+        return got
 
     def wait(self, job: int, cond, what: str, timeout: float = 120) -> dict:
         """The job's status once ``cond(status)`` holds; fails after ``timeout`` s."""

@@ -53,21 +53,13 @@ def submit(
 
 
 def detail(pool: Pool, job: int) -> dict | None:
-    res = pool.vsdk("status", str(job), "--json", timeout=30)
-    return json.loads(res.stdout) if res.returncode == 0 else None
+    return pool.status(job)
 
 
 def wait_until(
     pool: Pool, job: int, cond: Callable[[dict], bool], what: str, timeout: float = 60
 ) -> dict:
-    deadline = time.monotonic() + timeout
-    while True:
-        got = detail(pool, job)
-        if got is not None and cond(got):
-            return got
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what}: not after {timeout} s; last {got}\n{pool.logs()}")
-        time.sleep(0.05)
+    return pool.wait(job, cond, what, timeout)
 
 
 def ended(d: dict) -> bool:

@@ -35,21 +35,11 @@ def submit(pool: Pool, program: str, ranks: int, *args: str) -> int:
 
 
 def detail(pool: Pool, job: int) -> dict | None:
-    res = pool.vsdk("status", str(job), "--json", timeout=30)
-    if res.returncode != 0:
-        return None  # the coordinator may be restarting
-    return json.loads(res.stdout)
+    return pool.status(job)  # None: the coordinator may be restarting
 
 
 def wait_until(pool: Pool, job: int, cond, what: str, timeout: float = 120) -> dict:
-    deadline = time.monotonic() + timeout
-    while True:
-        got = detail(pool, job)
-        if got is not None and cond(got):
-            return got
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what}: not after {timeout} s; last {got}\n{pool.logs()}")
-        time.sleep(0.05)
+    return pool.wait(job, cond, what, timeout)
 
 
 def all_running(d: dict) -> bool:

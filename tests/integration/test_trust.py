@@ -47,20 +47,11 @@ def _client(pool: Pool) -> httpx.Client:
 
 
 def _detail(pool: Pool, job: int) -> dict:
-    res = pool.vsdk("status", str(job), "--json", timeout=30)
-    assert res.returncode == 0, res.stderr.decode()
-    return json.loads(res.stdout)
+    return pool.detail(job)
 
 
 def _wait(pool: Pool, job: int, cond, what: str, timeout: float = 120) -> dict:
-    deadline = time.monotonic() + timeout
-    while True:
-        got = _detail(pool, job)
-        if cond(got):
-            return got
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what}: not after {timeout} s; last {got}\n{pool.logs()}")
-        time.sleep(0.1)
+    return pool.wait(job, cond, what, timeout)
 
 
 def _submit(pool: Pool, ranks: int, seconds: str) -> int:

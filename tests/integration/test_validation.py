@@ -46,9 +46,7 @@ def _operator(pool: Pool, *args: str) -> str:
 
 
 def _status(pool: Pool, job: int | None = None) -> dict:
-    res = pool.vsdk("status", *([str(job)] if job else []), "--json", timeout=30)
-    assert res.returncode == 0, res.stderr.decode()
-    return json.loads(res.stdout)
+    return pool.detail(job)
 
 
 def _wait_for(cond, what: str, pool: Pool, timeout: float = 120):

@@ -491,23 +491,67 @@ def counterexample(programs: list[Program], config: Config) -> tuple[Schedule, s
     return schedule, why
 
 
-def counterexample_trace(programs: list[Program], config: Config) -> tuple[str, str]:
-    schedule, why = counterexample(programs, config)
+# Each test below removes one rule of the protocol (a ``Config`` switch) and shows the model
+# then breaks. The search for a schedule that breaks it (``counterexample``, up to 20,000
+# schedules) takes seconds to minutes; replaying the schedule it found takes milliseconds. So
+# every run replays the kept schedule (``kept_counterexample``: the mutated model breaks on
+# it, the real one does not), and the searches themselves (``test_the_search_still_finds``)
+# run in the slow tier: ``-m search`` (scripts/test runs them when the protocol's files
+# changed, and always with --all). A kept schedule that stops breaking the mutated model (the
+# model changed) is found again by the search, whose output prints the schedule to keep.
+MUTATIONS: dict[str, tuple[str, Config, Schedule]] = {
+    "pessimistic": (
+        "all_any",
+        Config(pessimistic=False),
+        Schedule(faults=((0, 0), (37, 0)), seed=72),
+    ),
+    "flush_lazy": ("poll_then_send", Config(flush_lazy=False), Schedule(faults=((0, 0), (13, 0)))),
+    "detack": ("gather_any", Config(detack_from_attached=False), Schedule(faults=((19, 238),))),
+    "delivered": (
+        "all_any",
+        Config(agents=2, delivered_by_attachment=False),
+        Schedule(faults=((1, 0),)),
+    ),
+    "in_order": ("all_any", Config(agents=2, local_in_order=False), Schedule(faults=((52, 0),))),
+    "deposit": ("all_any", Config(agents=2, deposit_local=False), Schedule(faults=((1, 0),))),
+    "credit": ("all_any", Config(agents=2, credit_dropped=False), Schedule(choices=(0, 0, 2))),
+}
+
+
+def kept_counterexample(name: str) -> tuple[str, str]:
+    """Why the mutated model breaks on its kept schedule, and the trace; checked that the
+    real model does not."""
+    program, config, schedule = MUTATIONS[name]
+    programs = PROGRAMS[program]
+    why = failure(programs, schedule, config)
+    assert why is not None, (
+        f"the kept counterexample of {name!r} no longer breaks the mutated model: run "
+        f"`pytest -m search -k {name} -s` and keep the schedule it prints"
+    )
+    real = failure(programs, schedule, Config(agents=config.agents))
+    assert real is None, f"the real model breaks on {name!r}'s schedule: {real}"
     return why, replay(programs, schedule, config)
 
 
+@pytest.mark.search
+@pytest.mark.parametrize("name", list(MUTATIONS))
+def test_the_search_still_finds(name: str) -> None:
+    """The search behind each kept schedule: the mutated model breaks on some schedule."""
+    program, config, _ = MUTATIONS[name]
+    schedule, why = counterexample(PROGRAMS[program], config)
+    print(f"{name}: keep {schedule!r} ({why})")
+
+
 def test_without_the_pessimistic_wait_a_crash_changes_the_execution() -> None:
-    config = Config(pessimistic=False)
-    schedule, why = counterexample(PROGRAMS["all_any"], config)
+    why, trace = kept_counterexample("pessimistic")
     assert "not deterministic" in why or "consumed" in why
-    print(why, explain(run(PROGRAMS["all_any"], schedule, config)), sep="\n")
+    print(why, trace, sep="\n")
 
 
 def test_without_the_lazy_flush_a_crash_changes_the_execution() -> None:
-    config = Config(flush_lazy=False)
-    schedule, why = counterexample(PROGRAMS["poll_then_send"], config)
+    why, trace = kept_counterexample("flush_lazy")
     assert "not deterministic" in why or "consumed" in why
-    print(why, explain(run(PROGRAMS["poll_then_send"], schedule, config)), sep="\n")
+    print(why, trace, sep="\n")
 
 
 def test_replaying_undurable_determinants_breaks_the_log() -> None:
@@ -561,7 +605,7 @@ def test_a_detack_lost_with_a_relay_restart_is_said_again_from_attached() -> Non
         run_script(programs, script, Config(detack_from_attached=False))
     outcome = run_script(programs, script, Config())
     assert check(programs, outcome) == [], explain(outcome)
-    why, trace = counterexample_trace(PROGRAMS["gather_any"], Config(detack_from_attached=False))
+    why, trace = kept_counterexample("detack")
     assert "deadlock" in why
     print(why, trace, sep="\n")
 
@@ -574,11 +618,9 @@ def test_a_relay_honouring_any_delivered_notice_starves_the_next_incarnation() -
     attachment (its connection, its incarnation). A core that honours any: rank 0.1 got
     message 1 of rank 2 locally and crashed; its late ``Delivered`` keeps the relay from ever
     pushing that message to rank 0.2, which then gets message 2 first (or waits forever)."""
-    why, trace = counterexample_trace(
-        PROGRAMS["all_any"], Config(agents=2, delivered_by_attachment=False)
-    )
-    # The search is random: the starved message may be any sender's (seen: "rank 2.2 got
-    # 0#2 after {1: 2}" as well as "got 2#2 after").
+    why, trace = kept_counterexample("delivered")
+    # A search may find another sender's message starved (seen: "rank 2.2 got 0#2 after
+    # {1: 2}" as well as "got 2#2 after").
     assert re.search(r"got \d+#2 after", why) or "deadlock" in why or "consumed" in why, why
     print(why, trace, sep="\n")
 
@@ -587,7 +629,7 @@ def test_local_delivery_out_of_channel_order_loses_a_message() -> None:
     """``Delivery.local`` hands over only the next message of the channel. Without that rule
     a message overtakes an earlier one still to come from the relay, and the agent then drops
     the earlier one as delivered already."""
-    why, trace = counterexample_trace(PROGRAMS["all_any"], Config(agents=2, local_in_order=False))
+    why, trace = kept_counterexample("in_order")
     assert "deadlock" in why or "consumed" in why
     print(why, trace, sep="\n")
 
@@ -595,7 +637,7 @@ def test_local_delivery_out_of_channel_order_loses_a_message() -> None:
 def test_a_locally_delivered_message_must_still_be_deposited() -> None:
     """The relay must log a locally delivered message all the same: else the channel's numbering
     has a gap at the relay, and a restarted receiver never gets the message."""
-    why, trace = counterexample_trace(PROGRAMS["all_any"], Config(agents=2, deposit_local=False))
+    why, trace = kept_counterexample("deposit")
     assert "a gap in the channel" in why or "deadlock" in why
     print(why, trace, sep="\n")
 
@@ -603,7 +645,7 @@ def test_a_locally_delivered_message_must_still_be_deposited() -> None:
 def test_a_dropped_push_must_still_be_credited() -> None:
     """The agent credits the pushes it drops (delivered locally already): else they fill the
     relay's window and the receiver's other messages stop coming."""
-    why, trace = counterexample_trace(PROGRAMS["all_any"], Config(agents=2, credit_dropped=False))
+    why, trace = kept_counterexample("credit")
     assert "deadlock" in why
     print(why, trace, sep="\n")
 
