@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import select
@@ -124,10 +125,16 @@ class Pool:
 
 
 def real_mpiexec(
-    program: str, n: int, *, cwd: Path = REPO, pythonpath: Path | None = None
+    program: str,
+    n: int,
+    *args: str,
+    cwd: Path = REPO,
+    pythonpath: Path | None = None,
+    stdin: Path | None = None,
 ) -> bytes:
-    """The output of ``mpiexec -n N python PROGRAM`` with Debian's MPICH and the real mpi4py
-    (the reference vpool's output must equal), run in ``cwd``."""
+    """The output of ``mpiexec -n N python PROGRAM ARGS`` with Debian's MPICH and the real
+    mpi4py (the reference vpool's output must equal), run in ``cwd``; ``stdin`` goes to rank 0
+    as ``vsdk submit --stdin`` sends it (none: an empty stdin, as a job without one gets)."""
     import shutil
 
     mpiexec = shutil.which("mpiexec")
@@ -135,16 +142,27 @@ def real_mpiexec(
     env = {k: v for k, v in os.environ.items() if not k.startswith("VPOOL")}
     if pythonpath is not None:
         env["PYTHONPATH"] = str(pythonpath)
-    res = subprocess.run(
-        [mpiexec, "-n", str(n), sys.executable, program],
-        capture_output=True,
-        timeout=180,
-        env=env,
-        check=False,
-        cwd=cwd,
-    )
+    with open(stdin if stdin is not None else os.devnull, "rb") as given:
+        res = subprocess.run(
+            [mpiexec, "-n", str(n), sys.executable, program, *args],
+            stdin=given,
+            capture_output=True,
+            timeout=180,
+            env=env,
+            check=False,
+            cwd=cwd,
+        )
     assert res.returncode == 0, res.stderr.decode()
     return res.stdout
+
+
+@functools.cache
+def reference(program: str, n: int, *args: str, stdin: Path | None = None) -> bytes:
+    """What a fault-free run of PROGRAM prints, the output a job must match however it was
+    hurt: ``real_mpiexec``'s (the product's promise: the same output as ``mpiexec``), once per
+    test session for each program, rank count, arguments and stdin (it is deterministic: the
+    pool's own fault-free runs printed the same, which ``test_local_pool`` checks too)."""
+    return real_mpiexec(program, n, *args, stdin=stdin)
 
 
 def end_process(pid: int, sig: int, timeout: float = 60) -> None:

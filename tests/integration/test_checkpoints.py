@@ -1,11 +1,11 @@
 """Checkpoints with the real CRIU on a real local pool: images made, ranks restored from them.
 
 Each test starts its own pool (`vsdk local up`), runs tests/integration/programs/ckpt_stencil.py
-(rank 0 prints a line every 10 steps and a checksum: deterministic output) once without faults
-for the reference output, then again with checkpoints while SIGKILLing rank processes (or an
-agent) by pid, and checks that the job's events say how each rank came back (`rank_restored`
-from an image, `restore_failed` with the reason, `rank_replaying` from the beginning) and that
-the output is byte-identical. Waits are for events, with deadlines; no sleeping for time to pass.
+(rank 0 prints a line every 10 steps and a checksum: deterministic output) with checkpoints
+while SIGKILLing rank processes (or an agent) by pid, and checks that the job's events say how
+each rank came back (`rank_restored` from an image, `restore_failed` with the reason,
+`rank_replaying` from the beginning) and that the output is byte-identical to a fault-free run's
+under real `mpiexec`. Waits are for events, with deadlines; no sleeping for time to pass.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 import pytest
 
 from tests.integration.conftest import children, end_process, environ_of, stdout_of
+from tests.integration.conftest import reference as mpiexec_reference
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -91,11 +92,9 @@ def output(pool: Pool, job: int) -> bytes:
     return res.stdout
 
 
-def reference(pool: Pool, ranks: int, *args: str, stdin: Path | None = None) -> bytes:
-    job = submit(pool, ranks, *args, stdin=stdin)
-    d = wait_until(pool, job, ended, "fault-free run")
-    assert d["job"]["state"] == "succeeded", d
-    return output(pool, job)
+def reference(ranks: int, *args: str, stdin: Path | None = None) -> bytes:
+    """The output of a fault-free run (real ``mpiexec``'s, once per test session)."""
+    return mpiexec_reference(PROGRAM, ranks, *args, stdin=stdin)
 
 
 def finish(pool: Pool, job: int, ref: bytes) -> dict:
@@ -186,7 +185,7 @@ def test_killed_rank_is_restored_from_its_checkpoint(pool: Pool, tmp_path: Path)
     # time, so each restored rank 0 must find its stdin file where its image left it.
     stdin = tmp_path / "stdin.txt"
     stdin.write_text("".join(f"line {i:04d} {'x' * 89}\n" for i in range(1, 601)))
-    ref = reference(pool, 4, "600", stdin=stdin)
+    ref = reference(4, "600", stdin=stdin)
     assert b"step 600: " in ref and b" line 0600 x" in ref, ref[-300:]
     job = submit(pool, 4, "600", every=2, stdin=stdin)
     d = wait_until(pool, job, checkpoints_of(0, 2), "2 checkpoints of rank 0")
@@ -215,7 +214,7 @@ def test_killed_rank_is_restored_from_its_checkpoint(pool: Pool, tmp_path: Path)
 
 
 def test_checkpoint_command_then_kill_restores_from_it(pool: Pool) -> None:
-    ref = reference(pool, 4, "600")
+    ref = reference(4, "600")
     job = submit(pool, 4, "600")  # no periodic checkpoints: only the one asked for
     wait_until(pool, job, lambda d: ended(d) or b"step 30:" in output(pool, job), "progress")
     checkpoint_now(pool, job, 1)
@@ -278,7 +277,7 @@ def test_relay_logs_stay_bounded_with_periodic_checkpoints(pool: Pool) -> None:
 
 
 def test_corrupted_image_is_detected_and_the_previous_one_used(pool: Pool) -> None:
-    ref = reference(pool, 4, "600")
+    ref = reference(4, "600")
     # Periodic checkpoints, 3 s apart: the newest image is corrupted and the rank killed within
     # a fraction of that, before another image could be committed.
     job = submit(pool, 4, "600", every=3)
@@ -309,7 +308,7 @@ def test_image_is_never_restored_on_a_mismatched_fingerprint(pool: Pool) -> None
     `vsdk local` starts agents from config files and keeps VPOOL_AGENT_* variables from them),
     so their fingerprint differs from agent-0's. The job runs on agent-0 alone; agent-0 is then
     killed with its ranks: only mismatched agents are left, and no image may be restored there."""
-    ref = reference(pool, 2, "300")
+    ref = reference(2, "300")
     others = [p["name"] for p in pool.pids() if p["name"].startswith("agent-")]
     others.remove("agent-0")
     for name in others:
@@ -366,7 +365,7 @@ def test_image_is_never_restored_on_a_mismatched_fingerprint(pool: Pool) -> None
 
 
 def test_rank_killed_with_its_checkpoint_in_flight_restores_from_it(pool: Pool) -> None:
-    ref = reference(pool, 4, "600")
+    ref = reference(4, "600")
     job = submit(pool, 4, "600")  # no periodic checkpoints: the ordered one is the only one
     wait_until(pool, job, all_running, "all ranks running")
     pid = rank_pid(pool, 1, job)
@@ -399,7 +398,7 @@ def test_stopping_agent_checkpoints_its_ranks_before_it_leaves(pool: Pool) -> No
     sleep) checkpoints its ranks before it stops them: their replacements restore from those
     images. A local pool's agents stop at once (`leave_checkpoint_grace = 0`): the agents get
     a volunteer's grace in their config files and are started again with it."""
-    ref = reference(pool, 4, "600")
+    ref = reference(4, "600")
     names = [p["name"] for p in pool.pids() if p["name"].startswith("agent-")]
     for name in names:
         os.kill(pool.pid_of(name), signal.SIGKILL)

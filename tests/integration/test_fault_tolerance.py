@@ -1,9 +1,9 @@
 """Transparent fault tolerance on a real local pool: kill things mid-job, get the same output.
 
 Each test starts its own pool (`vsdk local up`, real coordinator, relays and agents as separate
-processes), runs an example once without faults for the reference output, then again while
-SIGKILLing (or SIGSTOPping) one component by its recorded pid, and checks the job succeeds with
-byte-identical output and that the job's events tell what happened.
+processes), runs an example while SIGKILLing (or SIGSTOPping) one component by its recorded pid,
+and checks the job succeeds with the output of a fault-free run under real `mpiexec`, byte for
+byte, and that the job's events tell what happened.
 """
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
+
+from tests.integration.conftest import reference
 
 if TYPE_CHECKING:
     from conftest import Pool
@@ -54,13 +56,6 @@ def output(pool: Pool, job: int) -> bytes:
     res = pool.vsdk("logs", str(job))
     assert res.returncode == 0, res.stderr.decode()
     return res.stdout
-
-
-def reference(pool: Pool, program: str, ranks: int, *args: str) -> bytes:
-    job = submit(pool, program, ranks, *args)
-    d = wait_until(pool, job, ended, "fault-free run")
-    assert d["job"]["state"] == "succeeded", d
-    return output(pool, job)
 
 
 def rank_pid(pool: Pool, rank: int, job: int) -> int:
@@ -106,7 +101,7 @@ POLL = str(REPO / "examples" / "poll.py")
 def test_killed_rank_is_replaced_and_output_is_identical(
     pool4: Pool, program: str, args: list[str], victim: int
 ) -> None:
-    ref = reference(pool4, program, 8, *args)
+    ref = reference(program, 8, *args)
     job = submit(pool4, program, 8, *args)
     # (Not "all running": poll.py's workers may send everything and exit early.)
     wait_until(
@@ -147,7 +142,7 @@ def test_killed_rank_is_replaced_and_output_is_identical(
 
 
 def test_killed_agent_ranks_move_and_output_is_identical(pool4: Pool) -> None:
-    ref = reference(pool4, FARM, 8, "3000")
+    ref = reference(FARM, 8, "3000")
     job = submit(pool4, FARM, 8, "3000")
     d = wait_until(pool4, job, all_running, "all ranks running")
     os.kill(pool4.pid_of(agent_name(pool4, d["ranks"][2]["agent"])), signal.SIGKILL)
@@ -159,7 +154,7 @@ def test_killed_agent_ranks_move_and_output_is_identical(pool4: Pool) -> None:
 
 @pytest.mark.parametrize("component", ["relay-0", "coordinator"])
 def test_restarted_relay_or_coordinator_loses_nothing(pool4: Pool, component: str) -> None:
-    ref = reference(pool4, HEAT, 8, "3000")
+    ref = reference(HEAT, 8, "3000")
     job = submit(pool4, HEAT, 8, "3000")
     wait_until(pool4, job, all_running, "all ranks running")
     wait_until(pool4, job, lambda d: ended(d) or b"step " in output(pool4, job), "first steps")
@@ -181,7 +176,7 @@ def test_a_long_relay_outage_is_waited_out_without_spending_restarts(pool4: Pool
     """relay-0 stays down past the agents' relay_reconnect (30 s): its ranks are lost, but
     their replacements wait for it (no restart budget burnt on a relay nobody can reach), and
     the job goes on once it is back."""
-    ref = reference(pool4, HEAT, 8, "3000")
+    ref = reference(HEAT, 8, "3000")
     job = submit(pool4, HEAT, 8, "3000")
     wait_until(pool4, job, all_running, "all ranks running")
     wait_until(pool4, job, lambda d: ended(d) or b"step " in output(pool4, job), "first steps")
@@ -203,7 +198,7 @@ def test_a_long_relay_outage_is_waited_out_without_spending_restarts(pool4: Pool
 
 
 def test_frozen_agent_is_replaced_and_fenced_when_it_wakes(pool4: Pool) -> None:
-    ref = reference(pool4, HEAT, 8, "3000")
+    ref = reference(HEAT, 8, "3000")
     job = submit(pool4, HEAT, 8, "3000")
     d = wait_until(pool4, job, all_running, "all ranks running")
     victim = d["ranks"][1]["agent"]

@@ -26,6 +26,7 @@ from tests.integration.test_checkpoints import (
     events,
     images,
     output,
+    reference,
     submit,
     wait_agents,
     wait_until,
@@ -34,7 +35,6 @@ from tests.integration.test_suspend import (
     agent_status,
     freezer_state,
     reconfigure,
-    reference,
     running_on,
     wait_for,
 )
@@ -72,7 +72,7 @@ async def _sleep_and_wake(pool: Pool, logind: FakeLogind) -> None:
     # A machine configured as packaging/README.md advises (the agent lets go of its lock at
     # logind's limit; 5 s by default, tight for a loaded test machine).
     logind.inhibit_delay_max_usec = 120_000_000
-    ref = await blocking(reference, pool, "300")
+    ref = await blocking(reference, 4, "300")
     await blocking(
         lambda: reconfigure(
             pool, "agent-0", logind_bus=logind.address, run_when="idle", idle_after=1.0

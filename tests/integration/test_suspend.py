@@ -27,6 +27,7 @@ from tests.integration.test_checkpoints import (
     ended,
     events,
     output,
+    reference,
     submit,
     wait_agents,
     wait_until,
@@ -108,13 +109,6 @@ def wait_for(what: str, cond: Callable[[], Any], pool: Pool, timeout: float = 60
     return got
 
 
-def reference(pool: Pool, *args: str) -> bytes:
-    job = submit(pool, 4, *args)
-    d = wait_until(pool, job, ended, "fault-free run", timeout=120)
-    assert d["job"]["state"] == "succeeded", d
-    return output(pool, job)
-
-
 def running_on(pool: Pool, job: int, name: str) -> list[int]:
     """The ranks of ``job`` running on agent ``name`` once all its ranks run."""
     agent_id = json.loads(
@@ -131,7 +125,7 @@ def running_on(pool: Pool, job: int, name: str) -> list[int]:
 
 
 def test_paused_ranks_are_frozen_then_thawed_and_the_output_is_identical(pool: Pool) -> None:
-    ref = reference(pool, "200")
+    ref = reference(4, "200")
     job = submit(pool, 4, "200")
     wait_until(pool, job, lambda d: ended(d) or b"step 20:" in output(pool, job), "progress")
     mine = running_on(pool, job, "agent-0")
@@ -205,7 +199,7 @@ def test_status_pause_and_resume_answer_clearly_without_an_agent(tmp_path: Path)
 
 
 def test_a_rank_suspended_past_the_limit_moves_to_another_machine(pool: Pool) -> None:
-    ref = reference(pool, "300")
+    ref = reference(4, "300")
     reconfigure(pool, "agent-0", suspend_limit=2.0)
     wait_agents(pool, 2)
     job = submit(pool, 4, "300")
@@ -243,7 +237,7 @@ def test_battery_suspends_and_mains_power_thaws(pool: Pool, tmp_path: Path) -> N
         (supplies / name).mkdir(parents=True)
         for key, value in files.items():
             (supplies / name / key).write_text(value + "\n")
-    ref = reference(pool, "200")
+    ref = reference(4, "200")
     reconfigure(pool, "agent-0", power_supply_dir=str(supplies), manners_interval=0.2)
     wait_agents(pool, 2)
     job = submit(pool, 4, "200")
