@@ -69,6 +69,7 @@ from vpool.worker_agent import identity
 from vpool.worker_agent.agent import SOCKET_NAME, enroll
 from vpool.worker_agent.coordinator import CoordinatorClient
 from vpool.worker_agent.errors import AgentError, CoordinatorUntrusted
+from vpool.worker_agent.proxy import choose_socket_path
 from vpool.worker_agent.settings import SYSTEM_CONTROL_SOCKET, AgentSettings
 
 Say = Callable[[str], None]
@@ -632,8 +633,12 @@ def leave_plan(record: JoinRecord) -> list[str]:
 
 
 def agent_answers(work_dir: Path) -> Path | None:
-    """The agent socket in ``work_dir`` if an agent listens on it (one runs with it)."""
-    path = work_dir / SOCKET_NAME
+    """The socket of the agent with ``work_dir`` if an agent listens on it (one runs with it):
+    ``work_dir/agent.sock``, or where the agent put it when that path was too long."""
+    try:
+        path = choose_socket_path(work_dir, SOCKET_NAME, make=False)
+    except AgentError:
+        return None  # no agent could have run with it
     if not path.exists():
         return None
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:

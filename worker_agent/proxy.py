@@ -72,11 +72,12 @@ RANK_SOCKET_BUFFER = 4 * 1024 * 1024
 _MAX_SOCKET_PATH = 107
 
 
-def choose_socket_path(work_dir: Path, name: str = "agent.sock") -> Path:
+def choose_socket_path(work_dir: Path, name: str = "agent.sock", *, make: bool = True) -> Path:
     """``work_dir/name``, unless that is too long for a unix socket address (108 bytes).
 
     Then a short path in a private per-user directory (``$XDG_RUNTIME_DIR`` or the temp
-    directory), named after ``work_dir`` so each agent of this user keeps its own socket.
+    directory), named after ``work_dir`` so each agent of this user keeps its own socket; that
+    directory is made unless ``make`` is false (who only looks for an agent's socket).
     """
     preferred = work_dir / name
     if len(os.fsencode(preferred)) <= _MAX_SOCKET_PATH:
@@ -88,6 +89,8 @@ def choose_socket_path(work_dir: Path, name: str = "agent.sock") -> Path:
         directory = Path(base) / f"vpool-{os.getuid()}"
         path = directory / f"{Path(name).stem}-{digest}.sock"
         if len(os.fsencode(path)) <= _MAX_SOCKET_PATH:
+            if not make:
+                return path
             _private_dir(directory)
             log.info("socket path %s is too long; using %s", preferred, path)
             return path

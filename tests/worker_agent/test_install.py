@@ -20,6 +20,7 @@ from vpool.protocol import api, pki
 from vpool.worker_agent import identity, install
 from vpool.worker_agent.errors import CoordinatorRejected
 from vpool.worker_agent.install import InstallError, JoinRequest
+from vpool.worker_agent.proxy import choose_socket_path
 
 REPO = Path(__file__).resolve().parents[2]
 URL = "https://pool.example.org:8443"
@@ -318,11 +319,19 @@ def test_no_service_writes_no_unit(home: Path, ca: Path) -> None:
     assert systemd.calls == [] and tree(home) == before
 
 
-def test_leave_refuses_while_an_agent_runs(home: Path, ca: Path) -> None:
+@pytest.mark.parametrize("deep", [False, True], ids=["short", "long-work-dir"])
+def test_leave_refuses_while_an_agent_runs(
+    home: Path, ca: Path, monkeypatch: pytest.MonkeyPatch, deep: bool
+) -> None:
+    if deep:  # agent.sock's path in it is too long for a socket address: the agent's is short
+        state = home / ("s" * 60) / ("t" * 60)
+        monkeypatch.setenv("XDG_STATE_HOME", str(state))
+        assert len(str(state / "vpool" / "agent" / "agent.sock")) > 107
     run_join(FakeCoordinator(ca.read_bytes()), FakeSystemd(running=False), ca_file=ca)
     layout = install.user_layout()
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener:
-        listener.bind(str(layout.work_dir / "agent.sock"))
+        # Where the agent listens: work_dir/agent.sock, or a short path if that is too long.
+        listener.bind(str(choose_socket_path(layout.work_dir)))
         listener.listen()
         with pytest.raises(InstallError, match="an agent still runs"):
             run_leave(FakeSystemd(running=False))
