@@ -62,7 +62,27 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     item.user_properties.append(("fixtures", " ".join(sorted(names))))
 
 
+# Sizes: ``pool`` (by folder: a whole local pool, mpi4py's suite under `vsdk mpiexec`, or a
+# browser against a pool; the pool fixtures are tests/integration's) and ``exclusive`` (given by
+# hand: a test that needs the machine to itself). scripts/test runs the rest on two workers
+# first, then these one at a time: a pool keeps both cores busy by itself, and the timeouts of
+# its scenarios assume so.
+POOL_FOLDERS = ("integration", "conformance", "browser")
+TESTS = Path(__file__).parent
+
+
+def in_pool_folder(item: pytest.Item) -> bool:
+    try:
+        return item.path.relative_to(TESTS).parts[0] in POOL_FOLDERS
+    except ValueError:
+        return False
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects by the markers added here
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if in_pool_folder(item):
+            item.add_marker(pytest.mark.pool)
     # The slow tier: mutation searches (marked ``search``) run when asked for (-m search),
     # under scripts/test --all, or when scripts/test found the files they guard changed
     # (VPOOL_TEST_SEARCH=1); otherwise they are skipped, saying so. Their kept

@@ -18,7 +18,11 @@ from vpool.reasons import describe
 
 @pytest.fixture(autouse=True)
 def _restore_levels() -> Iterator[None]:
+    """The libraries' loggers as a new process has them (an earlier test in this process
+    may have quieted them), and as they were again afterwards."""
     levels = {name: logging.getLogger(name).level for name in CHATTY}
+    for name in CHATTY:
+        logging.getLogger(name).setLevel(logging.NOTSET)
     yield
     for name, level in levels.items():
         logging.getLogger(name).setLevel(level)

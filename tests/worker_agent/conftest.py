@@ -604,10 +604,30 @@ def host_pid(ns_pid: int, job: int, rank: int) -> int:
                 argv = f.read().split(b"\0")
         except (OSError, StopIteration):
             continue
-        # The program itself (``python ENTRY``), not its sandbox's bwrap or init.
-        if nspid[-1] == str(ns_pid) and want <= env and len(argv) > 1 and argv[1].endswith(b".py"):
+        # The program itself (``python ENTRY``), not its sandbox's bwrap or init, and one this
+        # test started (another pytest worker may run a rank of the same job and rank number).
+        if (
+            nspid[-1] == str(ns_pid)
+            and want <= env
+            and len(argv) > 1
+            and argv[1].endswith(b".py")
+            and _descends_from_this_process(int(entry))
+        ):
             return int(entry)
     raise AssertionError(f"no process of rank {rank} of job {job} has pid {ns_pid} inside")
+
+
+def _descends_from_this_process(pid: int) -> bool:
+    me = os.getpid()
+    while pid > 1:
+        if pid == me:
+            return True
+        try:
+            with open(f"/proc/{pid}/status") as f:
+                pid = next(int(line.split()[1]) for line in f if line.startswith("PPid:"))
+        except (OSError, StopIteration, ValueError):
+            return False
+    return False
 
 
 def make_bundle(files: dict[str, str | bytes]) -> bytes:

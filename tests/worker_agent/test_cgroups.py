@@ -30,6 +30,10 @@ from vpool.worker_agent.cgroups import CgroupError, Limits, RankCgroup
 MiB = 1 << 20
 TIMEOUT = 60.0  # s for any child to reach the outcome a test waits for
 
+# The machine to itself: sweep() takes any dead agent's groups (another pytest worker's agents
+# sweep at start); the OOM and freezer tests fill memory and measure CPU time.
+pytestmark = pytest.mark.exclusive
+
 # -- the kernel's files, parsed -----------------------------------------------------------------
 
 THIS_MACHINE = """\

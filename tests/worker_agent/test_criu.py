@@ -525,6 +525,7 @@ def test_restore_failure_writes_no_status(tmp_path: Path) -> None:
 
 @needs_criu
 @pytest.mark.slow
+@pytest.mark.exclusive  # the timings it prints are worth reading only on an idle machine
 def test_numpy_200mb_timings(tmp_path: Path, processes: list[subprocess.Popen[bytes]]) -> None:
     checkpoint = make_checkpoint(tmp_path, processes, "exit", mb=200)
     status = tmp_path / "status.json"

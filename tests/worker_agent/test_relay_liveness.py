@@ -254,8 +254,8 @@ async def _deposit(link: RelayLink, seq: int) -> None:
     "ping_interval,dead_after",
     [
         pytest.param(0.25, 1.0, id="short"),
-        # The defaults (5 s, 12 s): the bound is 15 s.
-        pytest.param(None, None, id="defaults", marks=pytest.mark.slow),
+        # The defaults (5 s, 12 s): the bound is 15 s, measured on the wall clock.
+        pytest.param(None, None, id="defaults", marks=[pytest.mark.slow, pytest.mark.exclusive]),
     ],
 )
 async def test_a_black_holed_connection_is_declared_dead_and_resumed(
