@@ -71,6 +71,14 @@ def local() -> None:
     show_default=True,
     help="Seconds each component may take to become ready.",
 )
+@click.option(
+    "--timers",
+    type=click.Choice(sorted(localpool.TIMERS)),
+    default="production",
+    show_default=True,
+    help="Heartbeat, timeout and grace periods: a real pool's, or 'test' (a few times "
+    "shorter: a frozen agent is replaced, a relay outage waited out, in seconds).",
+)
 @json_option
 @pass_settings
 def up(
@@ -82,6 +90,7 @@ def up(
     fresh: bool,
     package_index: str,
     timeout: float,
+    timers: str,
     as_json: bool,
 ) -> None:
     """Start a local pool in the background and point vsdk at it.
@@ -95,6 +104,7 @@ def up(
     \b
     Example:
       vsdk local up --agents 3 --relays 2
+      vsdk local up --agents 4 --timers test   # then kill an agent: replaced in ~5 s
     """
     try:
         serverstack.require("vsdk local up")
@@ -108,6 +118,7 @@ def up(
         fresh=fresh,
         package_index=package_index,
         timeout=timeout,
+        timers=timers,
         progress=lambda msg: note(settings, msg),
         config_path=settings.config,
     )

@@ -39,6 +39,7 @@ from vpool.sdk.localpool_files import (  # noqa: F401  re-exported for callers
     DEFAULT_SLOTS,
     HOST,
     LOCAL_USER,
+    TIMERS,
     Layout,
     Secrets,
     _quiet,
@@ -405,14 +406,19 @@ def up(
     progress: Progress = _quiet,
     config_path: Path | None = None,
     relay_options: Mapping[str, Any] | None = None,
+    timers: str = "production",
 ) -> PoolStarted:
     """Start a coordinator, ``relays`` relays and ``agents`` agents on 127.0.0.1 and point the
     client config at them. The coordinator keeps the jobs of the previous local pool (its
     database and files) unless ``fresh``; everything else starts anew. ``relay_options``:
     settings written into every relay's config over the pool's own (benchmarks: a relay on
-    another loopback address behind a delay line, a push window)."""
+    another loopback address behind a delay line, a push window). ``timers``: a profile of
+    ``TIMERS`` ("test": faults detected and recovered from in seconds)."""
     if agents < 1 or relays < 1 or slots < 1:
         raise LocalPoolError("a local pool needs at least one agent, one relay and one slot")
+    if timers not in TIMERS:
+        raise LocalPoolError(f"no timer profile {timers!r}; there are {', '.join(TIMERS)}")
+    timed = TIMERS[timers]
     lay = layout()
     live = running(lay)
     if live:
@@ -432,7 +438,7 @@ def up(
     sec = issue_secrets(lay, relay_names, agent_names)
     make_ca(lay, now=now)
     make_server_cert(lay, "coordinator", now=now)
-    write_config(lay, "coordinator", coordinator_settings(lay, sec))
+    write_config(lay, "coordinator", {**coordinator_settings(lay, sec), **timed["coordinator"]})
 
     starter = _Starter(lay, progress)
     try:
@@ -448,7 +454,9 @@ def up(
         for name in relay_names:
             make_server_cert(lay, name, now=now)
             write_config(
-                lay, name, {**relay_settings(lay, name, sec, url), **(relay_options or {})}
+                lay,
+                name,
+                {**relay_settings(lay, name, sec, url), **timed["relay"], **(relay_options or {})},
             )
             starter.start(name, relay_argv(lay, name))
         progress(f"starting {relays} relay(s)")
@@ -457,7 +465,11 @@ def up(
             token = _make_user(lay, exists=kept)
             _cancel_leftovers(url, token, lay.ca_cert, progress)
         for name in agent_names:
-            write_config(lay, name, agent_settings(lay, name, sec, url, slots, package_index))
+            write_config(
+                lay,
+                name,
+                {**agent_settings(lay, name, sec, url, slots, package_index), **timed["agent"]},
+            )
             starter.start(name, agent_argv(lay, name))
         progress(f"starting {agents} agent(s) with {slots} slots each")
         token = token or _make_user(lay, exists=kept)
@@ -487,6 +499,7 @@ def up(
                 "agents": agents,
                 "relays": relays,
                 "slots": slots,
+                "timers": timers,
                 "started": time.time(),
             },
             indent=1,

@@ -139,6 +139,27 @@ def make_server_cert(lay: Layout, name: str, *, now: dt.datetime) -> tuple[Path,
     return d / "cert.pem", d / "key.pem"
 
 
+# Timer profiles of a local pool (``vsdk local up --timers``). "production": every component's
+# defaults, what a real pool runs with. "test": heartbeats, failure detection, reconnects and
+# grace periods a few times shorter, so that a fault (a frozen or killed agent, a relay down
+# past the agents' reconnect) plays out in seconds: for tests and for watching vpool recover.
+# Still long enough for a machine whose every core runs ranks: agents and relays run at normal
+# priority, ranks at the idle one, so a heartbeat is late by milliseconds, not seconds.
+TIMERS: dict[str, dict[str, dict[str, float]]] = {
+    "production": {"coordinator": {}, "relay": {}, "agent": {}},
+    "test": {
+        "coordinator": {"heartbeat_interval": 1.0, "agent_timeout": 4.0, "relay_timeout": 4.0},
+        "relay": {"lost_grace": 1.0, "agent_idle_timeout": 10.0},
+        "agent": {
+            "relay_reconnect": 8.0,
+            "relay_ping_interval": 1.0,
+            "relay_dead_after": 4.0,
+            "stop_grace": 1.0,
+        },
+    },
+}
+
+
 def coordinator_settings(lay: Layout, sec: Secrets) -> dict[str, Any]:
     d = lay.dir("coordinator")
     return {

@@ -78,21 +78,34 @@ def in_pool_folder(item: pytest.Item) -> bool:
         return False
 
 
+# The slow tier: tests that run when asked for (-m MARKER), under scripts/test --all, or when
+# scripts/test found the files they guard changed (it sets the variable); otherwise they are
+# skipped, saying so. Marker: (variable, why it is in the slow tier).
+SLOW_TIER = {
+    "search": (
+        "VPOOL_TEST_SEARCH",
+        "a mutation search (slow tier): -m search, scripts/test --all, or a change to the files "
+        "it guards runs it; its kept counterexample is checked on every run",
+    ),
+    "pythons": (
+        "VPOOL_TEST_PYTHONS",
+        "the agent's install on another Python than the tests' (slow tier): -m pythons, "
+        "scripts/test --all, or a change to the files it guards runs it; the tests' own "
+        "Python's install runs on every run",
+    ),
+}
+
+
 @pytest.hookimpl(tryfirst=True)  # before -m deselects by the markers added here
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         if in_pool_folder(item):
             item.add_marker(pytest.mark.pool)
-    # The slow tier: mutation searches (marked ``search``) run when asked for (-m search),
-    # under scripts/test --all, or when scripts/test found the files they guard changed
-    # (VPOOL_TEST_SEARCH=1); otherwise they are skipped, saying so. Their kept
-    # counterexamples are checked on every run.
-    if "search" in (config.getoption("markexpr") or "") or os.environ.get("VPOOL_TEST_SEARCH"):
-        return
-    skip = pytest.mark.skip(
-        reason="a mutation search (slow tier): -m search, scripts/test --all, or a change to "
-        "the files it guards runs it; its kept counterexample is checked on every run"
-    )
-    for item in items:
-        if "search" in item.keywords:
-            item.add_marker(skip)
+    asked = config.getoption("markexpr") or ""
+    for marker, (variable, reason) in SLOW_TIER.items():
+        if marker in asked or os.environ.get(variable):
+            continue
+        skip = pytest.mark.skip(reason=reason)
+        for item in items:
+            if marker in item.keywords:
+                item.add_marker(skip)

@@ -215,7 +215,15 @@ def stdout_of(pid: int) -> str:
         return ""
 
 
-def start_pool(tmp: Path, agents: int = 3, relays: int = 2, extra: list[str] | None = None) -> Pool:
+def start_pool(
+    tmp: Path,
+    agents: int = 3,
+    relays: int = 2,
+    extra: list[str] | None = None,
+    timers: str = "production",
+) -> Pool:
+    """``vsdk local up`` in ``tmp``: ``timers`` "test" for fault scenarios (a frozen agent
+    replaced, a relay outage waited out in seconds); tests of the defaults keep production."""
     env = {**os.environ, "VPOOL_HOME": str(tmp)}
     pool = Pool(tmp, env)
     res = pool.vsdk(
@@ -225,6 +233,8 @@ def start_pool(tmp: Path, agents: int = 3, relays: int = 2, extra: list[str] | N
         str(agents),
         "--relays",
         str(relays),
+        "--timers",
+        timers,
         *(extra or []),
         timeout=120,
     )
@@ -255,8 +265,9 @@ def fresh_pool(tmp_path: Path) -> Iterator[Pool]:
 
 @pytest.fixture
 def pool4(tmp_path: Path) -> Iterator[Pool]:
-    """A fresh pool of 4 agents and 2 relays (the fault-tolerance tests kill parts of it)."""
-    p = start_pool(tmp_path / "home", agents=4, relays=2)
+    """A fresh pool of 4 agents and 2 relays on the test timers (the fault-tolerance tests
+    kill parts of it)."""
+    p = start_pool(tmp_path / "home", agents=4, relays=2, timers="test")
     try:
         yield p
     finally:

@@ -122,9 +122,15 @@ def interpreter(version: str) -> str | None:
 PYTHONS = ("3.11", "3.12", "3.13")
 
 
+# The tests' own Python on every run; the others in the slow tier (the ``pythons`` marker:
+# scripts/test runs them when what the install depends on changed, tests/conftest.py).
+OWN = f"{sys.version_info[0]}.{sys.version_info[1]}"
+
+
 @pytest.mark.parametrize(
     ("by_systemd", "version"),
-    [(False, v) for v in PYTHONS] + [(True, "3.11")],
+    [pytest.param(False, v, marks=[] if v == OWN else [pytest.mark.pythons]) for v in PYTHONS]
+    + [(True, "3.11")],
     ids=[f"unit-run-by-hand-py{v}" for v in PYTHONS] + ["unit-by-systemd"],
 )
 def test_agent_installs_alone_joins_runs_a_job_and_leaves(

@@ -80,16 +80,19 @@ def _settings_class(module: str, name: str) -> Any:
         ("agent-0", "vpool.worker_agent.settings", "AgentSettings", "VPOOL_AGENT"),
     ],
 )
+@pytest.mark.parametrize("timers", sorted(localpool.TIMERS))
 def test_configs_load_as_the_components_settings(
-    lay: localpool.Layout, component: str, module: str, cls: str, prefix: str
+    lay: localpool.Layout, component: str, module: str, cls: str, prefix: str, timers: str
 ) -> None:
     sec = localpool.issue_secrets(lay, ["relay-1"], ["agent-0"])
-    if component == "coordinator":
+    kind = component.split("-")[0]
+    if kind == "coordinator":
         data = localpool.coordinator_settings(lay, sec)
-    elif component.startswith("relay"):
+    elif kind == "relay":
         data = localpool.relay_settings(lay, component, sec, URL)
     else:
         data = localpool.agent_settings(lay, component, sec, URL, 8)
+    data |= localpool.TIMERS[timers][kind]  # as `vsdk local up --timers` writes them
     path = localpool.write_config(lay, component, data)
     assert stat.S_IMODE(path.stat().st_mode) == 0o600  # holds the secrets
     assert tomllib.loads(path.read_text()) == data
@@ -100,6 +103,31 @@ def test_configs_load_as_the_components_settings(
     settings = load_settings(_settings_class(module, cls), prefix=prefix, file=path, env={})
     for key, value in data.items():
         assert str(getattr(settings, key)) == str(value), key
+
+
+@pytest.mark.parametrize(
+    ("kind", "module", "cls"),
+    [
+        ("coordinator", "vpool.coordinator.settings", "CoordinatorSettings"),
+        ("relay", "vpool.relay.settings", "RelaySettings"),
+        ("agent", "vpool.worker_agent.settings", "AgentSettings"),
+    ],
+)
+def test_the_test_timers_are_shorter_than_the_defaults(kind: str, module: str, cls: str) -> None:
+    """``--timers test`` only shortens periods (a scenario takes seconds); production is the
+    components' own defaults."""
+    defaults = _settings_class(module, cls)()
+    assert localpool.TIMERS["production"][kind] == {}
+    shorter = localpool.TIMERS["test"][kind]
+    assert shorter
+    for key, value in shorter.items():
+        assert 0 < value < getattr(defaults, key), key
+
+
+def test_up_refuses_a_timer_profile_it_does_not_have(home: Path) -> None:
+    with pytest.raises(LocalPoolError, match="no timer profile 'fast'; there are production, test"):
+        localpool.up(timers="fast")
+    assert not localpool.layout().pids_file.exists()  # nothing was started
 
 
 def test_configs_carry_credentials_the_coordinator_knows(lay: localpool.Layout) -> None:
