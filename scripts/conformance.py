@@ -2,8 +2,11 @@
 """Run mpi4py 4.1.2's own test suite against vpool's MPI runtime and write docs/conformance.md.
 
 Each test module runs as ``vsdk mpiexec -n N -- test/main.py -v MODULE`` for every N asked for,
-with a timeout (a hung run is killed, with its process group, and counted as hung). Each rank's
-unittest output goes to its own log file, so results of different ranks never interleave: this
+with a timeout (a hung run is killed, with its process group, and counted as hung). With
+``--batch`` (and in the tests, tests/conformance) the modules of test/ run together, one
+``main.py -v M1 M2 ...`` per N, each module still judged on its own lines (``run_batch``).
+Each rank's unittest output goes to its own log file, so results of different ranks never
+interleave: this
 script re-runs itself inside every rank (``--rank-log DIR``) to redirect stdout/stderr before
 running main.py unchanged. ``mpi4py.futures``' tests are in demo/futures: ``test_futures`` runs
 ``test_futures.py`` as a program, ``test_futures_shared`` as ``-m mpi4py.futures test_futures.py``
@@ -121,7 +124,6 @@ OUT_OF_SCOPE = [
 _RAN = re.compile(r"^Ran (\d+) tests? in ")
 _SUMMARY = re.compile(r"^(OK|FAILED)\b(?: \((.*)\))?\s*$")
 _HEADER = re.compile(r"^(FAIL|ERROR): (\S+) \(([\w.]+)\)")
-_LINE = re.compile(r"^(\w+) \(([\w.]+)\)(?:\n.*)? \.\.\. ")
 _SKIP = re.compile(r" \.\.\. skipped '(.*)'$")
 
 
@@ -193,6 +195,33 @@ def run_module(sdist: Path, module: str, ranks: int, timeout: float) -> dict:
             [str(sdist / "test" / "main.py"), "-v", module],
             False,
         )
+    run = _launch(cwd, program, ranks, timeout)
+    logs, hung = run["logs"], run["hung"]
+    if root_reports:
+        # The workers print nothing of their own; one that failed shows in the exit status.
+        logs = logs[:1]
+    result = parse(logs, hung)
+    if (
+        root_reports
+        and run["exit_code"]
+        and not hung
+        and not (result["failed"] or result["errors"])
+    ):
+        result["errors"] += 1
+    result.update(
+        module=module,
+        ranks=ranks,
+        seconds=round(run["elapsed"], 1),
+        exit_code=run["exit_code"],
+        launcher=run["out"][-2000:],
+    )
+    return result
+
+
+def _launch(cwd: Path, program: list[str], ranks: int, timeout: float) -> dict:
+    """``vsdk mpiexec -n RANKS`` of ``program`` in ``cwd``: every rank's log (``rank_main``),
+    whether it hung (killed at ``timeout``, with its process group), its exit code, what the
+    launcher printed and the seconds it took."""
     with tempfile.TemporaryDirectory(prefix="conformance-") as logdir:
         cmd = [
             str(VSDK),
@@ -228,20 +257,95 @@ def run_module(sdist: Path, module: str, ranks: int, timeout: float) -> dict:
             else ""
             for r in range(ranks)
         ]
-    if root_reports:
-        # The workers print nothing of their own; one that failed shows in the exit status.
-        logs = logs[:1]
-    result = parse(logs, hung)
-    if root_reports and proc.returncode and not hung and not (result["failed"] or result["errors"]):
-        result["errors"] += 1
-    result.update(
-        module=module,
-        ranks=ranks,
-        seconds=round(elapsed, 1),
-        exit_code=proc.returncode,
-        launcher=out.decode(errors="replace")[-2000:],
-    )
-    return result
+    return {
+        "logs": logs,
+        "hung": hung,
+        "exit_code": proc.returncode,
+        "out": out.decode(errors="replace"),
+        "elapsed": elapsed,
+    }
+
+
+def run_batch(sdist: Path, modules: list[str], ranks: int, timeout: float) -> dict[str, dict]:
+    """The results of ``modules`` at ``ranks`` ranks, from as few runs as can be: every module of
+    test/ in one ``main.py -v M1 M2 ...`` (how mpi4py's suite runs by itself: one start of the
+    job instead of one per module), the EXTRA ones one at a time (programs of their own).
+    Each module's verdict is its own, as ``run_module`` gives it (``split_modules``); where
+    the batch stopped (a crash, or a hang) that module is said to have crashed or hung, and
+    the modules after it run again, each on its own. ``timeout`` is per module; the batch gets
+    three modules' worth (it is there for a hang, not for slowness)."""
+    together = [m for m in modules if m not in EXTRA]
+    results: dict[str, dict] = {}
+    if len(together) > 1:
+        program = [str(sdist / "test" / "main.py"), "-v", *together]
+        run = _launch(sdist / "test", program, ranks, timeout * 3)
+        parts, stopped = split_modules(run["logs"], together)
+        for module, logs in parts.items():
+            result = parse(logs, run["hung"] and module == stopped)
+            result.update(
+                module=module,
+                ranks=ranks,
+                seconds=round(run["elapsed"] / len(parts), 1),
+                exit_code=run["exit_code"],
+                launcher=run["out"][-2000:],
+                batch=len(together),
+            )
+            results[module] = result
+    for module in modules:
+        if module not in results:
+            results[module] = run_module(sdist, module, ranks, timeout)
+    return results
+
+
+_RESULT = re.compile(r"^\w+ \((test_\w+)\.[\w.]+\)")  # "testX (test_mod.Case.testX) ..."
+_HEADER_OF = re.compile(r"^(?:FAIL|ERROR): \S+ \((test_\w+)\.")
+
+
+def split_modules(logs: list[str], modules: list[str]) -> tuple[dict[str, list[str]], str | None]:
+    """Each module's part of a batch's rank logs (``modules`` in the order they ran), written
+    as a run of that module alone would have it for ``parse``: its result lines, the headers of
+    its failures, and unittest's closing summary on each rank that got past the module (to the
+    next one, or to the end). Also the module where the batch stopped, if it stopped early:
+    the first one a rank's log ends in without that summary (it crashed or hung there; a rank
+    that wrote nothing stopped in the first). That module's part has no summary on that rank;
+    the modules after it are left out (the batch never got to them: run them alone)."""
+    order = {m: i for i, m in enumerate(modules)}
+    parts = {m: [[] for _ in logs] for m in modules}
+    done = {m: [False] * len(logs) for m in modules}
+    stops = []
+    for rank, text in enumerate(logs):
+        lines = text.splitlines()
+        current: str | None = None
+        for line in lines:
+            result, header = _RESULT.match(line), _HEADER_OF.match(line)
+            if result and result.group(1) in order:
+                if result.group(1) != current:
+                    if current is not None:
+                        done[current][rank] = True
+                    current = result.group(1)
+                parts[current][rank].append(line)
+            elif header and header.group(1) in order:
+                parts[header.group(1)][rank].append(line)
+            elif current is not None and " ... " in line:
+                parts[current][rank].append(line)  # the status after a test's docstring
+        if _summary(lines) is not None:
+            if current is not None:
+                done[current][rank] = True
+        else:
+            stops.append(order[current] if current is not None else 0)
+    stopped = modules[min(stops)] if stops else None
+    out: dict[str, list[str]] = {}
+    for module in modules[: order[stopped] + 1 if stopped is not None else len(modules)]:
+        texts = []
+        for rank, lines in enumerate(parts[module]):
+            text = "\n".join(lines)
+            if done[module][rank]:
+                ran = sum(1 for line in lines if _RESULT.match(line))
+                skipped = sum(1 for line in lines if _SKIP.search(line))
+                text += f"\n\nRan {ran} tests in 0.000s\n\nOK (skipped={skipped})\n"
+            texts.append(text)
+        out[module] = texts
+    return out, stopped
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
@@ -468,6 +572,11 @@ def main(argv: list[str] | None = None) -> int:
     which.add_argument("--core", action="store_true", help="the core modules")
     which.add_argument("--all", action="store_true", help="every module of the suite")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per module run")
+    parser.add_argument(
+        "--batch",
+        action="store_true",
+        help="run test/'s modules together, one run per rank count (run_batch), not one each",
+    )
     parser.add_argument("--check", action="store_true", help="exit 1 if a core module fails")
     parser.add_argument("--report", type=Path, default=REPORT, help="markdown output")
     parser.add_argument("--fresh", action="store_true", help="forget earlier results")
@@ -486,8 +595,9 @@ def main(argv: list[str] | None = None) -> int:
     fresh = opts.fresh
     bad = []
     for n in rank_counts:
+        batch = run_batch(sdist, modules, n, opts.timeout) if opts.batch else {}
         for module in modules:
-            r = run_module(sdist, module, n, opts.timeout)
+            r = batch[module] if opts.batch else run_module(sdist, module, n, opts.timeout)
             results = save_result(f"{n}:{module}", r, fresh=fresh)
             fresh = False
             flag = "ok" if not (r["failed"] or r["errors"] or r["hung"]) else "NOT OK"

@@ -1,4 +1,6 @@
-"""mpi4py 4.1.2's own test suite, core modules, at 1, 2 and 4 ranks under `vsdk mpiexec`.
+"""mpi4py 4.1.2's own test suite, core modules, at 1, 2 and 4 ranks under `vsdk mpiexec`: the
+modules of test/ in one run per rank count, each judged on its own lines, the futures demos
+apart (scripts/conformance.py, run_batch).
 
 Runs through scripts/conformance.py (which fetches the sdist into .cache/sdist when missing). A
 module passes when the suite ran tests and none failed, errored or hung on any rank. Modules that
@@ -43,9 +45,20 @@ CASES = [
 ]
 
 
+# The core modules of one rank count, run together the first time one of them is asked for
+# (conformance.run_batch: one start of the job instead of 22; each module keeps its verdict).
+_BATCHES: dict[int, dict[str, dict]] = {}
+
+
+def batch_result(sdist: Path, module: str, ranks: int) -> dict:
+    if ranks not in _BATCHES:
+        _BATCHES[ranks] = conformance.run_batch(sdist, conformance.CORE, ranks, timeout=300)
+    return _BATCHES[ranks][module]
+
+
 @pytest.mark.parametrize(("module", "ranks"), CASES)
 def test_core_module(sdist: Path, module: str, ranks: int) -> None:
-    result = conformance.run_module(sdist, module, ranks, timeout=300)
+    result = batch_result(sdist, module, ranks)
     summary = {k: result[k] for k in ("tests", "passed", "failed", "errors", "skipped", "hung")}
     detail = (
         f"{module} at {ranks} ranks: {summary}; failed {result['failed_tests']}, "
