@@ -29,6 +29,11 @@ REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
 
 HEAT = str(REPO / "examples" / "heat.py")
+# Long enough that each fault lands mid-job (a relay down or an agent frozen holds the job up
+# until it is back, a killed rank has been sent messages to replay), short enough that the job
+# and its fault-free reference under MPICH's mpiexec (8 ranks spinning on 2 cores) take about
+# half a minute each, not minutes.
+HEAT_STEPS = "1500"
 FARM = str(REPO / "examples" / "farm.py")
 
 
@@ -94,7 +99,7 @@ POLL = str(REPO / "examples" / "poll.py")
 @pytest.mark.parametrize(
     ("program", "args", "victim"),
     [
-        (HEAT, ["3000"], 3),  # Sendrecv halos
+        (HEAT, [HEAT_STEPS], 3),  # Sendrecv halos
         (FARM, ["8000"], 0),  # the master: ANY_SOURCE receives, replayed from determinants
         (POLL, ["3000"], 0),  # Waitany and Iprobe polling, replayed from determinants
     ],
@@ -156,8 +161,8 @@ def test_killed_agent_ranks_move_and_output_is_identical(pool4: Pool) -> None:
 
 @pytest.mark.parametrize("component", ["relay-0", "coordinator"])
 def test_restarted_relay_or_coordinator_loses_nothing(pool4: Pool, component: str) -> None:
-    ref = reference(HEAT, 8, "3000")
-    job = submit(pool4, HEAT, 8, "3000")
+    ref = reference(HEAT, 8, HEAT_STEPS)
+    job = submit(pool4, HEAT, 8, HEAT_STEPS)
     wait_until(pool4, job, all_running, "all ranks running")
     wait_until(pool4, job, lambda d: ended(d) or b"step " in output(pool4, job), "first steps")
     log = pool4.home / "state" / "local-pool" / "logs" / f"{component}.log"
@@ -178,8 +183,8 @@ def test_a_long_relay_outage_is_waited_out_without_spending_restarts(pool4: Pool
     """relay-0 stays down past the agents' relay_reconnect (8 s on the test timers, 30 s by
     default): its ranks are lost, but their replacements wait for it (no restart budget burnt
     on a relay nobody can reach), and the job goes on once it is back."""
-    ref = reference(HEAT, 8, "3000")
-    job = submit(pool4, HEAT, 8, "3000")
+    ref = reference(HEAT, 8, HEAT_STEPS)
+    job = submit(pool4, HEAT, 8, HEAT_STEPS)
     wait_until(pool4, job, all_running, "all ranks running")
     wait_until(pool4, job, lambda d: ended(d) or b"step " in output(pool4, job), "first steps")
     os.kill(pool4.pid_of("relay-0"), signal.SIGKILL)
@@ -200,8 +205,8 @@ def test_a_long_relay_outage_is_waited_out_without_spending_restarts(pool4: Pool
 
 
 def test_frozen_agent_is_replaced_and_fenced_when_it_wakes(pool4: Pool) -> None:
-    ref = reference(HEAT, 8, "3000")
-    job = submit(pool4, HEAT, 8, "3000")
+    ref = reference(HEAT, 8, HEAT_STEPS)
+    job = submit(pool4, HEAT, 8, HEAT_STEPS)
     d = wait_until(pool4, job, all_running, "all ranks running")
     victim = d["ranks"][1]["agent"]
     pid = pool4.pid_of(agent_name(pool4, victim))
