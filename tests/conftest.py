@@ -62,12 +62,12 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     item.user_properties.append(("fixtures", " ".join(sorted(names))))
 
 
-# Sizes: ``pool`` (by folder: a whole local pool, or a browser against one; the pool fixtures
-# are tests/integration's) and ``exclusive`` (given by hand: a test that needs the machine to
-# itself). scripts/test runs the rest on two workers first (mpi4py's suite, many processes but
-# no pool, among them), then these one at a time: a pool keeps both cores busy by itself, and
-# the timeouts of its scenarios assume so.
-POOL_FOLDERS = ("integration", "browser")
+# Sizes: ``pool`` (by folder: a whole local pool, mpi4py's suite under `vsdk mpiexec`, or a
+# browser against a pool; the pool fixtures are tests/integration's) and ``exclusive`` (given by
+# hand: a test that needs the machine to itself). scripts/test runs the rest on two workers
+# first, then these one at a time: a pool, or the suite's ranks, keep both cores busy by
+# themselves (beside the suite on two workers, an agent's start-up probes took over 20 s).
+POOL_FOLDERS = ("integration", "conformance", "browser")
 TESTS = Path(__file__).parent
 
 

@@ -710,7 +710,9 @@ async def agent(
         finally:
             finished.set()
 
-    with trio.fail_after(20):
+    # Started once its sandbox and checkpoint probes are done: seconds, or tens of them on a
+    # machine whose cores are busy with other tests' processes.
+    with trio.fail_after(60):
         started = await nursery.start(run)
     return RunningAgent(started, scope, finished)
 
