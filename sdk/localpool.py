@@ -448,9 +448,10 @@ def up(
         _pin_port(lay, "coordinator")
         url = f"https://{HOST}:{int(ready['port'])}"
         progress(f"coordinator ready at {url}")
-        # Relays and agents start together, each needing only the coordinator (an agent meets
-        # the relays in its first lease): their start-ups (imports, the agents' sandbox and
-        # checkpoint probes) overlap each other's and the user's creation.
+        token = _make_user(lay, exists=kept)
+        if kept:
+            _cancel_leftovers(url, token, lay.ca_cert, progress)
+
         for name in relay_names:
             make_server_cert(lay, name, now=now)
             write_config(
@@ -460,10 +461,9 @@ def up(
             )
             starter.start(name, relay_argv(lay, name))
         progress(f"starting {relays} relay(s)")
-        token = ""
-        if kept:  # the last pool's jobs are cancelled before an agent could lease them
-            token = _make_user(lay, exists=kept)
-            _cancel_leftovers(url, token, lay.ca_cert, progress)
+        starter.wait_ready(relay_names, timeout)
+        for name in relay_names:
+            _pin_port(lay, name)
         for name in agent_names:
             write_config(
                 lay,
@@ -472,10 +472,7 @@ def up(
             )
             starter.start(name, agent_argv(lay, name))
         progress(f"starting {agents} agent(s) with {slots} slots each")
-        token = token or _make_user(lay, exists=kept)
-        starter.wait_ready([*relay_names, *agent_names], timeout)
-        for name in relay_names:
-            _pin_port(lay, name)
+        starter.wait_ready(agent_names, timeout)
         _wait_registered(
             url,
             token,
