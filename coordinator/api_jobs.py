@@ -133,9 +133,9 @@ async def list_jobs(
 
 
 @router.get("/jobs/{job_id}")
-async def job(request: Request, job_id: int) -> Response:
+async def job(request: Request, job_id: int, wait: float = 0.0, seen: str = "") -> Response:
     c = coordinator(request)
-    return reply(await c.job_detail(await principal(request), job_id))
+    return reply(await c.job_detail(await principal(request), job_id, wait, seen[:64]))
 
 
 @router.get("/jobs/{job_id}/timeline")

@@ -47,6 +47,7 @@ from vpool.sizes import format_size
 
 OUTPUT_PAGE_RECORDS = 1000
 OUTPUT_PAGE_BYTES = 4 << 20
+DETAIL_RECHECK = 1.0  # s between looks at a job's detail held by a long-poll, when no signal came
 FINISHED_JOBS_WINDOW = 3600.0
 BLOB_COLLECT_EVERY = 600.0  # s between looks for unused uploads
 
@@ -440,11 +441,26 @@ class Coordinator:
             raise BadRequest("a name filter is at most 200 characters", code="bad_page")
         return await self.db.call(self.store.find_jobs, jobs_owner(who, everyone), query)
 
-    async def job_detail(self, who: Principal, job_id: int) -> api.JobDetail:
-        await self.job(who, job_id)
-        detail = await self.db.call(self.store.job_detail, job_id)
-        assert detail is not None
-        return detail
+    async def job_detail(
+        self, who: Principal, job_id: int, wait: float = 0.0, seen: str = ""
+    ) -> api.JobDetail:
+        """The job, its ranks and events, with the ``mark`` that sums them up. With ``wait``
+        and the ``mark`` of the last detail as ``seen``, held until the detail differs from
+        that one (or ``wait`` seconds passed): a waiter learns of a change as it happens, at
+        the cost of one query per change, not one a poll. A change is seen when the
+        coordinator signals it (states, checkpoints, restores) or at the next recheck (a second
+        at most) for any other."""
+        deadline = trio.current_time() + max(0.0, min(wait, self.settings.max_wait))
+        while True:
+            changed = self.changes.current()
+            await self.job(who, job_id)
+            detail = await self.db.call(self.store.job_detail, job_id)
+            assert detail is not None
+            detail = msgspec.structs.replace(detail, mark=detail_mark(detail))
+            if not seen or detail.mark != seen or trio.current_time() >= deadline:
+                return detail
+            with trio.move_on_at(min(deadline, trio.current_time() + DETAIL_RECHECK)):
+                await changed.wait()
 
     async def cancel(self, who: Principal, job_id: int) -> api.JobInfo:
         await self.job(who, job_id, Action.CONTROL)
@@ -858,6 +874,12 @@ def _failure_mode(sub: api.JobSubmit) -> api.JobSubmit:
     if not sub.fault_tolerance:
         return sub
     return msgspec.structs.replace(sub, fault_tolerance=False)
+
+
+def detail_mark(detail: api.JobDetail) -> str:
+    """A digest of everything a job's detail shows (its ``mark`` left out)."""
+    text = msgspec.json.encode(msgspec.structs.replace(detail, mark=""))
+    return hashlib.blake2s(text, digest_size=8).hexdigest()
 
 
 def progress_mark(job: api.JobInfo, running: int) -> str:

@@ -167,7 +167,9 @@ class CoordinatorSettings:
     max_request_bytes: int = setting(
         64 << 20, "Largest JSON request body (e.g. an agent's output batch)."
     )
-    max_wait: float = setting(60.0, "Longest a long-poll (lease, output) may wait, in seconds.")
+    max_wait: float = setting(
+        60.0, "Longest a long-poll (lease, output, job status) may wait, in seconds."
+    )
     session_lifetime: float = setting(
         12 * 3600.0, "Seconds a web portal sign-in lasts before the user signs in again."
     )

@@ -341,9 +341,14 @@ class JobEvent(msgspec.Struct, frozen=True):
 
 
 class JobDetail(msgspec.Struct, frozen=True):
+    """A job, its ranks and its events. ``mark`` is a digest of all of them: ``GET
+    /jobs/{id}?wait=S&seen=MARK`` returns once the detail differs from the one that had that
+    mark (a long-poll: ``Client.wait`` and ``vsdk wait`` follow a job with it)."""
+
     job: JobInfo
     ranks: list[RankInfo]
     events: list[JobEvent]
+    mark: str = ""
 
 
 class OutputRecord(msgspec.Struct, frozen=True):

@@ -79,6 +79,14 @@ def local() -> None:
     help="Heartbeat, timeout and grace periods: a real pool's, or 'test' (a few times "
     "shorter: a frozen agent is replaced, a relay outage waited out, in seconds).",
 )
+@click.option(
+    "--selftest-cache",
+    default=None,
+    metavar="FILE",
+    help="File where the agents keep their sandbox selftest's findings and reuse them while "
+    "nothing they depend on changed (default: local-pool-selftest.json in vpool's cache "
+    "directory; '' probes at every start).",
+)
 @json_option
 @pass_settings
 def up(
@@ -91,6 +99,7 @@ def up(
     package_index: str,
     timeout: float,
     timers: str,
+    selftest_cache: str | None,
     as_json: bool,
 ) -> None:
     """Start a local pool in the background and point vsdk at it.
@@ -119,6 +128,7 @@ def up(
         package_index=package_index,
         timeout=timeout,
         timers=timers,
+        selftest_cache=selftest_cache,
         progress=lambda msg: note(settings, msg),
         config_path=settings.config,
     )

@@ -263,8 +263,14 @@ class Client:
         params = {"state": state, "all": "true" if everyone else None}
         return self._get("/jobs", list[JobInfo], params=params)
 
-    def status(self, job: int) -> JobDetail:
-        return self._get(f"/jobs/{int(job)}", JobDetail)
+    def status(self, job: int, *, wait: float = 0.0, seen: str = "") -> JobDetail:
+        """The job, its ranks and events. With ``wait`` > 0 and ``seen`` (the ``mark`` of the
+        last detail) the coordinator holds the call until the detail differs from that one, or
+        ``wait`` seconds passed."""
+        params = {"wait": wait or None, "seen": seen or None}
+        return self._get(
+            f"/jobs/{int(job)}", JobDetail, params=params, timeout=self._timeout + wait
+        )
 
     def cancel(self, job: int) -> JobInfo:
         return _decode(self._request("POST", f"/jobs/{int(job)}/cancel"), JobInfo)
@@ -339,22 +345,25 @@ class Client:
         on_change: Callable[[JobDetail], None] | None = None,
     ) -> JobInfo:
         """Block until the job ends and return it; ``on_change`` sees each new job detail whose
-        state or rank states differ from the last one (for progress displays)."""
+        state or rank states differ from the last one (for progress displays). Follows the job
+        by long-polls (``status`` with ``seen``): it hears of the end as it happens."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        delay, last = 0.2, None
+        last, seen = None, ""
         while True:
-            detail = self.status(job)
+            left = POLL_WAIT if deadline is None else deadline - time.monotonic()
+            detail = self.status(job, wait=max(0.0, min(left, POLL_WAIT)), seen=seen)
+            seen = detail.mark
             key = (detail.job.state, tuple(r.state for r in detail.ranks))
             if key != last:
-                last, delay = key, 0.2
+                last = key
                 if on_change is not None:
                     on_change(detail)
             if detail.job.state in TERMINAL_STATES:
                 return detail.job
             if deadline is not None and time.monotonic() >= deadline:
                 raise WaitTimeout(f"job {job} did not end within {timeout:g} s", detail.job)
-            time.sleep(delay)
-            delay = min(delay * 1.5, 2.0)
+            if not seen:  # a coordinator from before long-polls answers at once: poll gently
+                time.sleep(1.0)
 
     def results(self, job: int, dest_dir: Path | str) -> list[Path]:
         """Download the job's results zip and extract it into ``dest_dir``; returns the files."""

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from vpool import paths
 from vpool.sdk import clientconfig, toml
 from vpool.sdk.errors import LocalPoolError, VsdkError
 from vpool.sdk.localpool_files import (  # noqa: F401  re-exported for callers
@@ -62,6 +63,7 @@ from vpool.sdk.localpool_files import (  # noqa: F401  re-exported for callers
 Progress = Callable[[str], None]
 
 READY_TIMEOUT = 30.0
+SELFTEST_CACHE = "local-pool-selftest.json"  # the agents' shared selftest_cache, in cache_dir()
 STOP_TIMEOUT = 10.0
 DEFAULT_AGENTS = 2
 DEFAULT_RELAYS = 1
@@ -407,18 +409,23 @@ def up(
     config_path: Path | None = None,
     relay_options: Mapping[str, Any] | None = None,
     timers: str = "production",
+    selftest_cache: str | None = None,
 ) -> PoolStarted:
     """Start a coordinator, ``relays`` relays and ``agents`` agents on 127.0.0.1 and point the
     client config at them. The coordinator keeps the jobs of the previous local pool (its
     database and files) unless ``fresh``; everything else starts anew. ``relay_options``:
     settings written into every relay's config over the pool's own (benchmarks: a relay on
     another loopback address behind a delay line, a push window). ``timers``: a profile of
-    ``TIMERS`` ("test": faults detected and recovered from in seconds)."""
+    ``TIMERS`` ("test": faults detected and recovered from in seconds). ``selftest_cache``:
+    the agents' shared ``selftest_cache`` (None: ``SELFTEST_CACHE`` in vpool's cache directory,
+    kept from one ``up`` to the next; "": none, each agent probes its sandbox)."""
     if agents < 1 or relays < 1 or slots < 1:
         raise LocalPoolError("a local pool needs at least one agent, one relay and one slot")
     if timers not in TIMERS:
         raise LocalPoolError(f"no timer profile {timers!r}; there are {', '.join(TIMERS)}")
     timed = TIMERS[timers]
+    if selftest_cache is None:
+        selftest_cache = str(paths.cache_dir() / SELFTEST_CACHE)
     lay = layout()
     live = running(lay)
     if live:
@@ -468,7 +475,11 @@ def up(
             write_config(
                 lay,
                 name,
-                {**agent_settings(lay, name, sec, url, slots, package_index), **timed["agent"]},
+                {
+                    **agent_settings(lay, name, sec, url, slots, package_index),
+                    "selftest_cache": selftest_cache,
+                    **timed["agent"],
+                },
             )
             starter.start(name, agent_argv(lay, name))
         progress(f"starting {agents} agent(s) with {slots} slots each")

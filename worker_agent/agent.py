@@ -276,7 +276,7 @@ class Agent:
         isolation this agent reports, and a sandbox that lets a probe through is no sandbox."""
         settings, svc = self.settings, self.services
         try:
-            found = await selftest.run_selftest(
+            found = await selftest.run_cached(
                 settings, svc.isolation, svc.limits, criu_ok=bool(self.capability.criu)
             )
         except Exception as exc:

@@ -14,10 +14,20 @@ The level: "sandbox" when every probe matched and the cgroup set the memory and 
 limits; "sandbox-rlimits" when the probes matched but no cgroup could be had; "none" when no
 sandbox could be made, or a probe did not match (the agent then treats itself as unsandboxed).
 The agent runs this at start and reports the result to the coordinator.
+
+With ``selftest_cache`` set, the agent keeps what it found in that file and, at its next start,
+reuses it instead of probing again when nothing the outcome depends on changed: the machine's
+boot, the user, vpool's own code, the interpreter, bwrap and CRIU (by their files), the seccomp
+filter, the cgroups, the view and the settings (``cache_key``). Only a clean result is kept (a
+sandbox whose every probe matched, checkpoints that worked or no CRIU to try). A local pool's
+agents share one (`vsdk local up --selftest-cache`): three agents on one machine would find the
+same thing three times, every time the pool starts.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
 import logging
 import os
@@ -33,7 +43,7 @@ from urllib.parse import urlsplit
 
 import trio
 
-from vpool import paths
+from vpool import __version__, paths
 from vpool.protocol.api import IsolationReport
 from vpool.sizes import format_size
 from vpool.worker_agent import cgroups, criu, sandbox, sandboxed
@@ -44,6 +54,23 @@ log = logging.getLogger("vpool.agent")
 
 PROBE_SCRIPT = Path(__file__).with_name("selftest_probe.py")
 _TIMEOUT = 60.0
+CACHE_ENTRIES = 8  # keys one cache file keeps (the newest)
+# Settings that differ between agents of one machine and change nothing a probe can see from
+# inside the sandbox: every other setting is part of the cache key (a new one too, so that
+# forgetting it here costs a probe, never a wrong reuse).
+NOT_KEYED = frozenset(
+    {
+        "name",
+        "coordinator_url",
+        "coordinator_ca",
+        "join_token",
+        "identity_dir",
+        "work_dir",
+        "control_socket",
+        "fingerprint_salt",
+        "selftest_cache",
+    }
+)
 _REFUSED_FILE = frozenset({"FileNotFoundError", "PermissionError"})
 
 # probe -> (what it tries, the outcome a sandbox gives: a test of what the probe saw)
@@ -169,6 +196,110 @@ async def run_selftest(
         server.close()
         sock_path.unlink(missing_ok=True)
         await trio.to_thread.run_sync(lambda: shutil.rmtree(tmp, ignore_errors=True))
+
+
+async def run_cached(
+    settings: AgentSettings,
+    iso: sandboxed.Isolation,
+    limits: sandboxed.RankLimits,
+    *,
+    criu_ok: bool,
+) -> SelfTest:
+    """``run_selftest``, or what it found before in ``settings.selftest_cache`` under the same
+    key (module docstring)."""
+    if not settings.selftest_cache or not iso.on:
+        return await run_selftest(settings, iso, limits, criu_ok=criu_ok)
+    path = Path(settings.selftest_cache)
+    key = await trio.to_thread.run_sync(cache_key, settings, iso, limits, criu_ok)
+    found = await trio.to_thread.run_sync(load_cached, path, key)
+    if found is not None:
+        log.info("selftest: the findings kept in %s (nothing they depend on changed)", path)
+        return found
+    result = await run_selftest(settings, iso, limits, criu_ok=criu_ok)
+    if result.level != "none" and result.checkpoints in ("ok", "no usable CRIU"):
+        try:
+            await trio.to_thread.run_sync(store_cached, path, key, result)
+        except OSError as exc:
+            log.warning("cannot keep the selftest's findings in %s: %s", path, exc)
+    return result
+
+
+def cache_key(
+    settings: AgentSettings, iso: sandboxed.Isolation, limits: sandboxed.RankLimits, criu_ok: bool
+) -> str:
+    """A digest of everything the selftest's outcome depends on (blocking: stats files)."""
+
+    def stat(path: str | Path) -> list[object]:
+        try:
+            st = os.stat(path)
+        except OSError as exc:
+            return [str(path), type(exc).__name__]
+        return [str(path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns]
+
+    code = Path(__file__).parent
+    material = {
+        "vpool": __version__,
+        "code": [stat(f) for f in sorted(code.glob("*.py"))],
+        "boot": _host_boot_id(),
+        "kernel": os.uname().release,
+        "uid": os.getuid(),
+        "settings": {
+            f.name: str(getattr(settings, f.name))
+            for f in dataclasses.fields(settings)
+            if f.name not in NOT_KEYED
+        },
+        "python": stat(os.path.realpath(settings.python_path)),
+        "bwrap": stat(iso.bwrap),
+        "criu": [criu_ok, stat(os.path.realpath(shutil.which(settings.criu) or settings.criu))],
+        "seccomp": hashlib.sha256(iso.seccomp).hexdigest(),
+        "cgroup": None
+        if iso.cgroup is None
+        else [iso.cgroup.version, sorted(iso.cgroup.controllers), iso.cgroup.reason],
+        "view": [list(iso.view.ro), [list(x) for x in iso.view.links]] if iso.view else None,
+        "limits": repr(limits),
+    }
+    return hashlib.sha256(json.dumps(material, sort_keys=True).encode()).hexdigest()
+
+
+def load_cached(path: Path, key: str) -> SelfTest | None:
+    """The findings kept under ``key``, or None. A file this user does not own, or that others
+    may write, is not read: findings that say a sandbox holds are trusted only from the agent."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:
+        return None
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if st.st_uid != os.getuid() or st.st_mode & 0o022:
+            log.warning("selftest cache %s is not this user's alone: not used", path)
+            return None
+        try:
+            entry = json.loads(f.read(1 << 20)).get(key)
+            return SelfTest(**entry) if isinstance(entry, dict) else None
+        except (ValueError, TypeError, AttributeError):
+            return None  # damaged or from another version: probe again
+
+
+def store_cached(path: Path, key: str, result: SelfTest) -> None:
+    """Keep ``result`` under ``key`` (with the newest others), replacing the file atomically."""
+    try:
+        with open(path, "rb") as f:
+            kept = json.loads(f.read(1 << 20))
+        kept = kept if isinstance(kept, dict) else {}
+    except (OSError, ValueError):
+        kept = {}
+    kept.pop(key, None)
+    kept[key] = dataclasses.asdict(result)
+    kept = dict(list(kept.items())[-CACHE_ENTRIES:])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".selftest-", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:  # mkstemp: mode 0600
+            json.dump(kept, f)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
 
 
 def _targets(settings: AgentSettings) -> dict[str, Any]:

@@ -156,6 +156,12 @@ class AgentSettings:
     fingerprint_salt: str = setting(
         "", "Mixed into this agent's environment fingerprint (tests: agents that differ)."
     )
+    selftest_cache: str = setting(
+        "",
+        "A file where the agent keeps its selftest's findings and reuses them at its next "
+        "start while nothing they depend on changed (the boot, vpool, the interpreter, bwrap, "
+        "CRIU, the settings); empty = probe at every start. A local pool's agents share one.",
+    )
     checkpoint_scratch: str = setting(
         "",
         "Directory for CRIU images being made or restored; empty = a directory of this agent's "

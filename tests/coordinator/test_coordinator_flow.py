@@ -116,6 +116,59 @@ async def test_lease_long_poll_wakes_on_submit(pool: Pool) -> None:
     assert len(got) == 1
 
 
+async def test_job_detail_long_poll_wakes_on_a_change(pool: Pool) -> None:
+    await pool.register_relay()
+    job = await pool.submit(2)
+    agent = await pool.enroll(slots=2)
+    leases = await pool.lease(agent)
+    await pool.heartbeat(agent, leases)
+    url = f"/api/v1/jobs/{job.id}"
+    first = await pool.job(job.id)
+    assert first.job.state == "running" and len(first.mark) == 16
+    # Asked again with nothing changed, the same detail and mark; a mark that is not the
+    # current one (a stale or made-up one) is answered at once.
+    assert await pool.job(job.id) == first
+    with trio.fail_after(2):
+        stale = await pool.client.get(
+            url, params={"wait": 30, "seen": "0" * 16}, headers=pool.user()
+        )
+    assert decode(stale, api.JobDetail) == first
+    got: list[api.JobDetail] = []
+
+    async def poll() -> None:
+        r = await pool.client.get(url, params={"wait": 30, "seen": first.mark}, headers=pool.user())
+        got.append(decode(r, api.JobDetail))
+
+    with trio.fail_after(5):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(poll)
+            await parked(pool.core.changes)
+            assert got == []  # held: nothing changed yet
+            await pool.exit(agent, leases[1], 3)
+    (woken,) = got
+    assert woken.job.state == "failed" and woken.mark != first.mark
+    assert woken.events[-1].kind == "failed", woken.events
+
+
+async def test_job_detail_long_poll_ends_after_its_wait_unchanged(pool: Pool) -> None:
+    job = await pool.submit(1)
+    first = await pool.job(job.id)
+    url = f"/api/v1/jobs/{job.id}"
+    with trio.fail_after(5):
+        r = await pool.client.get(
+            url, params={"wait": 0.3, "seen": first.mark}, headers=pool.user()
+        )
+    assert decode(r, api.JobDetail) == first
+    # Only the job's owner (or an operator) may wait on it; a malformed wait is a 422.
+    for params, user, status in [
+        ({"wait": 5, "seen": first.mark}, "bob", 404),
+        ({"wait": "soon"}, "alice", 422),
+    ]:
+        with trio.fail_after(2):
+            r = await pool.client.get(url, params=params, headers=pool.user(user))
+        assert r.status_code == status, r.text
+
+
 async def test_nonzero_exit_fails_job_and_stops_others(pool: Pool) -> None:
     await pool.register_relay()
     job = await pool.submit(3)

@@ -19,6 +19,7 @@ import pytest
 
 BIN = Path(sys.executable).parent
 REPO = Path(__file__).resolve().parents[2]
+WAIT_RECHECK = 0.25  # s: the longest ``Pool.wait`` lets the coordinator hold a status call
 
 
 @dataclass
@@ -38,18 +39,19 @@ class Pool:
             check=False,
         )
 
-    def status(self, job: int | None = None) -> dict | None:
+    def status(self, job: int | None = None, wait: float = 0.0, seen: str = "") -> dict | None:
         """What ``vsdk status [JOB] --json`` prints, or None while the coordinator does not
         answer. Asked through the SDK's ``Client`` in this process: a wait that started a
         ``vsdk`` process every 50 ms took a core from the pool it waited for (the CLI itself
-        is tested once, in test_local_pool.py)."""
+        is tested once, in test_local_pool.py). ``wait`` and ``seen``: a long-poll
+        (``Client.status``)."""
         from vpool.sdk.client import Client
         from vpool.sdk.errors import VsdkError
 
         try:
             with Client.from_config(self.home / "config" / "client.toml", timeout=30) as client:
                 if job is not None:
-                    got: object = client.status(job)
+                    got: object = client.status(job, wait=wait, seen=seen)
                 else:
                     got = {"pool": client.pool_info(), "agents": client.agents()}
         except (VsdkError, OSError):
@@ -63,15 +65,21 @@ class Pool:
         return got
 
     def wait(self, job: int, cond, what: str, timeout: float = 120) -> dict:
-        """The job's status once ``cond(status)`` holds; fails after ``timeout`` s."""
+        """The job's status once ``cond(status)`` holds; fails after ``timeout`` s. Long-polls:
+        the coordinator answers as soon as the job's detail changes, and at least every
+        ``WAIT_RECHECK`` s (a ``cond`` may look at more than the detail: output, processes)."""
         deadline = time.monotonic() + timeout
+        seen = ""
         while True:
-            got = self.status(job)
+            got = self.status(job, wait=WAIT_RECHECK, seen=seen)
             if got is not None and cond(got):
                 return got
             if time.monotonic() > deadline:
                 raise AssertionError(f"{what}: not after {timeout} s; last {got}\n{self.logs()}")
-            time.sleep(0.05)
+            if got is None:
+                time.sleep(0.05)  # the coordinator restarts
+            else:
+                seen = got["mark"]
 
     def pids(self) -> list[dict]:
         return json.loads((self.home / "state" / "local-pool" / "pids.json").read_text())
@@ -226,6 +234,8 @@ def start_pool(
     replaced, a relay outage waited out in seconds); tests of the defaults keep production."""
     env = {**os.environ, "VPOOL_HOME": str(tmp)}
     pool = Pool(tmp, env)
+    if SELFTEST_CACHE:
+        extra = ["--selftest-cache", str(SELFTEST_CACHE[0]), *(extra or [])]
     res = pool.vsdk(
         "local",
         "up",
@@ -243,6 +253,17 @@ def start_pool(
             f"local up failed: {res.stderr.decode()}\n{pool.logs() if tmp.exists() else ''}"
         )
     return pool
+
+
+# The file every test pool's agents keep their sandbox selftest's findings in (`vsdk local up
+# --selftest-cache`): the first agent of the session probes, the others reuse what it found
+# while nothing it depends on changed (the agent checks). Its own tests probe anew.
+SELFTEST_CACHE: list[Path] = []
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _shared_selftest(tmp_path_factory: pytest.TempPathFactory) -> None:
+    SELFTEST_CACHE[:] = [tmp_path_factory.getbasetemp() / "agent-selftest.json"]
 
 
 @pytest.fixture(scope="module")

@@ -209,7 +209,13 @@ def test_killed_rank_is_restored_from_its_checkpoint(pool: Pool, tmp_path: Path)
     # From an image the restored incarnation made (a newer one may have come before the kill).
     assert ckpt_id(restored[1]["message"]) >= newest > ckpt_id(restored[0]["message"]), restored
     assert not events(d, "rank_replaying", 0), d["events"]
-    assert not events(d, "checkpoint_failed"), d["events"]
+    # Every checkpoint of rank 0, restored or not, was made. Another rank's may fail only for
+    # the reason it must: blocked in a Sendrecv with rank 0 while rank 0 was dead or being
+    # restored, it reached no safe point in time (on a busy machine a restore can take that
+    # long); the next one is taken as usual.
+    assert not events(d, "checkpoint_failed", 0), d["events"]
+    for failed in events(d, "checkpoint_failed"):
+        assert "reached no safe point" in failed["message"], d["events"]
     assert all(e["rank"] is not None for e in events(d, "checkpoint")), d["events"]
 
 
