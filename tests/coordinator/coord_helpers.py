@@ -53,10 +53,12 @@ class FakeClock:
 
 
 def make_zip(files: dict[str, bytes]) -> bytes:
+    """The same files make the same bytes (so the same blob), whenever they are zipped: a
+    member's time is fixed, not the current second."""
     buf = io.BytesIO()
     with zipfile.ZipFile(buf, "w") as zf:
         for name, data in files.items():
-            zf.writestr(name, data)
+            zf.writestr(zipfile.ZipInfo(name, date_time=(2020, 1, 1, 0, 0, 0)), data)
     return buf.getvalue()
 
 
