@@ -71,9 +71,8 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 
 # Sizes: ``pool`` (by folder: a whole local pool, mpi4py's suite under `vsdk mpiexec`, or a
 # browser against a pool; the pool fixtures are tests/integration's) and ``exclusive`` (given by
-# hand: a test that needs the machine to itself). scripts/test runs the rest on two workers
-# first, then these one at a time: a pool, or the suite's ranks, keep both cores busy by
-# themselves (beside the suite on two workers, an agent's start-up probes took over 20 s).
+# hand: a test that needs the machine to itself). scripts/test runs all but the exclusive ones
+# on two workers in two lanes (CPU_LANE, below), then the exclusive ones one at a time.
 POOL_FOLDERS = ("integration", "conformance", "browser")
 TESTS = Path(__file__).parent
 

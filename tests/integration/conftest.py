@@ -112,12 +112,21 @@ class Pool:
             if parent not in found and stdout_of(pid) != "/dev/null"
         ]
 
-    def rank_pid(self, rank: int, job: int, agent_prefix: str = "agent") -> int:
-        """The pid of rank ``rank`` of ``job`` (``rank_processes``): exactly one."""
-        pids = [p for j, r, p in self.rank_processes(agent_prefix) if (j, r) == (job, rank)]
-        assert len(pids) <= 1, f"several processes for rank {rank} of job {job}: {pids}"
-        assert pids, f"no process for rank {rank} of job {job}"
-        return pids[0]
+    def rank_pid(
+        self, rank: int, job: int, agent_prefix: str = "agent", timeout: float = 30
+    ) -> int:
+        """The pid of rank ``rank`` of ``job`` (``rank_processes``): exactly one. Waits up to
+        ``timeout`` s for it: an agent reports a rank running once its sandbox started, which
+        may be a moment before the sandbox's init has started the program (on a busy machine,
+        more than a moment)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            pids = [p for j, r, p in self.rank_processes(agent_prefix) if (j, r) == (job, rank)]
+            assert len(pids) <= 1, f"several processes for rank {rank} of job {job}: {pids}"
+            if pids:
+                return pids[0]
+            assert time.monotonic() < deadline, f"no process for rank {rank} of job {job}"
+            time.sleep(0.02)
 
     def rank_pids(self) -> dict[int, int]:
         """MPI rank -> pid of the rank processes of the newest job that runs."""
@@ -266,13 +275,87 @@ def _shared_selftest(tmp_path_factory: pytest.TempPathFactory) -> None:
     SELFTEST_CACHE[:] = [tmp_path_factory.getbasetemp() / "agent-selftest.json"]
 
 
-@pytest.fixture(scope="module")
-def pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pool]:
-    p = start_pool(tmp_path_factory.mktemp("pool"))
+class SessionPool:
+    """The pool of a test session (of each xdist worker) for the tests that do not break it:
+    started when a test first asks for it, checked after each test (``problem``) and started
+    anew only when that test left it broken. Tests that kill or reconfigure parts of a pool
+    have pools of their own (``fresh_pool``, ``pool4``, ``pool_1relay``, a module's own)."""
+
+    AGENTS, RELAYS = 3, 2
+
+    def __init__(self, factory: pytest.TempPathFactory) -> None:
+        self._factory = factory
+        self._pool: Pool | None = None
+        self.starts = 0
+
+    def get(self) -> Pool:
+        if self._pool is None:
+            self._pool = start_pool(
+                self._factory.mktemp("pool"), agents=self.AGENTS, relays=self.RELAYS
+            )
+            self.starts += 1
+        return self._pool
+
+    def problem(self) -> str | None:
+        """Why the pool is not as a test found it: a component's process gone, fewer live
+        agents or relays than it started with (or more: a test's extra agent), or a job still
+        queued or running. None when it is fine for the next test."""
+        pool = self._pool
+        if pool is None:
+            return None
+        from vpool.sdk.client import Client
+        from vpool.sdk.errors import VsdkError
+
+        gone = [p["name"] for p in pool.pids() if not _alive(p["pid"])]
+        if gone:
+            return f"{', '.join(gone)} gone"
+        try:
+            with Client.from_config(pool.home / "config" / "client.toml", timeout=30) as client:
+                info = client.pool_info()
+                unfinished = client.jobs(state="running") + client.jobs(state="queued")
+        except (VsdkError, OSError) as exc:
+            return f"the coordinator does not answer: {exc}"
+        if (info.agents, info.relays) != (self.AGENTS, self.RELAYS):
+            return f"{info.agents} live agent(s) and {info.relays} relay(s)"
+        if unfinished:
+            return f"job(s) {', '.join(str(j.id) for j in unfinished)} not ended"
+        return None
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.vsdk("local", "down", timeout=60)
+            self._pool = None
+
+
+def _alive(pid: int) -> bool:
     try:
-        yield p
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(") ", 1)[-1][:1] not in ("Z", "X")
+    except FileNotFoundError:
+        return False
+
+
+@pytest.fixture(scope="session")
+def session_pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SessionPool]:
+    holder = SessionPool(tmp_path_factory)
+    try:
+        yield holder
     finally:
-        p.vsdk("local", "down", timeout=60)
+        holder.close()
+
+
+@pytest.fixture
+def pool(session_pool: SessionPool, request: pytest.FixtureRequest) -> Iterator[Pool]:
+    """The session's pool (3 agents, 2 relays, production timers). A test on it submits its own
+    jobs and asserts on them alone; if it leaves the pool broken (``SessionPool.problem``),
+    the pool is stopped and the next test gets a new one (said in the test's properties and
+    on stderr)."""
+    yield session_pool.get()
+    problem = session_pool.problem()
+    if problem:
+        request.node.user_properties.append(("session_pool_restarted", problem))
+        print(f"the session pool is started anew after this test: {problem}", file=sys.stderr)
+        session_pool.close()
 
 
 @pytest.fixture

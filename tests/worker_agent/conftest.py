@@ -667,11 +667,22 @@ def lease_for(
     )
 
 
+@pytest.fixture(scope="session")
+def selftest_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The test agents' shared ``selftest_cache``: the first agent of the session with given
+    settings probes its sandbox, the others reuse what it found (the agent checks that nothing
+    it depends on changed). tests/worker_agent/test_selftest.py probes every time."""
+    return tmp_path_factory.getbasetemp() / "agent-selftest.json"
+
+
 @pytest.fixture
-def settings(request: pytest.FixtureRequest, tmp_path: Path, pool_pki: Pki) -> AgentSettings:
+def settings(
+    request: pytest.FixtureRequest, tmp_path: Path, pool_pki: Pki, selftest_cache: Path
+) -> AgentSettings:
     """The test agent's settings; ``parametrize("settings", [{...}], indirect=True)`` changes
     some."""
     base = AgentSettings(
+        selftest_cache=str(selftest_cache),
         name="test-agent",
         coordinator_url="https://coordinator.invalid",
         coordinator_ca=str(pool_pki.ca),
