@@ -65,7 +65,10 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     # Where the run's time goes (scripts/test-times reads the JUnit XML scripts/test writes):
     # the fixtures each test uses, so time can be summed per pool fixture.
     params = getattr(getattr(item, "callspec", None), "params", {})
-    names = [n for n in getattr(item, "fixturenames", ()) if n not in params]
+    # (Not the private autouse ones, "_name": every test of a folder has them.)
+    names = [
+        n for n in getattr(item, "fixturenames", ()) if n not in params and not n.startswith("_")
+    ]
     item.user_properties.append(("fixtures", " ".join(sorted(names))))
 
 
