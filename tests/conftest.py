@@ -112,13 +112,13 @@ def _module(nodeid: str) -> str:
 def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object | None:
     if not config.getoption("lanes"):
         return None
-    from xdist.scheduler import LoadScopeScheduling
+    from xdist.scheduler import LoadFileScheduling
 
-    class Lanes(LoadScopeScheduling):
+    class Lanes(LoadFileScheduling):
         """loadfile, but the CPU lane's modules are one work unit."""
 
         def _split_scope(self, nodeid: str) -> str:
-            module = _module(nodeid)
+            module = super()._split_scope(nodeid)
             return "cpu-lane" if module in CPU_LANE else module
 
     config.option.loadscopereorder = False  # keep the order: the CPU lane first

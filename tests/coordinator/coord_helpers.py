@@ -143,6 +143,16 @@ class Pool:
         assert r.status_code == 201, r.text
         return decode(r, api.JobInfo)
 
+    async def running_job(self, ranks: int) -> tuple[api.JobInfo, Agent, list[api.Lease]]:
+        """A job of ``ranks`` ranks running on one agent of as many slots, behind a relay: the
+        job, the agent and its leases."""
+        await self.register_relay()
+        job = await self.submit(ranks)
+        agent = await self.enroll(slots=ranks)
+        leases = await self.lease(agent)
+        await self.heartbeat(agent, leases)
+        return job, agent, leases
+
     async def job(self, job_id: int, user: str = "alice") -> api.JobDetail:
         r = await self.client.get(f"/api/v1/jobs/{job_id}", headers=self.user(user))
         return decode(r, api.JobDetail)

@@ -117,11 +117,7 @@ async def test_lease_long_poll_wakes_on_submit(pool: Pool) -> None:
 
 
 async def test_job_detail_long_poll_wakes_on_a_change(pool: Pool) -> None:
-    await pool.register_relay()
-    job = await pool.submit(2)
-    agent = await pool.enroll(slots=2)
-    leases = await pool.lease(agent)
-    await pool.heartbeat(agent, leases)
+    job, agent, leases = await pool.running_job(2)
     url = f"/api/v1/jobs/{job.id}"
     first = await pool.job(job.id)
     assert first.job.state == "running" and len(first.mark) == 16
@@ -170,11 +166,7 @@ async def test_job_detail_long_poll_ends_after_its_wait_unchanged(pool: Pool) ->
 
 
 async def test_nonzero_exit_fails_job_and_stops_others(pool: Pool) -> None:
-    await pool.register_relay()
-    job = await pool.submit(3)
-    agent = await pool.enroll(slots=3)
-    leases = await pool.lease(agent)
-    await pool.heartbeat(agent, leases)
+    job, agent, leases = await pool.running_job(3)
     await pool.exit(agent, leases[1], 3)
     detail = await pool.job(job.id)
     assert detail.job.state == "failed" and detail.job.exit_code == 3

@@ -42,11 +42,7 @@ async def _until_held(pool: Pool) -> None:
 async def test_held_heartbeat_returns_stop_orders_as_soon_as_a_rank_fails(
     pool: Pool, mock_clock: trio.testing.MockClock
 ) -> None:
-    await pool.register_relay()
-    job = await pool.submit(3)
-    agent = await pool.enroll(slots=3)
-    leases = await pool.lease(agent)
-    await pool.heartbeat(agent, leases)
+    job, agent, leases = await pool.running_job(3)
     got: list[api.AgentHeartbeatResponse] = []
 
     async def beat() -> None:

@@ -12,11 +12,7 @@ from vpool.protocol import api
 
 
 async def test_the_last_page_waits_for_the_stopped_ranks_last_words(pool: Pool) -> None:
-    await pool.register_relay()
-    job = await pool.submit(2)
-    agent = await pool.enroll(slots=2)
-    leases = await pool.lease(agent)
-    await pool.heartbeat(agent, leases)
+    job, agent, leases = await pool.running_job(2)
     url = f"/api/v1/jobs/{job.id}/output"
     # Rank 0 fails: the job ends; rank 1 is told to stop and has not reported yet.
     await pool.exit(agent, leases[0], 3)
@@ -46,11 +42,7 @@ async def test_the_last_page_waits_for_the_stopped_ranks_last_words(pool: Pool) 
 
 
 async def test_a_silent_agent_does_not_hold_the_output_forever(pool: Pool) -> None:
-    await pool.register_relay()
-    job = await pool.submit(2)
-    agent = await pool.enroll(slots=2)
-    leases = await pool.lease(agent)
-    await pool.heartbeat(agent, leases)
+    job, agent, leases = await pool.running_job(2)
     await pool.exit(agent, leases[0], 3)
     url = f"/api/v1/jobs/{job.id}/output"
     assert not decode(await pool.client.get(url, headers=pool.user()), api.OutputPage).complete

@@ -119,11 +119,7 @@ async def test_the_others_ranks_stop_at_once_when_output_goes_past_the_quota(
     tmp_path: Path, mock_clock: trio.testing.MockClock
 ) -> None:
     async with open_pool(tmp_path, max_job_output=100) as pool:
-        await pool.register_relay()
-        await pool.submit(2)
-        agent = await pool.enroll(slots=2)
-        leases = await pool.lease(agent)
-        await pool.heartbeat(agent, leases)
+        _, agent, leases = await pool.running_job(2)
         got: list[api.AgentHeartbeatResponse] = []
 
         async def beat() -> None:
@@ -145,11 +141,7 @@ async def test_output_of_an_ended_job_is_cut_at_the_quota_with_one_event(
     tmp_path: Path,
 ) -> None:
     async with open_pool(tmp_path, max_job_output=100) as pool:
-        await pool.register_relay()
-        job = await pool.submit(2)
-        agent = await pool.enroll(slots=2)
-        leases = await pool.lease(agent)
-        await pool.heartbeat(agent, leases)
+        job, agent, leases = await pool.running_job(2)
         await pool.exit(agent, leases[0], 3)  # the job fails; rank 1 is being stopped
         # Rank 1's last words come after the end, and are more than the quota holds.
         for offset, size in ((0, 80), (80, 80), (160, 50)):

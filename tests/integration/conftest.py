@@ -286,14 +286,12 @@ class SessionPool:
     def __init__(self, factory: pytest.TempPathFactory) -> None:
         self._factory = factory
         self._pool: Pool | None = None
-        self.starts = 0
 
     def get(self) -> Pool:
         if self._pool is None:
             self._pool = start_pool(
                 self._factory.mktemp("pool"), agents=self.AGENTS, relays=self.RELAYS
             )
-            self.starts += 1
         return self._pool
 
     def problem(self) -> str | None:
@@ -306,7 +304,7 @@ class SessionPool:
         from vpool.sdk.client import Client
         from vpool.sdk.errors import VsdkError
 
-        gone = [p["name"] for p in pool.pids() if not _alive(p["pid"])]
+        gone = [p["name"] for p in pool.pids() if not alive(p["pid"])]
         if gone:
             return f"{', '.join(gone)} gone"
         try:
@@ -327,7 +325,8 @@ class SessionPool:
             self._pool = None
 
 
-def _alive(pid: int) -> bool:
+def alive(pid: int) -> bool:
+    """The process runs: it exists and is not a zombie (nor dead)."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             return f.read().rsplit(") ", 1)[-1][:1] not in ("Z", "X")

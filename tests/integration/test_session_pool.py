@@ -5,11 +5,10 @@ anew."""
 from __future__ import annotations
 
 import json
-import os
 import signal
 import time
 
-from tests.integration.conftest import REPO, SessionPool, end_process
+from tests.integration.conftest import REPO, SessionPool, alive, end_process
 
 PACED = str(REPO / "tests" / "integration" / "programs" / "paced.py")
 
@@ -43,14 +42,6 @@ def test_the_session_pool_is_started_anew_only_when_a_test_broke_it(
     # The first pool is down: none of its processes is left.
     deadline = time.monotonic() + 30
     for p in components:
-        while os.path.exists(f"/proc/{p['pid']}") and _state(p["pid"]) not in ("Z", "X", ""):
+        while alive(p["pid"]):
             assert time.monotonic() < deadline, f"{p['name']} ({p['pid']}) still runs"
             time.sleep(0.05)
-
-
-def _state(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(") ", 1)[-1][:1]
-    except FileNotFoundError:
-        return ""

@@ -20,6 +20,7 @@ import msgspec
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+from tests.integration.conftest import alive
 from vpool import tls
 from vpool.protocol import api
 from vpool.protocol.tokens import sign_possession
@@ -175,7 +176,7 @@ def test_a_flood_on_a_small_disk_fails_alone_and_the_relay_stays_up(
         assert d["job"]["state"] == "succeeded", (d, pool.logs())
         out = pool.vsdk("logs", str(calm), timeout=60).stdout.decode()
         assert out.count(marker) == 4, out
-        assert _alive(pool.pid_of("relay-0")), pool.logs()
+        assert alive(pool.pid_of("relay-0")), pool.logs()
     finally:
         pool.vsdk("local", "down", timeout=60)  # before the unmount: the relay holds files
         subprocess.run(["umount", str(disk)], check=False)
@@ -190,7 +191,7 @@ def _submit_program(pool: Pool, program: str, ranks: int, *args: str) -> int:
 
 def _wait_gone(pid: int) -> None:
     deadline = time.monotonic() + 30
-    while _alive(pid):
+    while alive(pid):
         assert time.monotonic() < deadline, f"pid {pid} did not stop"
         time.sleep(0.05)
 
@@ -218,15 +219,7 @@ def test_a_banned_agents_ranks_move_and_the_job_still_succeeds(pool: Pool) -> No
     assert moved and all(r["agent_name"] != victim for r in moved), d["ranks"]
     # The banned agent hears it is banned at its next heartbeat, and leaves.
     deadline = time.monotonic() + 60
-    while _alive(pid):
+    while alive(pid):
         assert time.monotonic() < deadline, f"banned agent {victim} still runs\n{pool.logs()}"
         time.sleep(0.1)
     assert "banned" in (_dir(pool) / "logs" / f"{victim}.log").read_text()
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(") ")[-1][0] != "Z"
-    except FileNotFoundError:
-        return False
