@@ -23,6 +23,7 @@ from vpool.coordinator.settings import CoordinatorSettings, load
 from vpool.coordinator.sqlite_store import SqliteStore
 from vpool.protocol import api, pki
 from vpool.protocol.tokens import public_key_text
+from vpool.readyfile import Ready, ready_options
 
 USER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.@-]{0,63}")
 config_option = click.option(
@@ -70,14 +71,10 @@ def main() -> None:
 
 @main.command()
 @config_option
-@click.option(
-    "--ready-file",
-    type=click.Path(dir_okay=False, path_type=Path),
-    help="Write {host, port, pid, url} as JSON here once listening.",
-)
+@ready_options("{host, port, pid, url}")
 @click.option("--host", help="Address to listen on (overrides the settings).")
 @click.option("--port", type=int, help="Port to listen on; 0 picks a free one.")
-def serve(config: Path | None, ready_file: Path | None, host: str | None, port: int | None) -> None:
+def serve(config: Path | None, ready: Ready, host: str | None, port: int | None) -> None:
     """Serve the HTTPS API and the dashboard until SIGTERM.
 
     \b
@@ -90,7 +87,7 @@ def serve(config: Path | None, ready_file: Path | None, host: str | None, port: 
     settings = _settings(config, host=host, port=port)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     try:
-        trio.run(run_server, settings, ready_file)
+        trio.run(run_server, settings, ready)
     except (ServeError, OSError) as exc:
         raise click.ClickException(str(exc)) from exc
 

@@ -24,7 +24,7 @@ from vpool.coordinator.app import create_app
 from vpool.coordinator.service import Coordinator
 from vpool.coordinator.settings import CoordinatorSettings
 from vpool.protocol import pki
-from vpool.readyfile import write_ready_file
+from vpool.readyfile import Ready
 
 log = logging.getLogger("vpool.coordinator")
 
@@ -102,7 +102,7 @@ async def _until_signal() -> None:
             return
 
 
-async def serve(settings: CoordinatorSettings, ready_file: Path | None) -> None:
+async def serve(settings: CoordinatorSettings, ready: Ready) -> None:
     """Run until SIGTERM or SIGINT."""
     secure = check_tls(settings)
     core = Coordinator(settings)
@@ -132,16 +132,11 @@ async def serve(settings: CoordinatorSettings, ready_file: Path | None) -> None:
             scheme = "https" if secure else "http"
             url = settings.public_url or f"{scheme}://{_url_host(settings.host)}:{port}"
             log.info("coordinator %s listening on %s:%s (%s)", settings.pool_name, host, port, url)
-            if ready_file is not None:
-                write_ready_file(
-                    ready_file,
-                    {"host": settings.host, "port": port, "pid": os.getpid(), "url": url},
-                )
+            ready.announce({"host": settings.host, "port": port, "pid": os.getpid(), "url": url})
     finally:
         core.close()
-        if ready_file is not None:
-            with trio.move_on_after(5, shield=True):
-                await trio.to_thread.run_sync(partial(ready_file.unlink, missing_ok=True))
+        with trio.move_on_after(5, shield=True):
+            await trio.to_thread.run_sync(ready.withdraw)
 
 
 def _url_host(host: str) -> str:

@@ -18,7 +18,7 @@ import trio
 from vpool.config import SettingsError
 from vpool.logsetup import quiet_routine_requests
 from vpool.protocol import pki
-from vpool.readyfile import write_ready_file
+from vpool.readyfile import Ready, ready_options
 from vpool.relay.errors import RelayError
 from vpool.relay.server import serve_relay
 from vpool.relay.settings import RelaySettings, load
@@ -90,20 +90,13 @@ def checked_advertise(settings: RelaySettings) -> RelaySettings:
     return settings
 
 
-async def _run(settings: RelaySettings, ready_file: Path | None) -> None:
+async def _run(settings: RelaySettings, ready: Ready) -> None:
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
         async with trio.open_nursery() as nursery:
             host, port = await nursery.start(partial(serve_relay, settings))
-            if ready_file is not None:
-                write_ready_file(
-                    ready_file,
-                    {
-                        "host": host,
-                        "port": port,
-                        "pid": os.getpid(),
-                        "name": settings.relay_name(port),
-                    },
-                )
+            ready.announce(
+                {"host": host, "port": port, "pid": os.getpid(), "name": settings.relay_name(port)}
+            )
             async for signum in signals:
                 logging.getLogger(__name__).info("signal %d: stopping", signum)
                 break
@@ -116,11 +109,7 @@ async def _run(settings: RelaySettings, ready_file: Path | None) -> None:
     type=click.Path(dir_okay=False, path_type=Path),
     help="TOML settings file (see docs/configuration.md).",
 )
-@click.option(
-    "--ready-file",
-    type=click.Path(dir_okay=False, path_type=Path),
-    help='Write {"host","port","pid","name"} here once listening.',
-)
+@ready_options('{"host", "port", "pid", "name"}')
 @click.option("--host", help="Address to listen on.")
 @click.option("--port", type=int, help="TCP port (0 = any free port).")
 @click.option("--name", help="Relay name registered with the coordinator.")
@@ -133,7 +122,7 @@ async def _run(settings: RelaySettings, ready_file: Path | None) -> None:
 )
 def main(
     config: Path | None,
-    ready_file: Path | None,
+    ready: Ready,
     host: str | None,
     port: int | None,
     name: str | None,
@@ -150,7 +139,7 @@ def main(
     _raise_fd_limit()
     try:
         settings = checked_advertise(settings)
-        trio.run(_run, settings, ready_file)
+        trio.run(_run, settings, ready)
     except (RelayError, OSError) as exc:
         click.echo(f"vpool-relay: {exc}", err=True)
         sys.exit(1)

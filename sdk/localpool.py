@@ -22,6 +22,7 @@ import datetime as dt
 import json
 import math
 import os
+import select
 import shutil
 import signal
 import subprocess
@@ -63,6 +64,7 @@ from vpool.sdk.localpool_files import (  # noqa: F401  re-exported for callers
 Progress = Callable[[str], None]
 
 READY_TIMEOUT = 30.0
+ENDED_WAIT = 2.0  # s from a closed ready pipe to the exit status
 SELFTEST_CACHE = "local-pool-selftest.json"  # the agents' shared selftest_cache, in cache_dir()
 STOP_TIMEOUT = 10.0
 DEFAULT_AGENTS = 2
@@ -181,6 +183,20 @@ def _tail(path: Path, lines: int = 20) -> str:
     return "\n".join("    " + line for line in tail) if tail else "    (log is empty)"
 
 
+def _without_ready_fd(argv: Sequence[str]) -> list[str]:
+    """A recorded command line without the ``--ready-fd N`` of the start it was read from."""
+    out: list[str] = []
+    skip = False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == "--ready-fd":
+            skip = True
+        elif not arg.startswith("--ready-fd="):
+            out.append(arg)
+    return out
+
+
 def _child_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if not k.startswith(_SETTING_PREFIXES)}
 
@@ -192,66 +208,105 @@ class _Starter:
         self.lay = lay
         self.progress = progress
         self.procs: list[tuple[str, subprocess.Popen[bytes]]] = []
+        self.ready_pipes: dict[str, int] = {}  # name -> read end, until it said it is ready
         self.env = _child_env()
 
     def start(self, name: str, argv: list[str], *, again: bool = False) -> subprocess.Popen[bytes]:
         """Start component ``name``; ``again`` (a restart) appends to its log, which holds
-        why it ended the first time, after a line that says when it restarted."""
+        why it ended the first time, after a line that says when it restarted. It says it is
+        ready over a pipe (``--ready-fd``, ``vpool.readyfile``), which ``wait_ready`` reads."""
         log = self.lay.log_file(name)
         log.parent.mkdir(parents=True, exist_ok=True)
         self.lay.ready_file(name).parent.mkdir(parents=True, exist_ok=True)
         self.lay.ready_file(name).unlink(missing_ok=True)
-        with open(log, "ab" if again else "wb") as out:
-            if again:
-                when = time.strftime("%Y-%m-%d %H:%M:%S %z")
-                out.write(f"\n--- vsdk local restart {name} at {when} ---\n".encode())
-                out.flush()
-            try:
-                proc = subprocess.Popen(
-                    argv,
-                    stdin=subprocess.DEVNULL,
-                    stdout=out,
-                    stderr=subprocess.STDOUT,
-                    cwd=self.lay.root,
-                    env=self.env,
-                    # Out of the terminal's foreground group (its Ctrl-C and hangup), but in
-                    # this session: one scheduler autogroup for the whole pool and its ranks,
-                    # where the niceness of the checkpoint chores counts (docs/internals.md).
-                    process_group=0,
-                )
-            except OSError as exc:
-                raise LocalPoolError(f"cannot start {name} ({argv[0]}): {exc}") from exc
+        read_end, write_end = os.pipe()
+        try:
+            with open(log, "ab" if again else "wb") as out:
+                if again:
+                    when = time.strftime("%Y-%m-%d %H:%M:%S %z")
+                    out.write(f"\n--- vsdk local restart {name} at {when} ---\n".encode())
+                    out.flush()
+                try:
+                    proc = subprocess.Popen(
+                        [*_without_ready_fd(argv), "--ready-fd", str(write_end)],
+                        stdin=subprocess.DEVNULL,
+                        stdout=out,
+                        stderr=subprocess.STDOUT,
+                        cwd=self.lay.root,
+                        env=self.env,
+                        pass_fds=(write_end,),
+                        # Out of the terminal's foreground group (its Ctrl-C and hangup), but
+                        # in this session: one scheduler autogroup for the whole pool and its
+                        # ranks, where the niceness of the checkpoint chores counts
+                        # (docs/internals.md).
+                        process_group=0,
+                    )
+                except OSError as exc:
+                    raise LocalPoolError(f"cannot start {name} ({argv[0]}): {exc}") from exc
+        except BaseException:
+            os.close(read_end)
+            raise
+        finally:
+            os.close(write_end)  # the child's copy is the only one: its exit closes the pipe
         self.procs.append((name, proc))
+        self.ready_pipes[name] = read_end
         return proc
 
     def wait_ready(self, names: Sequence[str], timeout: float = READY_TIMEOUT) -> dict[str, Any]:
-        """Wait for the ready files of ``names``; fail early if one of them exits."""
+        """What each of ``names`` said when it was ready (the JSON of its ready file), read
+        from its pipe as it says it; fails at once if one of them ends before (its end of the
+        pipe closes with nothing said), or when ``timeout`` passes."""
         procs = dict(self.procs)
         deadline = time.monotonic() + timeout
+        waiting = {self.ready_pipes[name]: name for name in names}
+        said: dict[str, bytes] = {name: b"" for name in names}
         found: dict[str, Any] = {}
-        while True:
-            for name in names:
-                if name in found:
-                    continue
-                try:
-                    found[name] = json.loads(self.lay.ready_file(name).read_text())
-                except (FileNotFoundError, ValueError):
-                    pass
-                code = procs[name].poll()
-                if name not in found and code is not None:
+        try:
+            while waiting:
+                left = deadline - time.monotonic()
+                readable = select.select(list(waiting), [], [], max(left, 0))[0]
+                if not readable:
+                    late = next(iter(waiting.values()))
                     raise LocalPoolError(
-                        f"{name} exited with code {code} before it was ready; the end of "
-                        f"{self.lay.log_file(name)}:\n{_tail(self.lay.log_file(name))}"
+                        f"{late} was not ready after {timeout:g} s; the end of "
+                        f"{self.lay.log_file(late)}:\n{_tail(self.lay.log_file(late))}"
                     )
-            if len(found) == len(names):
-                return found
-            if time.monotonic() >= deadline:
-                late = next(n for n in names if n not in found)
-                raise LocalPoolError(
-                    f"{late} was not ready after {timeout:g} s; the end of "
-                    f"{self.lay.log_file(late)}:\n{_tail(self.lay.log_file(late))}"
-                )
-            time.sleep(0.05)
+                for fd in readable:
+                    name = waiting[fd]
+                    chunk = os.read(fd, 65536)
+                    said[name] += chunk
+                    if chunk and not said[name].endswith(b"\n"):
+                        continue  # the rest of the line is on its way
+                    del waiting[fd]
+                    self._close_pipe(name)
+                    try:
+                        found[name] = json.loads(said[name])
+                    except ValueError:
+                        raise self._ended(name, procs[name], said[name]) from None
+        finally:
+            for name in names:
+                self._close_pipe(name)
+        return found
+
+    def _close_pipe(self, name: str) -> None:
+        fd = self.ready_pipes.pop(name, None)
+        if fd is not None:
+            os.close(fd)
+
+    def _ended(self, name: str, proc: subprocess.Popen[bytes], said: bytes) -> LocalPoolError:
+        """The error for a component whose pipe closed without a ready line."""
+        try:
+            # Its end of the pipe closes as it exits: the exit status follows at once.
+            code: int | None = proc.wait(timeout=ENDED_WAIT)
+        except subprocess.TimeoutExpired:
+            code = None
+        how = f"exited with code {code}" if code is not None else "closed its ready pipe"
+        if said.strip():
+            how += f" (it said {said[:200]!r}, not a ready line)"
+        return LocalPoolError(
+            f"{name} {how} before it was ready; the end of "
+            f"{self.lay.log_file(name)}:\n{_tail(self.lay.log_file(name))}"
+        )
 
     def recorded(self) -> list[Recorded]:
         out = []
@@ -270,6 +325,8 @@ class _Starter:
         return out
 
     def abort(self) -> None:
+        for name in list(self.ready_pipes):
+            self._close_pipe(name)
         for _name, proc in reversed(self.procs):
             if proc.poll() is None:
                 proc.terminate()
@@ -467,10 +524,8 @@ def up(
                 {**relay_settings(lay, name, sec, url), **timed["relay"], **(relay_options or {})},
             )
             starter.start(name, relay_argv(lay, name))
-        progress(f"starting {relays} relay(s)")
-        starter.wait_ready(relay_names, timeout)
-        for name in relay_names:
-            _pin_port(lay, name)
+        # The agents with the relays: an agent enrols with the coordinator, which tells it
+        # where the relays are only when it leases a rank.
         for name in agent_names:
             write_config(
                 lay,
@@ -482,8 +537,10 @@ def up(
                 },
             )
             starter.start(name, agent_argv(lay, name))
-        progress(f"starting {agents} agent(s) with {slots} slots each")
-        starter.wait_ready(agent_names, timeout)
+        progress(f"starting {relays} relay(s) and {agents} agent(s) with {slots} slots each")
+        starter.wait_ready([*relay_names, *agent_names], timeout)
+        for name in relay_names:
+            _pin_port(lay, name)
         _wait_registered(
             url,
             token,

@@ -28,22 +28,21 @@ settings.register_profile(
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
 
 
-def _load_quickmode() -> ModuleType:
-    # By path and registered as ``quickmode``: pytest runs with --import-mode=importlib, so
+def _load(name: str) -> ModuleType:
+    # By path and registered under its name: pytest runs with --import-mode=importlib, so
     # tests/ is not on sys.path.
-    if "quickmode" in sys.modules:
-        return sys.modules["quickmode"]
-    spec = importlib.util.spec_from_file_location(
-        "quickmode", Path(__file__).with_name("quickmode.py")
-    )
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name(f"{name}.py"))
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
-    sys.modules["quickmode"] = module
+    sys.modules[name] = module
     spec.loader.exec_module(module)
     return module
 
 
-quickmode = _load_quickmode()
+quickmode = _load("quickmode")
+sizes = _load("sizes")
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -59,6 +58,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 def pytest_configure(config: pytest.Config) -> None:
     quickmode.pytest_configure(config)
+    sizes.configure(config, quickmode.SKIP_REASON)
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
@@ -72,19 +72,10 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     item.user_properties.append(("fixtures", " ".join(sorted(names))))
 
 
-# Sizes: ``pool`` (by folder: a whole local pool, mpi4py's suite under `vsdk mpiexec`, or a
-# browser against a pool; the pool fixtures are tests/integration's) and ``exclusive`` (given by
-# hand: a test that needs the machine to itself). scripts/test runs all but the exclusive ones
-# on two workers in two lanes (CPU_LANE, below), then the exclusive ones one at a time.
-POOL_FOLDERS = ("integration", "conformance", "browser")
-TESTS = Path(__file__).parent
-
-
-def in_pool_folder(item: pytest.Item) -> bool:
-    try:
-        return item.path.relative_to(TESTS).parts[0] in POOL_FOLDERS
-    except ValueError:
-        return False
+# Sizes (small, medium, large, pool: tests/sizes.py) by folder, fixture and mark; ``exclusive``
+# (given by hand: a test that needs the machine to itself). scripts/test runs all but the
+# exclusive ones on two workers in two lanes (CPU_LANE, below), then the exclusive ones one at
+# a time; --quick runs the small and medium ones.
 
 
 # The CPU lane (`pytest -n 2 --lanes`, as scripts/test runs the suite): the modules whose pools
@@ -145,9 +136,7 @@ SLOW_TIER = {
 
 @pytest.hookimpl(tryfirst=True)  # before -m deselects by the markers added here
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    for item in items:
-        if in_pool_folder(item):
-            item.add_marker(pytest.mark.pool)
+    sizes.collect(config, items)
     if config.getoption("lanes"):
         # The CPU lane first (a stable sort): its worker starts on it at once.
         items.sort(key=lambda item: _module(item.nodeid) not in CPU_LANE)

@@ -8,6 +8,8 @@ import trio.testing
 
 from vpool import heap
 
+pytestmark = pytest.mark.large
+
 
 def test_trim_and_resident_work_here() -> None:
     if heap._malloc_trim() is None:

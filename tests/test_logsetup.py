@@ -72,6 +72,7 @@ async def test_routine_requests_are_not_logged(
         assert any(r.levelno == logging.INFO for r in _from_http_libraries(caplog))
 
 
+@pytest.mark.medium
 async def test_a_failed_request_is_logged_with_its_type(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO)
     quiet_routine_requests()

@@ -47,6 +47,7 @@ def test_run_niced_raises_the_works_error() -> None:
         run_niced(fail, 3)
 
 
+@pytest.mark.large
 def test_nice_command_really_lowers_the_child() -> None:
     probe = [sys.executable, "-c", "import os; print(os.getpriority(os.PRIO_PROCESS, 0))"]
     assert nice_command(probe, 0) is probe

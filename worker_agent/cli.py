@@ -21,7 +21,7 @@ import trio
 
 from vpool.config import SettingsError
 from vpool.logsetup import quiet_routine_requests
-from vpool.readyfile import write_ready_file
+from vpool.readyfile import Ready, ready_options
 from vpool.worker_agent import cli_owner
 from vpool.worker_agent.agent import AgentStarted, run_agent
 from vpool.worker_agent.criu import criu_check
@@ -90,7 +90,7 @@ async def _agent(
 
 async def serve(
     settings: AgentSettings,
-    ready_file: Path | None,
+    readiness: Ready,
     reload: Callable[[], AgentSettings] | None = None,
 ) -> None:
     leaving, ready = trio.Event(), trio.Event()
@@ -99,11 +99,7 @@ async def serve(
         nursery.start_soon(_watch_signals, nursery.cancel_scope, leaving, grace, ready)
         started = await nursery.start(_agent, settings, reload, leaving, nursery.cancel_scope)
         ready.set()
-        if ready_file is not None:
-            write_ready_file(
-                ready_file,
-                {"pid": started.pid, "agent_id": started.agent_id, "name": started.name},
-            )
+        readiness.announce({"pid": started.pid, "agent_id": started.agent_id, "name": started.name})
         log.info("agent %s (%s) ready on %s", started.name, started.agent_id, started.socket_path)
         if not settings.seal_messages:
             log.warning("seal_messages is off: relays see the messages of ranks run here")
@@ -119,11 +115,7 @@ async def serve(
     type=click.Path(dir_okay=False, path_type=Path),
     help="TOML settings file (see docs/configuration.md).",
 )
-@click.option(
-    "--ready-file",
-    type=click.Path(dir_okay=False, path_type=Path),
-    help='Write {"pid", "agent_id", "name"} as JSON here once enrolled.',
-)
+@ready_options('{"pid", "agent_id", "name"} (once enrolled)')
 @click.option("--slots", type=click.IntRange(min=1), help="Ranks to run at once.")
 @click.option("--name", help="Name shown in the pool (default: hostname).")
 @click.option("--work-dir", help="Directory for the socket, blob cache and rank directories.")
@@ -135,7 +127,7 @@ async def serve(
 def main(
     ctx: click.Context,
     config: Path | None,
-    ready_file: Path | None,
+    ready: Ready,
     slots: int | None,
     name: str | None,
     work_dir: str | None,
@@ -178,7 +170,7 @@ def main(
         return
     try:
         reload = functools.partial(load_agent_settings, config, overrides) if config else None
-        trio.run(serve, settings, ready_file, reload)
+        trio.run(serve, settings, ready, reload)
     except BaseException as exc:
         errors = _agent_errors(exc)
         if not errors:

@@ -21,6 +21,9 @@ from vpool.protocol import pki
 DEADLINE = 30.0
 
 
+pytestmark = pytest.mark.large
+
+
 def _command() -> list[str]:
     script = Path(sys.executable).with_name("vpool-coordinator")
     if script.exists():

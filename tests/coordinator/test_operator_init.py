@@ -283,6 +283,7 @@ def test_relay_on_every_address_does_not_guess_between_names(tmp_path: Path) -> 
     assert checked_advertise(standalone) == standalone  # it advertises nothing
 
 
+@pytest.mark.large
 def test_relay_process_refuses_an_advertise_host_its_certificate_lacks(tmp_path: Path) -> None:
     pool = tmp_path / "pool"
     init(pool, "https://pool.example.org:8443")
@@ -336,6 +337,7 @@ def _process(argv: list[str], environ: dict[str, str]) -> Iterator[subprocess.Po
         print(argv[0], out, err, sep="\n")
 
 
+@pytest.mark.large
 def test_coordinator_and_relay_start_from_init_and_a_bundle(tmp_path: Path) -> None:
     pool = tmp_path / "pool"
     url = "https://127.0.0.1:8443"
@@ -380,6 +382,7 @@ def test_coordinator_and_relay_start_from_init_and_a_bundle(tmp_path: Path) -> N
             assert relay_proc.wait(timeout=DEADLINE) == 0
 
 
+@pytest.mark.large
 def test_coordinator_refuses_a_public_url_its_certificate_lacks(tmp_path: Path) -> None:
     pool = tmp_path / "pool"
     init(pool, "https://pool.example.org:8443")

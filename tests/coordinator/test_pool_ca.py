@@ -48,6 +48,7 @@ async def test_no_ca_is_served_without_tls_ca(tmp_path: Path) -> None:
         assert error.code == "no_ca" and "tls_ca" in error.message
 
 
+@pytest.mark.large
 def test_fingerprint_is_what_openssl_shows(tmp_path: Path) -> None:
     ca = _ca(tmp_path)
     digest = pki.fingerprint(ca.read_bytes())

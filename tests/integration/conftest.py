@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import select
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -173,13 +174,32 @@ def real_mpiexec(
     return res.stdout
 
 
-@functools.cache
+_REFERENCES: dict[tuple[str, int, tuple[str, ...], Path | None], Future[bytes]] = {}
+_REFERENCES_LOCK = threading.Lock()
+_REFERENCE_RUNNER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mpiexec-reference")
+
+
+def reference_soon(program: str, n: int, *args: str, stdin: Path | None = None) -> Future[bytes]:
+    """``reference``'s output, made in a thread while the test goes on: for a program that
+    mostly sleeps (tests/integration/programs/ckpt_stencil.py: 30 s of sleeps, a quarter of a
+    core), whose run under ``mpiexec`` would otherwise hold the test up as long as the job
+    under test takes. One at a time; ``stdin`` must stay where it is until it is done."""
+    key = (program, n, args, stdin)
+    with _REFERENCES_LOCK:
+        made = _REFERENCES.get(key)
+        if made is None:
+            made = _REFERENCES[key] = _REFERENCE_RUNNER.submit(
+                real_mpiexec, program, n, *args, stdin=stdin
+            )
+        return made
+
+
 def reference(program: str, n: int, *args: str, stdin: Path | None = None) -> bytes:
     """What a fault-free run of PROGRAM prints, the output a job must match however it was
     hurt: ``real_mpiexec``'s (the product's promise: the same output as ``mpiexec``), once per
     test session for each program, rank count, arguments and stdin (it is deterministic: the
     pool's own fault-free runs printed the same, which ``test_local_pool`` checks too)."""
-    return real_mpiexec(program, n, *args, stdin=stdin)
+    return reference_soon(program, n, *args, stdin=stdin).result()
 
 
 def end_process(pid: int, sig: int, timeout: float = 60) -> None:

@@ -14,14 +14,13 @@ import json
 import os
 import signal
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
 
-from tests.integration.conftest import children, end_process, environ_of, stdout_of
-from tests.integration.conftest import reference as mpiexec_reference
+from tests.integration.conftest import children, end_process, environ_of, reference_soon, stdout_of
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -92,15 +91,16 @@ def output(pool: Pool, job: int) -> bytes:
     return res.stdout
 
 
-def reference(ranks: int, *args: str, stdin: Path | None = None) -> bytes:
-    """The output of a fault-free run (real ``mpiexec``'s, once per test session)."""
-    return mpiexec_reference(PROGRAM, ranks, *args, stdin=stdin)
+def reference(ranks: int, *args: str, stdin: Path | None = None) -> Future[bytes]:
+    """The output of a fault-free run (real ``mpiexec``'s, once per test session), made while
+    the test runs its job: the program mostly sleeps, under ``mpiexec`` as in the pool."""
+    return reference_soon(PROGRAM, ranks, *args, stdin=stdin)
 
 
-def finish(pool: Pool, job: int, ref: bytes) -> dict:
+def finish(pool: Pool, job: int, ref: Future[bytes]) -> dict:
     d = wait_until(pool, job, ended, "job end", timeout=120)
     assert d["job"]["state"] == "succeeded", (d, pool.logs())
-    assert output(pool, job) == ref
+    assert output(pool, job) == ref.result()
     return d
 
 
@@ -186,7 +186,6 @@ def test_killed_rank_is_restored_from_its_checkpoint(pool: Pool, tmp_path: Path)
     stdin = tmp_path / "stdin.txt"
     stdin.write_text("".join(f"line {i:04d} {'x' * 89}\n" for i in range(1, 601)))
     ref = reference(4, "600", stdin=stdin)
-    assert b"step 600: " in ref and b" line 0600 x" in ref, ref[-300:]
     job = submit(pool, 4, "600", every=2, stdin=stdin)
     d = wait_until(pool, job, checkpoints_of(0, 2), "2 checkpoints of rank 0")
     assert not ended(d), f"the job ended before 2 checkpoints of rank 0: {d['events']}"
@@ -203,6 +202,8 @@ def test_killed_rank_is_restored_from_its_checkpoint(pool: Pool, tmp_path: Path)
     newest = ckpt_id(events(d, "checkpoint", 0)[-1]["message"])
     os.kill(rank_pid(pool, 0, job), signal.SIGKILL)
     d = finish(pool, job, ref)
+    # (Every step's line, each with its line of stdin: the comparison covers them all.)
+    assert b"step 600: " in ref.result() and b" line 0600 x" in ref.result(), ref.result()[-300:]
     assert len(events(d, "rank_lost", 0)) == 2, d["events"]
     restored = events(d, "rank_restored", 0)
     assert len(restored) == 2, d["events"]

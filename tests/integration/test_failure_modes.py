@@ -12,6 +12,7 @@ messages); each kill waits until the job has made progress, so it lands mid-run.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import random
@@ -36,8 +37,10 @@ FTMPI_N = "20000"  # less work per iteration: its iterations carry more messages
 pytestmark = pytest.mark.slow
 
 
+@functools.cache
 def _reference(program: str = PROGRAM, n: str = N) -> str:
-    """The program's answer, from a fault-free run under ``vsdk mpiexec``."""
+    """The program's answer, from a fault-free run under ``vsdk mpiexec`` (once per test
+    session: the three FT-MPI modes' tests compare with the same run)."""
     proc = subprocess.run(
         [sys.executable, "-m", "vpool.sdk.mpiexec", "-n", "2", "--", program, n, ITERATIONS],
         capture_output=True,

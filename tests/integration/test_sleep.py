@@ -72,7 +72,7 @@ async def _sleep_and_wake(pool: Pool, logind: FakeLogind) -> None:
     # A machine configured as packaging/README.md advises (the agent lets go of its lock at
     # logind's limit; 5 s by default, tight for a loaded test machine).
     logind.inhibit_delay_max_usec = 120_000_000
-    ref = await blocking(reference, 4, "300")
+    ref = reference(4, "300")  # made in a thread meanwhile
     await blocking(
         lambda: reconfigure(
             pool, "agent-0", logind_bus=logind.address, run_when="idle", idle_after=1.0
@@ -130,7 +130,7 @@ async def _sleep_and_wake(pool: Pool, logind: FakeLogind) -> None:
     await logind.wait_for(lambda: logind.held("delay", "sleep"), seconds=30)
     d = await blocking(wait_until, pool, job, ended, "job end", 180)
     assert d["job"]["state"] == "succeeded", (d, pool.logs())
-    assert output(pool, job) == ref
+    assert output(pool, job) == await blocking(ref.result)
     for rank in mine:
         (made,) = [e for e in events(d, "checkpoint", rank) if e["time"] >= going]
         restored = events(d, "rank_restored", rank)

@@ -175,7 +175,7 @@ def test_paused_ranks_are_frozen_then_thawed_and_the_output_is_identical(pool: P
 
     d = wait_until(pool, job, ended, "job end", timeout=120)
     assert d["job"]["state"] == "succeeded", (d, pool.logs())
-    assert output(pool, job) == ref
+    assert output(pool, job) == ref.result()
     assert not events(d, "rank_lost"), d["events"]  # suspended, never lost
     suspended = events(d, "rank_suspended")
     assert {e["rank"] for e in suspended} == set(mine), d["events"]
@@ -222,7 +222,7 @@ def test_a_rank_suspended_past_the_limit_moves_to_another_machine(pool: Pool) ->
         assert events(d, "checkpoint", rank), d["events"]
     d = wait_until(pool, job, ended, "job end", timeout=120)
     assert d["job"]["state"] == "succeeded", (d, pool.logs())
-    assert output(pool, job) == ref
+    assert output(pool, job) == ref.result()
     st = agent_status(pool, "agent-0")
     assert st["activity"] == "suspended" and not st["ranks"], st
     assert detail(pool, job) is not None
@@ -257,7 +257,7 @@ def test_battery_suspends_and_mains_power_thaws(pool: Pool, tmp_path: Path) -> N
     wait_for("ranks thawed on mains", lambda: all(freezer_state(p) == "THAWED" for p in pids), pool)
     d = wait_until(pool, job, ended, "job end", timeout=120)
     assert d["job"]["state"] == "succeeded", (d, pool.logs())
-    assert output(pool, job) == ref
+    assert output(pool, job) == ref.result()
     # Suspended, never lost. (A lease handed to agent-0 as it was restarted above may have
     # cost a rank an incarnation before: that loss comes earlier.)
     assert not [e for e in events(d, "rank_lost") if e["time"] >= unplugged], d["events"]

@@ -22,6 +22,9 @@ CASES = {
 }
 
 
+pytestmark = pytest.mark.large
+
+
 def _checked(rank: int, cases: list[str]) -> str:
     """The cases ``rank`` takes part in: those it is live in (a hole of the last stops)."""
     holes = [{int(r) for r in case.split(",")} for case in cases]

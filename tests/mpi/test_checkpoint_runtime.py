@@ -65,6 +65,7 @@ async def _ended(pid: int, deadline: float) -> None:
     ("program", "n", "expected", "spec"),
     [(p, n, e, s) for p, n, e, _ in CASES for s in POINTS[p]],
 )
+@pytest.mark.large
 async def test_restored_rank_carries_on(program: str, n: int, expected: str, spec: str) -> None:
     res = await bench(n, program, ckpt=spec, deadline=90)
     assert res.returncode == 0, res
@@ -75,6 +76,7 @@ async def test_restored_rank_carries_on(program: str, n: int, expected: str, spe
     assert _gone(_clone(res))
 
 
+@pytest.mark.large
 async def test_checkpoint_of_a_computing_rank_goes_through_the_signal() -> None:
     # Rank 1 deposits 5 messages, then loops without MPI calls: the request comes while it
     # computes, and only the signal handler can take it there (its counters say so: nothing
@@ -90,6 +92,7 @@ async def test_checkpoint_of_a_computing_rank_goes_through_the_signal() -> None:
     assert "restored rank 1 from checkpoint 1" in res.stderr, res
 
 
+@pytest.mark.large
 async def test_request_while_replaying_is_deferred() -> None:
     # Rank 0 is killed after 100 messages and replays; the request comes at the 20th message
     # of its replay and is taken only once the replay is over: every logged determinant
@@ -108,6 +111,7 @@ async def test_request_while_replaying_is_deferred() -> None:
     assert "restoring rank 0 (incarnation 3)" in res.stderr, res
 
 
+@pytest.mark.large
 async def test_orphaned_clone_exits_by_itself() -> None:
     # The rank is killed without a restore file: its clone, reparented, must exit on its own
     # (the router waits for that), and the rank restarts from the beginning. The farm's master:
@@ -121,6 +125,7 @@ async def test_orphaned_clone_exits_by_itself() -> None:
     await _ended(pid, 10)
 
 
+@pytest.mark.large
 async def test_clone_of_a_finished_rank_exits() -> None:
     # The kill never comes (the rank ends first): the clone is orphaned when its rank exits.
     res = await bench(2, "ckpt_compute.py", ckpt="1:5:1000")
@@ -130,6 +135,7 @@ async def test_clone_of_a_finished_rank_exits() -> None:
     await _ended(pid, 10)
 
 
+@pytest.mark.large
 async def test_bad_ckpt_spec_is_refused() -> None:
     res = await bench(2, "ckpt_compute.py", ckpt="1:5")
     assert res.returncode != 0
@@ -146,6 +152,7 @@ def test_checkpoints_are_off_without_the_agent_settings() -> None:
         os.environ.update({k: v for k, v in saved.items() if v is not None})
 
 
+@pytest.mark.medium
 def test_orphaned_clone_reports_its_own_fork(tmp_path: Path) -> None:
     # The rank died before its CkptForked: the clone says it, as itself, on a connection of its
     # own, then closes it (CRIU will not dump a socket to the agent).

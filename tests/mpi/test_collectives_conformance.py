@@ -14,6 +14,9 @@ import trio
 PROGRAM = Path(__file__).resolve().parent / "programs" / "coll_conformance.py"
 
 
+pytestmark = pytest.mark.large
+
+
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 6, 7, 8])
 async def test_collectives_conformance(n: int) -> None:
     cmd = [sys.executable, "-m", "vpool.sdk.mpiexec", "-n", str(n), "--", str(PROGRAM)]

@@ -14,6 +14,9 @@ import trio
 PROGRAM = Path(__file__).resolve().parent / "programs" / "comm_conformance.py"
 
 
+pytestmark = pytest.mark.large
+
+
 @pytest.mark.parametrize("n", [1, 2, 3, 4])
 async def test_comm_conformance(n: int) -> None:
     cmd = [sys.executable, "-m", "vpool.sdk.mpiexec", "-n", str(n), "--", str(PROGRAM)]

@@ -7,6 +7,8 @@ import pytest
 
 from tests.mpi.test_mpi import mpiexec
 
+pytestmark = pytest.mark.large
+
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4])
 async def test_datatypes_conformance(n: int) -> None:

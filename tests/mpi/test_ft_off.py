@@ -39,6 +39,7 @@ async def _run(tmp_path: Path, monkeypatch: Any, env: dict[str, str]) -> tuple[i
     return code, out.read_text(), err.read_text()
 
 
+@pytest.mark.large
 async def test_no_det_frame_with_fault_tolerance_off(tmp_path: Path, monkeypatch: Any) -> None:
     code, out, err = await _run(tmp_path, monkeypatch, {"VPOOL_FT": "0"})
     assert code == 0, (out, err)
@@ -47,6 +48,7 @@ async def test_no_det_frame_with_fault_tolerance_off(tmp_path: Path, monkeypatch
     assert sorted(out.splitlines()) == [f"rank {r} sum 6 dets 0" for r in range(3)], err
 
 
+@pytest.mark.large
 async def test_the_same_program_logs_with_fault_tolerance_on(
     tmp_path: Path, monkeypatch: Any
 ) -> None:

@@ -56,6 +56,7 @@ CASES = [
     ("program", "n", "expected", "kill"),
     [(p, n, e, k) for p, n, e, kills in CASES for k in kills],
 )
+@pytest.mark.large
 async def test_killed_rank_replays(program: str, n: int, expected: str, kill: str) -> None:
     res = await bench(n, program, kill=kill, deadline=90)
     assert res.returncode == 0, res
@@ -66,12 +67,14 @@ async def test_killed_rank_replays(program: str, n: int, expected: str, kill: st
 
 
 @pytest.mark.parametrize(("program", "n", "expected"), [(p, n, e) for p, n, e, _ in CASES])
+@pytest.mark.large
 async def test_unkilled_runs_agree(program: str, n: int, expected: str) -> None:
     res = await mpiexec(n, program)
     assert res.returncode == 0, res
     assert res.stdout == expected, res
 
 
+@pytest.mark.large
 async def test_replay_router_without_kill_is_transparent() -> None:
     # "RANK:0" never fires: the logging router alone, determinants acked, nothing restarted.
     res = await bench(3, "ft_poll.py", kill="0:0")
@@ -80,6 +83,7 @@ async def test_replay_router_without_kill_is_transparent() -> None:
     assert "restarting" not in res.stderr, res
 
 
+@pytest.mark.large
 async def test_nondeterministic_program_fails_clearly() -> None:
     res = await bench(2, "ft_random.py", kill="0:20")
     assert res.returncode != 0, res
@@ -89,6 +93,7 @@ async def test_nondeterministic_program_fails_clearly() -> None:
     ), res
 
 
+@pytest.mark.large
 async def test_output_shown_once() -> None:
     # Rank 0 prints one line per task handed out; the restarted rank prints them again, the
     # router shows only what is new.
@@ -97,6 +102,7 @@ async def test_output_shown_once() -> None:
     assert res.stdout == "".join(f"line {i}\n" for i in range(40)) + "print ok\n", res
 
 
+@pytest.mark.large
 async def test_bad_kill_spec_is_refused() -> None:
     res = await bench(2, "ft_print.py", kill="x")
     assert res.returncode != 0

@@ -17,6 +17,9 @@ EXAMPLE = ROOT / "examples" / "ftmpi_modes.py"
 MODES = ["blank", "shrink", "rebuild"]
 
 
+pytestmark = pytest.mark.large
+
+
 def _world(mode: str, n: int, lost: int) -> tuple[list[int], str]:
     """The ranks that print, and the facts each prints, once the last ``lost`` ranks of ``n``
     failed and the world was rebuilt in ``mode``."""

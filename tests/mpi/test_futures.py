@@ -79,6 +79,7 @@ def farm_output(n: int, spawned: int = 0) -> str:
 
 
 @pytest.mark.parametrize("n", [1, 2, 4])
+@pytest.mark.large
 async def test_mpicommexecutor_farm(n: int) -> None:
     res = await mpiexec(n, "futures_farm.py", "comm")
     out, err = res.stdout.decode(), res.stderr.decode()
@@ -87,6 +88,7 @@ async def test_mpicommexecutor_farm(n: int) -> None:
 
 
 @pytest.mark.parametrize("n", [1, 2, 4])
+@pytest.mark.large
 async def test_shared_pool_farm(n: int) -> None:
     res = await mpiexec(n, "-m", "mpi4py.futures", "futures_farm.py", "pool")
     out, err = res.stdout.decode(), res.stderr.decode()
@@ -94,6 +96,7 @@ async def test_shared_pool_farm(n: int) -> None:
     assert out == farm_output(n), err
 
 
+@pytest.mark.large
 async def test_spawned_pool_farm() -> None:
     res = await mpiexec(1, "futures_farm.py", "spawn")
     out, err = res.stdout.decode(), res.stderr.decode()
@@ -119,6 +122,7 @@ async def lost(
     return out, err
 
 
+@pytest.mark.large
 async def test_a_lost_spawned_worker_has_its_task_redispatched(tmp_path: Path) -> None:
     out, err = await lost("once", tmp_path)
     assert out == "answer True\nredispatched 1 lost 1\n", err
@@ -126,6 +130,7 @@ async def test_a_lost_spawned_worker_has_its_task_redispatched(tmp_path: Path) -
 
 
 @pytest.mark.parametrize("retries", [None, 1])
+@pytest.mark.large
 async def test_a_task_that_kills_every_worker_gets_worker_lost(
     tmp_path: Path, retries: int | None
 ) -> None:
@@ -142,22 +147,26 @@ async def test_a_task_that_kills_every_worker_gets_worker_lost(
     assert f"3 WorkerLost True {n + 1}\n" in lines and "names True\n" in lines, out
 
 
+@pytest.mark.large
 async def test_the_spawned_pool_grows_back_after_a_loss(tmp_path: Path) -> None:
     # --universe 3: one rank, so at most two workers.
     out, err = await lost("grow", tmp_path, opts=("--universe", "3"))
     assert out == "workers 2 2 lost 1\n", err
 
 
+@pytest.mark.large
 async def test_mpicommexecutor_in_a_ulfm_job_redispatches(tmp_path: Path) -> None:
     out, err = await lost("comm", tmp_path, n=4, opts=("--on-failure", "ulfm"))
     assert out == "answer True\nredispatched 1 lost 1\n", err
 
 
+@pytest.mark.large
 async def test_the_shared_pool_in_a_ulfm_job_redispatches(tmp_path: Path) -> None:
     out, err = await lost("once", tmp_path, n=4, opts=("--on-failure", "ulfm"), module=True)
     assert out == "answer True\nredispatched 1 lost 1\n", err
 
 
+@pytest.mark.large
 async def test_all_workers_lost_breaks_the_executor(tmp_path: Path) -> None:
     out, err = await lost("all", tmp_path, n=3, opts=("--on-failure", "ulfm"))
     assert out == (

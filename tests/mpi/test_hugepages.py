@@ -50,6 +50,7 @@ def _anon_huge_kb() -> int:
 # The machine to itself: the kernel finds free huge pages for the collapse only when nothing
 # else is filling and freeing memory (another pytest worker's test; under two, it found none).
 @pytest.mark.exclusive
+@pytest.mark.large
 def test_collapse_after_a_fork_writes_everything() -> None:
     """The real thing: a forked child holds the pages while the parent rewrites its array,
     which splits its huge pages; the collapse gets them back."""

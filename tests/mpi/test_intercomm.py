@@ -24,6 +24,7 @@ PROGRAM = Path(__file__).resolve().parent / "programs" / "intercomm_conformance.
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 5])
+@pytest.mark.large
 async def test_intercomm_conformance(n: int) -> None:
     cmd = [sys.executable, "-m", "vpool.sdk.mpiexec", "-n", str(n), "--", str(PROGRAM)]
     with trio.fail_after(120):
@@ -36,6 +37,7 @@ async def test_intercomm_conformance(n: int) -> None:
 
 
 @pytest.mark.parametrize(("n", "kill"), [(3, "0:40"), (4, "1:200"), (4, "3:350")])
+@pytest.mark.large
 async def test_killed_rank_replays_intercomms(n: int, kill: str) -> None:
     # Intercommunicator construction, collectives and ANY_SOURCE traffic replay as they ran.
     from tests.mpi.test_ft_replay import bench

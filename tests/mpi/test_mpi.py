@@ -21,6 +21,9 @@ import vpool.mpi
 PROGRAMS = Path(__file__).resolve().parent / "programs"
 
 
+pytestmark = pytest.mark.large
+
+
 @dataclass
 class Result:
     returncode: int

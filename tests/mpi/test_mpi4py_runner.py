@@ -16,6 +16,9 @@ import trio
 RUNNER = Path(__file__).resolve().parent / "programs" / "runner"
 
 
+pytestmark = pytest.mark.large
+
+
 async def mpiexec(n: int, *argv: str, stdin: bytes = b"", cwd: Path = RUNNER):
     cmd = [sys.executable, "-m", "vpool.sdk.mpiexec", "-n", str(n), "--", *argv]
     env = {k: v for k, v in os.environ.items() if not k.startswith("VPOOL_")}

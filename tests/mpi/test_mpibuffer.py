@@ -107,6 +107,7 @@ def test_fromaddress_cast_and_release() -> None:
 
 
 @pytest.mark.parametrize("n", [1, 2, 3])
+@pytest.mark.large
 async def test_buffers_through_rank_processes(n: int) -> None:
     cmd = [sys.executable, "-m", "vpool.sdk.mpiexec", "-n", str(n), "--", str(PROGRAM)]
     with trio.fail_after(120):

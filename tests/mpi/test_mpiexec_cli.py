@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 VSDK = Path(sys.executable).parent / "vsdk"
 SPLIT_WRITES = """
 import os
@@ -19,6 +21,9 @@ for i in range(300):
     os.write(2, b"too\\n")
 os.write(1, b"rank %d ends without a newline" % r)
 """
+
+
+pytestmark = pytest.mark.large
 
 
 def vsdk(*args: str, stdin: bytes | None = None) -> subprocess.CompletedProcess[bytes]:

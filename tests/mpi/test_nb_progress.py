@@ -7,6 +7,8 @@ import pytest
 
 from tests.mpi.test_mpi import mpiexec
 
+pytestmark = pytest.mark.large
+
 
 @pytest.mark.parametrize("n", [2, 3, 4, 5])
 async def test_iallreduce_progresses_during_blocking_recv(n: int) -> None:

@@ -12,6 +12,9 @@ import pytest
 PROGRAM = Path(__file__).resolve().parent / "programs" / "p2p_semantics.py"
 
 
+pytestmark = pytest.mark.large
+
+
 @pytest.mark.parametrize("n", [1, 2, 3])
 def test_p2p_semantics(n: int) -> None:
     cmd = [sys.executable, "-m", "vpool.sdk.mpiexec", "-n", str(n), "--", str(PROGRAM)]

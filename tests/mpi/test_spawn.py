@@ -28,6 +28,7 @@ async def _run(*args: str) -> tuple[int, str, str]:
 
 
 @pytest.mark.parametrize("n", [1, 2, 3])
+@pytest.mark.large
 async def test_spawn_conformance(n: int) -> None:
     program = str(PROGRAMS / "spawn_conformance.py")
     code, out, err = await _run("--universe", "7", "-n", str(n), "--", program)
@@ -35,6 +36,7 @@ async def test_spawn_conformance(n: int) -> None:
     assert out == f"spawn ok {n}\n", f"{out}\n{err}"
 
 
+@pytest.mark.large
 async def test_a_spawned_process_exiting_non_zero_ends_the_job() -> None:
     code, out, err = await _run("-n", "1", str(PROGRAMS / "spawn_failures.py"), "exit")
     assert code == 3, f"{out}\n{err}"
@@ -42,6 +44,7 @@ async def test_a_spawned_process_exiting_non_zero_ends_the_job() -> None:
 
 
 @pytest.mark.parametrize("mode", ["transparent", "ulfm"])
+@pytest.mark.large
 async def test_a_lost_process_of_a_reported_spawn_is_declared_failed(mode: str) -> None:
     program = str(PROGRAMS / "spawn_failures.py")
     code, out, err = await _run("-n", "1", "--on-failure", mode, program, "reported")

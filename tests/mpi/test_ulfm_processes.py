@@ -19,6 +19,9 @@ PROGRAM = Path(__file__).resolve().parent / "programs" / "ulfm_failures.py"
 EXAMPLE = ROOT / "examples" / "ulfm_shrink.py"
 
 
+pytestmark = pytest.mark.large
+
+
 @pytest.mark.parametrize("scenario", ["recv", "revoke_die", "agree_during"])
 @pytest.mark.parametrize("n", [2, 3, 4])
 async def test_survivors_carry_on(scenario: str, n: int) -> None:

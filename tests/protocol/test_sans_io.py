@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import vpool.protocol
 
 PROTOCOL_DIR = Path(vpool.protocol.__file__).parent
@@ -57,6 +59,7 @@ def test_protocol_modules_import_no_io() -> None:
                 assert name.startswith("vpool.protocol"), f"{path.name} imports {name}"
 
 
+@pytest.mark.large
 def test_importing_protocol_loads_no_io_library() -> None:
     modules = [
         f"vpool.protocol.{p.stem}" for p in PROTOCOL_DIR.glob("*.py") if p.stem != "__init__"

@@ -28,6 +28,7 @@ from vpool.protocol.messages import (
 from vpool.relay.ckptstore import Image, trim_target
 
 
+@pytest.mark.large
 async def test_put_get_round_trip(pool: Pool, relay: Any, tmp_path: Path, agents: object) -> None:
     conn = await store_conn(pool, relay.addr)
     assert conn.welcome is not None and conn.welcome.max_payload >= MiB
@@ -58,6 +59,7 @@ async def test_put_get_round_trip(pool: Pool, relay: Any, tmp_path: Path, agents
     assert relay.hub.load_report().bytes_stored >= len(data) + len(data2)
 
 
+@pytest.mark.large
 async def test_refusals(pool: Pool, relay: Any, tmp_path: Path, agents: object) -> None:
     conn = await store_conn(pool, relay.addr)
     data = image(5, 2 * MiB + 3)
@@ -97,6 +99,7 @@ async def test_refusals(pool: Pool, relay: Any, tmp_path: Path, agents: object) 
     assert err.rank == -1
 
 
+@pytest.mark.large
 async def test_too_large_and_truncated(
     pool: Pool, nursery: trio.Nursery, tmp_path: Path, agents: object
 ) -> None:
@@ -135,6 +138,7 @@ async def test_too_large_and_truncated(
     assert await put(conn, pool, 1, 0, 2, b"z" * 1000) == CkptStored(ckpt=2, retained=[2])
 
 
+@pytest.mark.large
 async def test_keep_n_and_restart_sweeps(
     pool: Pool,
     nursery: trio.Nursery,
@@ -212,6 +216,7 @@ class CkptCoordinator(FakeCoordinator):
             self.changed = trio.Event()
 
 
+@pytest.mark.large
 async def test_ckpt_stored_comes_once_the_coordinator_has_the_image(
     pool: Pool, nursery: trio.Nursery, tmp_path: Path, agents: object
 ) -> None:
@@ -242,6 +247,7 @@ async def test_ckpt_stored_comes_once_the_coordinator_has_the_image(
     assert [r.ckpt for r in coord.checkpoints] == [1]
 
 
+@pytest.mark.large
 async def test_reports_trim_only_once_accepted_and_409_deletes(
     pool: Pool, nursery: trio.Nursery, tmp_path: Path, agents: object
 ) -> None:
@@ -297,6 +303,7 @@ async def test_reports_trim_only_once_accepted_and_409_deletes(
     assert relay.hub.store.nbytes == 0 and not relay.hub.store.images
 
 
+@pytest.mark.large
 async def test_an_image_accepted_without_trim_leaves_the_log_whole(
     pool: Pool, nursery: trio.Nursery, tmp_path: Path, agents: object
 ) -> None:

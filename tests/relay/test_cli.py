@@ -7,9 +7,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from relay_fakes import Pool
 
 BIN = Path(sys.executable).parent
+
+
+pytestmark = pytest.mark.large
 
 
 def run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:

@@ -98,6 +98,7 @@ def _tear(segment: Path, garbage: bytes) -> None:
         f.write(garbage)
 
 
+@pytest.mark.large
 async def test_sigkilled_relay_process_restarts_from_its_log(
     pool: Pool, tmp_path: Path, agents: object
 ) -> None:

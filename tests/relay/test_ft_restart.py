@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import trio
 from relay_fakes import DEADLINE, FakeAgent, Pool
 
@@ -19,6 +20,9 @@ from vpool.protocol.messages import Ack, Credit, Data
 from vpool.relay.hub import DIGEST_INLINE_MAX
 
 BIN = Path(sys.executable).parent
+
+
+pytestmark = pytest.mark.large
 
 
 class RelayProcess:

@@ -377,6 +377,7 @@ def relay_bugs(caplog: pytest.LogCaptureFixture) -> list[str]:
     ]
 
 
+@pytest.mark.large
 async def test_every_frame_type_in_every_state(
     pool: Pool, relay: RunningRelay, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -468,6 +469,7 @@ async def test_an_error_from_an_agent_is_refused(
     assert not relay_bugs(caplog), "\n".join(relay_bugs(caplog))
 
 
+@pytest.mark.large
 async def test_a_store_chunk_of_image_minus_one_is_refused(pool: Pool, relay: RunningRelay) -> None:
     """An image id is never negative: a chunk of image -1 (the store's "no image") is a bad
     frame, refused at once, not taken for the bulk put's and its payload read beneath TLS."""

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
 import trio
 from relay_fakes import DEADLINE, FakeAgent, Pool, start_relay
 from store_fakes import MAC_KEY, put, store_conn, until
@@ -21,6 +22,9 @@ from vpool.protocol.messages import Attach, CkptChunk, CkptPut, CkptStored
 
 BIN = Path(sys.executable).parent
 KiB = 1024
+
+
+pytestmark = pytest.mark.large
 
 
 def log_bytes(rank_dir: Path) -> int:

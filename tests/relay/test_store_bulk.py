@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+import pytest
 import trio
 from relay_fakes import Pool, start_relay
 from store_fakes import MiB, agent_put, ckpt_files, get, image, put, store_conn
@@ -16,6 +17,8 @@ from vpool.protocol.api import RelayInfo
 from vpool.protocol.ckptdigest import image_digest
 from vpool.protocol.messages import CkptPut, CkptStored, Error
 from vpool.worker_agent import ckpt_image
+
+pytestmark = pytest.mark.large
 
 
 async def test_bulk_put_round_trip(pool: Pool, relay: Any, tmp_path: Path, agents: object) -> None:

@@ -28,6 +28,8 @@ from vpool.protocol.messages import (
 )
 from vpool.relay.storelink import NoAnswer, Reply
 
+pytestmark = pytest.mark.large
+
 
 async def test_preamble_sorts_connections_on_one_port(
     pool: Pool, relay: Any, agents: list[Any]

@@ -8,6 +8,7 @@ import socket
 from pathlib import Path
 from typing import Any
 
+import pytest
 import trio
 from relay_fakes import FakeAgent, Pool, start_relay
 from store_fakes import MiB, agent_put, ckpt_files, get, image, put, store_conn
@@ -17,6 +18,7 @@ from vpool.protocol.local import is_loopback, local_socket_name
 from vpool.protocol.messages import CkptPut, CkptStored, Error
 
 
+@pytest.mark.large
 async def test_put_without_mac_on_the_local_socket_only(
     pool: Pool, relay: Any, tmp_path: Path, agents: object
 ) -> None:
@@ -71,6 +73,7 @@ def _agent_put(
     return conn.local, stored, back
 
 
+@pytest.mark.large
 async def test_agent_client_takes_the_local_socket_of_a_loopback_relay(
     pool: Pool, relay: Any, nursery: trio.Nursery, tmp_path: Path, agents: object
 ) -> None:

@@ -240,6 +240,7 @@ def test_errors_are_one_line_with_meaningful_codes(coord: Any, app: Path) -> Non
     assert run("status", "notanumber").exit_code == 2
 
 
+@pytest.mark.medium
 def test_auth_and_connection_errors_exit_5(home: Path, app: Path) -> None:
     res = run("--url", "http://127.0.0.1:9", "--token", "t", "jobs")
     assert res.exit_code == 5

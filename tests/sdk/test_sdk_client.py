@@ -125,6 +125,7 @@ def test_transport_failures_are_connection_errors() -> None:
     assert info.value.exit_code == 5
 
 
+@pytest.mark.medium
 def test_unreachable_real_port() -> None:
     with Client("http://127.0.0.1:9", "t", timeout=5) as c, pytest.raises(ConnectionError):
         c.pool_info()
@@ -135,6 +136,7 @@ def test_missing_ca_file(tmp_path: Path) -> None:
         Client("https://x", "t", ca=tmp_path / "nope.pem")
 
 
+@pytest.mark.large
 def test_importing_vpool_sdk_stays_light() -> None:
     """Rank processes import vpool.mpi, hence vpool.sdk: it must pull in nothing heavy."""
     code = (

@@ -124,6 +124,7 @@ def _real_mpi() -> tuple[str, str] | None:
 
 @pytest.mark.skipif(_real_mpi() is None, reason="no real mpiexec with mpi4py here")
 @pytest.mark.parametrize("example", sorted(CASES))
+@pytest.mark.large
 def test_example_under_real_mpiexec(example: str) -> None:
     real = _real_mpi()
     assert real is not None

@@ -235,6 +235,7 @@ def test_stop_terminates_a_matching_pid(sleeper: subprocess.Popen[bytes]) -> Non
     assert localpool.status_of(rec) == "gone"
 
 
+@pytest.mark.large
 def test_stop_kills_what_ignores_sigterm() -> None:
     proc = subprocess.Popen(
         [
@@ -317,6 +318,7 @@ def test_unreadable_pids_file(home: Path) -> None:
         localpool.read_pids(lay)
 
 
+@pytest.mark.large
 def test_up_reports_a_component_that_dies_with_its_log(
     home: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -329,6 +331,48 @@ def test_up_reports_a_component_that_dies_with_its_log(
     assert not localpool.layout().pids_file.exists()
 
 
+def _say_ready(*pieces: bytes, code: int = 0) -> list[str]:
+    """A component that writes ``pieces`` to its --ready-fd, one write each, and exits."""
+    script = (
+        "import os, sys\n"
+        "fd = int(sys.argv[sys.argv.index('--ready-fd') + 1])\n"
+        f"for piece in {list(pieces)!r}:\n"
+        "    os.write(fd, piece)\n"
+        f"sys.exit({code})\n"
+    )
+    return [sys.executable, "-c", script]
+
+
+@pytest.mark.large
+def test_a_component_says_it_is_ready_over_its_pipe(home: Path) -> None:
+    starter = localpool._Starter(localpool.layout(), localpool._quiet)
+    try:
+        starter.start("relay-0", _say_ready(b'{"port": ', b"7700}\n"))
+        starter.start("agent-0", _say_ready(b'{"name": "agent-0"}\n'))
+        found = starter.wait_ready(["relay-0", "agent-0"], timeout=60)
+    finally:
+        starter.abort()
+    assert found == {"relay-0": {"port": 7700}, "agent-0": {"name": "agent-0"}}
+    assert starter.ready_pipes == {}  # every read end closed
+
+
+@pytest.mark.large
+def test_a_component_that_says_something_else_is_not_ready(home: Path) -> None:
+    starter = localpool._Starter(localpool.layout(), localpool._quiet)
+    try:
+        starter.start("agent-0", _say_ready(b"starting up\n", code=4))
+        with pytest.raises(LocalPoolError, match=r"agent-0 exited with code 4 .*starting up"):
+            starter.wait_ready(["agent-0"], timeout=60)
+    finally:
+        starter.abort()
+
+
+def test_a_restart_gets_a_ready_pipe_of_its_own() -> None:
+    recorded = ["vpool-relay", "--config", "c.toml", "--ready-fd", "5", "--ready-fd=6", "-x"]
+    assert localpool._without_ready_fd(recorded) == ["vpool-relay", "--config", "c.toml", "-x"]
+
+
+@pytest.mark.large
 def test_up_gives_up_at_the_deadline_and_stops_what_it_started(
     home: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -289,6 +289,7 @@ def test_a_group_left_by_an_earlier_agent_with_this_pid_is_made_again(version: i
         again.remove()
 
 
+@pytest.mark.large
 def test_a_group_with_processes_in_it_is_never_taken_over(version: int) -> None:
     busy = RankCgroup.create("test-busy", Limits(), version=version)
     proc = subprocess.Popen(["sleep", "30"])
@@ -443,6 +444,7 @@ def test_a_process_attached_after_it_started_is_in_the_group_and_killed(
     assert group.pids() == []
 
 
+@pytest.mark.large
 def test_attaching_a_process_that_is_gone_is_an_error(
     make_group: Callable[[Limits], RankCgroup],
 ) -> None:

@@ -313,6 +313,7 @@ async def test_restored_process_must_name_the_image(proxy: tuple[LocalRanks, Pat
     await conn.stream.aclose()
 
 
+@pytest.mark.large
 async def test_a_pid_the_rank_names_is_killed_only_when_it_is_the_ranks_own(
     nursery: trio.Nursery,
 ) -> None:

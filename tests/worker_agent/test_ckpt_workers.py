@@ -105,6 +105,7 @@ async def _acked() -> None:
 
 
 @pytest.mark.parametrize("stream_pages", [True, False], ids=["pipe", "file"])
+@pytest.mark.large
 async def test_a_worker_runs_niced_and_serves_one_task_after_another(
     tmp_path: Path, stream_pages: bool
 ) -> None:
@@ -130,6 +131,7 @@ async def test_a_worker_runs_niced_and_serves_one_task_after_another(
     await wait_gone(pid)
 
 
+@pytest.mark.large
 async def test_a_cancelled_checkpoint_kills_the_worker_and_criu(tmp_path: Path) -> None:
     script, marker = hanging_criu(tmp_path)
     workers = CkptWorkers(nice=0)
@@ -150,6 +152,7 @@ async def test_a_cancelled_checkpoint_kills_the_worker_and_criu(tmp_path: Path) 
         await workers.aclose()
 
 
+@pytest.mark.large
 async def test_a_worker_that_dies_fails_its_checkpoint_and_is_replaced(tmp_path: Path) -> None:
     script, marker = hanging_criu(tmp_path)
     workers = CkptWorkers(nice=0)
@@ -170,6 +173,7 @@ async def test_a_worker_that_dies_fails_its_checkpoint_and_is_replaced(tmp_path:
         await workers.aclose()
 
 
+@pytest.mark.large
 async def test_store_failures_come_back_as_store_errors(tmp_path: Path) -> None:
     # A file dump that "succeeds" (the stand-in exits 0), then no relay to store at.
     ok = tmp_path / "true-criu"

@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import trio
 from click.testing import CliRunner
 
@@ -140,6 +141,7 @@ async def test_a_coordinator_it_cannot_trust_is_said_at_once(
     assert "failed: ;" not in said and "ConnectError('')" not in said
 
 
+@pytest.mark.large
 async def test_sigterm_while_enrolling_exits_at_once(
     settings: AgentSettings, pool_pki: Pki, tmp_path: Path
 ) -> None:

@@ -35,6 +35,7 @@ class _StopAtFirstWarning(logging.Handler):
         self.scope.cancel()
 
 
+@pytest.mark.medium
 async def test_an_unreachable_coordinator_is_logged_with_the_reason() -> None:
     log = logging.getLogger("vpool.agent")
     with socket.socket() as closed:

@@ -124,6 +124,7 @@ def test_tree_hashing(tmp_path: Path) -> None:
     assert fingerprint() == changed
 
 
+@pytest.mark.large
 def test_environment_fingerprint() -> None:
     started = time.monotonic()
     first, hashes = criu.environment_fingerprint(sys.executable, rank_root="/tmp/vpool-ranks")
@@ -181,6 +182,7 @@ def test_restore_command(tmp_path: Path) -> None:
     ]
 
 
+@pytest.mark.large
 def test_process_tree_pids() -> None:
     # The printed pid is the child's child. Its command line is not checked: Popen returns when
     # the vfork'd child releases the parent's memory, which is inside execve and before the
@@ -204,6 +206,7 @@ def test_process_tree_pids() -> None:
 
 
 @needs_criu
+@pytest.mark.large
 async def test_criu_check() -> None:
     version = await criu.criu_check(CRIU)
     assert re.fullmatch(r"\d+\.\d+(\.\d+)?", version), version
@@ -212,11 +215,13 @@ async def test_criu_check() -> None:
 
 
 @needs_criu
+@pytest.mark.large
 async def test_dump_failure(tmp_path: Path) -> None:
     with pytest.raises(criu.CriuError, match="criu dump of 4194305 failed"):
         await criu.dump(4_194_305, tmp_path / "img", criu=CRIU)
 
 
+@pytest.mark.large
 async def test_dump_runs_criu_nicer_than_the_agent(tmp_path: Path) -> None:
     """The agent's ``checkpoint_nice`` reaches the CRIU process itself: a stand-in for criu
     writes down its own niceness and arguments, and fails like a dump of a missing pid."""
@@ -511,6 +516,7 @@ def test_process_group_signal_reaches_restored(
 
 
 @needs_criu
+@pytest.mark.large
 def test_restore_failure_writes_no_status(tmp_path: Path) -> None:
     images = tmp_path / "img"
     images.mkdir()
@@ -539,6 +545,7 @@ def test_numpy_200mb_timings(tmp_path: Path, processes: list[subprocess.Popen[by
 
 
 @needs_criu
+@pytest.mark.large
 async def test_criu_check_refuses_a_criu_others_could_replace(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -320,6 +320,7 @@ def test_no_service_writes_no_unit(home: Path, ca: Path) -> None:
 
 
 @pytest.mark.parametrize("deep", [False, True], ids=["short", "long-work-dir"])
+@pytest.mark.medium
 def test_leave_refuses_while_an_agent_runs(
     home: Path, ca: Path, monkeypatch: pytest.MonkeyPatch, deep: bool
 ) -> None:

@@ -44,6 +44,7 @@ DEADLINE = 10.0  # for what should take milliseconds
 # -- no bus, no logind ---------------------------------------------------------------------
 
 
+@pytest.mark.medium
 async def test_no_bus_at_the_address(tmp_path: Path) -> None:
     address = f"unix:path={tmp_path}/no-bus-here"
     with pytest.raises(LogindUnavailable, match=f"no D-Bus bus at {address}: No such file"):
@@ -64,6 +65,7 @@ def test_the_system_bus_address(monkeypatch: pytest.MonkeyPatch) -> None:
     assert system_bus_address() == "unix:path=/elsewhere"
 
 
+@pytest.mark.medium
 async def test_a_socket_that_never_answers_times_out(tmp_path: Path) -> None:
     # A listening socket nobody accepts on: connecting works (the backlog), authenticating
     # waits for ever.
@@ -78,6 +80,7 @@ async def test_a_socket_that_never_answers_times_out(tmp_path: Path) -> None:
         assert trio.current_time() - start < 0.3 + DEADLINE
 
 
+@pytest.mark.medium
 async def test_a_socket_that_hangs_up_is_not_a_bus(tmp_path: Path) -> None:
     path = tmp_path / "rude"
     with trio.socket.socket(trio.socket.AF_UNIX) as listener:

@@ -186,6 +186,7 @@ def test_battery_without_energy_files_averages_capacity(tmp_path: Path) -> None:
     assert desktop.read_battery(tmp_path) == Battery(discharging=True, percent=40.0)
 
 
+@pytest.mark.large
 def test_running_programs_by_name_and_argv0(tmp_path: Path) -> None:
     # A real process named like a long program, started here and ended by its pid.
     exe = tmp_path / "a-long-program-name-x"

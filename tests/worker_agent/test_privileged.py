@@ -75,6 +75,7 @@ def test_elf_interpreter() -> None:
         privileged.elf_interpreter(str(script))
 
 
+@pytest.mark.large
 def test_resolve_finds_the_loader_and_library_dirs() -> None:
     program = privileged.resolve("true")
     assert program.path == os.path.realpath(shutil.which("true") or "")

@@ -261,6 +261,7 @@ async def _deposit(link: RelayLink, seq: int) -> None:
         pytest.param(None, None, id="defaults", marks=[pytest.mark.slow, pytest.mark.exclusive]),
     ],
 )
+@pytest.mark.medium
 async def test_a_black_holed_connection_is_declared_dead_and_resumed(
     nursery: trio.Nursery,
     pool_pki: Pki,
@@ -328,6 +329,7 @@ async def test_a_black_holed_connection_is_declared_dead_and_resumed(
     assert got_receiver.data() == [(0, s, b"message %d" % s) for s in (1, 2, 3, 4)]
 
 
+@pytest.mark.medium
 async def test_an_idle_connection_that_is_alive_stays(
     nursery: trio.Nursery, pool_pki: Pki, tmp_path: Path
 ) -> None:

@@ -147,6 +147,7 @@ async def test_images_that_cannot_be_used_here_are_skipped(tmp_path: Path) -> No
     assert all("CRIU" in t.reason for t in tried)
 
 
+@pytest.mark.large
 async def test_fetch_unpack_then_a_failed_restore(
     store: tuple[FakeStore, api.RelayInfo],  # noqa: F811
     pool_pki: Pki,

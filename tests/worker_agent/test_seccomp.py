@@ -122,6 +122,7 @@ def satisfying(test: seccomp.ArgTest | None) -> list[int]:
     return args
 
 
+@pytest.mark.large
 def test_build_filter_is_whole_instructions_and_deterministic() -> None:
     program = seccomp.build_filter()
     assert program
@@ -131,6 +132,7 @@ def test_build_filter_is_whole_instructions_and_deterministic() -> None:
     assert seccomp.build_filter.__wrapped__() == program
 
 
+@pytest.mark.large
 def test_open_filter_fd_reads_the_program_from_its_start() -> None:
     fd = seccomp.open_filter_fd()
     try:
@@ -146,6 +148,7 @@ def test_open_filter_fd_reads_the_program_from_its_start() -> None:
     [(g, r) for g in seccomp.syscall_rules() for r in g.rules],
     ids=lambda x: x.name if isinstance(x, seccomp.Group) else str(x),
 )
+@pytest.mark.large
 def test_every_rule_refuses_with_its_errno(group: seccomp.Group, rule: seccomp.Rule) -> None:
     action = run_bpf(seccomp.build_filter(), nr(rule.syscall), satisfying(rule.when))
     assert action == errno_action(group.errno)
@@ -187,6 +190,7 @@ ALLOWED_CALLS = [
 
 
 @pytest.mark.parametrize(("name", "args"), ALLOWED_CALLS, ids=lambda x: str(x))
+@pytest.mark.large
 def test_ordinary_calls_are_allowed(name: str, args: list[int]) -> None:
     assert run_bpf(seccomp.build_filter(), nr(name), args) == ALLOW
 
@@ -207,17 +211,20 @@ def test_ordinary_calls_are_allowed(name: str, args: list[int]) -> None:
     ],
     ids=str,
 )
+@pytest.mark.large
 def test_argument_edges(name: str, args: list[int], expected: int) -> None:
     assert run_bpf(seccomp.build_filter(), nr(name), args) == errno_action(expected)
 
 
 @pytest.mark.skipif(not X86_64, reason="i386 and x32 are x86_64's other ABIs")
+@pytest.mark.large
 def test_other_abis_get_enosys() -> None:
     program = seccomp.build_filter()
     assert run_bpf(program, 20, arch=AUDIT_ARCH_I386) == errno_action(errno.ENOSYS)  # getpid
     assert run_bpf(program, X32_SYSCALL_BIT | nr("getpid")) == errno_action(errno.ENOSYS)
 
 
+@pytest.mark.large
 def test_interpreter_allows_what_an_empty_filter_allows() -> None:
     """The interpreter can say ALLOW for a refused call: the checks above can fail."""
     lib = _lib()

@@ -38,6 +38,7 @@ def run_selftest(tmp_path: Path, **env: str) -> tuple[int, dict]:
 
 
 @needs_bwrap
+@pytest.mark.large
 def test_every_hostile_probe_is_refused(tmp_path: Path) -> None:
     code, found = run_selftest(tmp_path)
     assert code == 0, found
@@ -62,6 +63,7 @@ def test_every_hostile_probe_is_refused(tmp_path: Path) -> None:
 
 
 @needs_bwrap
+@pytest.mark.large
 def test_a_sandboxed_rank_is_as_confined_after_a_restore(tmp_path: Path) -> None:
     code, found = run_selftest(tmp_path, criu=shutil.which("criu") or "criu")
     assert code == 0, found
@@ -78,6 +80,7 @@ def test_a_sandboxed_rank_is_as_confined_after_a_restore(tmp_path: Path) -> None
     }
 
 
+@pytest.mark.large
 def test_no_sandbox_is_level_none(tmp_path: Path) -> None:
     code, found = run_selftest(tmp_path, sandbox="off")
     assert code == 1

@@ -231,6 +231,7 @@ async def _ask(path: Path, data: bytes) -> bytes:
     return got
 
 
+@pytest.mark.medium
 async def test_control_socket_answers_and_refuses_clearly(tmp_path: Path) -> None:
     agent: Any = FakeAgent(tmp_path)
     path = tmp_path / "c.sock"
@@ -275,6 +276,7 @@ async def test_pause_and_resume_are_for_the_owner_only(tmp_path: Path) -> None:
     assert control._allowed_uids(["root", "no-such-user-here"]) == {0, os.getuid()}
 
 
+@pytest.mark.medium
 def test_a_stale_socket_is_replaced(tmp_path: Path) -> None:
     import socket
 
