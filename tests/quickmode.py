@@ -9,7 +9,8 @@ as skipped, "starts a process: not run with --quick": whether the refusal reache
 itself, in an exception group or in a ``__cause__``/``__context__`` chain, or showed some other
 way while a start was refused in that phase (a thread that died, a wait for a server that never
 came up). A module- or session-scoped fixture that starts a process so skips every test that
-uses it. Which tests start processes is found out by running them: there is no list to keep.
+uses it. The tests sized large or pool (``sizes.py``) are not even tried; a small or medium one
+skipped here fails the run at its end (``sizes.SizeCheck``): its size is wrong.
 
 Code stopped halfway by a refusal leaves sockets and pipes open that no ``finally`` closes; so
 as not to fail a later test with their ResourceWarnings, a skipped test's exception lets go of
@@ -264,8 +265,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         OPTION,
         action="store_true",
         default=False,
-        help="run only the tests that start no process: a test (or fixture) that tries is "
-        "skipped (the fast inner loop of `scripts/test --quick`)",
+        help="run only the small and medium tests (tests/sizes.py), none of which may start a "
+        "process: one that tries is skipped, and fails the run (the fast inner loop of "
+        "`scripts/test --quick`)",
     )
 
 
